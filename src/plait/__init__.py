@@ -1,0 +1,8 @@
+"""plait: train any PyTorch model on many devices with every classic form of parallelism."""
+
+from plait.env import get_logger, init
+from plait.materialize import init_weights
+from plait.mesh import Mesh
+
+__all__ = ["init", "get_logger", "Mesh", "init_weights"]
+__version__ = "0.1.0"

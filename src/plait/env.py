@@ -1,0 +1,179 @@
+"""Process-group set-up: the only place in plait that reads the environment.
+
+`init()` understands three launch styles:
+
+* torchrun / `plait run` / `plait train` spawning: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+  MASTER_PORT;
+* Slurm (`srun`): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and the first host of
+  SLURM_NODELIST (MASTER_PORT if set, else 29500);
+* neither: one process, world size 1, with an in-memory store.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import random
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init", "get_logger", "seed_everything", "Launch", "launch_from_env", "device"]
+
+DEFAULT_TIMEOUT_S = 300.0
+_state: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where this process sits in the job, as read from the launcher's environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm" or "single"
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist such as ``node[003-005,9],gpu1`` -> ``node003``."""
+    match = re.match(r"([^\[,]+)(\[([^\]]+)\])?", nodelist)
+    if match is None:
+        raise ValueError(f"cannot parse SLURM_NODELIST={nodelist!r}")
+    prefix, bracket = match.group(1), match.group(3)
+    if bracket is None:
+        return prefix
+    first = bracket.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def launch_from_env(environ: dict[str, str] | None = None) -> Launch:
+    """Read the torchrun or Slurm variables; a single process when neither is set."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Launch(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            source="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        return Launch(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            master_addr=env.get("MASTER_ADDR", _first_slurm_host(nodelist)),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            source="slurm",
+        )
+    return Launch(0, 1, 0, "127.0.0.1", 0, "single")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy (if present) and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional
+        pass
+
+
+def init(
+    seed: int = 0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None,
+    log_level: int = logging.INFO,
+) -> torch.device:
+    """Set up torch.distributed's default process group and return this rank's device.
+
+    Idempotent: a second call returns the same device and changes nothing (an already
+    initialised default group, e.g. made by the user, is adopted as it is). Picks cuda+nccl
+    with one device per local rank when CUDA is available, else cpu+gloo. ``timeout_s`` bounds
+    every collective, so a rank that never arrives produces an error instead of a hang.
+    """
+    if "device" in _state:
+        return _state["device"]  # type: ignore[return-value]
+    if timeout_s <= 0:
+        raise ValueError(f"init(timeout_s=...) must be positive, got {timeout_s}")
+    launch = launch_from_env()
+    use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        dev = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    timeout = _dt.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if launch.source == "single":
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timeout,
+            )
+    seed_everything(seed)
+    _configure_logging(log_level)
+    _state.update(device=dev, launch=launch, timeout_s=timeout_s)
+    return dev
+
+
+def device() -> torch.device:
+    """The device `init()` chose (cpu when `init()` has not run)."""
+    return _state.get("device", torch.device("cpu"))  # type: ignore[return-value]
+
+
+def collective_timeout_s() -> float:
+    return float(_state.get("timeout_s", DEFAULT_TIMEOUT_S))  # type: ignore[arg-type]
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = dist.get_rank() if dist.is_initialized() else 0
+        return True
+
+
+def _configure_logging(level: int) -> None:
+    logger = logging.getLogger("plait")
+    if any(isinstance(f, _RankFilter) for h in logger.handlers for f in h.filters):
+        return
+    handler = logging.StreamHandler()
+    handler.addFilter(_RankFilter())
+    handler.setFormatter(logging.Formatter("[rank%(rank)s] %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def get_logger(name: str = "plait", all_ranks: bool = False) -> logging.Logger | logging.LoggerAdapter:
+    """A standard logger whose lines carry the rank; by default only rank 0 emits.
+
+    ``all_ranks=True`` lets every rank log (useful for desync or per-rank memory reports).
+    """
+    logger = logging.getLogger(name if name.startswith("plait") else f"plait.{name}")
+    if all_ranks or not dist.is_initialized() or dist.get_rank() == 0:
+        return logger
+    return logging.LoggerAdapter(_SILENT, {})
+
+
+_SILENT = logging.getLogger("plait.silent")
+_SILENT.addHandler(logging.NullHandler())
+_SILENT.propagate = False
+_SILENT.setLevel(logging.CRITICAL + 1)

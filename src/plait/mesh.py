@@ -1,0 +1,150 @@
+"""The device mesh: named parallel axes mapped onto process groups.
+
+Rank order is ``pp`` (outermost), ``dp``, ``fsdp``, ``tp`` (innermost)::
+
+    rank = ((pp_i * dp + dp_i) * fsdp + fsdp_i) * tp + tp_i
+
+Tensor parallelism sits innermost because it talks on every layer, so its ranks should be
+neighbours on one machine (consecutive local ranks share a node under torchrun). Pipeline
+parallelism only sends activations between neighbouring stages, so it tolerates the slowest
+links and sits outermost.
+
+Every process group is created at construction, by every rank, in one fixed order: creating
+groups lazily would require all ranks to ask for the same group at the same moment, which is
+an easy way to deadlock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from plait import comm
+
+__all__ = ["Mesh", "AXES"]
+
+AXES: tuple[str, ...] = ("pp", "dp", "fsdp", "tp")
+
+
+class Mesh:
+    """Named axes ``pp``, ``dp``, ``fsdp``, ``tp`` over the default process group.
+
+    One degree may be ``-1``, meaning "whatever is left of the world size". Build it once
+    (after `plait.init()`) and pass it explicitly to each strategy.
+    """
+
+    def __init__(self, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("plait.Mesh needs a process group: call plait.init() first")
+        world = dist.get_world_size()
+        self.shape: dict[str, int] = _resolve_degrees({"pp": pp, "dp": dp, "fsdp": fsdp, "tp": tp}, world)
+        self.world_size = world
+        self.global_rank = dist.get_rank()
+        self.coords: dict[str, int] = self._coords_of(self.global_rank)
+        self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._group_ranks: dict[tuple[str, ...], list[int]] = {}
+        self._build_groups()
+
+    # ----------------------------------------------------------------- queries
+    def size(self, axes: str | Sequence[str]) -> int:
+        """Number of ranks along one axis or the product over several."""
+        return math.prod(self.shape[a] for a in self._axes(axes))
+
+    def rank(self, axes: str | Sequence[str]) -> int:
+        """This rank's index along one axis (or flattened over several, row-major)."""
+        idx = 0
+        for a in self._axes(axes):
+            idx = idx * self.shape[a] + self.coords[a]
+        return idx
+
+    def group(self, axes: str | Sequence[str]) -> dist.ProcessGroup:
+        """The process group of ranks that differ from this one only along ``axes``."""
+        return self._groups[self._key(axes)]
+
+    def group_ranks(self, axes: str | Sequence[str]) -> list[int]:
+        """Global ranks of `group(axes)`, ordered by their index along ``axes``."""
+        return list(self._group_ranks[self._key(axes)])
+
+    def global_rank_of(self, **coords: int) -> int:
+        """Global rank at the given coordinates; unspecified axes keep this rank's coordinate."""
+        full = {**self.coords, **coords}
+        r = 0
+        for a in AXES:
+            if not 0 <= full[a] < self.shape[a]:
+                raise ValueError(f"coordinate {a}={full[a]} outside 0..{self.shape[a] - 1}")
+            r = r * self.shape[a] + full[a]
+        return r
+
+    def __repr__(self) -> str:
+        degrees = ", ".join(f"{a}={self.shape[a]}" for a in AXES)
+        return f"Mesh({degrees}; rank {self.global_rank} at {self.coords})"
+
+    # --------------------------------------------------------------- internals
+    def _axes(self, axes: str | Sequence[str]) -> tuple[str, ...]:
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        for a in names:
+            if a not in AXES:
+                raise ValueError(f"unknown mesh axis {a!r}; the axes are {AXES}")
+        return tuple(a for a in AXES if a in names)  # canonical order
+
+    def _key(self, axes: str | Sequence[str]) -> tuple[str, ...]:
+        # Axes of size 1 do not change group membership, so they share one group.
+        return tuple(a for a in self._axes(axes) if self.shape[a] > 1)
+
+    def _coords_of(self, rank: int) -> dict[str, int]:
+        coords = {}
+        for a in reversed(AXES):
+            coords[a] = rank % self.shape[a]
+            rank //= self.shape[a]
+        return {a: coords[a] for a in AXES}
+
+    def _build_groups(self) -> None:
+        live = [a for a in AXES if self.shape[a] > 1]
+        keys: list[tuple[str, ...]] = [()]
+        for n in range(1, len(live) + 1):
+            keys.extend(itertools.combinations(live, n))
+        all_coords = [self._coords_of(r) for r in range(self.world_size)]
+        for key in keys:
+            # Ranks that agree on every axis outside `key` form one group.
+            buckets: dict[tuple[int, ...], list[int]] = {}
+            for r, c in enumerate(all_coords):
+                fixed = tuple(c[a] for a in AXES if a not in key)
+                buckets.setdefault(fixed, []).append(r)
+            for ranks in buckets.values():
+                pg = dist.group.WORLD if len(ranks) == self.world_size else dist.new_group(ranks)
+                if self.global_rank in ranks:
+                    self._groups[key] = pg
+                    self._group_ranks[key] = ranks
+                    comm.register_group(pg, "x".join(key) or "self", ranks)
+
+
+def _resolve_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:
+    described = ", ".join(f"{a}={d}" for a, d in degrees.items())
+    wild = [a for a, d in degrees.items() if d == -1]
+    bad = [a for a, d in degrees.items() if not isinstance(d, int) or (d < 1 and d != -1)]
+    if bad:
+        raise ValueError(
+            f"Mesh degrees must be positive integers (or one -1); got {described} "
+            f"(invalid: {', '.join(bad)}) for world size {world}"
+        )
+    if len(wild) > 1:
+        raise ValueError(f"at most one Mesh degree may be -1; got {described} for world size {world}")
+    known = math.prod(d for d in degrees.values() if d != -1)
+    if wild:
+        if world % known:
+            raise ValueError(
+                f"Mesh({described}): world size {world} is not divisible by the product of the "
+                f"other degrees ({known}), so {wild[0]}=-1 cannot be resolved"
+            )
+        degrees = {**degrees, wild[0]: world // known}
+    product = math.prod(degrees.values())
+    if product != world:
+        raise ValueError(
+            f"Mesh({described}): the product of the degrees is {product} but the world size is "
+            f"{world}; pp*dp*fsdp*tp must equal the number of processes"
+        )
+    return degrees
+

@@ -1,0 +1,203 @@
+"""A small decoder-only transformer: RMSNorm, rotary attention, SwiGLU MLP.
+
+Plain PyTorch with no parallel code. Head counts are read from tensor shapes in ``forward``
+(not from the config), so a tensor-parallel plan can shard the projections by module name
+and the same code runs on its local heads.
+
+Module names (what plans key on)::
+
+    tok_emb
+    layers.{i}.attn_norm   layers.{i}.attn.{q_proj,k_proj,v_proj,o_proj}
+    layers.{i}.mlp_norm    layers.{i}.mlp.{gate_proj,up_proj,down_proj}
+    norm  lm_head          (lm_head shares tok_emb.weight when tie_embeddings)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPTConfig", "GPT", "PRESETS"]
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: same as n_heads (no grouped-query attention)
+    d_ff: int | None = None  # None: 8/3 * d_model rounded up to a multiple of 16
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.d_ff is None:
+            self.d_ff = 16 * math.ceil(8 * self.d_model / 3 / 16)
+        for field_name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+            if getattr(self, field_name) < 1:
+                value = getattr(self, field_name)
+                raise ValueError(f"GPTConfig.{field_name} must be >= 1, got {value}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"GPTConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"GPTConfig: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("GPTConfig: the head dimension must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(),
+    "small": GPTConfig(seq_len=128, d_model=256, n_layers=4, n_heads=8),
+    "25m": GPTConfig(seq_len=256, d_model=512, n_layers=8, n_heads=8),
+    "50m": GPTConfig(seq_len=256, d_model=640, n_layers=10, n_heads=10),
+    "100m": GPTConfig(seq_len=512, d_model=768, n_layers=14, n_heads=12),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding initialised N(0, 0.02), as in GPT-2, so a tied head starts calm."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding tables (non-persistent buffers, rebuilt by reset)."""
+
+    def __init__(self, head_dim: int, seq_len: int, base: float) -> None:
+        super().__init__()
+        self.head_dim, self.seq_len, self.base = head_dim, seq_len, base
+        self.register_buffer("cos", torch.empty(seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(seq_len, head_dim // 2), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        inv = 1.0 / self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+        angles = torch.outer(torch.arange(self.seq_len, dtype=torch.float32), inv)
+        if self.cos.is_meta:
+            return
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Rotate ``x`` of shape (batch, seq, heads, head_dim) by position."""
+        s = x.shape[1]
+        cos = self.cos[start : start + s, None, :].to(x.dtype)
+        sin = self.sin[start : start + s, None, :].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return out.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)  # type: ignore[operator]
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)  # type: ignore[operator]
+        self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=False)
+        self.rotary = Rotary(hd, cfg.seq_len, cfg.rope_base)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        q, k = self.rotary(q), self.rotary(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if k.shape[1] != q.shape[1]:  # grouped-query attention
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)  # type: ignore[arg-type]
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)  # type: ignore[arg-type]
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x)))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.tok_emb(idx))
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())

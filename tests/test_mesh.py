@@ -1,0 +1,82 @@
+"""Mesh construction, rank order, groups, validation; comm accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait import comm
+from plait.testing import cached_mesh
+
+
+def _layout(pp: int, dp: int, fsdp: int, tp: int) -> dict:
+    import torch.distributed as dist
+
+    m = cached_mesh(pp=pp, dp=dp, fsdp=fsdp, tp=tp)
+    t = torch.tensor([float(dist.get_rank())])
+    comm.all_reduce(t, m.group("tp"))
+    return {
+        "coords": m.coords,
+        "tp_ranks": m.group_ranks("tp"),
+        "dpfsdp_ranks": m.group_ranks(("dp", "fsdp")),
+        "tp_sum": t.item(),
+        "dpfsdp_rank": m.rank(("dp", "fsdp")),
+        "stats": comm.stats().as_dict(),
+    }
+
+
+def test_rank_order_tp_innermost(pools):
+    out = pools[8].run(_layout, 2, 1, 2, 2)
+    # rank = (pp*fsdp + fsdp_i)*tp + tp_i
+    assert out[5]["coords"] == {"pp": 1, "dp": 0, "fsdp": 0, "tp": 1}
+    assert out[5]["tp_ranks"] == [4, 5]
+    assert out[5]["dpfsdp_ranks"] == [5, 7]
+    assert out[7]["dpfsdp_rank"] == 1
+    assert [o["tp_sum"] for o in out] == [1, 1, 5, 5, 9, 9, 13, 13]
+    assert out[0]["stats"]["all_reduce@tp"] == {"calls": 1, "bytes": 4, "wire_bytes": 4.0}
+
+
+def _bad_mesh(**kw) -> None:
+    from plait import Mesh
+
+    Mesh(**kw)
+
+
+def test_invalid_mesh_lists_degrees(pools):
+    errors = pools[2].errors(_bad_mesh, dp=3)
+    assert "dp=3" in errors[0] and "world size is 2" in errors[0]
+    errors = pools[2].errors(_bad_mesh, dp=-1, tp=-1)
+    assert "at most one" in errors[1]
+    errors = pools[2].errors(_bad_mesh, dp=0)
+    assert "invalid: dp" in errors[0]
+
+
+def _wildcard() -> dict:
+    from plait import Mesh
+
+    return Mesh(dp=-1).shape
+
+
+def test_wildcard_axis(pools):
+    assert pools[2].run(_wildcard)[0]["dp"] == 2
+
+
+def test_slurm_and_torchrun_env():
+    from plait.env import launch_from_env
+
+    s = launch_from_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                         "SLURM_NODELIST": "gpu[007-008,12]"})
+    assert (s.rank, s.world_size, s.local_rank, s.master_addr, s.source) == (3, 8, 1, "gpu007", "slurm")
+    t = launch_from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                         "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (t.rank, t.world_size, t.master_port, t.source) == (1, 2, 1234, "torchrun")
+    assert launch_from_env({}).source == "single"
+
+
+@pytest.mark.parametrize("world", [1])
+def test_single_process_init_is_idempotent(world):
+    import plait
+
+    d1 = plait.init()
+    d2 = plait.init()
+    assert d1 == d2 == torch.device("cpu")
