@@ -1,0 +1,1 @@
+"""plait-vs-PyTorch benchmarks, run with `plait bench NAME` (never in CI)."""

@@ -1,0 +1,91 @@
+"""Shared benchmark machinery: alternating timing, per-rank aggregation, results files.
+
+Every benchmark compares plait with PyTorch's own implementation *in one run*: both are
+built in the same processes, warmed up, and then their steps alternate (A, B, A, B, ...), so
+machine noise lands on both. Absolute times on shared machines are noise; ratios and byte
+counts are the result.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+
+def timed(step: Callable[[], object], group: dist.ProcessGroup | None = None) -> float:
+    """Run one step; return the slowest rank's wall time (the step is as slow as its slowest rank)."""
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    t0 = time.perf_counter()
+    step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+    return float(dt.item())
+
+
+def alternate(steps: dict[str, Callable[[], object]], warmup: int, iters: int,
+              group: dist.ProcessGroup | None = None) -> dict[str, list[float]]:
+    """Warm every implementation up, then time them in strict alternation."""
+    for _ in range(warmup):
+        for fn in steps.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(iters):
+        for name, fn in steps.items():
+            times[name].append(timed(fn, group))
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    def fmt(x: object) -> str:
+        return f"{x:.3f}" if isinstance(x, float) else str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_section(name: str, title: str, body: str, command: str | None = None) -> Path:
+    """Write one benchmark's section to bench/results/<name>.md and rebuild bench/RESULTS.md."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    command = command or "plait bench " + " ".join(sys.argv[1:])
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    env = f"torch {torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU/Gloo'}"
+    text = f"## {title}\n\nCommand: `{command}` ({stamp}, {env})\n\n{body.strip()}\n"
+    path = RESULTS_DIR / f"{name}.md"
+    path.write_text(text)
+    assemble_results()
+    return path
+
+
+def assemble_results() -> Path:
+    parts = [p.read_text() for p in sorted(RESULTS_DIR.glob("*.md"))]
+    head = ("# Benchmark results\n\nplait against PyTorch's own implementation, both measured in "
+            "the same run with alternating steps. Ratios below 1.0 mean plait is faster or smaller.\n"
+            "Regenerate a section with the command shown under it.\n\n")
+    out = BENCH_DIR / "RESULTS.md"
+    out.write_text(head + "\n".join(parts))
+    return out

@@ -1,0 +1,56 @@
+"""The `plait` command: train, run, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+BENCHES = ("ddp", "fsdp", "tp", "pp")
+
+
+def _bench_package_root() -> Path:
+    # bench/ lives at the repository root, beside src/ (benchmarks are not shipped in wheels).
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "bench" / "common.py").exists():
+        raise SystemExit("plait bench needs a source checkout: bench/ was not found beside src/")
+    return root
+
+
+def cmd_bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="plait bench", description="plait vs PyTorch, one run, ratios")
+    parser.add_argument("name", choices=BENCHES)
+    args, rest = parser.parse_known_args(argv)
+    root = _bench_package_root()
+    sys.path.insert(0, str(root))
+    module = importlib.import_module(f"bench.{args.name}")
+    return int(module.main(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"bench": cmd_bench}
+    try:
+        from plait import train as _train
+
+        commands["train"] = _train.cli_main
+    except ImportError:
+        pass
+    try:
+        from plait import run as _run
+
+        commands["run"] = _run.cli_main
+    except ImportError:
+        pass
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: plait {" + ",".join(commands) + "} ...\n"
+              "  train  train the built-in GPT on the built-in corpus under any layout\n"
+              "  run    launch a script on one or many machines (wraps torch.distributed.run)\n"
+              "  bench  plait vs PyTorch side by side: " + ", ".join(BENCHES))
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return int(commands[argv[0]](argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
