@@ -1,0 +1,204 @@
+"""One flat, sharded group of parameters: the storage unit of plait's FSDP.
+
+A sharding unit's parameters (of one dtype and one ``requires_grad``) are laid end to end in
+one flat vector, padded to a multiple of the shard count ``N``, and each rank keeps the
+contiguous slice ``[r*S, (r+1)*S)`` with ``S = padded / N`` (ZeRO, Rajbhandari et al. 2020,
+sec. 5). The slice is an ``nn.Parameter`` — the only thing the optimizer ever sees.
+
+Two tensors share one storage for the gathered parameters:
+
+* ``buf`` is what collectives write into. Its storage is resized to zero to free the gathered
+  parameters and resized back before the next all-gather, so tensors that autograd saved in
+  forward (views of the parameters) see the re-gathered values in backward.
+* ``full`` is an autograd leaf aliasing the same storage with its *own* version counter, so
+  writing into ``buf`` never trips autograd's "modified by an inplace operation" check. The
+  module's parameters are `torch.split` views of ``full``: split's backward concatenates the
+  per-parameter gradients once, and the leaf's post-accumulate hook says the unit's backward
+  is done.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+
+__all__ = ["Slot", "FlatParam"]
+
+
+@dataclass
+class Slot:
+    """Where one original parameter lives: its owners (several when tied) and its flat range."""
+
+    fqn: str
+    shape: torch.Size
+    offset: int
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)  # fqns of tied copies (state dicts list them)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class ShardCfg:
+    """What every flat group of one FSDP wrapper shares."""
+
+    stage: int
+    group: dist.ProcessGroup  # the fsdp axis: shards live here
+    dp_group: dist.ProcessGroup | None  # hybrid: replicas across dp
+    world: int  # ranks on the fsdp axis
+    rank: int
+    replicas: int  # ranks on the dp axis
+    device: torch.device  # where compute runs
+    param_dtype: torch.dtype | None  # mixed precision compute dtype (None: keep)
+    reduce_dtype: torch.dtype | None  # gradient reduction dtype (None: gradient's dtype)
+    offload: bool
+
+
+class FlatParam:
+    """A unit's parameters of one kind, sharded across the fsdp axis."""
+
+    def __init__(self, slots: list[Slot], dtype: torch.dtype, requires_grad: bool, cfg: ShardCfg) -> None:
+        self.slots, self.cfg, self.requires_grad = slots, cfg, requires_grad
+        self.total = sum(s.numel for s in slots)
+        self.shard_size = -(-self.total // cfg.world)
+        self.padded = self.shard_size * cfg.world
+        self.compute_dtype = cfg.param_dtype if (cfg.param_dtype and dtype.is_floating_point) else dtype
+        home = torch.device("cpu") if cfg.offload else cfg.device
+        # ZeRO-1/2 without casting or offload keep the gathered vector anyway, so the shard can
+        # be a window on it instead of a copy (the ZeRO formula counts parameters once).
+        self.aliased = cfg.stage < 3 and self.compute_dtype == dtype and not cfg.offload
+        self.buf = torch.zeros(self.padded, dtype=self.compute_dtype, device=cfg.device)
+        self.full = _alias(self.buf, 0, self.padded).requires_grad_(requires_grad)
+        start = cfg.rank * self.shard_size
+        if self.aliased:
+            local = _alias(self.buf, start, self.shard_size)
+        else:
+            local = torch.zeros(self.shard_size, dtype=dtype, device=home)
+            if cfg.offload and torch.cuda.is_available():
+                local = local.pin_memory()  # lets host->device copies run asynchronously
+        self.shard = nn.Parameter(local, requires_grad=requires_grad)
+        self.gathered = True  # buf holds the full vector (zeros now, filled at first gather)
+        self.gathered_version = -1  # shard._version at the last gather; -1 forces one
+        self._handle: comm.Handle | None = None
+        self._src: torch.Tensor | None = None
+        self.pending: tuple[comm.Handle | None, torch.Tensor] | None = None
+        self.offload_bytes = {"to_device": 0, "to_host": 0}
+
+    # ------------------------------------------------------------- layout helpers
+    def shard_range(self, rank: int | None = None) -> tuple[int, int]:
+        r = self.cfg.rank if rank is None else rank
+        return r * self.shard_size, (r + 1) * self.shard_size
+
+    def split_sizes(self) -> list[int]:
+        sizes = [s.numel for s in self.slots]
+        pad = self.padded - self.total
+        return sizes + [pad] if pad else sizes
+
+    # ------------------------------------------------------------- unshard / reshard
+    def needs_gather(self) -> bool:
+        return self._handle is None and not (self.gathered and self.gathered_version == self.shard._version)
+
+    def start_gather(self) -> None:
+        """Issue the all-gather of every rank's shard into ``buf`` (async; `finish_gather` waits).
+
+        Forward: all-gather of ``padded`` elements in the compute dtype over the fsdp axis.
+        """
+        if not self.needs_gather():
+            return
+        nbytes = self.padded * self.buf.element_size()
+        if self.buf.untyped_storage().nbytes() != nbytes:
+            self.buf.untyped_storage().resize_(nbytes)
+        src = self.shard.detach()
+        if self.cfg.offload:
+            src = src.to(self.cfg.device, copy=True, non_blocking=True)
+            self.offload_bytes["to_device"] += src.numel() * src.element_size()
+        if src.dtype != self.compute_dtype:
+            src = src.to(self.compute_dtype)
+        if self.aliased:
+            src = src.clone()  # the shard is a window on buf: never gather a tensor into itself
+        self._src = src
+        self._handle = comm.all_gather_into(self.buf, src, self.cfg.group, async_op=True)
+        self.gathered_version = self.shard._version
+
+    def finish_gather(self) -> None:
+        self.start_gather()
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle, self._src = None, None
+        self.gathered = True
+
+    def reshard(self) -> None:
+        """Free the gathered parameters (ZeRO-3); the shard stays."""
+        if self.cfg.stage < 3 or not self.gathered:
+            return
+        if self._handle is not None:  # a prefetch nobody used: let it land before freeing
+            self._handle.wait()
+            self._handle, self._src = None, None
+        self.buf.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def bind_views(self) -> None:
+        """Point every owner module's attribute at its slice of ``full`` (autograd-tracked)."""
+        pieces = torch.split(self.full, self.split_sizes())
+        for slot, piece in zip(self.slots, pieces):
+            view = piece.view(slot.shape)
+            for mod, attr in slot.owners:
+                mod.__dict__[attr] = view
+
+    # ------------------------------------------------------------- gradients
+    def start_reduce(self) -> None:
+        """Issue this backward's gradient reduction (async) and drop the unsharded gradient.
+
+        ZeRO-1: all-reduce of the full gradient (each rank keeps the whole sum; the shard's
+        ``.grad`` is a window on it). ZeRO-2/3: reduce-scatter, rank r receives the sum of
+        slice r. Both in the reduce dtype over the fsdp axis.
+        """
+        g = self.full.grad
+        self.full.grad = None
+        if g is None:
+            return
+        if self.cfg.reduce_dtype is not None and g.dtype != self.cfg.reduce_dtype:
+            g = g.to(self.cfg.reduce_dtype)
+        if self.cfg.stage == 1:
+            self.pending = (comm.all_reduce(g, self.cfg.group, async_op=True), g)
+        else:
+            out = torch.empty(self.shard_size, dtype=g.dtype, device=g.device)
+            self.pending = (comm.reduce_scatter_into(out, g, self.cfg.group, async_op=True), out)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction, average, reduce across dp replicas (hybrid) and accumulate."""
+        if self.pending is None:
+            return
+        handle, red = self.pending
+        self.pending = None
+        if handle is not None:
+            handle.wait()
+        if self.cfg.stage == 1:
+            red = red.narrow(0, self.cfg.rank * self.shard_size, self.shard_size)
+        if self.cfg.dp_group is not None:
+            comm.all_reduce(red, self.cfg.dp_group)  # replicas hold the same slice: plain all-reduce
+        red.div_(self.cfg.world * self.cfg.replicas)
+        if red.dtype != self.shard.dtype or red.device != self.shard.device:
+            red = red.to(self.shard.device, self.shard.dtype, non_blocking=True)
+        if self.cfg.offload:
+            if red.device == self.shard.device and red.device.type == self.cfg.device.type:
+                red = red.clone()  # CPU-only machine: keep the host copy explicit
+            self.offload_bytes["to_host"] += red.numel() * red.element_size()
+        if self.shard.grad is None:
+            self.shard.grad = red
+        else:
+            self.shard.grad.add_(red)
+
+
+def _alias(base: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """A 1-D tensor on ``base``'s storage with its own autograd version counter."""
+    return torch.empty(0, dtype=base.dtype, device=base.device).set_(
+        base.untyped_storage(), offset, (numel,))

@@ -1,0 +1,169 @@
+"""Sharding units for plait's FSDP: which parameters go together, and materializing shards.
+
+A *unit* is a module whose parameters are gathered and freed together (by default each
+repeated block — every child of an ``nn.ModuleList`` — plus the root, which owns whatever no
+block owns). A parameter tied across units (its owners sit in different units) belongs to
+their deepest common ancestor unit, which is gathered whenever any of them runs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import gc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from plait.fsdp_flat import FlatParam, ShardCfg, Slot
+from plait.materialize import full_values
+
+__all__ = ["Unit", "build_units", "check_no_optimizer"]
+
+
+@dataclass
+class Unit:
+    name: str  # qualified module name; "" for the root
+    module: nn.Module
+    flats: list[FlatParam] = field(default_factory=list)
+    position: int = -1  # index in the current forward's execution order
+
+    def prefetch(self) -> None:
+        for f in self.flats:
+            f.start_gather()
+
+    def gather(self) -> None:
+        self.prefetch()
+        for f in self.flats:
+            f.finish_gather()
+
+    def reshard(self) -> None:
+        for f in self.flats:
+            f.reshard()
+
+    def bind_views(self) -> None:
+        for f in self.flats:
+            f.bind_views()
+
+
+def check_no_optimizer(module: nn.Module) -> None:
+    """Raise if an optimizer already holds ``module``'s parameters (it would update dead copies)."""
+    ids = {id(p) for p in module.parameters()}
+
+    def offenders() -> list[torch.optim.Optimizer]:
+        return [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)
+                and any(id(p) in ids for g in o.param_groups for p in g["params"])]
+
+    if offenders() and (gc.collect() or True) and (found := offenders()):
+        raise ValueError(
+            f"FullyShardedDataParallel(module=...): an optimizer ({type(found[0]).__name__}) was built "
+            "on this module's parameters before wrapping; after wrapping those tensors are replaced by "
+            "this rank's shards and the optimizer would update nothing. Build the optimizer on the "
+            "wrapped model's .parameters() after FullyShardedDataParallel(...)")
+
+
+def _unit_names(module: nn.Module, spec: Sequence[type | str] | None) -> list[str]:
+    names = [""]
+    if spec is None:
+        for name, mod in module.named_modules():
+            if isinstance(mod, nn.ModuleList):
+                names += [f"{name}.{c}" if name else c for c, _ in mod.named_children()]
+        return names
+    for s in spec:
+        if not isinstance(s, (str, type)):
+            raise TypeError(f"FullyShardedDataParallel(units=...) entries must be module classes or "
+                            f"name patterns, got {s!r}")
+    used: set[int] = set()
+    for name, mod in module.named_modules():
+        if not name:
+            continue  # the root is always a unit
+        for i, s in enumerate(spec):
+            if (isinstance(s, type) and isinstance(mod, s)) or (isinstance(s, str) and fnmatch.fnmatchcase(name, s)):
+                names.append(name)
+                used.add(i)
+                break
+    unused = [spec[i] for i in range(len(spec)) if i not in used]
+    if unused:
+        raise ValueError(f"FullyShardedDataParallel(units=...): {unused} matched no submodule of "
+                         f"{type(module).__name__}")
+    return names
+
+
+def _contains(unit: str, mod_name: str) -> bool:
+    return unit == "" or mod_name == unit or mod_name.startswith(unit + ".")
+
+
+def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: ShardCfg, seed: int) -> list[Unit]:
+    """Group ``module``'s parameters into units, shard them, materialize this rank's slices.
+
+    Afterwards the original parameters are gone from the modules (the flats' views replace
+    them at each forward) and buffers sit on the compute device.
+    """
+    names = _unit_names(module, spec)
+    by_depth = sorted(names, key=lambda n: -1 if n == "" else n.count("."), reverse=True)
+    modules = dict(module.named_modules())
+
+    def unit_of(mod_name: str) -> str:
+        return next(u for u in by_depth if _contains(u, mod_name))
+
+    # Every parameter, its owners (several when tied) and the units those owners sit in.
+    info: dict[int, tuple[nn.Parameter, Slot, list[str]]] = {}
+    for mname, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{mname}.{attr}" if mname else attr
+            if id(p) not in info:
+                info[id(p)] = (p, Slot(fqn, p.shape, 0), [])
+            else:
+                info[id(p)][1].aliases.append(fqn)
+            info[id(p)][1].owners.append((mod, attr))
+            info[id(p)][2].append(unit_of(mname))
+
+    groups: dict[tuple[str, torch.dtype, bool], list[Slot]] = {}
+    for p, slot, owner_units in info.values():
+        home = next(u for u in by_depth if all(_contains(u, o) for o in owner_units))
+        groups.setdefault((home, p.dtype, p.requires_grad), []).append(slot)
+    units = {n: Unit(n, modules[n]) for n in names}
+    where: dict[int, tuple[FlatParam, Slot]] = {}
+    for (home, dtype, req), slots in groups.items():
+        offset = 0
+        for s in slots:
+            s.offset, offset = offset, offset + s.numel
+        flat = FlatParam(slots, dtype, req, cfg)
+        units[home].flats.append(flat)
+        for s in slots:
+            where[id(s.owners[0][0]._parameters[s.owners[0][1]])] = (flat, s)
+
+    _materialize(module, where, cfg, seed)
+    for p, slot, _ in info.values():
+        for mod, attr in slot.owners:
+            del mod._parameters[attr]
+    # Units left without parameters (all of theirs tied elsewhere) need no hooks.
+    return [units[n] for n in names if units[n].flats or n == ""]
+
+
+@torch.no_grad()
+def _materialize(module: nn.Module, where: dict[int, tuple[FlatParam, Slot]], cfg: ShardCfg, seed: int) -> None:
+    """Fill each shard from one module's values at a time (the oracle's values for a meta module)."""
+    done: set[int] = set()
+    for mname, mod in module.named_modules():
+        if not (mod._parameters or mod._buffers):
+            continue
+        meta = any(t is not None and t.is_meta for t in [*mod._parameters.values(), *mod._buffers.values()])
+        vals = full_values(mod, mname, seed) if meta else {
+            k: t.detach() for k, t in [*mod._parameters.items(), *mod._buffers.items()] if t is not None}
+        for attr, p in mod._parameters.items():
+            if p is None or id(p) in done:
+                continue
+            done.add(id(p))  # tied: the first owner in named_modules() order wins, as in init_weights
+            flat, slot = where[id(p)]
+            lo, hi = flat.shard_range()
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                src = vals[attr].reshape(-1)[a - slot.offset : b - slot.offset]
+                flat.shard.detach()[a - lo : b - lo].copy_(src)
+        for k, buf in mod._buffers.items():
+            if buf is not None:
+                mod._buffers[k] = vals[k].to(cfg.device)
