@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue
 import traceback
 from collections.abc import Callable
@@ -52,7 +53,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
         item = tasks.get()
         if item is None:
             return
-        fn, args, kwargs = item
+        fn, args, kwargs = pickle.loads(item)
         try:
             from plait import comm
 
@@ -83,8 +84,10 @@ class RankPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        # Pickle here, not in the queue's feeder thread, so an unpicklable task fails at once.
+        payload = pickle.dumps((fn, args, kwargs))
         for q in self._tasks:
-            q.put((fn, args, kwargs))
+            q.put(payload)
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
         try:

@@ -1,0 +1,45 @@
+"""Single-process reference training shared by the strategy tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import plait
+from plait.models.gpt import GPT, GPTConfig, lm_loss
+
+TINY = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+
+
+def tiny_gpt(seed: int = 0, **overrides) -> GPT:
+    model = GPT(GPTConfig(**{**TINY, **overrides}))
+    return plait.init_weights(model, seed)
+
+
+def global_batches(steps: int, batch: int, seq: int = 16, vocab: int = 64, seed: int = 1234):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]
+
+
+def make_opt(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def train_single(model: nn.Module, batches: list[torch.Tensor],
+                 loss_fn: Callable = lm_loss) -> dict[str, torch.Tensor]:
+    opt = make_opt(model.parameters())
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(model(b[:, :-1]), b[:, 1:]).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                        rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    # atol covers entries that are ~0 after weight decay, where relative error is meaningless.
+    assert set(got) == set(want), set(got) ^ set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
