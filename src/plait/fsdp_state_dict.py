@@ -1,0 +1,211 @@
+"""State dicts for plait's FSDP: a full one for export, a sharded one for checkpoints.
+
+* **Full**: every original parameter gathered (one flat group at a time, over the fsdp axis)
+  and copied to CPU under its original name; persistent buffers as they are. Loading slices
+  each tensor back into this rank's shard.
+* **Sharded**: each original parameter as a DTensor ``Shard(0)`` over the fsdp axis (dim-0
+  chunks, the last ones possibly short or empty), so `torch.distributed.checkpoint` can save
+  it and load it at a different number of ranks. Optimizer state that has the shape of a
+  shard (Adam's moments) is converted the same way under ``optim.<param>.<key>``; scalar state
+  (``step``) is stored per parameter as a plain tensor. DTensor is only the container here.
+
+Converting between the flat layout (a contiguous slice of all of a unit's parameters) and
+dim-0 chunks needs the whole flat vector of one group at a time: one all-gather per group,
+so a rank briefly holds one unit, never the model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from plait import comm
+from plait.fsdp_flat import FlatParam
+
+__all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict"]
+
+
+def _flats(model) -> list[FlatParam]:
+    return [f for u in model.units for f in u.flats]
+
+
+def _gather_flat(flat: FlatParam, shard: torch.Tensor) -> torch.Tensor:
+    """The full flat vector (padding included) of a shard-shaped tensor, on the compute device."""
+    src = shard.detach().to(flat.cfg.device)
+    out = torch.empty(flat.padded, dtype=src.dtype, device=src.device)
+    comm.all_gather_into(out, src.contiguous(), flat.cfg.group)
+    return out
+
+
+@torch.no_grad()
+def _scatter_flat(flat: FlatParam, full: torch.Tensor, dest: torch.Tensor) -> None:
+    lo, hi = flat.shard_range()
+    dest.zero_()
+    n = max(0, min(hi, flat.total) - lo)
+    dest[:n].copy_(full[lo : lo + n])
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for flat in _flats(model):
+        full = _gather_flat(flat, flat.shard).cpu()
+        for s in flat.slots:
+            value = full[s.offset : s.offset + s.numel].view(s.shape).clone()
+            for name in (s.fqn, *s.aliases):
+                out[name] = value
+    for name, b in model.module.state_dict().items():  # only buffers remain registered
+        out[name] = b.detach().cpu().clone()
+    return out
+
+
+def _check_keys(model, state: dict, expected: set[str], what: str) -> None:
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise KeyError(f"{what}(state=...): missing keys {missing[:8]}, unexpected keys {unexpected[:8]} "
+                       f"for {type(model.module).__name__}")
+
+
+@torch.no_grad()
+def load_full_state_dict(model, state: dict[str, torch.Tensor]) -> None:
+    names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
+    buffers = dict(model.module.state_dict())
+    _check_keys(model, state, names | set(buffers), "load_full_state_dict")
+    for flat in _flats(model):
+        full = torch.zeros(flat.padded, dtype=flat.shard.dtype)
+        for s in flat.slots:
+            if tuple(state[s.fqn].shape) != tuple(s.shape):
+                raise ValueError(f"load_full_state_dict: {s.fqn} has shape {tuple(state[s.fqn].shape)}, "
+                                 f"the model expects {tuple(s.shape)}")
+            full[s.offset : s.offset + s.numel] = state[s.fqn].reshape(-1)
+        _scatter_flat(flat, full, flat.shard.detach())
+    for name, b in buffers.items():
+        b.copy_(state[name])
+
+
+# ---------------------------------------------------------------- sharded (DTensor) form
+def _device_mesh(model) -> DeviceMesh:
+    if getattr(model, "_dtensor_mesh", None) is None:
+        model._dtensor_mesh = DeviceMesh.from_group(model.cfg.group, model.cfg.device.type)
+    return model._dtensor_mesh
+
+
+def _rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
+    """Dim-0 row range of ``rank``'s Shard(0) chunk (torch.chunk sizes; trailing chunks may be empty)."""
+    per = -(-dim0 // world)
+    start = min(rank * per, dim0)
+    return start, min(start + per, dim0)
+
+
+def _to_dtensors(model, flat: FlatParam, shard_like: torch.Tensor) -> list[DTensor]:
+    full = _gather_flat(flat, shard_like)
+    mesh, world, rank = _device_mesh(model), flat.cfg.world, flat.cfg.rank
+    out = []
+    for s in flat.slots:
+        p = full[s.offset : s.offset + s.numel].view(s.shape)
+        shape = s.shape if len(s.shape) else torch.Size([1])
+        a, b = _rows(shape[0], world, rank)
+        local = p.reshape(shape)[a:b].clone()
+        out.append(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+                                      stride=_contiguous_stride(shape)))
+    return out
+
+
+def _from_dtensors(flat: FlatParam, tensors: list[torch.Tensor], dest: torch.Tensor) -> None:
+    """Rebuild this rank's flat shard from dim-0 chunks: one all-gather of all chunks, padded."""
+    world = flat.cfg.world
+    blocks, sizes = [], []
+    for s, t in zip(flat.slots, tensors, strict=True):
+        shape = s.shape if len(s.shape) else torch.Size([1])
+        local = t.to_local() if isinstance(t, DTensor) else t
+        per, row = -(-shape[0] // world), math.prod(shape[1:])
+        block = torch.zeros(per * row, dtype=dest.dtype, device=flat.cfg.device)
+        block[: local.numel()] = local.reshape(-1).to(block.device, block.dtype)
+        blocks.append(block)
+        sizes.append(per * row)
+    mine = torch.cat(blocks)
+    everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+    comm.all_gather_into(everyone, mine, flat.cfg.group)
+    everyone = everyone.view(world, -1)
+    full = torch.zeros(flat.padded, dtype=dest.dtype, device=mine.device)
+    col = 0
+    for s, size in zip(flat.slots, sizes, strict=True):
+        full[s.offset : s.offset + s.numel] = everyone[:, col : col + size].reshape(-1)[: s.numel]
+        col += size
+    _scatter_flat(flat, full.to(dest.device), dest)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
+def _state_layout(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """Which optimizer state keys are per-element ("elem") and which scalar, found by stepping a
+    throwaway copy of the optimizer on a two-element parameter."""
+    dummy = nn.Parameter(torch.zeros(2))
+    dummy.grad = torch.zeros(2)
+    probe = type(optimizer)([dummy], **optimizer.defaults)
+    probe.step()
+    return {k: "elem" if torch.is_tensor(v) and v.shape == dummy.shape else "scalar"
+            for k, v in probe.state[dummy].items()}
+
+
+def sharded_state_dict(model, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """``{"model": {name: DTensor | buffer}, "optim": {...}}``; also a template for `dcp.load`.
+
+    For an optimizer that has not stepped yet, the optim entries are zero-filled templates of
+    the layout it will have, so a checkpoint can be loaded into a fresh optimizer.
+    """
+    model_sd: dict[str, torch.Tensor] = {}
+    optim_sd: dict[str, torch.Tensor] = {}
+    layout = _state_layout(optimizer) if optimizer is not None else {}
+    for flat in _flats(model):
+        for s, dt in zip(flat.slots, _to_dtensors(model, flat, flat.shard), strict=True):
+            model_sd[s.fqn] = dt
+        if optimizer is None or not flat.requires_grad:
+            continue
+        state = optimizer.state.get(flat.shard, {})
+        for key, kind in layout.items():
+            if kind == "elem":
+                value = state.get(key, torch.zeros_like(flat.shard))
+                for s, dt in zip(flat.slots, _to_dtensors(model, flat, value), strict=True):
+                    optim_sd[f"{s.fqn}.{key}"] = dt
+            else:
+                value = state.get(key, torch.zeros((), dtype=torch.float32))
+                for s in flat.slots:
+                    optim_sd[f"{s.fqn}.{key}"] = torch.as_tensor(value).detach().clone()
+    for name, b in model.module.state_dict().items():
+        model_sd[name] = b.detach().clone()
+    return {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+
+
+@torch.no_grad()
+def load_sharded_state_dict(model, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a (DCP-filled) `sharded_state_dict` into the shards and, if given, the optimizer."""
+    model_sd = state["model"]
+    names = {s.fqn for f in _flats(model) for s in f.slots}
+    buffers = dict(model.module.state_dict())
+    _check_keys(model, model_sd, names | set(buffers), "load_sharded_state_dict")
+    layout = _state_layout(optimizer) if optimizer is not None else {}
+    for flat in _flats(model):
+        _from_dtensors(flat, [model_sd[s.fqn] for s in flat.slots], flat.shard.detach())
+        if optimizer is None or not flat.requires_grad:
+            continue
+        new: dict[str, torch.Tensor] = {}
+        for key, kind in layout.items():
+            if kind == "elem":
+                dest = torch.zeros_like(flat.shard.detach())
+                _from_dtensors(flat, [state["optim"][f"{s.fqn}.{key}"] for s in flat.slots], dest)
+                new[key] = dest
+            else:
+                new[key] = state["optim"][f"{flat.slots[0].fqn}.{key}"].detach().clone()
+        optimizer.state[flat.shard] = new
+    for name, b in buffers.items():
+        b.copy_(model_sd[name])
