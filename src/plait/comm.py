@@ -295,6 +295,9 @@ def timeout() -> _dt.timedelta:
 # ====================================================================================
 def _split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     n, r = _n(group), dist.get_rank(group)
+    if x.shape[-1] % n:
+        raise ValueError(f"splitting the last dim ({x.shape[-1]}) of a {tuple(x.shape)} tensor across the "
+                         f"{n} ranks of {_describe(group)}: it is not divisible")
     return x.chunk(n, dim=-1)[r].contiguous()
 
 
@@ -329,7 +332,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        g = g.contiguous()
+        # A copy: autograd may hand the same gradient tensor to other consumers of the output.
+        g = g.clone(memory_format=torch.contiguous_format)
         all_reduce(g, ctx.group)
         return g, None
 
@@ -337,7 +341,7 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        x = x.contiguous().clone()
+        x = x.clone(memory_format=torch.contiguous_format)  # never reduce the caller's tensor in place
         all_reduce(x, group)
         return x
 

@@ -1,0 +1,278 @@
+"""Tensor and sequence parallelism (Megatron-LM), applied to unmodified models by a plan.
+
+    mesh = plait.Mesh(dp=2, tp=2)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model = plait.tensor_parallel(model, mesh, plait.gpt_plan(cfg), sequence_parallel=True, seed=0)
+    loss_fn = plait.loss_fn_for(model)        # vocab-parallel cross-entropy, or lm_loss
+    loss = loss_fn(model(idx), targets)
+
+A plan maps module-name patterns to styles (`plait.tp_styles`). Patterns are matched segment
+by segment: ``*`` stands for one name segment (``layers.*.attn`` matches ``layers.3.attn``,
+not ``layers.3.x.attn``), with the usual `fnmatch` rules inside a segment.
+
+Only the ``tp`` axis of the mesh is used, so data or fully sharded parallelism can wrap the
+result on the other axes. Each rank materializes only its shards: a module on the meta device
+gets its full initial values from `plait.materialize.full_values` (one module at a time) and
+keeps its slice, so values equal the slice of a single-process `init_weights` under the same
+seed; an already materialized module is sliced in place instead.
+
+Communication per transformer block (Megatron, section 3): forward all-reduce after the
+attention and after the MLP, backward all-reduce where each region's input entered (2 + 2).
+With ``sequence_parallel=True`` each all-reduce becomes a reduce-scatter / all-gather pair
+along the sequence, and norms and dropouts run on sequence shards.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.env import device as _device
+from plait.materialize import full_values, module_seed
+from plait.mesh import Mesh
+from plait.tp_loss import vocab_parallel_cross_entropy
+from plait.tp_styles import (
+    ColwiseParallel,
+    ParallelRegion,
+    RNGFork,
+    RowwiseParallel,
+    SequenceParallel,
+    ShardSpec,
+    Style,
+    TPContext,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+)
+
+__all__ = ["tensor_parallel", "gpt_plan", "loss_fn_for", "tp_info", "TPInfo"]
+
+Plan = Mapping[str, Style]
+
+
+@dataclass
+class TPInfo:
+    """Attached to a tensor-parallel model: what was split, and how the loss must be computed."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    sequence_parallel: bool
+    specs: dict[str, ShardSpec]  # qualified parameter name -> its shard (absent: replicated)
+    styles: dict[str, Style]  # module name -> style
+    vocab_size: int | None  # full vocabulary of a VocabParallelOutput with sharded logits
+
+
+def tensor_parallel(
+    module: nn.Module, mesh: Mesh, plan: Plan, *, sequence_parallel: bool = False, seed: int = 0
+) -> nn.Module:
+    """Shard ``module`` in place over ``mesh.group('tp')`` following ``plan``; return it.
+
+    ``seed`` is the `plait.init_weights` seed used for modules still on the meta device.
+    Every argument and the whole plan are checked before any parameter changes or any
+    collective runs; the only collective here is one broadcast that synchronizes the default
+    random generator across the tp group (replicated dropout masks must agree).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"tensor_parallel(module=...) expects an nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"tensor_parallel(mesh=...) expects a plait.Mesh, got {type(mesh).__name__}")
+    if not isinstance(plan, Mapping) or not plan:
+        raise TypeError(f"tensor_parallel(plan=...) expects a non-empty mapping of module-name pattern -> "
+                        f"style, got {plan!r}")
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not isinstance(style, Style):
+            raise TypeError(f"tensor_parallel(plan=...): entry {pattern!r}: {style!r} is not "
+                            "'pattern (str)': Style (e.g. ColwiseParallel())")
+    if getattr(module, "_plait_tp", None) is not None:
+        raise ValueError("tensor_parallel: this module is already tensor-parallel")
+
+    n, r = mesh.size("tp"), mesh.rank("tp")
+    dev = _device()
+    ctx = TPContext(group=mesh.group("tp"), size=n, rank=r, sequence_parallel=bool(sequence_parallel),
+                    rng=RNGFork(module_seed(seed, f"plait.tp.rng.{r}"), dev))
+    ctx.assigned = _match(module, plan)
+    modules = dict(module.named_modules())
+    for name, style in ctx.assigned.items():
+        style.validate(modules[name], name, ctx)
+    specs = _param_specs(module, ctx)
+    named_specs = {k: specs[id(p)] for k, p in _named_params(module) if id(p) in specs}
+    heads = [(name, s) for name, s in ctx.assigned.items()
+             if isinstance(s, VocabParallelOutput) and not s.gather_output]
+    vocab_size = _head_vocab(specs, modules, heads)
+
+    _materialize(module, ctx, specs, seed, dev)
+    for name, style in ctx.assigned.items():
+        style.install(modules[name], name, ctx)
+    _sync_default_rng(mesh, dev)
+
+    module._plait_tp = TPInfo(
+        group=ctx.group, size=n, rank=r, sequence_parallel=ctx.sequence_parallel,
+        specs=named_specs, styles=dict(ctx.assigned), vocab_size=vocab_size,
+    )
+    return module
+
+
+def _head_vocab(specs: dict[int, ShardSpec], modules: dict[str, nn.Module],
+                  heads: list[tuple[str, Style]]) -> int | None:
+    if len(heads) > 1:
+        raise ValueError(f"plan: at most one VocabParallelOutput may leave its logits sharded, got "
+                         f"{[h for h, _ in heads]}")
+    return specs[id(modules[heads[0][0]].weight)].full if heads else None
+
+
+def tp_info(model: nn.Module) -> TPInfo | None:
+    """The `TPInfo` of a tensor-parallel model (looking through ``.module`` wrappers), else None."""
+    seen = 0
+    while model is not None and seen < 8:
+        info = getattr(model, "_plait_tp", None)
+        if info is not None:
+            return info
+        model, seen = getattr(model, "module", None), seen + 1
+    return None
+
+
+def loss_fn_for(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss a training loop should call on ``model``'s output: `lm_loss` for full logits,
+    vocab-parallel cross-entropy when the model's lm_head leaves its logits sharded."""
+    from plait.models.gpt import lm_loss
+
+    info = tp_info(model)
+    if info is None or info.vocab_size is None:
+        return lm_loss
+    return partial(vocab_parallel_cross_entropy, group=info.group, vocab_size=info.vocab_size)
+
+
+def gpt_plan(cfg: object, *, loss_parallel: bool = True) -> dict[str, Style]:
+    """The Megatron plan for `plait.models.gpt.GPT` (pass its `GPTConfig` or the model).
+
+    Attention is split by heads (q/k/v by output, o by input, in units of ``head_dim`` so a
+    head never straddles ranks), the MLP by hidden units, embedding and lm_head by vocabulary.
+    ``loss_parallel=False`` gathers the logits instead (then the plain `lm_loss` applies).
+    """
+    cfg = getattr(cfg, "cfg", cfg)
+    hd = getattr(cfg, "head_dim", None)
+    if not isinstance(hd, int):
+        raise TypeError(f"gpt_plan(cfg=...) expects a GPTConfig or a GPT, got {type(cfg).__name__}")
+    return {
+        "tok_emb": VocabParallelEmbedding(),
+        "drop": SequenceParallel(),
+        "layers.*.attn_norm": SequenceParallel(),
+        "layers.*.attn": ParallelRegion(fork_rng=True),
+        "layers.*.attn.q_proj": ColwiseParallel(input_comm=False, unit=hd, what="attention heads"),
+        "layers.*.attn.k_proj": ColwiseParallel(input_comm=False, unit=hd, what="KV heads"),
+        "layers.*.attn.v_proj": ColwiseParallel(input_comm=False, unit=hd, what="KV heads"),
+        "layers.*.attn.o_proj": RowwiseParallel(unit=hd, what="attention heads"),
+        "layers.*.drop": SequenceParallel(),
+        "layers.*.mlp_norm": SequenceParallel(),
+        "layers.*.mlp": ParallelRegion(),
+        "layers.*.mlp.gate_proj": ColwiseParallel(input_comm=False),
+        "layers.*.mlp.up_proj": ColwiseParallel(input_comm=False),
+        "layers.*.mlp.down_proj": RowwiseParallel(),
+        "norm": SequenceParallel(),
+        "lm_head": VocabParallelOutput(gather_output=not loss_parallel),
+    }
+
+
+# ------------------------------------------------------------------ internals
+def _matches(pattern: str, name: str) -> bool:
+    p, n = pattern.split("."), name.split(".")
+    return len(p) == len(n) and all(fnmatch.fnmatchcase(b, a) for a, b in zip(p, n, strict=True))
+
+
+def _match(module: nn.Module, plan: Plan) -> dict[str, Style]:
+    assigned: dict[str, Style] = {}
+    by: dict[str, str] = {}
+    used: set[str] = set()
+    for name, _ in module.named_modules():
+        for pattern, style in plan.items():
+            if name and _matches(pattern, name):
+                if name in assigned:
+                    raise ValueError(f"plan: module {name!r} is matched by both {by[name]!r} and {pattern!r}")
+                assigned[name], by[name] = style, pattern
+                used.add(pattern)
+    unused = [p for p in plan if p not in used]
+    if unused:
+        raise ValueError(f"plan: pattern(s) {unused} match no module of this {type(module).__name__} "
+                         "(a '*' stands for exactly one name segment)")
+    return assigned
+
+
+def _named_params(module: nn.Module):
+    return module.named_parameters(remove_duplicate=False)
+
+
+def _param_specs(module: nn.Module, ctx: TPContext) -> dict[int, ShardSpec]:
+    """Shard of each split parameter, by identity; tied parameters must agree on it."""
+    specs: dict[int, ShardSpec | None] = {}
+    owner: dict[int, str] = {}
+    for name, mod in module.named_modules():
+        style = ctx.assigned.get(name)
+        wanted = style.shard_specs(mod, ctx) if style is not None else {}
+        for key, p in mod._parameters.items():
+            if p is None:
+                continue
+            spec, qual = wanted.get(key), f"{name}.{key}" if name else key
+            if id(p) in specs and specs[id(p)] != spec:
+                raise ValueError(f"plan: {owner[id(p)]!r} and {qual!r} are the same (tied) parameter but "
+                                 f"the plan splits them differently ({specs[id(p)]} vs {spec})")
+            specs.setdefault(id(p), spec)
+            owner.setdefault(id(p), qual)
+    return {k: v for k, v in specs.items() if v is not None}
+
+
+@torch.no_grad()
+def _materialize(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], seed: int,
+                 dev: torch.device) -> None:
+    """Replace every parameter by this rank's shard (or a replicated copy), on ``dev``."""
+    done: dict[int, nn.Parameter] = {}
+    for name, mod in module.named_modules():
+        values: dict[str, torch.Tensor] | None = None
+        for key, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in done:  # tied: its first owner already made it
+                mod._parameters[key] = done[id(p)]
+                continue
+            spec = specs.get(id(p))
+            if not p.is_meta and spec is None and p.device == dev:
+                done[id(p)] = p
+                continue
+            if p.is_meta:
+                values = values if values is not None else full_values(mod, name, seed)
+                full = values[key]
+            else:
+                full = p.detach()
+            local = spec.take(full) if spec is not None else full
+            new = nn.Parameter(local.to(dev).contiguous(), requires_grad=p.requires_grad)
+            done[id(p)] = mod._parameters[key] = new
+        for key, b in list(mod._buffers.items()):
+            if b is not None and b.is_meta:
+                values = values if values is not None else full_values(mod, name, seed)
+                mod._buffers[key] = values[key].to(dev)
+            elif b is not None and b.device != dev:
+                mod._buffers[key] = b.to(dev)
+
+
+def _sync_default_rng(mesh: Mesh, dev: torch.device) -> None:
+    """Give every tp rank tp-rank 0's default random state (replicated dropout must agree)."""
+    if mesh.size("tp") == 1:
+        return
+    src = mesh.group_ranks("tp")[0]
+    states = [torch.get_rng_state()]
+    if dev.type == "cuda":
+        states.append(torch.cuda.get_rng_state(dev))
+    for i, state in enumerate(states):
+        buf = state.to(dev)
+        comm.broadcast(buf, src, mesh.group("tp"))
+        if i == 0:
+            torch.set_rng_state(buf.cpu())
+        else:
+            torch.cuda.set_rng_state(buf.cpu(), dev)

@@ -1,0 +1,199 @@
+"""Tensor and sequence parallelism against a single process, on Gloo ranks.
+
+Every rank also runs the single-process oracle (same seed, same batch), so each comparison is
+local: a rank's shard against the matching slice of the oracle's tensor.
+
+Tolerance: fp32, ``rtol=1e-5``. Sharding changes only the order of floating-point sums (a
+matmul split in two and added, a softmax normalised with an all-reduced sum), which moves
+results by a few ulps of the largest term; ``atol=1e-6`` covers values that are themselves
+near zero (a gradient element that is the result of a cancellation), where a relative bound
+means nothing.
+
+AdamW's ``eps`` is 1e-4 here, not 1e-8: Adam divides each gradient element by its own running
+magnitude, so an element whose gradient is at the fp32 noise floor (~1e-8, seen in practice
+for rarely used embedding rows) gets an update of size ~lr decided by rounding noise, and the
+two runs drift apart by O(lr) there whatever the parallel code does. ``eps`` caps that gain
+at lr/eps: with lr=1e-3 and gradient noise <= 1e-7 it is <= 1e-6 per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.testing import cached_mesh
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+ADAMW = {"lr": 1e-3, "eps": 1e-4}
+TINY = {"seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64}
+
+
+# ------------------------------------------------------------------ single styles
+class Holder(nn.Module):
+    """A container so that plans can name the layer under test."""
+
+    def __init__(self, **mods: nn.Module) -> None:
+        super().__init__()
+        for k, m in mods.items():
+            self.add_module(k, m)
+
+
+class MLPHolder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 16, bias=True), nn.GELU(), nn.Linear(16, 8, bias=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
+def _case(kind: str) -> tuple[nn.Module, dict, torch.Tensor, bool]:
+    """(reference module, plan, input, whether the input is token ids)."""
+    from plait.tp_styles import (
+        ColwiseParallel,
+        ParallelRegion,
+        RowwiseParallel,
+        VocabParallelEmbedding,
+        VocabParallelOutput,
+    )
+
+    x = torch.randn(2, 8, 8)
+    if kind == "colwise":
+        return Holder(lin=nn.Linear(8, 12)), {"lin": ColwiseParallel(gather_output=True)}, x, False
+    if kind == "rowwise":
+        return Holder(lin=nn.Linear(12, 8)), {"lin": RowwiseParallel(input_is_parallel=False)}, \
+            torch.randn(2, 8, 12), False
+    if kind == "region":
+        plan = {"mlp": ParallelRegion(), "mlp.0": ColwiseParallel(input_comm=False),
+                "mlp.2": RowwiseParallel()}
+        return MLPHolder(), plan, x, False
+    if kind == "embedding":  # 10 rows: padded at tp=4
+        return Holder(emb=nn.Embedding(10, 8)), {"emb": VocabParallelEmbedding()}, \
+            torch.randint(0, 10, (2, 8)), True
+    if kind == "head":
+        return Holder(head=nn.Linear(8, 10, bias=False)), {"head": VocabParallelOutput()}, x, False
+    raise ValueError(kind)
+
+
+def _style_vs_dense(kind: str, tp: int, sp: bool) -> None:
+    import copy
+
+    from plait.tensor_parallel import loss_fn_for, tensor_parallel, tp_info
+
+    mesh = cached_mesh(tp=tp)
+    r = mesh.rank("tp")
+    torch.manual_seed(0)  # same reference module and data on every rank
+    ref, plan, x, ids = _case(kind)
+    model = tensor_parallel(copy.deepcopy(ref), mesh, plan, sequence_parallel=sp)
+    def call(m: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        return m(a) if isinstance(m, MLPHolder) else next(iter(m.children()))(a)
+
+    shard_seq = sp and kind in ("region", "embedding")  # these take / give sequence-sharded activations
+    x_ref = x if ids else x.clone().requires_grad_()
+    y_ref = call(ref, x_ref)
+    if kind == "head":
+        t = torch.randint(0, 10, (2, 8))
+        F.cross_entropy(y_ref.flatten(0, 1), t.flatten()).backward()
+        y = call(model, x.clone().requires_grad_() if not ids else x)
+        loss = loss_fn_for(model)(y, t)
+        torch.testing.assert_close(loss, F.cross_entropy(y_ref.flatten(0, 1), t.flatten()), **TOL)
+        y_ref_cmp = tp_info(model).specs["head.weight"].take(y_ref.detach(), dim=-1)
+        torch.testing.assert_close(y, y_ref_cmp, **TOL)
+        loss.backward()
+    else:
+        w = torch.randn_like(y_ref)  # a fixed, asymmetric upstream gradient
+        (y_ref * w).sum().backward()
+        x_in = x
+        if kind == "region" and sp:
+            x_in = x.chunk(tp, dim=1)[r]
+        x_in = x_in if ids else x_in.clone().requires_grad_()
+        y = call(model, x_in)
+        if shard_seq:
+            w, y_ref = w.chunk(tp, dim=1)[r], y_ref.chunk(tp, dim=1)[r]
+        torch.testing.assert_close(y, y_ref.detach(), **TOL)
+        (y * w).sum().backward()
+        if not ids:
+            expect = x_ref.grad.chunk(tp, dim=1)[r] if kind == "region" and sp else x_ref.grad
+            torch.testing.assert_close(x_in.grad, expect, **TOL)
+    specs = tp_info(model).specs
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        want = specs[name].take(p_ref.grad) if name in specs else p_ref.grad
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kind,sp", [("colwise", False), ("rowwise", False), ("region", False),
+                                     ("region", True), ("embedding", False), ("embedding", True),
+                                     ("head", False)])
+def test_style_matches_dense_layer(pools, tp, kind, sp):
+    pools[tp].run(_style_vs_dense, kind, tp, sp)
+
+
+# ------------------------------------------------------------------ whole GPT training
+def _batch(step: int, vocab: int, b: int = 4, s: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    w = torch.randint(0, vocab, (b, s + 1), generator=g)
+    return w[:, :-1], w[:, 1:]
+
+
+def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, steps: int = 5) -> dict:
+    from plait.materialize import init_weights
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+    from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel, tp_info
+
+    mesh = cached_mesh(tp=tp)
+    cfg = GPTConfig(**{**TINY, **cfg_kw})
+    oracle = init_weights(GPT(cfg), seed=3)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tensor_parallel(model, mesh, gpt_plan(cfg, loss_parallel=loss_parallel), sequence_parallel=sp, seed=3)
+    specs = tp_info(model).specs
+    loss_fn = loss_fn_for(model)
+    ref_params = dict(oracle.named_parameters(remove_duplicate=False))
+
+    def check(what: str, get) -> None:
+        for name, p in model.named_parameters(remove_duplicate=False):
+            full = get(ref_params[name])
+            want = specs[name].take(full) if name in specs else full
+            torch.testing.assert_close(get(p), want, **TOL, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+    check("initial value of", lambda p: p.detach())
+    opt_ref = torch.optim.AdamW(oracle.parameters(), **ADAMW)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    losses = []
+    for step in range(steps):
+        idx, tgt = _batch(step, cfg.vocab_size)
+        logits_ref = oracle(idx)
+        loss_ref = lm_loss(logits_ref, tgt)
+        loss_ref.backward()
+        logits = model(idx)
+        loss = loss_fn(logits, tgt)
+        loss.backward()
+        torch.testing.assert_close(loss, loss_ref, **TOL)
+        if step == 0:
+            want = specs["lm_head.weight"].take(logits_ref.detach(), dim=-1) if loss_parallel else logits_ref
+            torch.testing.assert_close(logits, want, **TOL)
+            check("gradient of", lambda p: p.grad)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        losses.append(loss.item())
+    check("after 5 AdamW steps,", lambda p: p.detach())
+    local = sum(p.numel() for p in model.parameters())
+    return {"losses": losses, "local_params": local, "full_params": oracle.num_parameters()}
+
+
+@pytest.mark.parametrize("tp,sp,cfg_kw,loss_parallel", [
+    (2, False, {"vocab_size": 256}, True),
+    (2, True, {"vocab_size": 255, "tie_embeddings": True}, True),
+    (4, False, {"vocab_size": 255}, False),
+    (4, True, {"vocab_size": 257, "d_model": 32, "n_heads": 8, "n_kv_heads": 4}, True),
+], ids=["tp2", "tp2-sp-vocab255-tied", "tp4-vocab255-gathered", "tp4-sp-vocab257-gqa"])
+def test_gpt_training_matches_single_process(pools, tp, sp, cfg_kw, loss_parallel):
+    out = pools[tp].run(_gpt_parity, tp, sp, cfg_kw, loss_parallel)
+    assert all(o["losses"] == out[0]["losses"] for o in out)  # the loss is replicated bit for bit
+    # No rank holds the full model: only norms (and nothing else) are replicated.
+    assert out[0]["local_params"] < out[0]["full_params"] / tp * 1.1
