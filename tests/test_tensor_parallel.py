@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait import comm
 from plait.testing import cached_mesh
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -197,3 +198,133 @@ def test_gpt_training_matches_single_process(pools, tp, sp, cfg_kw, loss_paralle
     assert all(o["losses"] == out[0]["losses"] for o in out)  # the loss is replicated bit for bit
     # No rank holds the full model: only norms (and nothing else) are replicated.
     assert out[0]["local_params"] < out[0]["full_params"] / tp * 1.1
+
+
+# ------------------------------------------------------------------ communication = theory
+def _counts(s: comm.CommStats) -> dict[str, tuple[int, int]]:
+    return {k: (int(v["calls"]), int(v["bytes"])) for k, v in s.as_dict().items()}
+
+
+def _block_comm(tp: int, sp: bool) -> dict:
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel
+
+    cfg = GPTConfig(**TINY)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tensor_parallel(model, cached_mesh(tp=tp), gpt_plan(cfg), sequence_parallel=sp)
+    b, s = 2, cfg.seq_len
+    x = torch.randn(b, s // tp if sp else s, cfg.d_model, requires_grad=True)
+    comm.reset_stats()
+    y = model.layers[0](x)
+    fwd = comm.reset_stats()
+    y.backward(torch.ones_like(y))
+    bwd = comm.reset_stats()
+    idx = torch.randint(0, cfg.vocab_size, (b, s))
+    loss = loss_fn_for(model)(model(idx), idx)
+    whole_fwd = comm.reset_stats()
+    loss.backward()
+    whole_bwd = comm.reset_stats()
+    return {"fwd": _counts(fwd), "bwd": _counts(bwd),
+            "whole_fwd": _counts(whole_fwd), "whole_bwd": _counts(whole_bwd)}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_comm_per_block_equals_theory(pools, tp, sp):
+    out = pools[tp].run(_block_comm, tp, sp)[0]
+    b, s, h, L, d4 = 2, TINY["seq_len"], TINY["d_model"], TINY["n_layers"], 4
+    act = b * s * h * d4  # one full (b, s, h) fp32 activation
+    if not sp:  # Megatron: 2 all-reduces of b*s*h forward, 2 backward
+        assert out["fwd"] == {"all_reduce@tp": (2, 2 * act)}
+        assert out["bwd"] == {"all_reduce@tp": (2, 2 * act)}
+        # Whole model: + embedding all-reduce and the loss's two per-token all-reduces forward,
+        # + the lm_head's input all-reduce backward.
+        tokens = b * s * d4
+        assert out["whole_fwd"] == {"all_reduce@tp": (2 * L + 3, (2 * L + 1) * act + tokens * 3)}
+        assert out["whole_bwd"] == {"all_reduce@tp": (2 * L + 1, (2 * L + 1) * act)}
+    else:  # each all-reduce becomes an all-gather + reduce-scatter pair, same logical bytes
+        assert out["fwd"] == {"all_gather@tp": (2, 2 * act), "reduce_scatter@tp": (2, 2 * act)}
+        # + the two norms' weight gradients (h floats each), summed over sequence shards
+        assert out["bwd"] == {"all_gather@tp": (2, 2 * act), "reduce_scatter@tp": (2, 2 * act),
+                              "all_reduce@tp": (2, 2 * h * d4)}
+        assert out["whole_fwd"]["all_gather@tp"] == (2 * L + 1, (2 * L + 1) * act)
+        assert out["whole_fwd"]["reduce_scatter@tp"] == (2 * L + 1, (2 * L + 1) * act)
+        assert out["whole_bwd"]["reduce_scatter@tp"] == (2 * L + 1, (2 * L + 1) * act)
+        assert out["whole_bwd"]["all_gather@tp"] == (2 * L + 1, (2 * L + 1) * act)
+        assert out["whole_bwd"]["all_reduce@tp"] == (2 * L + 1, (2 * L + 1) * h * d4)
+
+
+# ------------------------------------------------------------------ randomness
+def _dropout_masks(tp: int, sp: bool) -> dict:
+    import torch.distributed as dist
+
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.tensor_parallel import gpt_plan, tensor_parallel
+
+    torch.manual_seed(100 + dist.get_rank())  # ranks out of step on purpose: tensor_parallel syncs tp
+    cfg = GPTConfig(**{**TINY, "dropout": 0.5})
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tensor_parallel(model, cached_mesh(tp=tp), gpt_plan(cfg), sequence_parallel=sp)
+    draws: dict[str, list[torch.Tensor]] = {"attn": [], "mlp": [], "drop": []}
+    # Pre-hooks registered after tensor_parallel's run inside its regions: they see the stream
+    # the region's own dropout sees.
+    model.layers[0].attn.register_forward_pre_hook(lambda m, a: draws["attn"].append(torch.rand(4)))
+    model.layers[0].mlp.register_forward_pre_hook(lambda m, a: draws["mlp"].append(torch.rand(4)))
+    model.layers[0].drop.register_forward_pre_hook(lambda m, a: draws["drop"].append(torch.rand(4)))
+    model.train()
+    model(torch.randint(0, cfg.vocab_size, (2, cfg.seq_len)))
+    return {k: torch.stack(v) for k, v in draws.items()} | {"after": torch.rand(4)}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_dropout_rng_replicated_vs_sharded_regions(pools, sp):
+    out = pools[2].run(_dropout_masks, 2, sp)
+    same = {k: torch.equal(out[0][k], out[1][k]) for k in out[0]}
+    # Attention acts on different heads per rank: independent masks. The MLP's input, like the
+    # default stream after the forward, is replicated: same masks. The residual dropout acts on
+    # the replicated activation without SP and on different sequence shards with it.
+    assert same == {"attn": False, "mlp": True, "drop": not sp, "after": True}
+
+
+# ------------------------------------------------------------------ bad plans, clear errors
+def _bad(case: str) -> None:
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.tensor_parallel import gpt_plan, tensor_parallel
+    from plait.tp_styles import ColwiseParallel, RowwiseParallel
+
+    mesh = cached_mesh(tp=4)
+    kw = {"n_heads": 2} if case == "heads" else {"n_heads": 8, "n_kv_heads": 2} if case == "kv" else {}
+    cfg = GPTConfig(**{**TINY, **kw})
+    with torch.device("meta"):
+        model = GPT(cfg)
+    plan = gpt_plan(cfg)
+    if case == "pattern":
+        plan["layers.*.attn.qkv"] = ColwiseParallel()
+    elif case == "no_region":
+        plan = {"layers.*.mlp.up_proj": ColwiseParallel(input_comm=False)}
+    elif case == "type":
+        plan = {"norm": RowwiseParallel(input_is_parallel=False)}
+    elif case == "seq":
+        tensor_parallel(model, mesh, plan, sequence_parallel=True)
+        comm.reset_stats()
+        try:
+            model(torch.zeros(1, 10, dtype=torch.long))
+        finally:
+            assert comm.stats().calls() == 0, "a collective ran before the error"
+    tensor_parallel(model, mesh, plan)
+    raise AssertionError("no error")
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("heads", "cannot split 2 attention heads (32 features in units of 16) evenly across tp=4"),
+    ("kv", "cannot split 2 KV heads (8 features in units of 4) evenly across tp=4"),
+    ("pattern", "pattern(s) ['layers.*.attn.qkv'] match no module"),
+    ("no_region", "through a ParallelRegion on an enclosing module"),
+    ("type", "applies to Linear modules, but 'norm' is a RMSNorm"),
+    ("seq", "use a sequence length divisible by 4"),
+])
+def test_impossible_plan_raises_clear_error(pools, case, expect):
+    errors = pools[4].errors(_bad, case)
+    assert all(expect in e for e in errors.values()), errors[0]
