@@ -105,16 +105,19 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         # Every check runs before the first collective, so bad input never leaves ranks hanging.
         if zero_stage not in (1, 2, 3):
-            raise ValueError(f"FullyShardedDataParallel(zero_stage=...) must be 1, 2 or 3, got {zero_stage!r}")
+            raise ValueError(f"FullyShardedDataParallel(zero_stage=...) must be 1, 2 or 3, "
+                             f"got {zero_stage!r}")
         if not isinstance(mesh, Mesh):
-            raise TypeError(f"FullyShardedDataParallel(mesh=...) expects a plait.Mesh, got {type(mesh).__name__}")
+            raise TypeError(f"FullyShardedDataParallel(mesh=...) expects a plait.Mesh, "
+                            f"got {type(mesh).__name__}")
         if mesh.size("fsdp") == 1 and mesh.size("dp") > 1:
             raise ValueError(
                 f"FullyShardedDataParallel shards over the mesh's 'fsdp' axis, but {mesh} has fsdp=1 "
                 f"and dp={mesh.size('dp')}: nothing would be sharded; use Mesh(fsdp=...) (hybrid: "
                 "dp=replicas, fsdp=shards) or plait.DDP")
         if not isinstance(module, nn.Module):
-            raise TypeError(f"FullyShardedDataParallel(module=...) expects an nn.Module, got {type(module).__name__}")
+            raise TypeError(f"FullyShardedDataParallel(module=...) expects an nn.Module, "
+                            f"got {type(module).__name__}")
         check_no_optimizer(module)
         self.mp = _parse_mp(mixed_precision)
         self.zero_stage, self.reshard_after_forward, self.mesh = zero_stage, reshard_after_forward, mesh

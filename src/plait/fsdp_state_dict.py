@@ -16,6 +16,7 @@ so a rank briefly holds one unit, never the model.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -151,7 +152,8 @@ def _state_layout(optimizer: torch.optim.Optimizer) -> dict[str, str]:
     throwaway copy of the optimizer on a two-element parameter."""
     dummy = nn.Parameter(torch.zeros(2))
     dummy.grad = torch.zeros(2)
-    probe = type(optimizer)([dummy], **optimizer.defaults)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    probe = type(optimizer)([dummy], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
     probe.step()
     return {k: "elem" if torch.is_tensor(v) and v.shape == dummy.shape else "scalar"
             for k, v in probe.state[dummy].items()}

@@ -8,8 +8,8 @@ their deepest common ancestor unit, which is gathered whenever any of them runs.
 
 from __future__ import annotations
 
-import fnmatch
 import gc
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -79,7 +79,7 @@ def _unit_names(module: nn.Module, spec: Sequence[type | str] | None) -> list[st
         if not name:
             continue  # the root is always a unit
         for i, s in enumerate(spec):
-            if (isinstance(s, type) and isinstance(mod, s)) or (isinstance(s, str) and fnmatch.fnmatchcase(name, s)):
+            if (isinstance(s, type) and isinstance(mod, s)) or (isinstance(s, str) and _match(s, name)):
                 names.append(name)
                 used.add(i)
                 break
@@ -88,6 +88,11 @@ def _unit_names(module: nn.Module, spec: Sequence[type | str] | None) -> list[st
         raise ValueError(f"FullyShardedDataParallel(units=...): {unused} matched no submodule of "
                          f"{type(module).__name__}")
     return names
+
+
+def _match(pattern: str, name: str) -> bool:
+    """Qualified-name pattern: ``*`` stands for one name component ("layers.*" = each layer)."""
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]*"), name) is not None
 
 
 def _contains(unit: str, mod_name: str) -> bool:
@@ -137,7 +142,7 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
             where[id(s.owners[0][0]._parameters[s.owners[0][1]])] = (flat, s)
 
     _materialize(module, where, cfg, seed)
-    for p, slot, _ in info.values():
+    for _p, slot, _ in info.values():
         for mod, attr in slot.owners:
             del mod._parameters[attr]
     # Units left without parameters (all of theirs tied elsewhere) need no hooks.
@@ -145,7 +150,8 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
 
 
 @torch.no_grad()
-def _materialize(module: nn.Module, where: dict[int, tuple[FlatParam, Slot]], cfg: ShardCfg, seed: int) -> None:
+def _materialize(module: nn.Module, where: dict[int, tuple[FlatParam, Slot]], cfg: ShardCfg,
+                 seed: int) -> None:
     """Fill each shard from one module's values at a time (the oracle's values for a meta module)."""
     done: set[int] = set()
     for mname, mod in module.named_modules():
