@@ -30,19 +30,10 @@ def cmd_bench(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"bench": cmd_bench}
-    try:
-        from plait import train as _train
+    from plait import run as _run
+    from plait import train as _train
 
-        commands["train"] = _train.cli_main
-    except ImportError:
-        pass
-    try:
-        from plait import run as _run
-
-        commands["run"] = _run.cli_main
-    except ImportError:
-        pass
+    commands = {"train": _train.cli_main, "run": _run.cli_main, "bench": cmd_bench}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: plait {" + ",".join(commands) + "} ...\n"
               "  train  train the built-in GPT on the built-in corpus under any layout\n"

@@ -120,11 +120,12 @@ def init(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         else:
+            # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
             os.environ.setdefault("MASTER_ADDR", launch.master_addr)
             os.environ.setdefault("MASTER_PORT", str(launch.master_port))
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                init_method="env://",
                 rank=launch.rank,
                 world_size=launch.world_size,
                 timeout=timeout,

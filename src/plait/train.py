@@ -1,0 +1,245 @@
+"""`plait train`: the built-in GPT on the built-in byte corpus, under any layout.
+
+The loop is plain PyTorch (forward, backward, clip, step) around a model wrapped by
+`build_model`; only the wrapping changes with the layout flags. It spawns its own local ranks
+when it is not already running under torchrun / `plait run` / Slurm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import plait
+from plait import comm
+from plait.data import BatchSampler, load_corpus
+from plait.mesh import Mesh
+from plait.models.gpt import GPT, PRESETS, GPTConfig, lm_loss
+
+STRATEGIES = ("none", "dp", "ddp")
+
+
+@dataclass
+class TrainConfig:
+    """Everything `plait train` can be told; validated before any process is spawned."""
+
+    model: str = "tiny"
+    strategy: str = "ddp"
+    nproc: int = 2
+    steps: int = 200
+    batch_size: int = 16  # global batch, in sequences
+    seq_len: int | None = None  # default: the preset's
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    seed: int = 0
+    data: str | None = None
+    max_bytes: int = 16 * 2**20
+    metrics: str = "runs/metrics.jsonl"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"--model must be one of {sorted(PRESETS)}, got {self.model!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for name in ("nproc", "steps", "batch_size", "grad_accum", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.strategy == "none" and self.nproc != 1:
+            raise ValueError(f"--strategy none runs one process; got --nproc {self.nproc} (use ddp or dp)")
+        per_rank = self.batch_size // (self.nproc if self.strategy == "ddp" else 1)
+        if self.batch_size % (self.nproc * self.grad_accum) or per_rank < self.grad_accum:
+            raise ValueError(
+                f"--batch-size {self.batch_size} must be divisible by --nproc {self.nproc} x "
+                f"--grad-accum {self.grad_accum}"
+            )
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"--warmup must be in [0, --steps); got {self.warmup} with {self.steps} steps")
+
+    def gpt_config(self) -> GPTConfig:
+        base = PRESETS[self.model]
+        return dataclasses.replace(base, seq_len=self.seq_len or base.seq_len)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """Build the GPT and wrap it for ``cfg.strategy``; returns (wrapped, plain module)."""
+    gpt = plait.init_weights(GPT(cfg.gpt_config()), cfg.seed).to(device)
+    if cfg.strategy == "ddp":
+        from plait.ddp import DistributedDataParallel
+
+        return DistributedDataParallel(gpt, mesh), gpt
+    if cfg.strategy == "dp":
+        from plait.data_parallel import DataParallel
+
+        devices = list(range(cfg.nproc)) if device.type == "cuda" else ["cpu"] * cfg.nproc
+        return DataParallel(gpt, devices), gpt
+    return gpt, gpt
+
+
+def _mean_over(value: float, group: dist.ProcessGroup, size: int) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    comm.all_reduce(t, group)
+    return t.item() / size
+
+
+def _evaluate(model: nn.Module, sampler: BatchSampler, cfg: TrainConfig, device: torch.device,
+              mesh: Mesh) -> float:
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(cfg.eval_batches):
+            x, y = sampler.batch_at(i)
+            total += lm_loss(model(x.to(device)), y.to(device)).item()
+    model.train()
+    return _mean_over(total / cfg.eval_batches, mesh.group("dp"), mesh.size("dp"))
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run on this rank (inside an initialised job); returns the summary on every rank."""
+    device = plait.init(seed=cfg.seed)
+    log = plait.get_logger("plait.train")
+    mesh = Mesh(dp=-1)
+    dp_rank, dp_size = mesh.rank("dp"), mesh.size("dp")
+    corpus = load_corpus(cfg.data, max_bytes=cfg.max_bytes)
+    model, plain = build_model(cfg, mesh, device)
+    seq = cfg.gpt_config().seq_len
+    sampler = BatchSampler(corpus.train, seq, cfg.batch_size, dp_rank, dp_size, seed=cfg.seed)
+    val = BatchSampler(corpus.val, seq, cfg.batch_size, dp_rank, dp_size, seed=cfg.seed + 1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    is_main = dist.get_rank() == 0
+    n_params = sum(p.numel() for p in plain.parameters())
+    log.info("%s, %s params, corpus %s (%.1f MB), layout %s x%d, global batch %d x %d tokens",
+             cfg.model, f"{n_params:,}", corpus.source, len(corpus.train) / 1e6, cfg.strategy,
+             dp_size if cfg.strategy == "ddp" else cfg.nproc, cfg.batch_size, seq)
+    metrics_path = Path(cfg.metrics)
+    if is_main:
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    bar = _progress(cfg, is_main)
+    tokens_per_step = cfg.batch_size * seq
+    first_loss = last_loss = float("nan")
+    eval_loss = None
+    t_start = time.perf_counter()
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        x, y = next(sampler)
+        x, y = x.to(device), y.to(device)
+        opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))):
+            last_micro = i == cfg.grad_accum - 1
+            # Only the last micro-batch communicates; the others accumulate locally.
+            quiet = hasattr(model, "no_sync") and not last_micro
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                loss = lm_loss(model(xm), ym) / cfg.grad_accum
+                loss.backward()
+            loss_sum += loss.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.grad_clip).item()
+        opt.step()
+        last_loss = _mean_over(loss_sum, mesh.group("dp"), dp_size)
+        if step == 0:
+            first_loss = last_loss
+        dt = time.perf_counter() - t0
+        record = {"step": step + 1, "loss": last_loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
+                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            eval_loss = _evaluate(model, val, cfg, device, mesh)
+            record["eval_loss"] = eval_loss
+        if is_main:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if bar is not None:
+                bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.update(1)
+            elif (step + 1) % max(1, cfg.steps // 10) == 0:
+                log.info("step %d/%d loss %.4f tok/s %.0f", step + 1, cfg.steps, last_loss,
+                         record["tokens_per_s"])
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t_start
+    summary = {"first_loss": first_loss, "final_loss": last_loss, "eval_loss": eval_loss,
+               "steps": cfg.steps, "tokens_per_s": cfg.steps * tokens_per_step / elapsed,
+               "params": n_params, "strategy": cfg.strategy, "world": dist.get_world_size()}
+    log.info("done: loss %.3f -> %.3f, eval %s, %.0f tokens/s; metrics in %s", first_loss, last_loss,
+             f"{eval_loss:.3f}" if eval_loss is not None else "-", summary["tokens_per_s"], metrics_path)
+    if is_main:
+        with metrics_path.open("a") as f:
+            f.write(json.dumps({"summary": summary}) + "\n")
+    return summary
+
+
+def _progress(cfg: TrainConfig, is_main: bool):
+    if not (cfg.progress and is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _spawned_rank(cfg: TrainConfig) -> None:
+    train(cfg)
+    dist.destroy_process_group()
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    p = argparse.ArgumentParser(prog="plait train", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    defaults = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = {int: int, float: float}.get(type(default), str)
+            if f.name in ("seq_len",):
+                kind = int
+            choices = sorted(PRESETS) if f.name == "model" else STRATEGIES if f.name == "strategy" else None
+            p.add_argument(flag, type=kind, default=default, choices=choices)
+    args = p.parse_args(argv)
+    try:
+        return TrainConfig(**vars(args))
+    except ValueError as e:
+        p.error(str(e))
+        raise
+
+
+def cli_main(argv: list[str]) -> int:
+    cfg = parse_args(argv)
+    under_launcher = "RANK" in os.environ or "SLURM_PROCID" in os.environ
+    if under_launcher or cfg.strategy in ("none", "dp"):
+        train(cfg)
+        return 0
+    from plait.launch import spawn
+
+    threads = max(1, (os.cpu_count() or 1) // cfg.nproc)
+    spawn(_spawned_rank, cfg.nproc, (cfg,), threads=threads)
+    return 0
