@@ -1,0 +1,221 @@
+"""`plait.pipeline(...)`: split a model into stages, place them on the ``pp`` axis, run schedules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.materialize import is_meta
+from plait.pipeline.runtime import Executor, as_tuple, busy_fraction
+from plait.pipeline.schedules import COMM, Action, Schedule, ScheduleError, Slot, make_schedule, with_comms
+from plait.pipeline.split import Stage, check_chain, materialize_segments, plan_stages, segments
+
+__all__ = ["Pipeline", "pipeline"]
+
+CustomSchedule = Schedule | Sequence[Sequence[Action]]
+
+
+class Pipeline:
+    """One rank's part of a pipelined model. Build it with `plait.pipeline`.
+
+    ``step(inputs, targets)`` runs forward and backward of the whole batch as ``microbatches``
+    microbatches on the schedule, leaves the gradients in ``.grad`` of this rank's parameters and
+    returns the batch's mean loss on every rank of the ``pp`` axis. Pass the same ``inputs`` on
+    every ``pp`` rank (the first stage reads them, the others take their shape signature);
+    ``targets`` are read on the rank holding the last stage.
+    """
+
+    def __init__(self, module: nn.Module, mesh: Any, *, split: str | Sequence[str] = "auto",
+                 schedule: str | CustomSchedule = "1f1b", microbatches: int,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], chunks: int = 1, seed: int = 0,
+                 device: torch.device | str | None = None) -> None:
+        # Every check below runs before the first collective, so bad input never hangs a rank.
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
+        if not (hasattr(mesh, "size") and hasattr(mesh, "group_ranks")):
+            raise TypeError(f"pipeline: mesh must be a plait.Mesh, got {type(mesh).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"pipeline: loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(f"pipeline: microbatches must be a positive integer, got {microbatches!r}")
+        p = mesh.size("pp")
+        self.sched = _resolve_schedule(schedule, p, microbatches, chunks)
+        self.microbatches, self.loss_fn = microbatches, loss_fn
+        self.rank = mesh.rank("pp")
+        self.group = mesh.group("pp")
+        self.pp_ranks = mesh.group_ranks("pp")
+        segs = segments(module)
+        plan = plan_stages(segs, self.sched.stages, split)
+        self.stage_names = [[segs[i][0] for i in idx] for idx in plan]
+        _check_ties(segs, plan, self.sched)
+        mine = self.sched.rank_stages(self.rank)
+        meta = is_meta(module)
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                      else torch.device("cpu"))
+        self.device = torch.device(device)
+        self._skeleton: nn.Module | None = module  # structure check at the first step, then dropped
+        self._segs = segs
+        self.stages: dict[int, Stage] = {}
+        for s in mine:
+            own = [segs[i] for i in plan[s]]
+            if meta:
+                materialize_segments(own, seed, self.device)
+            self.stages[s] = Stage(s, own).to(self.device)
+        self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
+                             self.device)
+        self._fwd_sched = self.sched.forward_part().validate()
+        self.bubble_fraction = 0.0
+
+    # ------------------------------------------------------------------ parameters
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the original model (tied ones once)."""
+        seen: set[int] = set()
+        for s in sorted(self.stages):
+            for name, prm in self.stages[s].qualified_parameters():
+                if id(prm) not in seen:
+                    seen.add(id(prm))
+                    yield name, prm
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, prm in self.named_parameters():
+            yield prm
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.sched
+
+    @property
+    def timeline(self) -> list[Slot]:
+        """This rank's measured actions of the last step (seconds from the step's start)."""
+        return self.exec.timeline
+
+    def gather_timelines(self) -> list[list[Slot]]:
+        """Every pp rank's last timeline (a collective on the ``pp`` axis: call on all of them)."""
+        return comm.all_gather_object(self.exec.timeline, self.group)
+
+    # ------------------------------------------------------------------ steps
+    def step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """Forward and backward of the whole batch; returns its mean loss on every pp rank."""
+        return self._step(self.sched, inputs, targets, train=True)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, targets: Any = None) -> Any:
+        """Forward only (the schedule's forwards, in order). With ``targets``: the mean loss on every
+        pp rank; without: the last stage's outputs (concatenated) on its rank, None elsewhere."""
+        modes = {s: st.training for s, st in self.stages.items()}
+        for st in self.stages.values():
+            st.eval()
+        try:
+            return self._step(self._fwd_sched, inputs, targets, train=False)
+        finally:
+            for s, st in self.stages.items():
+                st.train(modes[s])
+
+    def _step(self, sched: Schedule, inputs: Any, targets: Any, train: bool) -> Any:
+        m, S = self.microbatches, self.sched.stages
+        mb_in = _chunk(inputs, m, "inputs")
+        holds_last = (S - 1) in self.stages
+        if targets is None and holds_last and train:
+            raise ValueError("pipeline.step: targets are required on the rank holding the last stage")
+        mb_tg = None if targets is None else _chunk(targets, m, "targets")
+        if self._skeleton is not None:
+            check_chain(self._skeleton, self._segs, mb_in[0])
+            self._skeleton = None
+            self._segs = []
+        key = tuple((tuple(t.shape), t.dtype) for t in mb_in[0])
+        metas = self.exec.exchange_meta(key, mb_in[0])
+        mb_in = [tuple(t.to(self.device) for t in x) for x in mb_in] if 0 in self.stages else mb_in
+        if mb_tg is not None and holds_last:
+            mb_tg = [_to(t, self.device) for t in mb_tg]
+        loss_sum, outs = self.exec.run(sched, metas, mb_in, mb_tg if holds_last else None, train)
+        self.bubble_fraction = 1.0 - busy_fraction(self.exec.timeline, self.exec.step_time)
+        if targets is None and not train:
+            if not holds_last:
+                return None
+            return torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if loss_sum is not None:
+            loss.copy_(loss_sum / m)
+        # The loss lives on the last stage's rank; every pp rank returns it (one broadcast).
+        comm.broadcast(loss, self.pp_ranks[self.sched.stage_rank(S - 1)], self.group)
+        return loss
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    return tuple(_to(t, device) for t in x)
+
+
+def _chunk(x: Any, m: int, what: str) -> list:
+    if x is None:
+        raise ValueError(f"pipeline: {what} must be given (a tensor or tuple of tensors), got None")
+    ts = as_tuple(x, what)
+    n = ts[0].shape[0] if ts[0].dim() else 0
+    for t in ts:
+        if t.dim() == 0 or t.shape[0] != n:
+            raise ValueError(f"pipeline: every tensor of {what} needs the batch as dim 0 of one size; got "
+                             f"shapes {[tuple(u.shape) for u in ts]}")
+    if n % m:
+        raise ValueError(f"pipeline: {what} batch size {n} is not divisible by microbatches={m}")
+    parts = [t.chunk(m) for t in ts]
+    out = [tuple(p[i] for p in parts) for i in range(m)]
+    return out if isinstance(x, tuple) or what == "inputs" else [o[0] for o in out]
+
+
+def _resolve_schedule(schedule: Any, p: int, m: int, chunks: int) -> Schedule:
+    if isinstance(schedule, str):
+        return make_schedule(schedule, p, m, chunks)
+    if isinstance(schedule, Schedule):
+        sched = schedule
+    elif isinstance(schedule, Sequence):
+        rows = [list(r) for r in schedule]
+        stages = 1 + max((a.stage for r in rows for a in r if isinstance(a, Action)), default=0)
+        stages = max(p, -(-stages // p) * p)
+        has_comm = any(isinstance(a, Action) and a.kind in COMM for r in rows for a in r)
+        sched = (Schedule("custom", p, stages, m, tuple(tuple(r) for r in rows)) if has_comm
+                 else with_comms("custom", p, stages, m, rows))
+    else:
+        raise TypeError(f"pipeline: schedule must be a name, a Schedule or per-rank lists of Actions, "
+                        f"got {type(schedule).__name__}")
+    if sched.ranks != p or sched.microbatches != m:
+        raise ScheduleError(f"pipeline: the schedule is for ranks={sched.ranks}, microbatches="
+                            f"{sched.microbatches}, but pp={p} and microbatches={m}")
+    return sched.validate()
+
+
+def _check_ties(segs: list, plan: list[list[int]], sched: Schedule) -> None:
+    owner: dict[int, tuple[str, int]] = {}
+    for s, idx in enumerate(plan):
+        for i in idx:
+            name, mod = segs[i]
+            for k, prm in mod.named_parameters(remove_duplicate=False):
+                first = owner.setdefault(id(prm), (f"{name}.{k}", s))
+                if sched.stage_rank(first[1]) != sched.stage_rank(s):
+                    raise ValueError(
+                        f"pipeline: parameter {first[0]} (stage {first[1]}, pp rank "
+                        f"{sched.stage_rank(first[1])}) is tied to {name}.{k} (stage {s}, pp rank "
+                        f"{sched.stage_rank(s)}); tied weights across pp ranks are not supported: untie them "
+                        "(e.g. GPTConfig(tie_embeddings=False)) or split so both land on one rank")
+
+
+def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
+             schedule: str | CustomSchedule = "1f1b", microbatches: int = 4,
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, chunks: int = 1,
+             seed: int = 0, device: torch.device | str | None = None) -> Pipeline:
+    """Pipeline ``module`` over the mesh's ``pp`` axis; see `Pipeline`.
+
+    ``split``: ``"auto"`` (balanced by parameter count) or the segment names that start stages
+    1.. (e.g. ``["layers.4"]``); ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
+    ``"zb-h1"``, a `Schedule` or per-rank action lists; ``chunks``: stages per rank; ``seed``:
+    the `plait.init_weights` seed used to materialize a meta-device model.
+    """
+    if loss_fn is None:
+        raise TypeError("pipeline: loss_fn is required: a callable (last stage output, targets) -> scalar")
+    return Pipeline(module, mesh, split=split, schedule=schedule, microbatches=microbatches,
+                    loss_fn=loss_fn, chunks=chunks, seed=seed, device=device)

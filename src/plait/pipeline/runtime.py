@@ -1,0 +1,200 @@
+"""The pipeline executor: runs one rank's action list with point-to-point sends and receives.
+
+What moves between neighbouring stages (rank ``s % p`` to rank ``(s + 1) % p`` on the ``pp``
+axis): in forward, the stage's output activations (every tensor of the carried tuple); in
+backward, the gradient of every floating-point activation that requires one. Shapes and dtypes
+are exchanged once per input signature by a metadata pass along the stages, so no shape specs
+are needed. All receives of a step are posted when it starts (tags are unique per stage,
+microbatch and tensor, so arrival order does not matter); sends are waited for at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.pipeline.backward_split import WeightGrad, backward_input
+from plait.pipeline.schedules import Action, Kind, Schedule, Slot
+from plait.pipeline.split import Stage
+
+Meta = list[tuple[tuple[int, ...], torch.dtype, bool]]  # per carried tensor: shape, dtype, needs grad
+
+
+def as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
+    out = x if isinstance(x, tuple) else (x,)
+    for t in out:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"pipeline: {what} must be a tensor or a tuple of tensors, found {type(t).__name__}")
+    return out
+
+
+def describe(xs: Sequence[torch.Tensor]) -> Meta:
+    return [(tuple(t.shape), t.dtype, bool(t.requires_grad)) for t in xs]
+
+
+class Executor:
+    """Runs schedules for the stages this rank holds. Owned by `plait.pipeline.Pipeline`."""
+
+    def __init__(self, schedule: Schedule, stages: dict[int, Stage], rank: int, pp_ranks: list[int],
+                 group: Any, loss_fn: Callable[..., torch.Tensor], device: torch.device) -> None:
+        self.sched, self.stages, self.rank = schedule, stages, rank
+        self.pp_ranks, self.group, self.loss_fn, self.device = pp_ranks, group, loss_fn, device
+        # signature -> {stage: input metadata, -1 - stage: output metadata}
+        self.in_meta: dict[Any, dict[int, Meta]] = {}
+        self.timeline: list[Slot] = []
+        self.step_time = 0.0
+
+    # ------------------------------------------------------------------ metadata pass
+    def exchange_meta(self, key: Any, example: tuple[torch.Tensor, ...]) -> dict[int, Meta]:
+        """Run each of this rank's stages once on zeros, in stage order, passing shapes along.
+
+        The chain visits ranks in stage order, so the blocking object sends cannot deadlock.
+        The RNG state is restored so that dropout draws match a run without this pass.
+        """
+        if key in self.in_meta:
+            return self.in_meta[key]
+        metas: dict[int, Meta] = {}
+        local: Meta | None = None
+        S = self.sched.stages
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            for s in sorted(self.stages):
+                if s == 0:
+                    x = tuple(t.to(self.device) for t in example)
+                    meta = describe(x)
+                else:
+                    meta = local if self.peer(s - 1) == self.rank else comm.recv_object(
+                        self.peer(s - 1), self.group)
+                    x = tuple(torch.zeros(sh, dtype=dt, device=self.device).requires_grad_(rg)
+                              for sh, dt, rg in meta)  # type: ignore[union-attr]
+                metas[s] = meta  # type: ignore[assignment]
+                if s == S - 1:
+                    continue
+                with torch.enable_grad():
+                    out = as_tuple(self.stages[s](*x), f"the output of stage {s}")
+                local = describe(out)
+                metas[-1 - s] = local  # output metadata under a negative key: -1 - stage
+                if self.peer(s + 1) != self.rank:
+                    comm.send_object(local, self.peer(s + 1), self.group)
+        self.in_meta[key] = metas
+        return metas
+
+    def peer(self, stage: int) -> int:
+        return self.pp_ranks[self.sched.stage_rank(stage)]
+
+    def tag(self, grad: bool, boundary: int, mb: int, i: int) -> int:
+        return ((int(grad) * self.sched.stages + boundary) * self.sched.microbatches + mb) * 64 + i
+
+    # ------------------------------------------------------------------ one step
+    def run(self, sched: Schedule, metas: dict[int, Meta], mb_inputs: list[tuple[torch.Tensor, ...]],
+            mb_targets: list[Any] | None, train: bool) -> tuple[torch.Tensor | None, list[Any]]:
+        """Execute this rank's actions; return (sum of microbatch losses or None, last-stage outputs)."""
+        S, m = sched.stages, sched.microbatches
+        t0 = time.perf_counter()
+        timeline: list[Slot] = []
+        recvs: dict[tuple[Kind, int, int], tuple[list[torch.Tensor], list[comm.Handle]]] = {}
+        for a in sched.actions[self.rank]:  # post every receive now; waiting happens at the action
+            if a.kind is Kind.RECV_F:
+                bufs = [torch.empty(sh, dtype=dt, device=self.device) for sh, dt, _ in metas[a.stage]]
+                src, bnd = self.peer(a.stage - 1), a.stage - 1
+                hs = [comm.irecv(b, src, self.group, self.tag(False, bnd, a.mb, i)) for i, b in enumerate(bufs)]
+                recvs[(a.kind, a.stage, a.mb)] = (bufs, hs)
+            elif a.kind is Kind.RECV_B:
+                bufs = [torch.empty(sh, dtype=dt, device=self.device)
+                        for sh, dt, rg in metas[-1 - a.stage] if rg]
+                src, bnd = self.peer(a.stage + 1), a.stage
+                hs = [comm.irecv(b, src, self.group, self.tag(True, bnd, a.mb, i)) for i, b in enumerate(bufs)]
+                recvs[(a.kind, a.stage, a.mb)] = (bufs, hs)
+        acts_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage inputs (leaves)
+        acts_out: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage outputs (graph roots)
+        grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradients w.r.t. stage outputs
+        grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradients w.r.t. stage inputs
+        pending_w: dict[tuple[int, int], WeightGrad] = {}
+        to_send: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # activations awaiting SEND_F
+        sends: list[tuple[comm.Handle, torch.Tensor]] = []
+        loss_sum: torch.Tensor | None = None
+        outputs: list[Any] = []
+        for a in sched.actions[self.rank]:
+            start = time.perf_counter()
+            key = (a.stage, a.mb)
+            if a.kind is Kind.F:
+                if a.stage == 0:
+                    x = mb_inputs[a.mb]
+                else:
+                    x = tuple(t.requires_grad_(rg and train)
+                              for t, (_, _, rg) in zip(acts_in.pop(key), metas[a.stage]))
+                with torch.set_grad_enabled(train):
+                    out = self.stages[a.stage](*x)
+                if a.stage == S - 1:
+                    if mb_targets is not None:
+                        loss = self.loss_fn(out, mb_targets[a.mb])
+                        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                        out = loss / m  # mean over microbatches = the full batch's mean loss
+                    else:
+                        outputs.append(out)
+                out_t = as_tuple(out, f"the output of stage {a.stage}")
+                if train:
+                    acts_in[key] = x
+                    acts_out[key] = out_t
+                if a.stage < S - 1:
+                    handoff = tuple(t.detach() for t in out_t)
+                    if self.peer(a.stage + 1) == self.rank:
+                        acts_in[(a.stage + 1, a.mb)] = handoff
+                    else:
+                        to_send[key] = handoff
+            elif a.kind is Kind.SEND_F:
+                data = to_send.pop(key)
+                dst = self.peer(a.stage + 1)
+                sends += [(comm.isend(t.contiguous(), dst, self.group, self.tag(False, a.stage, a.mb, i)), t)
+                          for i, t in enumerate(data)]
+            elif a.kind is Kind.RECV_F:
+                bufs, hs = recvs.pop((a.kind, a.stage, a.mb))
+                for h in hs:
+                    h.wait()
+                acts_in[key] = tuple(bufs)
+            elif a.kind is Kind.RECV_B:
+                bufs, hs = recvs.pop((a.kind, a.stage, a.mb))
+                for h in hs:
+                    h.wait()
+                grads_out[key] = bufs
+            elif a.kind in (Kind.BW, Kind.B):
+                ins = [t for t in acts_in.pop(key) if t.requires_grad]
+                outs = [t for t in acts_out.pop(key) if t.requires_grad]
+                g = grads_out.pop(key, None) if a.stage < S - 1 else [None] * len(outs)
+                if a.kind is Kind.BW:
+                    torch.autograd.backward(outs, g, inputs=[*ins, *self._params(a.stage)] or None)
+                    gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
+                else:
+                    got, pending_w[key] = backward_input(outs, g, ins, self._params(a.stage))
+                    gin = [t if t is not None else torch.zeros_like(x) for t, x in zip(got, ins)]
+                if a.stage > 0:
+                    if self.peer(a.stage - 1) == self.rank:
+                        grads_out[(a.stage - 1, a.mb)] = gin
+                    else:
+                        grads_in[key] = gin
+            elif a.kind is Kind.W:
+                pending_w.pop(key).run()
+            elif a.kind is Kind.SEND_B:
+                dst = self.peer(a.stage - 1)
+                sends += [(comm.isend(t.contiguous(), dst, self.group, self.tag(True, a.stage - 1, a.mb, i)), t)
+                          for i, t in enumerate(grads_in.pop(key))]
+            timeline.append(Slot(a, start - t0, time.perf_counter() - t0))
+        for h, _ in sends:
+            h.wait()
+        self.timeline, self.step_time = timeline, time.perf_counter() - t0
+        return loss_sum, outputs
+
+    def _params(self, stage: int) -> list[nn.Parameter]:
+        return [p for p in self.stages[stage].parameters() if p.requires_grad]
+
+
+def busy_fraction(timeline: Sequence[Slot], total: float) -> float:
+    busy = sum(s.end - s.start for s in timeline if s.action.kind.is_compute)
+    return busy / total if total > 0 else 0.0
+
+
+__all__ = ["Executor", "as_tuple", "describe", "busy_fraction", "Action"]

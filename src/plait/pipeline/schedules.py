@@ -1,0 +1,429 @@
+"""Pipeline schedules as data: typed actions, generators, validation and a timing simulator.
+
+A schedule is, for every rank of the ``pp`` axis, the ordered list of what that rank does in
+one training step. Stage ``s`` lives on rank ``s % p`` (the "loop" placement: with ``v``
+chunks per rank, rank ``r`` holds stages ``r, r + p, ..., r + (v - 1) p``).
+
+Action kinds (each names a stage and a microbatch):
+
+* ``F``  forward of the stage on the microbatch;
+* ``BW`` full backward (input and weight gradients together), used by GPipe and 1F1B;
+* ``B``  input-gradient half of the backward; ``W`` its weight-gradient half (zero bubble,
+  Qi et al. 2023, "Zero Bubble Pipeline Parallelism");
+* ``SEND_F`` / ``RECV_F`` the stage's output activation to / its input from the next /
+  previous stage; ``SEND_B`` / ``RECV_B`` the gradient of the stage's input to the previous
+  stage / of its output from the next stage. Neighbouring stages on the same rank hand data
+  over locally, with no send or receive.
+
+Execution model (what the runtime does and what `validate` checks): sends never block;
+a receive blocks until the peer has issued the matching send; compute actions never block
+but must find their inputs already produced on their rank. `validate` replays every rank
+under that model and rejects, naming the first bad action: an action on a stage the rank
+does not hold, a compute action before its input arrived, B/W before F, W without B,
+duplicates, a send nobody receives, a receive nobody sends (a deadlock), and a missing F
+or backward.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Kind", "Action", "Schedule", "ScheduleError", "Slot", "SCHEDULES", "make_schedule",
+           "with_comms", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1"]
+
+
+class Kind(enum.Enum):
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.F, Kind.B, Kind.W, Kind.BW)
+
+
+BACKWARD = (Kind.B, Kind.BW)
+COMM = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}(stage={self.stage}, mb={self.mb})"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One action placed in time by `Schedule.simulate` (or measured by the runtime)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run correctly; the message names the first bad action."""
+
+
+DEFAULT_COSTS: Mapping[Kind, float] = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, Kind.BW: 2.0}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank action lists for one step of ``microbatches`` over ``stages`` stages on ``ranks`` ranks."""
+
+    name: str
+    ranks: int
+    stages: int
+    microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+    _slots: list = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def chunks(self) -> int:
+        return self.stages // self.ranks
+
+    @property
+    def forward_only(self) -> bool:
+        return not any(a.kind in (Kind.B, Kind.W, Kind.BW) for acts in self.actions for a in acts)
+
+    def stage_rank(self, stage: int) -> int:
+        return stage % self.ranks
+
+    def rank_stages(self, rank: int) -> list[int]:
+        return list(range(rank, self.stages, self.ranks))
+
+    def validate(self) -> Schedule:
+        """Raise `ScheduleError` naming the first bad action; return ``self`` when valid."""
+        self.simulate()
+        return self
+
+    def forward_part(self) -> Schedule:
+        """The same order restricted to forwards and activation transfers (eval mode)."""
+        keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
+        acts = tuple(tuple(a for a in row if a.kind in keep) for row in self.actions)
+        return Schedule(self.name + " (forward only)", self.ranks, self.stages, self.microbatches, acts)
+
+    def simulate(self, costs: Mapping[Kind, float] | None = None, latency: float = 0.0) -> list[list[Slot]]:
+        """Replay every rank (sends free, receives wait for their send) and place actions in time.
+
+        Doubles as the validator: any rule broken raises `ScheduleError`.
+        """
+        costs = {**DEFAULT_COSTS, **(costs or {})}
+        _check_shape(self)
+        return _Replay(self, costs, latency).run()
+
+    def bubble(self, costs: Mapping[Kind, float] | None = None) -> float:
+        """Planned bubble: mean over ranks of idle time / makespan under ``costs``."""
+        slots = self.simulate(costs)
+        span = max((s.end for row in slots for s in row), default=0.0)
+        if span == 0:
+            return 0.0
+        busy = [sum(s.end - s.start for s in row if s.action.kind.is_compute) for row in slots]
+        return sum(1 - b / span for b in busy) / self.ranks
+
+    def text(self, costs: Mapping[Kind, float] | None = None) -> str:
+        from plait.pipeline.draw import render_text
+
+        return render_text(self, costs)
+
+    def draw(self, path: str, measured: Sequence[Sequence[Slot]] | None = None) -> str:
+        from plait.pipeline.draw import draw_png
+
+        return draw_png(self, path, measured)
+
+
+# ---------------------------------------------------------------------------- validation
+def _check_shape(s: Schedule) -> None:
+    if s.ranks < 1 or s.stages < 1 or s.microbatches < 1:
+        raise ScheduleError(f"schedule '{s.name}': ranks, stages and microbatches must be >= 1, got "
+                            f"ranks={s.ranks}, stages={s.stages}, microbatches={s.microbatches}")
+    if s.stages % s.ranks:
+        raise ScheduleError(f"schedule '{s.name}': stages={s.stages} is not a multiple of ranks={s.ranks}")
+    if len(s.actions) != s.ranks:
+        raise ScheduleError(f"schedule '{s.name}': expected one action list per rank ({s.ranks}), "
+                            f"got {len(s.actions)}")
+
+
+class _Replay:
+    def __init__(self, s: Schedule, costs: Mapping[Kind, float], latency: float) -> None:
+        self.s, self.costs, self.latency = s, costs, latency
+        self.done: list[set[tuple[Kind, int, int]]] = [set() for _ in range(s.ranks)]
+        self.sent: dict[tuple[Kind, int, int], float] = {}  # send -> time issued
+        self.received: set[tuple[Kind, int, int]] = set()
+
+    def fail(self, rank: int, i: int, a: Action, why: str) -> None:
+        raise ScheduleError(f"schedule '{self.s.name}' is invalid at rank {rank}, action #{i} {a}: {why}")
+
+    def run(self) -> list[list[Slot]]:
+        s = self.s
+        ptr, clock = [0] * s.ranks, [0.0] * s.ranks
+        slots: list[list[Slot]] = [[] for _ in range(s.ranks)]
+        while True:
+            progressed = False
+            for r in range(s.ranks):
+                row = s.actions[r]
+                while ptr[r] < len(row):
+                    a = row[ptr[r]]
+                    start = self.ready(r, ptr[r], a, clock[r])
+                    if start is None:
+                        break  # blocked on a receive
+                    end = start + (self.costs[a.kind] if a.kind.is_compute else 0.0)
+                    self.done[r].add((a.kind, a.stage, a.mb))
+                    if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                        self.sent[(a.kind, a.stage, a.mb)] = end
+                    slots[r].append(Slot(a, start, end))
+                    clock[r] = end
+                    ptr[r] += 1
+                    progressed = True
+            if all(ptr[r] == len(s.actions[r]) for r in range(s.ranks)):
+                break
+            if not progressed:
+                r = min(r for r in range(s.ranks) if ptr[r] < len(s.actions[r]))
+                a = s.actions[r][ptr[r]]
+                peer = self.peer_send(a)
+                self.fail(r, ptr[r], a, f"deadlock: it waits for {peer} on rank "
+                          f"{s.stage_rank(peer.stage)}, which never comes (every rank is blocked)")
+        self.finish()
+        return slots
+
+    @staticmethod
+    def peer_send(a: Action) -> Action:
+        if a.kind is Kind.RECV_F:
+            return Action(Kind.SEND_F, a.stage - 1, a.mb)
+        return Action(Kind.SEND_B, a.stage + 1, a.mb)
+
+    def ready(self, r: int, i: int, a: Action, now: float) -> float | None:
+        """Start time of ``a`` on rank ``r``, None if blocked; raises on a broken rule."""
+        s, done = self.s, self.done[r]
+        if not isinstance(a, Action) or not isinstance(a.kind, Kind):
+            raise ScheduleError(f"schedule '{s.name}': rank {r}, action #{i} is {a!r}, not an Action")
+        if not (0 <= a.stage < s.stages and 0 <= a.mb < s.microbatches):
+            self.fail(r, i, a, f"stage must be in 0..{s.stages - 1} and mb in 0..{s.microbatches - 1}")
+        if s.stage_rank(a.stage) != r:
+            self.fail(r, i, a, f"stage {a.stage} lives on rank {s.stage_rank(a.stage)}, not {r}")
+        if (a.kind, a.stage, a.mb) in done:
+            self.fail(r, i, a, "duplicate action")
+        last, first = a.stage == s.stages - 1, a.stage == 0
+        nxt_local = not last and s.stage_rank(a.stage + 1) == r
+        prv_local = not first and s.stage_rank(a.stage - 1) == r
+        k = a.kind
+        if k is Kind.F and not first:
+            need = (Kind.F, a.stage - 1, a.mb) if prv_local else (Kind.RECV_F, a.stage, a.mb)
+            if need not in done:
+                self.fail(r, i, a, f"its input is not there yet: {Action(*need)} must come first")
+        elif k in BACKWARD:
+            if (Kind.F, a.stage, a.mb) not in done:
+                self.fail(r, i, a, f"backward before {Action(Kind.F, a.stage, a.mb)}")
+            if (Kind.B, a.stage, a.mb) in done or (Kind.BW, a.stage, a.mb) in done:
+                self.fail(r, i, a, "this stage and microbatch already ran its backward")
+            if not last:
+                if nxt_local:
+                    ok = any((kk, a.stage + 1, a.mb) in done for kk in BACKWARD)
+                    need_s = str(Action(Kind.B, a.stage + 1, a.mb)) + " (or BW)"
+                else:
+                    ok = (Kind.RECV_B, a.stage, a.mb) in done
+                    need_s = str(Action(Kind.RECV_B, a.stage, a.mb))
+                if not ok:
+                    self.fail(r, i, a, f"the output gradient is not there yet: {need_s} must come first")
+        elif k is Kind.W:
+            if (Kind.B, a.stage, a.mb) not in done:
+                self.fail(r, i, a, f"weight gradient before its input gradient {Action(Kind.B, a.stage, a.mb)}")
+        elif k in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B):
+            toward_next = k in (Kind.SEND_F, Kind.RECV_B)
+            if (last if toward_next else first) or (nxt_local if toward_next else prv_local):
+                where = "next" if toward_next else "previous"
+                self.fail(r, i, a, f"there is no remote {where} stage to talk to (no stage, or it is on "
+                          "the same rank and data is handed over locally)")
+            if k is Kind.SEND_F and (Kind.F, a.stage, a.mb) not in done:
+                self.fail(r, i, a, f"sends an activation before computing it in {Action(Kind.F, a.stage, a.mb)}")
+            if k is Kind.SEND_B and not any((kk, a.stage, a.mb) in done for kk in BACKWARD):
+                self.fail(r, i, a, f"sends a gradient before computing it in {Action(Kind.B, a.stage, a.mb)}")
+            if k in (Kind.RECV_F, Kind.RECV_B):
+                sent = self.sent.get((self.peer_send(a).kind, self.peer_send(a).stage, a.mb))
+                if sent is None:
+                    return None
+                self.received.add((a.kind, a.stage, a.mb))
+                return max(now, sent + self.latency)
+        return now
+
+    def finish(self) -> None:
+        s = self.s
+        for (k, st, mb) in sorted(self.sent, key=lambda x: (x[1], x[2], x[0].value)):
+            recv = (Kind.RECV_F, st + 1, mb) if k is Kind.SEND_F else (Kind.RECV_B, st - 1, mb)
+            if recv not in self.received:
+                a = Action(k, st, mb)
+                raise ScheduleError(f"schedule '{s.name}' is invalid at rank {s.stage_rank(st)}, {a}: "
+                                    f"nobody receives it ({Action(*recv)} is missing)")
+        training = any(k in (Kind.B, Kind.BW, Kind.W) for d in self.done for (k, _, _) in d)
+        for st in range(s.stages):
+            r = s.stage_rank(st)
+            d = self.done[r]
+            for mb in range(s.microbatches):
+                if (Kind.F, st, mb) not in d:
+                    raise ScheduleError(f"schedule '{s.name}' is incomplete: rank {r} never runs "
+                                        f"{Action(Kind.F, st, mb)}")
+                if training and (Kind.BW, st, mb) not in d and (Kind.W, st, mb) not in d:
+                    missing = Action(Kind.W if (Kind.B, st, mb) in d else Kind.BW, st, mb)
+                    raise ScheduleError(f"schedule '{s.name}' is incomplete: rank {r} never runs {missing}")
+
+
+# ---------------------------------------------------------------------------- generators
+def with_comms(name: str, ranks: int, stages: int, microbatches: int,
+               compute: Sequence[Iterable[Action]]) -> Schedule:
+    """Add the sends and receives that per-rank *compute* orders imply, and build the schedule.
+
+    Each receive goes right before the compute that needs it, each send right after the
+    compute that produced it (the runtime posts receives early, so this costs no overlap).
+    """
+    rows = []
+    for r, acts in enumerate(compute):
+        row: list[Action] = []
+        for a in acts:
+            s = a.stage
+            remote_prev = s > 0 and (s - 1) % ranks != r
+            remote_next = s < stages - 1 and (s + 1) % ranks != r
+            if a.kind is Kind.F and remote_prev:
+                row.append(Action(Kind.RECV_F, s, a.mb))
+            if a.kind in BACKWARD and remote_next:
+                row.append(Action(Kind.RECV_B, s, a.mb))
+            row.append(a)
+            if a.kind is Kind.F and remote_next:
+                row.append(Action(Kind.SEND_F, s, a.mb))
+            if a.kind in BACKWARD and remote_prev:
+                row.append(Action(Kind.SEND_B, s, a.mb))
+        rows.append(tuple(row))
+    return Schedule(name, ranks, stages, microbatches, tuple(rows))
+
+
+def gpipe(p: int, m: int, v: int = 1) -> Schedule:
+    """GPipe (Huang et al. 2019): every forward, then every backward."""
+    rows = []
+    for r in range(p):
+        st = [c * p + r for c in range(v)]
+        row = [Action(Kind.F, s, mb) for s in st for mb in range(m)]
+        row += [Action(Kind.BW, s, mb) for s in reversed(st) for mb in range(m)]
+        rows.append(row)
+    return with_comms("gpipe", p, p * v, m, rows)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021): p-r-1 warm-up forwards, then alternate.
+
+    Rank r never holds more than p - r microbatches' activations (GPipe holds m).
+    """
+    rows = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        row = [Action(Kind.F, r, mb) for mb in range(warm)]
+        for i in range(m - warm):
+            row += [Action(Kind.F, r, warm + i), Action(Kind.BW, r, i)]
+        row += [Action(Kind.BW, r, mb) for mb in range(m - warm, m)]
+        rows.append(row)
+    return with_comms("1f1b", p, p, m, rows)
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2): v chunks per rank, bubble / v.
+
+    Microbatches go through the chunks in groups of p (Megatron's order), so m must be a
+    multiple of p.
+    """
+    if m % p:
+        raise ScheduleError(f"interleaved 1F1B needs microbatches to be a multiple of pp: got "
+                            f"microbatches={m}, pp={p}")
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        mb = (k // (p * v)) * p + k % p
+        return (chunk if forward else v - 1 - chunk), mb
+
+    rows = []
+    for r in range(p):
+        warm = min((p - r - 1) * 2 + (v - 1) * p, total)
+        fwd = [Action(Kind.F, unit(k, True)[0] * p + r, unit(k, True)[1]) for k in range(total)]
+        bwd = [Action(Kind.BW, unit(k, False)[0] * p + r, unit(k, False)[1]) for k in range(total)]
+        row = fwd[:warm]
+        for i in range(total - warm):
+            row += [fwd[warm + i], bwd[i]]
+        row += bwd[total - warm:]
+        rows.append(row)
+    return with_comms(f"interleaved-1f1b(v={v})", p, p * v, m, rows)
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023): 1F1B with the backward split into B and W, W filling bubbles.
+
+    Built by list scheduling under unit costs (F = B = W): a rank runs a ready B first, else
+    a forward while it holds fewer than p - r microbatches between F and B (1F1B's limit),
+    else the oldest pending W. Its makespan is 3m + p - 1 units against 1F1B's 3m + 3(p - 1).
+    """
+    f_end: list[dict[int, int]] = [{} for _ in range(p)]
+    b_end: list[dict[int, int]] = [{} for _ in range(p)]
+    w_done: list[set[int]] = [set() for _ in range(p)]
+    rows: list[list[Action]] = [[] for _ in range(p)]
+    free, nxt, t = [0] * p, [0] * p, 0
+    while any(len(w) < m for w in w_done):
+        for r in range(p):
+            if free[r] > t:
+                continue
+            ready_b = [mb for mb, e in f_end[r].items() if e <= t and mb not in b_end[r]
+                       and (r == p - 1 or b_end[r + 1].get(mb, t + 1) <= t)]
+            held = sum(1 for mb in f_end[r] if mb not in b_end[r])
+            pend_w = [mb for mb, e in b_end[r].items() if e <= t and mb not in w_done[r]]
+            if ready_b:
+                mb, kind = min(ready_b), Kind.B
+                b_end[r][mb] = t + 1
+            elif nxt[r] < m and held < p - r and (r == 0 or f_end[r - 1].get(nxt[r], t + 1) <= t):
+                mb, kind = nxt[r], Kind.F
+                f_end[r][mb] = t + 1
+                nxt[r] += 1
+            elif pend_w:
+                mb, kind = min(pend_w), Kind.W
+                w_done[r].add(mb)
+            else:
+                continue
+            rows[r].append(Action(kind, r, mb))
+            free[r] = t + 1
+        t += 1
+    return with_comms("zb-h1", p, p, m, rows)
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """Generate and validate a named schedule; clear errors for unsupported combinations."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES} or a custom action list, got {name!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    if name in ("1f1b", "zb-h1") and chunks != 1:
+        raise ValueError(f"schedule {name!r} runs one stage per rank (chunks=1), got chunks={chunks}; "
+                         "use schedule='interleaved' for several chunks per rank")
+    if name == "gpipe":
+        sched = gpipe(pp, microbatches, chunks)
+    elif name == "1f1b":
+        sched = one_f_one_b(pp, microbatches)
+    elif name == "zb-h1":
+        sched = zb_h1(pp, microbatches)
+    else:
+        if microbatches < pp:
+            raise ValueError(f"interleaved 1F1B needs at least as many microbatches as pipeline ranks: "
+                             f"got microbatches={microbatches} < pp={pp} (GPipe and 1F1B accept fewer)")
+        sched = interleaved_1f1b(pp, microbatches, chunks)
+    return sched.validate()
