@@ -50,14 +50,16 @@ def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="a
         torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
         if step == 0:
             for name, p in mine.items():
-                torch.testing.assert_close(p.grad, ref[name].grad, **TOL, msg=lambda s, n=name: f"grad {n}: {s}")
+                torch.testing.assert_close(p.grad, ref[name].grad, **TOL,
+                                           msg=lambda s, n=name: f"grad {n}: {s}")
         opt.step()
         oopt.step()
         opt.zero_grad()
         oopt.zero_grad()
         losses.append(float(loss))
     for name, p in mine.items():
-        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL, msg=lambda s, n=name: f"param {n}: {s}")
+        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL,
+                                   msg=lambda s, n=name: f"param {n}: {s}")
     x, y = _batch(99)
     out = pipe.eval_step(x)
     if out is not None:

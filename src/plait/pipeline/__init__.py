@@ -2,8 +2,18 @@
 
 from plait.pipeline.api import Pipeline, pipeline
 from plait.pipeline.schedules import (
-    SCHEDULES, Action, Kind, Schedule, ScheduleError, Slot, gpipe, interleaved_1f1b, make_schedule,
-    one_f_one_b, with_comms, zb_h1,
+    SCHEDULES,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    Slot,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    with_comms,
+    zb_h1,
 )
 
 __all__ = ["pipeline", "Pipeline", "Schedule", "ScheduleError", "Action", "Kind", "Slot", "SCHEDULES",

@@ -29,7 +29,8 @@ def as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
     out = x if isinstance(x, tuple) else (x,)
     for t in out:
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"pipeline: {what} must be a tensor or a tuple of tensors, found {type(t).__name__}")
+            raise TypeError(f"pipeline: {what} must be a tensor or a tuple of tensors, "
+                            f"found {type(t).__name__}")
     return out
 
 
@@ -101,13 +102,15 @@ class Executor:
             if a.kind is Kind.RECV_F:
                 bufs = [torch.empty(sh, dtype=dt, device=self.device) for sh, dt, _ in metas[a.stage]]
                 src, bnd = self.peer(a.stage - 1), a.stage - 1
-                hs = [comm.irecv(b, src, self.group, self.tag(False, bnd, a.mb, i)) for i, b in enumerate(bufs)]
+                hs = [comm.irecv(b, src, self.group, self.tag(False, bnd, a.mb, i))
+                      for i, b in enumerate(bufs)]
                 recvs[(a.kind, a.stage, a.mb)] = (bufs, hs)
             elif a.kind is Kind.RECV_B:
                 bufs = [torch.empty(sh, dtype=dt, device=self.device)
                         for sh, dt, rg in metas[-1 - a.stage] if rg]
                 src, bnd = self.peer(a.stage + 1), a.stage
-                hs = [comm.irecv(b, src, self.group, self.tag(True, bnd, a.mb, i)) for i, b in enumerate(bufs)]
+                hs = [comm.irecv(b, src, self.group, self.tag(True, bnd, a.mb, i))
+                      for i, b in enumerate(bufs)]
                 recvs[(a.kind, a.stage, a.mb)] = (bufs, hs)
         acts_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage inputs (leaves)
         acts_out: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage outputs (graph roots)
@@ -149,7 +152,8 @@ class Executor:
             elif a.kind is Kind.SEND_F:
                 data = to_send.pop(key)
                 dst = self.peer(a.stage + 1)
-                sends += [(comm.isend(t.contiguous(), dst, self.group, self.tag(False, a.stage, a.mb, i)), t)
+                tag = self.tag(False, a.stage, a.mb, 0)
+                sends += [(comm.isend(t.contiguous(), dst, self.group, tag + i), t)
                           for i, t in enumerate(data)]
             elif a.kind is Kind.RECV_F:
                 bufs, hs = recvs.pop((a.kind, a.stage, a.mb))
@@ -180,7 +184,8 @@ class Executor:
                 pending_w.pop(key).run()
             elif a.kind is Kind.SEND_B:
                 dst = self.peer(a.stage - 1)
-                sends += [(comm.isend(t.contiguous(), dst, self.group, self.tag(True, a.stage - 1, a.mb, i)), t)
+                tag = self.tag(True, a.stage - 1, a.mb, 0)
+                sends += [(comm.isend(t.contiguous(), dst, self.group, tag + i), t)
                           for i, t in enumerate(grads_in.pop(key))]
             timeline.append(Slot(a, start - t0, time.perf_counter() - t0))
         for h, _ in sends:

@@ -239,7 +239,8 @@ class _Replay:
                     self.fail(r, i, a, f"the output gradient is not there yet: {need_s} must come first")
         elif k is Kind.W:
             if (Kind.B, a.stage, a.mb) not in done:
-                self.fail(r, i, a, f"weight gradient before its input gradient {Action(Kind.B, a.stage, a.mb)}")
+                self.fail(r, i, a, f"weight gradient before its input gradient "
+                          f"{Action(Kind.B, a.stage, a.mb)}")
         elif k in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B):
             toward_next = k in (Kind.SEND_F, Kind.RECV_B)
             if (last if toward_next else first) or (nxt_local if toward_next else prv_local):
@@ -247,7 +248,8 @@ class _Replay:
                 self.fail(r, i, a, f"there is no remote {where} stage to talk to (no stage, or it is on "
                           "the same rank and data is handed over locally)")
             if k is Kind.SEND_F and (Kind.F, a.stage, a.mb) not in done:
-                self.fail(r, i, a, f"sends an activation before computing it in {Action(Kind.F, a.stage, a.mb)}")
+                self.fail(r, i, a, f"sends an activation before computing it in "
+                          f"{Action(Kind.F, a.stage, a.mb)}")
             if k is Kind.SEND_B and not any((kk, a.stage, a.mb) in done for kk in BACKWARD):
                 self.fail(r, i, a, f"sends a gradient before computing it in {Action(Kind.B, a.stage, a.mb)}")
             if k in (Kind.RECV_F, Kind.RECV_B):
@@ -366,9 +368,11 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 def zb_h1(p: int, m: int) -> Schedule:
     """ZB-H1 (Qi et al. 2023): 1F1B with the backward split into B and W, W filling bubbles.
 
-    Built by list scheduling under unit costs (F = B = W): a rank runs a ready B first, else
-    a forward while it holds fewer than p - r microbatches between F and B (1F1B's limit),
-    else the oldest pending W. Its makespan is 3m + p - 1 units against 1F1B's 3m + 3(p - 1).
+    Built by list scheduling under unit costs (F = B = W): a rank runs the oldest pending W if
+    more than p - 1 are pending (bounded memory), else a ready B, else a forward while it holds
+    fewer than p - r microbatches between F and B (1F1B's limit), else the oldest pending W.
+    Its makespan is 3m + p - 1 units against 1F1B's 3m + 3(p - 1): the bubble shrinks from
+    (p - 1)(F + B + W) to (p - 1)(F + B - W), the paper's figure.
     """
     f_end: list[dict[int, int]] = [{} for _ in range(p)]
     b_end: list[dict[int, int]] = [{} for _ in range(p)]
@@ -383,7 +387,10 @@ def zb_h1(p: int, m: int) -> Schedule:
                        and (r == p - 1 or b_end[r + 1].get(mb, t + 1) <= t)]
             held = sum(1 for mb in f_end[r] if mb not in b_end[r])
             pend_w = [mb for mb, e in b_end[r].items() if e <= t and mb not in w_done[r]]
-            if ready_b:
+            if len(pend_w) > p - 1:  # bounds the saved weight-gradient work (memory)
+                mb, kind = min(pend_w), Kind.W
+                w_done[r].add(mb)
+            elif ready_b:
                 mb, kind = min(ready_b), Kind.B
                 b_end[r][mb] = t + 1
             elif nxt[r] < m and held < p - r and (r == 0 or f_end[r - 1].get(nxt[r], t + 1) <= t):

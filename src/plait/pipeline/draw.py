@@ -1,0 +1,90 @@
+"""Pictures of schedules: a text grid for the terminal and Gantt charts (planned and measured)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from plait.pipeline.schedules import Kind, Slot
+
+if TYPE_CHECKING:
+    from plait.pipeline.schedules import Schedule
+
+__all__ = ["render_text", "draw_png"]
+
+_COLORS = {Kind.F: "#4c72b0", Kind.B: "#55a868", Kind.BW: "#55a868", Kind.W: "#c44e52"}
+
+
+def _label(slot: Slot, chunks: int, ranks: int) -> str:
+    a = slot.action
+    kind = "B" if a.kind is Kind.BW else a.kind.value
+    chunk = "" if chunks == 1 else "abcdefghij"[a.stage // ranks % 10]
+    return f"{kind}{a.mb}{chunk}"
+
+
+def render_text(sched: Schedule, costs: Mapping[Kind, float] | None = None) -> str:
+    """One line per rank, one cell per time unit of the unit-cost plan (BW spans two cells).
+
+    Cells read ``F3`` (forward of microbatch 3), ``B3``, ``W3``; with several chunks per rank a
+    letter names the chunk (``F3a``, ``F3b``); ``.`` is idle time.
+    """
+    slots = sched.simulate(costs)
+    span = max((s.end for row in slots for s in row), default=0.0)
+    width = max([len(_label(s, sched.chunks, sched.ranks)) for row in slots for s in row
+                 if s.action.kind.is_compute] + [1]) + 1
+    n = int(round(span))
+    lines = [f"{sched.name}: {sched.ranks} ranks, {sched.stages} stages, {sched.microbatches} microbatches, "
+             f"planned bubble {sched.bubble(costs):.1%}"]
+    for r, row in enumerate(slots):
+        cells = ["." * (width - 1)] * n
+        for s in row:
+            if not s.action.kind.is_compute:
+                continue
+            for t in range(int(round(s.start)), int(round(s.end))):
+                cells[t] = _label(s, sched.chunks, sched.ranks).ljust(width - 1)
+        lines.append(f"rank {r}: " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def draw_png(sched: Schedule, path: str, measured: Sequence[Sequence[Slot]] | None = None,
+             costs: Mapping[Kind, float] | None = None) -> str:
+    """Save a Gantt chart of ``sched`` (and of a measured step, if given) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    panels: list[tuple[str, Sequence[Sequence[Slot]], str]] = [
+        (f"planned (F = B = W = 1 unit), bubble {sched.bubble(costs):.1%}", sched.simulate(costs), "units")]
+    if measured is not None:
+        span = max((s.end for row in measured for s in row), default=0.0)
+        busy = [sum(s.end - s.start for s in row if s.action.kind.is_compute) for row in measured]
+        bub = sum(1 - b / span for b in busy) / len(measured) if span else 0.0
+        panels.append((f"measured, bubble {bub:.1%}", measured, "ms"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 1.0 + 0.55 * sched.ranks * len(panels) + 0.6),
+                             squeeze=False)
+    for ax, (title, rows, unit) in zip(axes[:, 0], panels):
+        scale = 1000.0 if unit == "ms" else 1.0
+        for r, row in enumerate(rows):
+            for s in row:
+                a = s.action
+                if not a.kind.is_compute:
+                    continue
+                x0, w = s.start * scale, (s.end - s.start) * scale
+                shade = 1.0 - 0.35 * (a.stage // sched.ranks) / max(1, sched.chunks - 1)
+                ax.broken_barh([(x0, w)], (r - 0.4, 0.8), facecolors=_COLORS[a.kind], alpha=shade,
+                               edgecolor="white", linewidth=0.5)
+                ax.text(x0 + w / 2, r, _label(s, sched.chunks, sched.ranks), ha="center", va="center",
+                        fontsize=6, color="white")
+        ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+        ax.invert_yaxis()
+        ax.set_xlabel(unit)
+        ax.set_title(f"{sched.name}, {sched.microbatches} microbatches: {title}", fontsize=9)
+    kinds = [(Kind.F, "forward"), (Kind.B, "backward (input grad, or full)"), (Kind.W, "weight grad")]
+    axes[0, 0].legend(handles=[Patch(color=_COLORS[k], label=lbl) for k, lbl in kinds], fontsize=7,
+                      loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,156 @@
+"""Pipeline schedules as data: generation, validation (property-based) and rendering; no ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plait.pipeline import Action, Kind, Schedule, ScheduleError, make_schedule, with_comms
+
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+@st.composite
+def schedules(draw) -> Schedule:
+    name = draw(st.sampled_from(NAMES))
+    p = draw(st.integers(1, 6))
+    chunks = draw(st.integers(1, 3)) if name in ("gpipe", "interleaved") else 1
+    m = p * draw(st.integers(1, 4)) if name == "interleaved" else draw(st.integers(1, 10))
+    return make_schedule(name, p, m, chunks)
+
+
+def _replace(s: Schedule, rank: int, row: list[Action]) -> Schedule:
+    rows = list(s.actions)
+    rows[rank] = tuple(row)
+    return Schedule(s.name, s.ranks, s.stages, s.microbatches, tuple(rows))
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules())
+def test_generated_schedules_validate_and_are_complete(s):
+    s.validate()
+    s.forward_part().validate()
+    for r in range(s.ranks):
+        kinds = [a.kind for a in s.actions[r]]
+        n = len(s.rank_stages(r)) * s.microbatches
+        assert kinds.count(Kind.F) == n
+        assert kinds.count(Kind.BW) + kinds.count(Kind.W) == n
+    assert 0.0 <= s.bubble() < 1.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules(), st.randoms(use_true_random=False))
+def test_dropping_a_receive_is_rejected(s, rnd: random.Random):
+    spots = [(r, i) for r in range(s.ranks) for i, a in enumerate(s.actions[r])
+             if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+    if not spots:
+        return  # one rank: everything is handed over locally
+    r, i = rnd.choice(spots)
+    row = list(s.actions[r])
+    dropped = row.pop(i)
+    with pytest.raises(ScheduleError, match="invalid|incomplete") as e:
+        _replace(s, r, row).validate()
+    assert f"stage={dropped.stage}" in str(e.value)
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules(), st.randoms(use_true_random=False))
+def test_dropping_a_send_is_rejected(s, rnd: random.Random):
+    spots = [(r, i) for r in range(s.ranks) for i, a in enumerate(s.actions[r])
+             if a.kind in (Kind.SEND_F, Kind.SEND_B)]
+    if not spots:
+        return
+    r, i = rnd.choice(spots)
+    row = list(s.actions[r])
+    row.pop(i)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        _replace(s, r, row).validate()
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules(), st.randoms(use_true_random=False))
+def test_swapping_an_action_with_what_it_needs_is_rejected(s, rnd: random.Random):
+    """Swap a compute action with the action producing its input (a receive, the forward before a
+    backward, B before W, the compute before a send)."""
+    spots = []
+    for r in range(s.ranks):
+        row = s.actions[r]
+        where = {(a.kind, a.stage, a.mb): i for i, a in enumerate(row)}
+        for i, a in enumerate(row):
+            needs = {Kind.F: [(Kind.RECV_F, a.stage, a.mb)],
+                     Kind.BW: [(Kind.F, a.stage, a.mb), (Kind.RECV_B, a.stage, a.mb)],
+                     Kind.B: [(Kind.F, a.stage, a.mb), (Kind.RECV_B, a.stage, a.mb)],
+                     Kind.W: [(Kind.B, a.stage, a.mb)],
+                     Kind.SEND_F: [(Kind.F, a.stage, a.mb)],
+                     Kind.SEND_B: [(Kind.B, a.stage, a.mb), (Kind.BW, a.stage, a.mb)]}.get(a.kind, [])
+            spots += [(r, where[n], i) for n in needs if n in where]
+    r, i, j = rnd.choice(spots)
+    row = list(s.actions[r])
+    row[i], row[j] = row[j], row[i]
+    with pytest.raises(ScheduleError, match="invalid"):
+        _replace(s, r, row).validate()
+
+
+def test_deadlock_names_the_blocked_action():
+    s = make_schedule("1f1b", 2, 2)
+    # Rank 0 waits for a gradient before sending the activations that produce it.
+    row = [Action(Kind.RECV_B, 0, 0), *[a for a in s.actions[0] if a != Action(Kind.RECV_B, 0, 0)]]
+    with pytest.raises(ScheduleError, match=r"rank 0, action #0 RECV_B\(stage=0, mb=0\): deadlock"):
+        _replace(s, 0, row).validate()
+
+
+def test_rule_errors_name_the_action():
+    s = make_schedule("gpipe", 2, 2)
+    with pytest.raises(ScheduleError, match=r"rank 1, action #0 F\(stage=0, mb=0\): stage 0 lives on rank 0"):
+        _replace(s, 1, [Action(Kind.F, 0, 0)]).validate()
+    row = [*s.actions[0], Action(Kind.F, 0, 1)]
+    with pytest.raises(ScheduleError, match="duplicate"):
+        _replace(s, 0, row).validate()
+    w = make_schedule("zb-h1", 2, 2)
+    row = [a for a in w.actions[1] if a.kind is not Kind.W or a.mb != 1]
+    with pytest.raises(ScheduleError, match=r"never runs W\(stage=1, mb=1\)"):
+        _replace(w, 1, row).validate()
+
+
+def test_fewer_microbatches_than_stages():
+    assert make_schedule("1f1b", 4, 2).validate().microbatches == 2
+    assert make_schedule("zb-h1", 4, 1).validate()
+    with pytest.raises(ValueError, match="microbatches=2 < pp=4"):
+        make_schedule("interleaved", 4, 2, 2)
+    with pytest.raises(ValueError, match="multiple of pp"):
+        make_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="chunks=2"):
+        make_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        make_schedule("pipedream", 2, 4)
+
+
+def test_theoretical_bubbles_and_zero_bubble_ratio():
+    p, m, v = 4, 8, 2
+    assert make_schedule("gpipe", p, m).bubble() == pytest.approx((p - 1) / (m + p - 1))
+    assert make_schedule("1f1b", p, m).bubble() == pytest.approx((p - 1) / (m + p - 1))
+    assert make_schedule("interleaved", p, m, v).bubble() == pytest.approx((p - 1) / (v * m + p - 1))
+    # ZB-H1: makespan 3m + p - 1 units (1F1B: 3m + 3(p - 1)).
+    zb = make_schedule("zb-h1", p, m)
+    assert max(s.end for row in zb.simulate() for s in row) == 3 * m + p - 1
+    assert zb.bubble() / make_schedule("1f1b", p, m).bubble() < 0.45
+
+
+def test_custom_compute_order_gets_its_communication():
+    # Two ranks, all forwards then backwards in reverse order: a valid GPipe variant.
+    rows = [[Action(Kind.F, r, 0), Action(Kind.F, r, 1), Action(Kind.BW, r, 1), Action(Kind.BW, r, 0)]
+            for r in range(2)]
+    s = with_comms("custom", 2, 2, 2, rows).validate()
+    assert Action(Kind.SEND_F, 0, 1) in s.actions[0] and Action(Kind.RECV_B, 0, 1) in s.actions[0]
+
+
+def test_text_and_png(tmp_path):
+    s = make_schedule("interleaved", 2, 4, 2)
+    text = s.text()
+    assert text.splitlines()[1].startswith("rank 0: F0a F1a F0b F1b")
+    assert "planned bubble" in text
+    path = s.draw(str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").stat().st_size > 1000 and path.endswith("s.png")
