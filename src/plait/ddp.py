@@ -31,6 +31,7 @@ from plait.mesh import Mesh
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
+_FIRST_BUCKET_BYTES = 2**20
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -149,7 +150,9 @@ class DistributedDataParallel(nn.Module):
             key = (p.dtype, p.device)
             cur = current.setdefault(key, [])
             size = sum(q.numel() for _, q in cur) * p.element_size()
-            if cur and size + p.numel() * p.element_size() > cap:
+            # The first bucket is small so that communication starts early in backward.
+            limit = min(cap, _FIRST_BUCKET_BYTES) if not buckets else cap
+            if cur and size + p.numel() * p.element_size() > limit:
                 buckets.append(self._new_bucket(len(buckets), cur))
                 current[key] = cur = []
             cur.append((name, p))
@@ -196,7 +199,10 @@ class DistributedDataParallel(nn.Module):
         reached = _params_reached_by(out)
         for p_id, (b, i) in self._where.items():
             if p_id not in reached:
-                b.buffer[b.offsets[i] : b.offsets[i] + b.params[i].numel()].zero_()
+                p = b.params[i]
+                if p.grad is not None:  # detach a bucket-view grad before zeroing its slot
+                    p.grad = p.grad.clone()
+                b.buffer[b.offsets[i] : b.offsets[i] + p.numel()].zero_()
                 self._mark_ready(b, i)
             else:
                 assert self._used_flags is not None
@@ -216,7 +222,9 @@ class DistributedDataParallel(nn.Module):
         if i in b.ready:
             return
         assert p.grad is not None
-        b.buffer[b.offsets[i] : b.offsets[i] + p.numel()].copy_(p.grad.reshape(-1))
+        slot = b.buffer[b.offsets[i] : b.offsets[i] + p.numel()]
+        if p.grad.data_ptr() != slot.data_ptr():  # grad already lives in the bucket: no copy
+            slot.copy_(p.grad.reshape(-1))
         self._mark_ready(b, i)
 
     def _mark_ready(self, b: _Bucket, i: int) -> None:
@@ -260,11 +268,9 @@ class DistributedDataParallel(nn.Module):
             for i, p in enumerate(b.params):
                 if globally_used is not None and globally_used[self._flag_index(b, i)] == 0:
                     continue  # unused everywhere: leave grad as a single process would
-                view = b.buffer[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+                # The gradient becomes a view of its bucket: no copy back now, and if the user keeps
+                # it (zero_grad(set_to_none=False), no_sync), the next backward accumulates in place.
+                p.grad = b.buffer[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
 
     # ------------------------------------------------------------------ user API
     @contextlib.contextmanager

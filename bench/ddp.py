@@ -1,0 +1,132 @@
+"""plait DDP vs torch.nn.parallel.DistributedDataParallel, same model, batch and world, one run.
+
+Both wrappers are built in the same processes from identical weights. After warm-up their
+training steps alternate, and each step's time is the slowest rank's. Memory is measured in
+fresh processes per implementation (peak RSS only grows, so one process cannot measure two).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from bench.common import alternate, markdown_table, median, peak_rss_mib, write_section
+
+
+def _model(preset: str, seq: int):
+    import dataclasses
+
+    import plait
+    from plait.models.gpt import GPT, PRESETS
+
+    return plait.init_weights(GPT(dataclasses.replace(PRESETS[preset], seq_len=seq)), seed=0)
+
+
+def _step_fn(model, opt, x, y):
+    from plait.models.gpt import lm_loss
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _batch(global_batch: int, seq: int):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (global_batch, seq + 1), generator=g)
+    mine = data.chunk(world)[rank]
+    return mine[:, :-1], mine[:, 1:]
+
+
+def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, bucket_mb: float) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from plait import comm
+    from plait.ddp import DDP
+    from plait.testing import cached_mesh
+
+    x, y = _batch(global_batch, seq)
+    ours = DDP(_model(preset, seq), cached_mesh(dp=dist.get_world_size()), bucket_cap_mb=bucket_mb)
+    theirs = TorchDDP(_model(preset, seq), bucket_cap_mb=bucket_mb)
+    opt_a = torch.optim.AdamW(ours.parameters(), lr=1e-4)
+    opt_b = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
+    steps = {"plait": _step_fn(ours, opt_a, x, y), "torch": _step_fn(theirs, opt_b, x, y)}
+    times = alternate(steps, warmup, iters)
+    comm.reset_stats()
+    steps["plait"]()
+    n_params = sum(p.numel() for p in ours.parameters())
+    reduced = comm.stats().total("all_reduce", "dp")
+    return {"times": times, "n_params": n_params, "bytes_ratio": reduced / (4 * n_params),
+            "buckets": len(ours._buckets)}
+
+
+def _memory(impl: str, preset: str, seq: int, global_batch: int, bucket_mb: float) -> float:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from plait.ddp import DDP
+    from plait.testing import cached_mesh
+
+    x, y = _batch(global_batch, seq)
+    model = _model(preset, seq)
+    if impl == "plait":
+        model = DDP(model, cached_mesh(dp=dist.get_world_size()), bucket_cap_mb=bucket_mb)
+    else:
+        model = TorchDDP(model, bucket_cap_mb=bucket_mb)
+    step = _step_fn(model, torch.optim.AdamW(model.parameters(), lr=1e-4), x, y)
+    for _ in range(3):
+        step()
+    return peak_rss_mib()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="plait bench ddp")
+    p.add_argument("--model", default="25m")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    args = p.parse_args(argv)
+
+    from plait.testing import RankPool
+
+    pool = RankPool(args.world, timeout_s=900)
+    try:
+        out = pool.run(_timing, args.model, args.seq, args.batch, args.warmup, args.iters, args.bucket_mb)[0]
+    finally:
+        pool.close()
+    rss = {}
+    for impl in ("plait", "torch"):
+        pool = RankPool(args.world, timeout_s=900)
+        try:
+            rss[impl] = max(pool.run(_memory, impl, args.model, args.seq, args.batch, args.bucket_mb))
+        finally:
+            pool.close()
+
+    t_plait, t_torch = median(out["times"]["plait"]), median(out["times"]["torch"])
+    paired = [a / b for a, b in zip(out["times"]["plait"], out["times"]["torch"])]
+    tokens = args.batch * args.seq
+    rows = [
+        ["median step time (s)", t_plait, t_torch, t_plait / t_torch],
+        ["median of paired step ratios", "", "", median(paired)],
+        ["tokens/s", tokens / t_plait, tokens / t_torch, t_torch / t_plait],
+        ["peak RSS per rank (MiB)", rss["plait"], rss["torch"], rss["plait"] / rss["torch"]],
+    ]
+    body = (
+        f"GPT `{args.model}` ({out['n_params'] / 1e6:.1f}M parameters), world {args.world}, global batch "
+        f"{args.batch} x {args.seq} tokens, bucket cap {args.bucket_mb} MiB "
+        f"({out['buckets']} plait buckets), "
+        f"{args.iters} alternating timed steps after {args.warmup} warm-up steps each.\n\n"
+        + markdown_table(["", "plait", "torch DDP", "plait / torch"], rows)
+        + f"\n\nBytes all-reduced per step / (parameters x 4 bytes): **{out['bytes_ratio']:.2f}** "
+        "(theory 1.00).\n"
+    )
+    print(body)
+    write_section("ddp", "DistributedDataParallel: plait vs torch DDP", body)
+    return 0
