@@ -143,6 +143,7 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, steps: int
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig, lm_loss
     from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel, tp_info
+    from plait.tp_state import clip_grad_norm_, full_state_dict, load_full_state_dict
 
     mesh = cached_mesh(tp=tp)
     cfg = GPTConfig(**{**TINY, **cfg_kw})
@@ -173,6 +174,9 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, steps: int
         loss = loss_fn(logits, tgt)
         loss.backward()
         torch.testing.assert_close(loss, loss_ref, **TOL)
+        # Clipping is active (the norms are > 0.5) and must see the whole model's gradient.
+        norm_ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.5)
+        torch.testing.assert_close(clip_grad_norm_(model, 0.5), norm_ref, **TOL)
         if step == 0:
             want = specs["lm_head.weight"].take(logits_ref.detach(), dim=-1) if loss_parallel else logits_ref
             torch.testing.assert_close(logits, want, **TOL)
@@ -183,6 +187,14 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, steps: int
         opt.zero_grad()
         losses.append(loss.item())
     check("after 5 AdamW steps,", lambda p: p.detach())
+    # Checkpoints: the gathered state dict is the single-process one, and it loads back in slices.
+    full = full_state_dict(model)
+    torch.testing.assert_close(full, oracle.state_dict(), rtol=1e-5, atol=1e-6)
+    with torch.device("meta"):
+        fresh = GPT(cfg)
+    tensor_parallel(fresh, mesh, gpt_plan(cfg, loss_parallel=loss_parallel), sequence_parallel=sp, seed=99)
+    load_full_state_dict(fresh, oracle.state_dict())
+    torch.testing.assert_close(fresh.state_dict(), model.state_dict(), rtol=1e-5, atol=1e-6)
     local = sum(p.numel() for p in model.parameters())
     return {"losses": losses, "local_params": local, "full_params": oracle.num_parameters()}
 

@@ -1,0 +1,90 @@
+"""What a training loop needs around a tensor-parallel model: gradient clipping that sees the
+whole model, and full (unsharded) state dicts for checkpoints that load at any tp size.
+
+Both read the shard layout that `plait.tensor_parallel` records (`tp_info(model).specs`);
+parameters without a spec are replicated on every tp rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.tensor_parallel import tp_info
+
+__all__ = ["clip_grad_norm_", "full_state_dict", "load_full_state_dict"]
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (2-norm) for a tensor-parallel ``model``.
+
+    Each rank's sharded gradients hold a disjoint part of the model, so their squared norms
+    are summed across the tp group (one all-reduce of one number); replicated gradients are
+    identical on every rank and counted once. Every rank then applies the same scale, which
+    keeps replicated parameters identical. Returns the total norm (same on every tp rank).
+    For a model that is not tensor-parallel this is torch's function.
+    """
+    info = tp_info(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if info is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    sharded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in info.specs}
+    dev = params[0].grad.device if params else torch.device("cpu")
+    sq = torch.zeros(2, dtype=torch.float32, device=dev)  # [sharded, replicated]
+    for p in params:
+        sq[0 if id(p) in sharded else 1] += p.grad.detach().float().pow(2).sum()
+    part = sq[:1].clone()
+    comm.all_reduce(part, info.group)
+    total = (part[0] + sq[1]).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's formula
+    for p in params:
+        p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return total
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every entry of ``model.state_dict()`` at its full, unpadded size, on every tp rank.
+
+    Sharded entries are all-gathered over the tp group (one all-gather each), so the result
+    loads into the single-process model or, through `load_full_state_dict`, into a
+    tensor-parallel one of any tp size.
+    """
+    info = tp_info(model)
+    out = {}
+    for name, t in model.state_dict().items():
+        spec = info.specs.get(name) if info is not None else None
+        if spec is None:
+            out[name] = t.detach().clone()
+            continue
+        moved = t.detach().movedim(spec.dim, 0).contiguous()
+        buf = moved.new_empty((info.size * moved.shape[0], *moved.shape[1:]))
+        comm.all_gather_into(buf, moved, info.group)
+        out[name] = buf[: spec.full].movedim(0, spec.dim).contiguous()
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Load full-size tensors (e.g. from `full_state_dict` or a single-process model) into a
+    tensor-parallel ``model``: each rank copies its slice. No communication."""
+    info = tp_info(model)
+    own = model.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    for name, target in own.items():
+        spec = info.specs.get(name) if info is not None else None
+        value = state[name]
+        if spec is not None:
+            if value.shape[spec.dim] != spec.full:
+                raise ValueError(f"load_full_state_dict: {name!r} has {value.shape[spec.dim]} entries "
+                                 f"along dim {spec.dim}, expected the full {spec.full}")
+            value = spec.take(value)
+        if value.shape != target.shape:
+            raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(value)
