@@ -71,11 +71,14 @@ class TPInfo:
 
 
 def tensor_parallel(
-    module: nn.Module, mesh: Mesh, plan: Plan, *, sequence_parallel: bool = False, seed: int = 0
+    module: nn.Module, mesh: Mesh, plan: Plan, *, sequence_parallel: bool = False, seed: int = 0,
+    strict: bool = True,
 ) -> nn.Module:
     """Shard ``module`` in place over ``mesh.group('tp')`` following ``plan``; return it.
 
     ``seed`` is the `plait.init_weights` seed used for modules still on the meta device.
+    ``strict=False`` lets plan patterns match nothing (a pipeline stage holding only some of
+    the model's modules); by default such a pattern is an error, since it is usually a typo.
     Every argument and the whole plan are checked before any parameter changes or any
     collective runs; the only collective here is one broadcast that synchronizes the default
     random generator across the tp group (replicated dropout masks must agree).
@@ -98,7 +101,7 @@ def tensor_parallel(
     dev = _device()
     ctx = TPContext(group=mesh.group("tp"), size=n, rank=r, sequence_parallel=bool(sequence_parallel),
                     rng=RNGFork(module_seed(seed, f"plait.tp.rng.{r}"), dev))
-    ctx.assigned = _match(module, plan)
+    ctx.assigned = _match(module, plan, strict)
     modules = dict(module.named_modules())
     for name, style in ctx.assigned.items():
         style.validate(modules[name], name, ctx)
@@ -187,7 +190,7 @@ def _matches(pattern: str, name: str) -> bool:
     return len(p) == len(n) and all(fnmatch.fnmatchcase(b, a) for a, b in zip(p, n, strict=True))
 
 
-def _match(module: nn.Module, plan: Plan) -> dict[str, Style]:
+def _match(module: nn.Module, plan: Plan, strict: bool) -> dict[str, Style]:
     assigned: dict[str, Style] = {}
     by: dict[str, str] = {}
     used: set[str] = set()
@@ -199,7 +202,7 @@ def _match(module: nn.Module, plan: Plan) -> dict[str, Style]:
                 assigned[name], by[name] = style, pattern
                 used.add(pattern)
     unused = [p for p in plan if p not in used]
-    if unused:
+    if unused and strict:
         raise ValueError(f"plan: pattern(s) {unused} match no module of this {type(module).__name__} "
                          "(a '*' stands for exactly one name segment)")
     return assigned
