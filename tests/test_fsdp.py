@@ -353,7 +353,9 @@ def overlap_probe() -> dict:
         # Runs after FSDP's own grad hook on the same output (registration order).
         torch.autograd.graph.register_multi_grad_hook([out], on_l1_grad, mode="any")
 
-    def on_l0_grads(p) -> None:
+    def on_l1_grads(p) -> None:
+        # Runs right after FSDP's post-backward for layers.1: its reduce-scatter was issued
+        # and not awaited, so it proceeds while backward moves on into layers.0.
         seen.setdefault("rs_in_flight", l1.pending is not None)
 
     def on_l0_start(mod, args) -> None:
@@ -361,7 +363,7 @@ def overlap_probe() -> dict:
 
     model.module.layers[0].register_forward_pre_hook(on_l0_start)
     model.module.layers[1].register_forward_hook(on_l1_output)
-    l0.full.register_post_accumulate_grad_hook(on_l0_grads)
+    l1.full.register_post_accumulate_grad_hook(on_l1_grads)
     for b in batches(2):  # the second step prefetches along the first step's recorded order
         seen.clear()
         x, y = _local(b, model.mesh.rank("fsdp"), 2)
@@ -374,7 +376,7 @@ def overlap_probe() -> dict:
 def test_prefetch_and_reduce_scatter_overlap(pools):
     seen = pools[2].run(overlap_probe)[0]
     # layers.1's all-gather is in flight while layers.0 computes; in backward layers.0's while
-    # layers.1 computes; layers.1's reduce-scatter is still in flight when layers.0's grads land.
+    # layers.1 computes; layers.1's reduce-scatter is left in flight when its hook returns.
     assert seen == {"fwd_prefetch": True, "bwd_prefetch": True, "rs_in_flight": True}
 
 

@@ -144,6 +144,7 @@ class FullyShardedDataParallel(nn.Module):
         self._prev_order: list[Unit] = list(self.units)  # last forward's order: what to prefetch
         self._sync = True
         self._backward_queued = False
+        self._inflight: list[FlatParam] = []  # reductions issued and not yet awaited
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -210,10 +211,17 @@ class FullyShardedDataParallel(nn.Module):
             flat.start_reduce()  # overlaps with the rest of backward
             if self.zero_stage == 3:
                 flat.reshard()
+            # Keep one reduction in flight: an issued reduce-scatter holds its full-size input
+            # gradient until awaited, so waiting for the older one here bounds memory to about
+            # one unit's unsharded gradient while the newest still overlaps with compute.
+            self._inflight.append(flat)
+            while len(self._inflight) > 1:
+                self._inflight.pop(0).finish_reduce()
         return hook
 
     def _end_backward(self) -> None:
         self._backward_queued = False
+        self._inflight.clear()
         for unit in self.units:
             for flat in unit.flats:
                 flat.finish_reduce()

@@ -186,12 +186,12 @@ class FlatParam:
         if self.cfg.dp_group is not None:
             comm.all_reduce(red, self.cfg.dp_group)  # replicas hold the same slice: plain all-reduce
         red.div_(self.cfg.world * self.cfg.replicas)
-        if red.dtype != self.shard.dtype or red.device != self.shard.device:
-            red = red.to(self.shard.device, self.shard.dtype, non_blocking=True)
-        if self.cfg.offload:
-            if red.device == self.shard.device and red.device.type == self.cfg.device.type:
-                red = red.clone()  # CPU-only machine: keep the host copy explicit
-            self.offload_bytes["to_host"] += red.numel() * red.element_size()
+        if self.cfg.offload or red.dtype != self.shard.dtype or red.device != self.shard.device:
+            # A blocking copy: the optimizer reads this host gradient right after backward.
+            # (On a CPU-only machine offload still makes the copy, so the data path is exercised.)
+            red = red.to(self.shard.device, self.shard.dtype, copy=True)
+            if self.cfg.offload:
+                self.offload_bytes["to_host"] += red.numel() * red.element_size()
         if self.shard.grad is None:
             self.shard.grad = red
         else:
