@@ -325,6 +325,8 @@ def _reduce_scatter_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
 
 
 class _CopyToTP(torch.autograd.Function):
+    """Megatron f. Forward: nothing moves. Backward: all-reduce (sum) of the input gradient."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
@@ -339,6 +341,8 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """Megatron g. Forward: all-reduce (sum) of partial outputs. Backward: nothing moves."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         x = x.clone(memory_format=torch.contiguous_format)  # never reduce the caller's tensor in place
@@ -351,6 +355,8 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _GatherLast(torch.autograd.Function):
+    """Forward: all-gather along the last dim. Backward: nothing moves (keep this rank's slice)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
@@ -362,6 +368,8 @@ class _GatherLast(torch.autograd.Function):
 
 
 class _ScatterLast(torch.autograd.Function):
+    """Forward: nothing moves (keep this rank's slice). Backward: all-gather along the last dim."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
@@ -373,6 +381,8 @@ class _ScatterLast(torch.autograd.Function):
 
 
 class _GatherSeq(torch.autograd.Function):
+    """SP g-bar. Forward: all-gather along ``dim``. Backward: reduce-scatter along ``dim``."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
@@ -384,6 +394,8 @@ class _GatherSeq(torch.autograd.Function):
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
+    """SP g. Forward: reduce-scatter along ``dim``. Backward: all-gather along ``dim``."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
