@@ -294,10 +294,10 @@ def _dropout_masks(tp: int, sp: bool) -> dict:
 def test_dropout_rng_replicated_vs_sharded_regions(pools, sp):
     out = pools[2].run(_dropout_masks, 2, sp)
     same = {k: torch.equal(out[0][k], out[1][k]) for k in out[0]}
-    # Attention acts on different heads per rank: independent masks. The MLP's input, like the
-    # default stream after the forward, is replicated: same masks. The residual dropout acts on
-    # the replicated activation without SP and on different sequence shards with it.
-    assert same == {"attn": False, "mlp": True, "drop": not sp, "after": True}
+    # Attention and MLP bodies act on different heads / hidden units per rank: independent
+    # masks. The residual dropout acts on the replicated activation without SP (same mask) and
+    # on different sequence shards with it. The default stream stays in step afterwards.
+    assert same == {"attn": False, "mlp": False, "drop": not sp, "after": True}
 
 
 # ------------------------------------------------------------------ bad plans, clear errors

@@ -168,7 +168,7 @@ def gpt_plan(cfg: object, *, loss_parallel: bool = True) -> dict[str, Style]:
         "tok_emb": VocabParallelEmbedding(),
         "drop": SequenceParallel(),
         "layers.*.attn_norm": SequenceParallel(),
-        "layers.*.attn": ParallelRegion(fork_rng=True),
+        "layers.*.attn": ParallelRegion(),
         "layers.*.attn.q_proj": ColwiseParallel(input_comm=False, unit=hd, what="attention heads"),
         "layers.*.attn.k_proj": ColwiseParallel(input_comm=False, unit=hd, what="KV heads"),
         "layers.*.attn.v_proj": ColwiseParallel(input_comm=False, unit=hd, what="KV heads"),

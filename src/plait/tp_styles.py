@@ -347,11 +347,11 @@ class ParallelRegion(Style):
     local hidden units): its input enters once through f (forward identity, backward all-reduce;
     under SP forward all-gather of the sequence, backward reduce-scatter), shared by all the
     column-parallel layers inside. It must contain a RowwiseParallel layer that brings the
-    activation back. ``fork_rng`` runs the body on the per-rank random stream, because dropout
-    there acts on different heads on every rank.
+    activation back. ``fork_rng`` (default) runs the body on the per-rank random stream,
+    because dropout there acts on different heads or hidden units on every rank.
     """
 
-    fork_rng: bool = False
+    fork_rng: bool = True
 
     def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         inside = [s for n, s in ctx.assigned.items() if n.startswith(name + ".") or not name and n]
