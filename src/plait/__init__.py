@@ -4,8 +4,20 @@ from plait import comm
 from plait.data_parallel import DataParallel
 from plait.ddp import DDP, DistributedDataParallel
 from plait.env import get_logger, init
+from plait.fsdp import FSDP, FullyShardedDataParallel, MixedPrecision
 from plait.materialize import init_weights
 from plait.mesh import Mesh
+from plait.parallelize import ParallelPlan, clip_grad_norm_, parallelize
+from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel
+from plait.tp_loss import vocab_parallel_cross_entropy
+from plait.tp_styles import (
+    ColwiseParallel,
+    ParallelRegion,
+    RowwiseParallel,
+    SequenceParallel,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+)
 
 __all__ = [
     "init",
@@ -16,5 +28,21 @@ __all__ = [
     "DataParallel",
     "DistributedDataParallel",
     "DDP",
+    "FullyShardedDataParallel",
+    "FSDP",
+    "MixedPrecision",
+    "tensor_parallel",
+    "gpt_plan",
+    "loss_fn_for",
+    "vocab_parallel_cross_entropy",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "VocabParallelEmbedding",
+    "VocabParallelOutput",
+    "SequenceParallel",
+    "ParallelRegion",
+    "parallelize",
+    "ParallelPlan",
+    "clip_grad_norm_",
 ]
 __version__ = "0.1.0"

@@ -26,9 +26,12 @@ import plait
 from plait import comm
 from plait.data import BatchSampler, load_corpus
 from plait.mesh import Mesh
-from plait.models.gpt import GPT, PRESETS, GPTConfig, lm_loss
+from plait.models.gpt import GPT, PRESETS, GPTConfig
+from plait.parallelize import clip_grad_norm_
+from plait.tensor_parallel import loss_fn_for
 
-STRATEGIES = ("none", "dp", "ddp")
+STRATEGIES = ("none", "dp", "ddp", "fsdp")
+DATA_AXES = ("dp", "fsdp")  # ranks along these axes see different data
 
 
 @dataclass
@@ -36,8 +39,15 @@ class TrainConfig:
     """Everything `plait train` can be told; validated before any process is spawned."""
 
     model: str = "tiny"
-    strategy: str = "ddp"
-    nproc: int = 2
+    strategy: str = "ddp"  # none | dp (threads) | ddp | fsdp, on the data axes
+    nproc: int = 2  # processes (or threads for dp); data-parallel size = nproc / (pp * tp)
+    tp: int = 1
+    sequence_parallel: bool = False
+    dp: int = 1  # with --strategy fsdp: replicas of the fsdp shards (hybrid sharding)
+    zero_stage: int = 3
+    mixed_precision: str | None = None
+    offload: bool = False
+    reshard_after_forward: bool = True
     steps: int = 200
     batch_size: int = 16  # global batch, in sequences
     seq_len: int | None = None  # default: the preset's
@@ -60,23 +70,44 @@ class TrainConfig:
             raise ValueError(f"--model must be one of {sorted(PRESETS)}, got {self.model!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        for name in ("nproc", "steps", "batch_size", "grad_accum", "eval_batches"):
+        for name in ("nproc", "steps", "batch_size", "grad_accum", "eval_batches", "tp", "dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.strategy == "none" and self.nproc != 1:
             raise ValueError(f"--strategy none runs one process; got --nproc {self.nproc} (use ddp or dp)")
-        per_rank = self.batch_size // (self.nproc if self.strategy == "ddp" else 1)
-        if self.batch_size % (self.nproc * self.grad_accum) or per_rank < self.grad_accum:
+        if self.strategy in ("none", "dp") and self.tp > 1:
             raise ValueError(
-                f"--batch-size {self.batch_size} must be divisible by --nproc {self.nproc} x "
-                f"--grad-accum {self.grad_accum}"
+                f"--tp needs one process per rank: use --strategy ddp or fsdp, not {self.strategy}"
+            )
+        if self.dp > 1 and self.strategy != "fsdp":
+            raise ValueError(
+                "--dp (hybrid replicas) applies to --strategy fsdp; with ddp every data rank is dp"
+            )
+        if self.nproc % (self.tp * self.dp):
+            raise ValueError(f"--nproc {self.nproc} is not divisible by --tp {self.tp} x --dp {self.dp}")
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
+        if self.batch_size % (self.data_parallel_size * self.grad_accum):
+            raise ValueError(
+                f"--batch-size {self.batch_size} must be divisible by the data-parallel size "
+                f"{self.data_parallel_size} x --grad-accum {self.grad_accum}"
             )
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"--warmup must be in [0, --steps); got {self.warmup} with {self.steps} steps")
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data (threads of dp share one process but split the batch)."""
+        return self.nproc // self.tp
+
     def gpt_config(self) -> GPTConfig:
         base = PRESETS[self.model]
         return dataclasses.replace(base, seq_len=self.seq_len or base.seq_len)
+
+    def mesh(self) -> Mesh:
+        if self.strategy == "fsdp":
+            return Mesh(dp=self.dp, fsdp=-1, tp=self.tp)
+        return Mesh(dp=-1, tp=self.tp)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -87,19 +118,26 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> tuple[nn.Module, nn.Module]:
-    """Build the GPT and wrap it for ``cfg.strategy``; returns (wrapped, plain module)."""
-    gpt = plait.init_weights(GPT(cfg.gpt_config()), cfg.seed).to(device)
-    if cfg.strategy == "ddp":
-        from plait.ddp import DistributedDataParallel
-
-        return DistributedDataParallel(gpt, mesh), gpt
+def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module:
+    """Build the GPT and wrap it for the layout (tensor parallel, then DDP or FSDP)."""
+    gcfg = cfg.gpt_config()
     if cfg.strategy == "dp":
         from plait.data_parallel import DataParallel
 
+        gpt = plait.init_weights(GPT(gcfg), cfg.seed).to(device)
         devices = list(range(cfg.nproc)) if device.type == "cuda" else ["cpu"] * cfg.nproc
-        return DataParallel(gpt, devices), gpt
-    return gpt, gpt
+        return DataParallel(gpt, devices)
+    from plait.parallelize import ParallelPlan, parallelize
+    from plait.tensor_parallel import gpt_plan
+
+    with torch.device("meta"):  # each strategy materializes only what this rank keeps
+        gpt = GPT(gcfg)
+    plan = ParallelPlan(
+        tp=gpt_plan(gcfg) if cfg.tp > 1 else None, sequence_parallel=cfg.sequence_parallel,
+        data="fsdp" if cfg.strategy == "fsdp" else "ddp", zero_stage=cfg.zero_stage,
+        mixed_precision=cfg.mixed_precision, offload=cfg.offload,
+        reshard_after_forward=cfg.reshard_after_forward, seed=cfg.seed)
+    return parallelize(gpt, mesh, plan)
 
 
 def _mean_over(value: float, group: dist.ProcessGroup, size: int) -> float:
@@ -110,40 +148,44 @@ def _mean_over(value: float, group: dist.ProcessGroup, size: int) -> float:
 
 def _evaluate(model: nn.Module, sampler: BatchSampler, cfg: TrainConfig, device: torch.device,
               mesh: Mesh) -> float:
+    loss_fn = loss_fn_for(model)
     model.eval()
     total = 0.0
     with torch.no_grad():
         for i in range(cfg.eval_batches):
             x, y = sampler.batch_at(i)
-            total += lm_loss(model(x.to(device)), y.to(device)).item()
+            total += loss_fn(model(x.to(device)), y.to(device)).item()
     model.train()
-    return _mean_over(total / cfg.eval_batches, mesh.group("dp"), mesh.size("dp"))
+    return _mean_over(total / cfg.eval_batches, mesh.group(DATA_AXES), mesh.size(DATA_AXES))
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run on this rank (inside an initialised job); returns the summary on every rank."""
     device = plait.init(seed=cfg.seed)
     log = plait.get_logger("plait.train")
-    mesh = Mesh(dp=-1)
-    dp_rank, dp_size = mesh.rank("dp"), mesh.size("dp")
+    mesh = cfg.mesh()
+    dp_rank, dp_size = mesh.rank(DATA_AXES), mesh.size(DATA_AXES)
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_bytes)
-    model, plain = build_model(cfg, mesh, device)
+    model = build_model(cfg, mesh, device)
+    loss_fn = loss_fn_for(model)
     seq = cfg.gpt_config().seq_len
     sampler = BatchSampler(corpus.train, seq, cfg.batch_size, dp_rank, dp_size, seed=cfg.seed)
     val = BatchSampler(corpus.val, seq, cfg.batch_size, dp_rank, dp_size, seed=cfg.seed + 1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     is_main = dist.get_rank() == 0
-    n_params = sum(p.numel() for p in plain.parameters())
-    log.info("%s, %s params, corpus %s (%.1f MB), layout %s x%d, global batch %d x %d tokens",
+    with torch.device("meta"):
+        n_params = GPT(cfg.gpt_config()).num_parameters()
+    log.info("%s, %s params, corpus %s (%.1f MB), %s %s, global batch %d x %d tokens",
              cfg.model, f"{n_params:,}", corpus.source, len(corpus.train) / 1e6, cfg.strategy,
-             dp_size if cfg.strategy == "ddp" else cfg.nproc, cfg.batch_size, seq)
+             mesh if cfg.strategy != "dp" else f"{cfg.nproc} threads", cfg.batch_size, seq)
     metrics_path = Path(cfg.metrics)
     if is_main:
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
     bar = _progress(cfg, is_main)
     tokens_per_step = cfg.batch_size * seq
     first_loss = last_loss = float("nan")
+    losses: list[float] = []
     eval_loss = None
     t_start = time.perf_counter()
     for step in range(cfg.steps):
@@ -159,12 +201,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             # Only the last micro-batch communicates; the others accumulate locally.
             quiet = hasattr(model, "no_sync") and not last_micro
             with model.no_sync() if quiet else contextlib.nullcontext():
-                loss = lm_loss(model(xm), ym) / cfg.grad_accum
+                loss = loss_fn(model(xm), ym) / cfg.grad_accum
                 loss.backward()
             loss_sum += loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.grad_clip).item()
+        grad_norm = float(clip_grad_norm_(model, cfg.grad_clip))
         opt.step()
-        last_loss = _mean_over(loss_sum, mesh.group("dp"), dp_size)
+        last_loss = _mean_over(loss_sum, mesh.group(DATA_AXES), dp_size)
+        losses.append(last_loss)
         if step == 0:
             first_loss = last_loss
         dt = time.perf_counter() - t0
@@ -193,7 +236,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if is_main:
         with metrics_path.open("a") as f:
             f.write(json.dumps({"summary": summary}) + "\n")
-    return summary
+    return {**summary, "losses": losses}
 
 
 def _progress(cfg: TrainConfig, is_main: bool):
@@ -222,7 +265,8 @@ def parse_args(argv: list[str]) -> TrainConfig:
             kind = {int: int, float: float}.get(type(default), str)
             if f.name in ("seq_len",):
                 kind = int
-            choices = sorted(PRESETS) if f.name == "model" else STRATEGIES if f.name == "strategy" else None
+            choices = {"model": sorted(PRESETS), "strategy": STRATEGIES,
+                       "mixed_precision": ["bf16", "fp16"]}.get(f.name)
             p.add_argument(flag, type=kind, default=default, choices=choices)
     args = p.parse_args(argv)
     try:

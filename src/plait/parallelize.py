@@ -1,0 +1,97 @@
+"""Composition: one function that applies the strategies in one fixed order.
+
+    model = plait.parallelize(model, mesh, plait.ParallelPlan(tp=plait.gpt_plan(cfg), data="ddp"))
+
+Order, and why it is fixed:
+
+1. **Pipeline** (``pp`` axis) splits the model into stages first, so that every later step
+   only ever sees this rank's layers. It returns a `Pipeline` (a schedule runner) rather than
+   a module, so it is applied by `plait.pipeline(..., stage_fn=...)`, whose ``stage_fn`` calls
+   this function on each stage.
+2. **Tensor parallel** (``tp`` axis) shards single layers next. It must come before the data
+   axes: DDP and FSDP then treat each rank's tensor-parallel shards as ordinary parameters,
+   and the data-parallel groups (which differ only in the ``dp``/``fsdp`` coordinate) hold
+   shards of identical shape.
+3. **Data parallel** last, on the ``dp`` axis (DDP) or the ``fsdp`` axis with optional ``dp``
+   replication (FSDP / HSDP): it only needs the final local parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.ddp import DistributedDataParallel
+from plait.env import device
+from plait.fsdp import FullyShardedDataParallel
+from plait.materialize import init_weights, is_meta
+from plait.mesh import Mesh
+from plait.tensor_parallel import tensor_parallel, tp_info
+from plait.tp_styles import Style
+
+__all__ = ["ParallelPlan", "parallelize", "clip_grad_norm_"]
+
+DATA_STRATEGIES = ("ddp", "fsdp", "none")
+
+
+@dataclass
+class ParallelPlan:
+    """What to apply on each mesh axis (the ``pp`` axis is `plait.pipeline`'s)."""
+
+    tp: Mapping[str, Style] | None = None  # module-name pattern -> style; None: no tensor parallel
+    sequence_parallel: bool = False
+    data: str = "ddp"  # "ddp" over dp, "fsdp" over fsdp (hybrid with dp), or "none"
+    zero_stage: int = 3
+    mixed_precision: str | None = None
+    offload: bool = False
+    reshard_after_forward: bool = True
+    fsdp_units: Sequence[type | str] | None = None
+    ddp_options: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0  # init seed for modules still on the meta device
+
+    def __post_init__(self) -> None:
+        if self.data not in DATA_STRATEGIES:
+            raise ValueError(f"ParallelPlan(data=...) must be one of {DATA_STRATEGIES}, got {self.data!r}")
+        if self.data == "fsdp" and self.tp is not None:
+            raise ValueError("ParallelPlan: FSDP combined with tensor parallelism is not supported yet "
+                             "(the global gradient norm would need both shardings); use data='ddp' with tp")
+
+
+def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module:
+    """Apply tensor parallelism, then DDP or FSDP, as ``plan`` says; return the model to train."""
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"parallelize(plan=...) expects a plait.ParallelPlan, got {type(plan).__name__}")
+    if mesh.size("tp") > 1 and plan.tp is None:
+        raise ValueError(f"parallelize: {mesh} has tp={mesh.size('tp')} but the plan has no tp styles")
+    if plan.data == "ddp" and mesh.size("fsdp") > 1:
+        raise ValueError(f"parallelize: data='ddp' uses the dp axis, but {mesh} has fsdp="
+                         f"{mesh.size('fsdp')}; use data='fsdp' or put those ranks on dp")
+    if plan.tp is not None:
+        module = tensor_parallel(module, mesh, plan.tp, sequence_parallel=plan.sequence_parallel,
+                                 seed=plan.seed, strict=False)
+    if plan.data == "fsdp":
+        return FullyShardedDataParallel(
+            module, mesh, plan.zero_stage, units=plan.fsdp_units,
+            reshard_after_forward=plan.reshard_after_forward, mixed_precision=plan.mixed_precision,
+            offload=plan.offload, seed=plan.seed)
+    if is_meta(module):  # DDP keeps full replicas: materialize with the same per-module init
+        module = init_weights(module.to_empty(device=device()), plan.seed)
+    if plan.data == "ddp" and mesh.size("dp") > 1:
+        return DistributedDataParallel(module, mesh, **plan.ddp_options)
+    return module
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip by the norm of the *whole* model's gradient, however it is sharded; return that norm."""
+    if isinstance(model, FullyShardedDataParallel):
+        return model.clip_grad_norm_(max_norm)
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if tp_info(inner) is not None:  # after DDP's all-reduce every dp replica holds the same grads
+        from plait.tp_state import clip_grad_norm_ as tp_clip
+
+        return tp_clip(inner, max_norm)
+    return torch.nn.utils.clip_grad_norm_([p for p in inner.parameters() if p.grad is not None], max_norm)
