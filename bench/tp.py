@@ -9,8 +9,8 @@ training steps (forward, loss, backward, AdamW) strictly alternate.
 
 Reports the median step-time ratio plait / torch, plait's bytes per step (counted by
 `plait.comm`) against the Megatron formula, and torch's collective counts for one step
-(`CommDebugMode`). With ``--sequence-parallel`` plait's sequence-parallel step is timed as a
-third column (torch's side stays without it).
+(`CommDebugMode`). With ``--sequence-parallel`` both sides are also timed with sequence
+parallelism (torch: `SequenceParallel` norms and `PrepareModuleInput` regions, as torchtitan).
 
 Run: ``plait bench tp`` (``--help`` for sizes; the defaults take a few minutes on 2 CPUs).
 """
@@ -56,14 +56,16 @@ def _build_plait(args: dict, sequence_parallel: bool):
     return model, loss_fn_for(model)
 
 
-def _build_torch(args: dict):
+def _build_torch(args: dict, sequence_parallel: bool = False):
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
+        SequenceParallel,
         loss_parallel,
         parallelize_module,
     )
@@ -74,15 +76,26 @@ def _build_torch(args: dict):
     cfg = _cfg(args)
     model = plait.init_weights(GPT(cfg), 0)  # full model on every rank; torch then shards it
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda" if torch.cuda.is_available() else "cpu")
+    # Megatron pattern as torchtitan writes it; with SP the activations between the regions
+    # are Shard(1) (sequence) and norms run on sequence shards.
+    seq = Shard(1) if sequence_parallel else Replicate()
     plan = {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
     for i in range(cfg.n_layers):
-        plan.update({f"layers.{i}.attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
-        plan[f"layers.{i}.attn.o_proj"] = RowwiseParallel()
-        plan.update({f"layers.{i}.mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")})
-        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
+        pre = f"layers.{i}."
+        plan.update({f"{pre}attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
+        plan[f"{pre}attn.o_proj"] = RowwiseParallel(output_layouts=seq)
+        plan.update({f"{pre}mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")})
+        plan[f"{pre}mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+        if sequence_parallel:
+            for region in ("attn", "mlp"):
+                plan[f"{pre}{region}_norm"] = SequenceParallel()
+                plan[f"{pre}{region}"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                            desired_input_layouts=(Replicate(),))
     model = parallelize_module(model, mesh, plan)
 
     def loss_fn(logits, targets):
@@ -116,6 +129,7 @@ def timing_job(args: dict) -> dict:
     built = {"plait": _build_plait(args, False), "torch": _build_torch(args)}
     if args["sequence_parallel"]:
         built["plait-sp"] = _build_plait(args, True)
+        built["torch-sp"] = _build_torch(args, True)
     losses: dict[str, list[float]] = {k: [] for k in built}
     steps = {}
     for k, (model, loss_fn) in built.items():
@@ -174,7 +188,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=8, help="batch (the same on both tp ranks)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--sequence-parallel", action="store_true", help="also time plait with SP")
+    p.add_argument("--sequence-parallel", action="store_true", help="also time both sides with SP")
     p.add_argument("--no-write", action="store_true", help="print only; do not update bench/results")
     a = p.parse_args(argv)
     args = {k: getattr(a, k) for k in ("model", "seq_len", "batch", "iters", "warmup", "sequence_parallel")}
@@ -210,8 +224,8 @@ def _report(args: dict, res: dict, wall: float) -> str:
     med = {k: median(v) for k, v in res["times"].items()}
     rows = [["median step time (s)", med["plait"], med["torch"], med["plait"] / med["torch"], "<= 0.9"]]
     if "plait-sp" in med:
-        rows.append(["median step time (s), plait with SP", med["plait-sp"], med["torch"],
-                     med["plait-sp"] / med["torch"], ""])
+        rows.append(["median step time (s), both with sequence parallelism", med["plait-sp"],
+                     med["torch-sp"], med["plait-sp"] / med["torch-sp"], ""])
     table = markdown_table(["metric", "plait", "torch", "ratio", "target"], rows)
     th = _theory(args)
     c = res["comm"]["plait"]
