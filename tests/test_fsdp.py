@@ -353,9 +353,12 @@ def overlap_probe() -> dict:
         # Runs after FSDP's own grad hook on the same output (registration order).
         torch.autograd.graph.register_multi_grad_hook([out], on_l1_grad, mode="any")
 
-    def on_l1_grads(p) -> None:
-        # Runs right after FSDP's post-backward for layers.1: its reduce-scatter was issued
-        # and not awaited, so it proceeds while backward moves on into layers.0.
+    issue_l1_reduce = l1.start_reduce
+
+    def on_l1_reduce() -> None:
+        # Right after layers.1's reduce-scatter is issued: it was not awaited, so it proceeds
+        # while backward moves on into layers.0.
+        issue_l1_reduce()
         seen.setdefault("rs_in_flight", l1.pending is not None)
 
     def on_l0_start(mod, args) -> None:
@@ -363,7 +366,7 @@ def overlap_probe() -> dict:
 
     model.module.layers[0].register_forward_pre_hook(on_l0_start)
     model.module.layers[1].register_forward_hook(on_l1_output)
-    l1.full.register_post_accumulate_grad_hook(on_l1_grads)
+    l1.start_reduce = on_l1_reduce
     for b in batches(2):  # the second step prefetches along the first step's recorded order
         seen.clear()
         x, y = _local(b, model.mesh.rank("fsdp"), 2)

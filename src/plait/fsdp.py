@@ -138,8 +138,10 @@ class FullyShardedDataParallel(nn.Module):
             unit.module.register_forward_hook(self._make_post_forward(unit))
         for unit in self.units:
             for flat in unit.flats:
+                flat.bind_views()
                 if flat.requires_grad:
-                    flat.full.register_post_accumulate_grad_hook(self._make_post_backward(unit, flat))
+                    for i, leaf in enumerate(flat.leaves):
+                        leaf.register_post_accumulate_grad_hook(self._make_post_backward(flat, i))
         self._order: list[Unit] = []  # units in this forward's execution order
         self._prev_order: list[Unit] = list(self.units)  # last forward's order: what to prefetch
         self._sync = True
@@ -168,7 +170,6 @@ class FullyShardedDataParallel(nn.Module):
         unit.position = len(self._order)
         self._order.append(unit)
         unit.gather()
-        unit.bind_views()
         nxt = unit.position + 1
         if self.zero_stage == 3 and nxt < len(self._prev_order):
             self._prev_order[nxt].prefetch()  # overlaps the next unit's all-gather with this compute
@@ -204,10 +205,12 @@ class FullyShardedDataParallel(nn.Module):
         if self.zero_stage == 3 and 0 <= prev < len(self._order):
             self._order[prev].prefetch()  # the unit that backward reaches next
 
-    def _make_post_backward(self, unit: Unit, flat: FlatParam):
+    def _make_post_backward(self, flat: FlatParam, i: int):
         def hook(_leaf: torch.Tensor) -> None:
             if not self._sync:
-                return  # no_sync: the unsharded gradient keeps accumulating in flat.full.grad
+                return  # no_sync: unsharded gradients keep accumulating on the leaves
+            if not flat.take_grad(i):
+                return  # the unit's other parameters have not reported yet
             flat.start_reduce()  # overlaps with the rest of backward
             if self.zero_stage == 3:
                 flat.reshard()
@@ -224,6 +227,8 @@ class FullyShardedDataParallel(nn.Module):
         self._inflight.clear()
         for unit in self.units:
             for flat in unit.flats:
+                if self._sync and flat.requires_grad and flat.pending is None:
+                    flat.start_reduce()  # a unit some of whose parameters got no gradient
                 flat.finish_reduce()
             if self.zero_stage == 3:
                 unit.reshard()

@@ -5,16 +5,16 @@ one flat vector, padded to a multiple of the shard count ``N``, and each rank ke
 contiguous slice ``[r*S, (r+1)*S)`` with ``S = padded / N`` (ZeRO, Rajbhandari et al. 2020,
 sec. 5). The slice is an ``nn.Parameter`` — the only thing the optimizer ever sees.
 
-Two tensors share one storage for the gathered parameters:
+The gathered parameters live in ``buf``, which collectives write into. Its storage is
+resized to zero to free them and resized back before the next all-gather, so tensors that
+autograd saved in forward see the re-gathered values in backward.
 
-* ``buf`` is what collectives write into. Its storage is resized to zero to free the gathered
-  parameters and resized back before the next all-gather, so tensors that autograd saved in
-  forward (views of the parameters) see the re-gathered values in backward.
-* ``full`` is an autograd leaf aliasing the same storage with its *own* version counter, so
-  writing into ``buf`` never trips autograd's "modified by an inplace operation" check. The
-  module's parameters are `torch.split` views of ``full``: split's backward concatenates the
-  per-parameter gradients once, and the leaf's post-accumulate hook says the unit's backward
-  is done.
+Each original parameter is an autograd leaf aliasing its range of ``buf`` with its *own*
+version counter, so writing into ``buf`` never trips autograd's "modified by an inplace
+operation" check. The modules' attributes point at these leaves. As each leaf's gradient is
+accumulated, a hook copies it into the unit's flat reduction buffer (in the reduce dtype) and
+drops it, so a unit never holds its per-parameter gradients and a flat copy of them at once;
+when every leaf has reported, the unit's reduction starts.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class FlatParam:
         # be a window on it instead of a copy (the ZeRO formula counts parameters once).
         self.aliased = cfg.stage < 3 and self.compute_dtype == dtype and not cfg.offload
         self.buf = torch.zeros(self.padded, dtype=self.compute_dtype, device=cfg.device)
-        self.full = _alias(self.buf, 0, self.padded).requires_grad_(requires_grad)
+        self.leaves = [_alias(self.buf, s.offset, s.shape).requires_grad_(requires_grad) for s in slots]
+        self.grad_buf: torch.Tensor | None = None  # this backward's flat unsharded gradient
+        self.arrived = 0
         start = cfg.rank * self.shard_size
         if self.aliased:
             local = _alias(self.buf, start, self.shard_size)
@@ -87,6 +89,9 @@ class FlatParam:
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
         self.gathered = True  # buf holds the full vector (zeros now, filled at first gather)
         self.gathered_version = -1  # shard._version at the last gather; -1 forces one
+        if cfg.stage == 3:  # built one unit at a time and freed at once: no rank holds the model
+            self.buf.untyped_storage().resize_(0)
+            self.gathered = False
         self._handle: comm.Handle | None = None
         self._src: torch.Tensor | None = None
         self.pending: tuple[comm.Handle | None, torch.Tensor] | None = None
@@ -96,11 +101,6 @@ class FlatParam:
     def shard_range(self, rank: int | None = None) -> tuple[int, int]:
         r = self.cfg.rank if rank is None else rank
         return r * self.shard_size, (r + 1) * self.shard_size
-
-    def split_sizes(self) -> list[int]:
-        sizes = [s.numel for s in self.slots]
-        pad = self.padded - self.total
-        return sizes + [pad] if pad else sizes
 
     # ------------------------------------------------------------- unshard / reshard
     def needs_gather(self) -> bool:
@@ -146,14 +146,25 @@ class FlatParam:
         self.gathered = False
 
     def bind_views(self) -> None:
-        """Point every owner module's attribute at its slice of ``full`` (autograd-tracked)."""
-        pieces = torch.split(self.full, self.split_sizes())
-        for slot, piece in zip(self.slots, pieces):
-            view = piece.view(slot.shape)
+        """Point every owner module's attribute at its parameter's leaf (tied owners share one)."""
+        for slot, leaf in zip(self.slots, self.leaves, strict=True):
             for mod, attr in slot.owners:
-                mod.__dict__[attr] = view
+                mod.__dict__[attr] = leaf
 
     # ------------------------------------------------------------- gradients
+    def take_grad(self, i: int) -> bool:
+        """Move leaf ``i``'s gradient into the flat buffer; True once every leaf has reported."""
+        leaf, slot = self.leaves[i], self.slots[i]
+        g, leaf.grad = leaf.grad, None
+        if g is None:
+            return False
+        if self.grad_buf is None:
+            dtype = self.cfg.reduce_dtype or g.dtype
+            self.grad_buf = torch.zeros(self.padded, dtype=dtype, device=g.device)
+        self.grad_buf[slot.offset : slot.offset + slot.numel].copy_(g.reshape(-1))
+        self.arrived += 1
+        return self.arrived == len(self.leaves)
+
     def start_reduce(self) -> None:
         """Issue this backward's gradient reduction (async) and drop the unsharded gradient.
 
@@ -161,8 +172,10 @@ class FlatParam:
         ``.grad`` is a window on it). ZeRO-2/3: reduce-scatter, rank r receives the sum of
         slice r. Both in the reduce dtype over the fsdp axis.
         """
-        g = self.full.grad
-        self.full.grad = None
+        for i, leaf in enumerate(self.leaves):  # leaves whose hook did not run (unused, no_sync)
+            if leaf.grad is not None:
+                self.take_grad(i)
+        g, self.grad_buf, self.arrived = self.grad_buf, None, 0
         if g is None:
             return
         if self.cfg.reduce_dtype is not None and g.dtype != self.cfg.reduce_dtype:
@@ -198,7 +211,11 @@ class FlatParam:
             self.shard.grad.add_(red)
 
 
-def _alias(base: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
-    """A 1-D tensor on ``base``'s storage with its own autograd version counter."""
+def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...] | torch.Size | int) -> torch.Tensor:
+    """A contiguous tensor on ``base``'s storage with its own autograd version counter."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * shape[d + 1]
     return torch.empty(0, dtype=base.dtype, device=base.device).set_(
-        base.untyped_storage(), offset, (numel,))
+        base.untyped_storage(), offset, shape, tuple(stride))

@@ -42,10 +42,6 @@ class Unit:
         for f in self.flats:
             f.reshard()
 
-    def bind_views(self) -> None:
-        for f in self.flats:
-            f.bind_views()
-
 
 def check_no_optimizer(module: nn.Module) -> None:
     """Raise if an optimizer already holds ``module``'s parameters (it would update dead copies)."""
