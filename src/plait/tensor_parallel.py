@@ -45,6 +45,7 @@ from plait.tp_styles import (
     RNGFork,
     RowwiseParallel,
     SequenceParallel,
+    SequenceShardGrads,
     ShardSpec,
     Style,
     TPContext,
@@ -100,7 +101,8 @@ def tensor_parallel(
     n, r = mesh.size("tp"), mesh.rank("tp")
     dev = _device()
     ctx = TPContext(group=mesh.group("tp"), size=n, rank=r, sequence_parallel=bool(sequence_parallel),
-                    rng=RNGFork(module_seed(seed, f"plait.tp.rng.{r}"), dev))
+                    rng=RNGFork(module_seed(seed, f"plait.tp.rng.{r}"), dev),
+                    seq_grads=SequenceShardGrads(mesh.group("tp")))
     ctx.assigned = _match(module, plan, strict)
     modules = dict(module.named_modules())
     for name, style in ctx.assigned.items():

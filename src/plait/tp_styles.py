@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait import comm
+from plait._torch_compat import queue_end_of_backward
 
 __all__ = [
-    "ShardSpec", "TPContext", "RNGFork", "Style", "ColwiseParallel", "RowwiseParallel",
+    "ShardSpec", "TPContext", "RNGFork", "SequenceShardGrads", "Style", "ColwiseParallel", "RowwiseParallel",
     "VocabParallelEmbedding", "VocabParallelOutput", "ParallelRegion", "SequenceParallel",
 ]
 
@@ -115,6 +116,43 @@ class RNGFork:
             self._saved = None
 
 
+class SequenceShardGrads:
+    """Sums, across the tp group, the gradients of replicated parameters applied to sequence
+    shards (norm weights, row-parallel biases under SP): each rank's gradient covers only its
+    positions. One flat all-reduce at the end of backward serves all of them.
+
+    A parameter's hook stashes its gradient and hands autograd zeros instead, so gradients
+    already accumulated in ``.grad`` (gradient accumulation) are never summed twice; the sum
+    over ranks is added to ``.grad`` once the whole backward has run.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.pending: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def watch(self, p: nn.Parameter) -> None:
+        p.register_hook(partial(self._stash, p))
+
+    def _stash(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        self.pending.append((p, grad))
+        queue_end_of_backward(self.flush)  # queued by every hook; all but the first find nothing
+        return torch.zeros_like(grad)
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        flat = torch.cat([g.reshape(-1) for _, g in pending])
+        comm.all_reduce(flat, self.group)
+        offset = 0
+        for p, g in pending:
+            if p.grad is None:
+                raise RuntimeError("sequence-parallel parameters need loss.backward() (their .grad is "
+                                   "completed after backward), not torch.autograd.grad")
+            p.grad.add_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 @dataclass
 class TPContext:
     """What styles need to know about the call: the group, the layout and the whole plan."""
@@ -124,6 +162,7 @@ class TPContext:
     rank: int
     sequence_parallel: bool
     rng: RNGFork
+    seq_grads: SequenceShardGrads
     assigned: dict[str, Style] = field(default_factory=dict)  # module name -> style
 
 
@@ -150,13 +189,6 @@ def _enter_parallel(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     if ctx.sequence_parallel:
         return comm.gather_from_sp(x, ctx.group, dim=1)
     return comm.copy_to_tp(x, ctx.group)
-
-
-def _all_reduce_grad(group: dist.ProcessGroup, grad: torch.Tensor) -> torch.Tensor:
-    # A replicated parameter applied to a sequence shard only sees its shard's gradient.
-    grad = grad.clone(memory_format=torch.contiguous_format)
-    comm.all_reduce(grad, group)
-    return grad
 
 
 def _first_tensor_pre_hook(fn: Callable[[torch.Tensor], torch.Tensor], name: str):
@@ -272,8 +304,8 @@ class RowwiseParallel(Style):
     layers), else scattered first (forward keeps this rank's slice, backward all-gathers).
     Output: g, all-reduced (forward all-reduce, backward identity) or, under SP,
     reduce-scattered along the sequence (backward all-gather). The bias is added once, after
-    the reduction, and under SP its gradient is all-reduced because each rank saw only its
-    sequence shard.
+    the reduction, and under SP its gradient is summed over the tp group after backward because
+    each rank saw only its sequence shard.
     """
 
     input_is_parallel: bool = True
@@ -303,7 +335,7 @@ class RowwiseParallel(Style):
 
         mod.forward = types.MethodType(forward, mod)
         if ctx.sequence_parallel and mod.bias is not None:
-            mod.bias.register_hook(partial(_all_reduce_grad, ctx.group))
+            ctx.seq_grads.watch(mod.bias)
 
 
 @dataclass(frozen=True)
@@ -372,9 +404,9 @@ class SequenceParallel(Style):
 
     Without sequence parallelism: nothing (they run replicated, on the synchronized default
     random stream). With it: the module runs on this rank's sequence shard, so no
-    communication in forward; its replicated parameters' gradients are all-reduced in backward
-    (each rank saw only its part of the sequence), and randomness comes from the per-rank
-    stream so different positions get independent masks.
+    communication in forward; its replicated parameters' gradients are summed over the tp group
+    after backward (each rank saw only its part of the sequence; see `SequenceShardGrads`),
+    and randomness comes from the per-rank stream so different positions get independent masks.
     """
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
@@ -382,6 +414,6 @@ class SequenceParallel(Style):
             return
         for p in mod.parameters(recurse=False):
             if p.requires_grad:
-                p.register_hook(partial(_all_reduce_grad, ctx.group))
+                ctx.seq_grads.watch(p)
         mod.register_forward_pre_hook(ctx.rng.enter)
         mod.register_forward_hook(ctx.rng.exit, always_call=True)
