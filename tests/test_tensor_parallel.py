@@ -263,14 +263,14 @@ def test_comm_per_block_equals_theory(pools, tp, sp):
         assert out["whole_bwd"] == {"all_reduce@tp": (2 * L + 1, (2 * L + 1) * act)}
     else:  # each all-reduce becomes an all-gather + reduce-scatter pair, same logical bytes
         assert out["fwd"] == {"all_gather@tp": (2, 2 * act), "reduce_scatter@tp": (2, 2 * act)}
-        # + the two norms' weight gradients (h floats each), summed over sequence shards in one call
+        # + the two norms' weight gradients (h floats each), summed over the sequence shards
         assert out["bwd"] == {"all_gather@tp": (2, 2 * act), "reduce_scatter@tp": (2, 2 * act),
-                              "all_reduce@tp": (1, 2 * h * d4)}
+                              "all_reduce@tp": (2, 2 * h * d4)}
         assert out["whole_fwd"]["all_gather@tp"] == (2 * L + 1, (2 * L + 1) * act)
         assert out["whole_fwd"]["reduce_scatter@tp"] == (2 * L + 1, (2 * L + 1) * act)
         assert out["whole_bwd"]["reduce_scatter@tp"] == (2 * L + 1, (2 * L + 1) * act)
         assert out["whole_bwd"]["all_gather@tp"] == (2 * L + 1, (2 * L + 1) * act)
-        assert out["whole_bwd"]["all_reduce@tp"] == (1, (2 * L + 1) * h * d4)
+        assert out["whole_bwd"]["all_reduce@tp"] == (2 * L + 1, (2 * L + 1) * h * d4)
 
 
 # ------------------------------------------------------------------ randomness

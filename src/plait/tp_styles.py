@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait import comm
-from plait._torch_compat import queue_end_of_backward
 
 __all__ = [
     "ShardSpec", "TPContext", "RNGFork", "SequenceShardGrads", "Style", "ColwiseParallel", "RowwiseParallel",
@@ -119,38 +118,25 @@ class RNGFork:
 class SequenceShardGrads:
     """Sums, across the tp group, the gradients of replicated parameters applied to sequence
     shards (norm weights, row-parallel biases under SP): each rank's gradient covers only its
-    positions. One flat all-reduce at the end of backward serves all of them.
+    positions.
 
-    A parameter's hook stashes its gradient and hands autograd zeros instead, so gradients
-    already accumulated in ``.grad`` (gradient accumulation) are never summed twice; the sum
-    over ranks is added to ``.grad`` once the whole backward has run.
+    The sum happens in the parameter's gradient hook, before autograd accumulates into
+    ``.grad``: one small all-reduce per parameter, but every later hook (DDP or FSDP buckets
+    on the data axes, gradient accumulation) sees the finished gradient. Batching them into one
+    call at the end of backward would save those calls but hand data-parallel hooks a partial
+    gradient first.
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
-        self.pending: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     def watch(self, p: nn.Parameter) -> None:
-        p.register_hook(partial(self._stash, p))
+        p.register_hook(self._sum)
 
-    def _stash(self, p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        self.pending.append((p, grad))
-        queue_end_of_backward(self.flush)  # queued by every hook; all but the first find nothing
-        return torch.zeros_like(grad)
-
-    def flush(self) -> None:
-        pending, self.pending = self.pending, []
-        if not pending:
-            return
-        flat = torch.cat([g.reshape(-1) for _, g in pending])
-        comm.all_reduce(flat, self.group)
-        offset = 0
-        for p, g in pending:
-            if p.grad is None:
-                raise RuntimeError("sequence-parallel parameters need loss.backward() (their .grad is "
-                                   "completed after backward), not torch.autograd.grad")
-            p.grad.add_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    def _sum(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share the buffer
+        comm.all_reduce(grad, self.group)
+        return grad
 
 
 @dataclass
