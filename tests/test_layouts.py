@@ -28,6 +28,9 @@ LAYOUTS = {
     "hsdp-dp2-fsdp2-zero2": dict(strategy="fsdp", nproc=4, dp=2, zero_stage=2),
     "tp2-ddp2": dict(strategy="ddp", nproc=4, tp=2),
     "tp4-sp": dict(strategy="ddp", nproc=4, tp=4, sequence_parallel=True),
+    "pp2-dp2-zb-h1": dict(strategy="ddp", nproc=4, pp=2, schedule="zb-h1"),
+    "pp4-gpipe": dict(strategy="ddp", nproc=4, pp=4, schedule="gpipe"),
+    "pp2-dp2-interleaved": dict(strategy="ddp", nproc=4, pp=2, schedule="interleaved", chunks=2),
 }
 
 

@@ -18,18 +18,19 @@ parallelism on the other axes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait import comm
 from plait._torch_compat import queue_end_of_backward
 from plait.mesh import Mesh
 
-__all__ = ["DistributedDataParallel", "DDP"]
+__all__ = ["DistributedDataParallel", "DDP", "average_gradients"]
 
 _FIRST_BUCKET_BYTES = 2**20
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -333,6 +334,28 @@ class _JoinState:
         longest = max(range(len(steps)), key=lambda r: (steps[r], r))
         src = ddp.mesh.group_ranks(ddp.axis)[longest]
         _broadcast_coalesced(list(ddp.module.parameters()), src, ddp.group)
+
+
+def average_gradients(params: Iterable[nn.Parameter], group: Any) -> None:
+    """Average ``.grad`` over ``group`` after backward, in one flat all-reduce per dtype.
+
+    For loops that cannot use DDP's overlapping hooks (e.g. a pipeline, whose microbatches
+    run their own backward passes): correct, but without overlap.
+    """
+    world = dist.get_world_size(group)
+    grads = [p.grad for p in params if p.grad is not None]
+    if world == 1 or not grads:
+        return
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for gs in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in gs]).div_(world)
+        comm.all_reduce(flat, group)
+        offset = 0
+        for g in gs:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Any) -> None:

@@ -25,11 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait import comm
 from plait.ddp import DistributedDataParallel
 from plait.env import device
 from plait.fsdp import FullyShardedDataParallel
 from plait.materialize import init_weights, is_meta
 from plait.mesh import Mesh
+from plait.pipeline import Pipeline
 from plait.tensor_parallel import tensor_parallel, tp_info
 from plait.tp_styles import Style
 
@@ -89,6 +91,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the norm of the *whole* model's gradient, however it is sharded; return that norm."""
     if isinstance(model, FullyShardedDataParallel):
         return model.clip_grad_norm_(max_norm)
+    if isinstance(model, Pipeline):  # stages hold disjoint parameters: sum the squares over pp
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            sq += g.detach().double().pow(2).sum().cpu()
+        comm.all_reduce(sq, model.group)
+        norm = sq.sqrt().float()
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1:
+            for g in grads:
+                g.mul_(scale)
+        return norm
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     if tp_info(inner) is not None:  # after DDP's all-reduce every dp replica holds the same grads
         from plait.tp_state import clip_grad_norm_ as tp_clip

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,11 @@ from torch import nn
 import plait
 from plait import comm
 from plait.data import BatchSampler, load_corpus
+from plait.ddp import average_gradients
 from plait.mesh import Mesh
-from plait.models.gpt import GPT, PRESETS, GPTConfig
+from plait.models.gpt import GPT, PRESETS, GPTConfig, lm_loss
 from plait.parallelize import clip_grad_norm_
+from plait.pipeline import Pipeline, pipeline
 from plait.tensor_parallel import loss_fn_for
 
 STRATEGIES = ("none", "dp", "ddp", "fsdp")
@@ -43,6 +46,10 @@ class TrainConfig:
     nproc: int = 2  # processes (or threads for dp); data-parallel size = nproc / (pp * tp)
     tp: int = 1
     sequence_parallel: bool = False
+    pp: int = 1
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1
+    microbatches: int = 4
+    chunks: int = 1  # pipeline stages per rank (interleaved schedules)
     dp: int = 1  # with --strategy fsdp: replicas of the fsdp shards (hybrid sharding)
     zero_stage: int = 3
     mixed_precision: str | None = None
@@ -70,7 +77,8 @@ class TrainConfig:
             raise ValueError(f"--model must be one of {sorted(PRESETS)}, got {self.model!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        for name in ("nproc", "steps", "batch_size", "grad_accum", "eval_batches", "tp", "dp"):
+        for name in ("nproc", "steps", "batch_size", "grad_accum", "eval_batches", "tp", "dp", "pp",
+                     "microbatches", "chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.strategy == "none" and self.nproc != 1:
@@ -83,8 +91,17 @@ class TrainConfig:
             raise ValueError(
                 "--dp (hybrid replicas) applies to --strategy fsdp; with ddp every data rank is dp"
             )
-        if self.nproc % (self.tp * self.dp):
-            raise ValueError(f"--nproc {self.nproc} is not divisible by --tp {self.tp} x --dp {self.dp}")
+        if self.nproc % (self.pp * self.tp * self.dp):
+            raise ValueError(f"--nproc {self.nproc} is not divisible by --pp {self.pp} x --tp {self.tp} x "
+                             f"--dp {self.dp}")
+        if self.pp > 1:
+            if self.strategy != "ddp" or self.tp > 1 or self.grad_accum > 1:
+                raise ValueError("--pp combines with --strategy ddp (data parallel across pipelines) only, "
+                                 "without --tp or --grad-accum (microbatches already accumulate)")
+            per_pipeline = self.batch_size // self.data_parallel_size
+            if per_pipeline % self.microbatches:
+                raise ValueError(f"the per-pipeline batch {per_pipeline} is not divisible by "
+                                 f"--microbatches {self.microbatches}")
         if self.zero_stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
         if self.batch_size % (self.data_parallel_size * self.grad_accum):
@@ -98,7 +115,7 @@ class TrainConfig:
     @property
     def data_parallel_size(self) -> int:
         """Ranks that see different data (threads of dp share one process but split the batch)."""
-        return self.nproc // self.tp
+        return self.nproc // (self.tp * self.pp)
 
     def gpt_config(self) -> GPTConfig:
         base = PRESETS[self.model]
@@ -106,8 +123,8 @@ class TrainConfig:
 
     def mesh(self) -> Mesh:
         if self.strategy == "fsdp":
-            return Mesh(dp=self.dp, fsdp=-1, tp=self.tp)
-        return Mesh(dp=-1, tp=self.tp)
+            return Mesh(pp=self.pp, dp=self.dp, fsdp=-1, tp=self.tp)
+        return Mesh(pp=self.pp, dp=-1, tp=self.tp)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -118,8 +135,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module:
-    """Build the GPT and wrap it for the layout (tensor parallel, then DDP or FSDP)."""
+def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module | Pipeline:
+    """Build the GPT and wrap it for the layout: pipeline, or tensor parallel then DDP or FSDP."""
     gcfg = cfg.gpt_config()
     if cfg.strategy == "dp":
         from plait.data_parallel import DataParallel
@@ -132,6 +149,9 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
 
     with torch.device("meta"):  # each strategy materializes only what this rank keeps
         gpt = GPT(gcfg)
+    if cfg.pp > 1:
+        return pipeline(gpt, mesh, schedule=cfg.schedule, microbatches=cfg.microbatches, loss_fn=lm_loss,
+                        chunks=cfg.chunks, seed=cfg.seed, device=device)
     plan = ParallelPlan(
         tp=gpt_plan(gcfg) if cfg.tp > 1 else None, sequence_parallel=cfg.sequence_parallel,
         data="fsdp" if cfg.strategy == "fsdp" else "ddp", zero_stage=cfg.zero_stage,
@@ -146,11 +166,34 @@ def _mean_over(value: float, group: dist.ProcessGroup, size: int) -> float:
     return t.item() / size
 
 
-def _evaluate(model: nn.Module, sampler: BatchSampler, cfg: TrainConfig, device: torch.device,
+def _forward_backward(model: nn.Module | Pipeline, x: torch.Tensor, y: torch.Tensor,
+                      cfg: TrainConfig, loss_fn: Callable, mesh: Mesh) -> float:
+    """One optimizer step's gradients (left in ``.grad``); returns this rank's mean loss."""
+    if isinstance(model, Pipeline):
+        loss = model.step(x, y).item()  # microbatches run on the schedule, grads accumulate
+        average_gradients(model.parameters(), mesh.group("dp"))  # across pipeline replicas
+        return loss
+    loss_sum = 0.0
+    for i, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))):
+        # Only the last micro-batch communicates; the others accumulate locally.
+        quiet = hasattr(model, "no_sync") and i < cfg.grad_accum - 1
+        with model.no_sync() if quiet else contextlib.nullcontext():
+            loss = loss_fn(model(xm), ym) / cfg.grad_accum
+            loss.backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def _evaluate(model: nn.Module | Pipeline, sampler: BatchSampler, cfg: TrainConfig, device: torch.device,
               mesh: Mesh) -> float:
+    total = 0.0
+    if isinstance(model, Pipeline):
+        for i in range(cfg.eval_batches):
+            x, y = sampler.batch_at(i)
+            total += float(model.eval_step(x.to(device), y.to(device)))
+        return _mean_over(total / cfg.eval_batches, mesh.group(DATA_AXES), mesh.size(DATA_AXES))
     loss_fn = loss_fn_for(model)
     model.eval()
-    total = 0.0
     with torch.no_grad():
         for i in range(cfg.eval_batches):
             x, y = sampler.batch_at(i)
@@ -167,7 +210,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     dp_rank, dp_size = mesh.rank(DATA_AXES), mesh.size(DATA_AXES)
     corpus = load_corpus(cfg.data, max_bytes=cfg.max_bytes)
     model = build_model(cfg, mesh, device)
-    loss_fn = loss_fn_for(model)
+    loss_fn = lm_loss if isinstance(model, Pipeline) else loss_fn_for(model)
     seq = cfg.gpt_config().seq_len
     sampler = BatchSampler(corpus.train, seq, cfg.batch_size, dp_rank, dp_size, seed=cfg.seed)
     val = BatchSampler(corpus.val, seq, cfg.batch_size, dp_rank, dp_size, seed=cfg.seed + 1)
@@ -195,15 +238,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         x, y = next(sampler)
         x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for i, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))):
-            last_micro = i == cfg.grad_accum - 1
-            # Only the last micro-batch communicates; the others accumulate locally.
-            quiet = hasattr(model, "no_sync") and not last_micro
-            with model.no_sync() if quiet else contextlib.nullcontext():
-                loss = loss_fn(model(xm), ym) / cfg.grad_accum
-                loss.backward()
-            loss_sum += loss.item()
+        loss_sum = _forward_backward(model, x, y, cfg, loss_fn, mesh)
         grad_norm = float(clip_grad_norm_(model, cfg.grad_clip))
         opt.step()
         last_loss = _mean_over(loss_sum, mesh.group(DATA_AXES), dp_size)

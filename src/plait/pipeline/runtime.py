@@ -68,7 +68,7 @@ class Executor:
                     x = tuple(t.to(self.device) for t in example)
                     meta = describe(x)
                 else:
-                    meta = local if self.peer(s - 1) == self.rank else comm.recv_object(
+                    meta = local if self.sched.stage_rank(s - 1) == self.rank else comm.recv_object(
                         self.peer(s - 1), self.group)
                     x = tuple(torch.zeros(sh, dtype=dt, device=self.device).requires_grad_(rg)
                               for sh, dt, rg in meta)  # type: ignore[union-attr]
@@ -79,7 +79,7 @@ class Executor:
                     out = as_tuple(self.stages[s](*x), f"the output of stage {s}")
                 local = describe(out)
                 metas[-1 - s] = local  # output metadata under a negative key: -1 - stage
-                if self.peer(s + 1) != self.rank:
+                if self.sched.stage_rank(s + 1) != self.rank:
                     comm.send_object(local, self.peer(s + 1), self.group)
         self.in_meta[key] = metas
         return metas
@@ -145,7 +145,7 @@ class Executor:
                     acts_out[key] = out_t
                 if a.stage < S - 1:
                     handoff = tuple(t.detach() for t in out_t)
-                    if self.peer(a.stage + 1) == self.rank:
+                    if self.sched.stage_rank(a.stage + 1) == self.rank:
                         acts_in[(a.stage + 1, a.mb)] = handoff
                     else:
                         to_send[key] = handoff
@@ -176,7 +176,7 @@ class Executor:
                     got, pending_w[key] = backward_input(outs, g, ins, self._params(a.stage))
                     gin = [t if t is not None else torch.zeros_like(x) for t, x in zip(got, ins)]
                 if a.stage > 0:
-                    if self.peer(a.stage - 1) == self.rank:
+                    if self.sched.stage_rank(a.stage - 1) == self.rank:
                         grads_out[(a.stage - 1, a.mb)] = gin
                     else:
                         grads_in[key] = gin
