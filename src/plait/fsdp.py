@@ -140,8 +140,8 @@ class FullyShardedDataParallel(nn.Module):
             for flat in unit.flats:
                 flat.bind_views()
                 if flat.requires_grad:
-                    for i, leaf in enumerate(flat.leaves):
-                        leaf.register_post_accumulate_grad_hook(self._make_post_backward(flat, i))
+                    for leaf in flat.leaves:
+                        leaf.register_post_accumulate_grad_hook(self._make_post_backward(flat))
         self._order: list[Unit] = []  # units in this forward's execution order
         self._prev_order: list[Unit] = list(self.units)  # last forward's order: what to prefetch
         self._sync = True
@@ -205,11 +205,11 @@ class FullyShardedDataParallel(nn.Module):
         if self.zero_stage == 3 and 0 <= prev < len(self._order):
             self._order[prev].prefetch()  # the unit that backward reaches next
 
-    def _make_post_backward(self, flat: FlatParam, i: int):
+    def _make_post_backward(self, flat: FlatParam):
         def hook(_leaf: torch.Tensor) -> None:
             if not self._sync:
                 return  # no_sync: unsharded gradients keep accumulating on the leaves
-            if not flat.take_grad(i):
+            if not flat.grad_ready():
                 return  # the unit's other parameters have not reported yet
             flat.start_reduce()  # overlaps with the rest of backward
             if self.zero_stage == 3:

@@ -11,10 +11,9 @@ autograd saved in forward see the re-gathered values in backward.
 
 Each original parameter is an autograd leaf aliasing its range of ``buf`` with its *own*
 version counter, so writing into ``buf`` never trips autograd's "modified by an inplace
-operation" check. The modules' attributes point at these leaves. As each leaf's gradient is
-accumulated, a hook copies it into the unit's flat reduction buffer (in the reduce dtype) and
-drops it, so a unit never holds its per-parameter gradients and a flat copy of them at once;
-when every leaf has reported, the unit's reduction starts.
+operation" check. The modules' attributes point at these leaves, and their gradients land
+on them as usual; once every leaf of the unit has reported, the gradients are copied into one
+flat buffer (in the reduce dtype) for the reduction and dropped.
 """
 
 from __future__ import annotations
@@ -77,8 +76,7 @@ class FlatParam:
         self.aliased = cfg.stage < 3 and self.compute_dtype == dtype and not cfg.offload
         self.buf = torch.zeros(self.padded, dtype=self.compute_dtype, device=cfg.device)
         self.leaves = [_alias(self.buf, s.offset, s.shape).requires_grad_(requires_grad) for s in slots]
-        self.grad_buf: torch.Tensor | None = None  # this backward's flat unsharded gradient
-        self.arrived = 0
+        self.arrived = 0  # leaves whose gradient this backward has accumulated
         start = cfg.rank * self.shard_size
         if self.aliased:
             local = _alias(self.buf, start, self.shard_size)
@@ -152,18 +150,25 @@ class FlatParam:
                 mod.__dict__[attr] = leaf
 
     # ------------------------------------------------------------- gradients
-    def take_grad(self, i: int) -> bool:
-        """Move leaf ``i``'s gradient into the flat buffer; True once every leaf has reported."""
-        leaf, slot = self.leaves[i], self.slots[i]
-        g, leaf.grad = leaf.grad, None
-        if g is None:
-            return False
-        if self.grad_buf is None:
-            dtype = self.cfg.reduce_dtype or g.dtype
-            self.grad_buf = torch.zeros(self.padded, dtype=dtype, device=g.device)
-        self.grad_buf[slot.offset : slot.offset + slot.numel].copy_(g.reshape(-1))
+    def grad_ready(self) -> bool:
+        """Count one leaf's gradient as accumulated; True once every leaf has reported."""
         self.arrived += 1
         return self.arrived == len(self.leaves)
+
+    def _flatten_grads(self) -> torch.Tensor | None:
+        # Copied only once the unit's backward is complete: by then its activations are gone,
+        # so the brief overlap of per-parameter gradients and the flat copy costs less than
+        # holding a flat buffer from the unit's first gradient on (measured: lower peak).
+        grads = [(slot, leaf) for slot, leaf in zip(self.slots, self.leaves, strict=True)
+                 if leaf.grad is not None]
+        if not grads:
+            return None
+        dtype = self.cfg.reduce_dtype or grads[0][1].grad.dtype
+        flat = torch.zeros(self.padded, dtype=dtype, device=grads[0][1].grad.device)
+        for slot, leaf in grads:
+            flat[slot.offset : slot.offset + slot.numel].copy_(leaf.grad.reshape(-1))
+            leaf.grad = None
+        return flat
 
     def start_reduce(self) -> None:
         """Issue this backward's gradient reduction (async) and drop the unsharded gradient.
@@ -172,10 +177,7 @@ class FlatParam:
         ``.grad`` is a window on it). ZeRO-2/3: reduce-scatter, rank r receives the sum of
         slice r. Both in the reduce dtype over the fsdp axis.
         """
-        for i, leaf in enumerate(self.leaves):  # leaves whose hook did not run (unused, no_sync)
-            if leaf.grad is not None:
-                self.take_grad(i)
-        g, self.grad_buf, self.arrived = self.grad_buf, None, 0
+        g, self.arrived = self._flatten_grads(), 0
         if g is None:
             return
         if self.cfg.reduce_dtype is not None and g.dtype != self.cfg.reduce_dtype:
