@@ -139,20 +139,25 @@ def _batch(step: int, vocab: int, b: int = 4, s: int = 16) -> tuple[torch.Tensor
     return w[:, :-1], w[:, 1:]
 
 
-def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, steps: int = 5) -> dict:
+def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, dp: int = 1, steps: int = 5) -> dict:
+    from contextlib import nullcontext
+
+    from plait.ddp import DDP
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig, lm_loss
     from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel, tp_info
     from plait.tp_state import clip_grad_norm_, full_state_dict, load_full_state_dict
 
-    mesh = cached_mesh(tp=tp)
+    mesh = cached_mesh(dp=dp, tp=tp)
     cfg = GPTConfig(**{**TINY, **cfg_kw})
     oracle = init_weights(GPT(cfg), seed=3)
     with torch.device("meta"):
         model = GPT(cfg)
     tensor_parallel(model, mesh, gpt_plan(cfg, loss_parallel=loss_parallel), sequence_parallel=sp, seed=3)
-    specs = tp_info(model).specs
-    loss_fn = loss_fn_for(model)
+    # With dp > 1, data parallelism over the other axis wraps the tensor-parallel model.
+    net = DDP(model, mesh) if dp > 1 else model
+    specs = tp_info(net).specs
+    loss_fn = loss_fn_for(net)
     ref_params = dict(oracle.named_parameters(remove_duplicate=False))
 
     def check(what: str, get) -> None:
@@ -163,28 +168,31 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, steps: int
 
     check("initial value of", lambda p: p.detach())
     opt_ref = torch.optim.AdamW(oracle.parameters(), **ADAMW)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    opt = torch.optim.AdamW(net.parameters(), **ADAMW)
     losses = []
     for step in range(steps):
         idx, tgt = _batch(step, cfg.vocab_size)
         logits_ref = oracle(idx)
         loss_ref = lm_loss(logits_ref, tgt)
         loss_ref.backward()
-        # Two micro-batches accumulate into .grad (the oracle takes the whole batch at once).
+        # This dp rank's slice of the global batch, in two micro-batches that accumulate into
+        # .grad (the oracle takes the whole batch at once).
+        mine = slice(mesh.rank("dp") * len(idx) // dp, (mesh.rank("dp") + 1) * len(idx) // dp)
         loss = torch.zeros(())
-        for k, (x_mb, t_mb) in enumerate(zip(idx.chunk(2), tgt.chunk(2), strict=True)):
-            logits = model(x_mb)
-            loss_mb = loss_fn(logits, t_mb) / 2
-            loss_mb.backward()
+        for k, (x_mb, t_mb) in enumerate(zip(idx[mine].chunk(2), tgt[mine].chunk(2), strict=True)):
+            with net.no_sync() if dp > 1 and k == 0 else nullcontext():
+                logits = net(x_mb)
+                loss_mb = loss_fn(logits, t_mb) / 2
+                loss_mb.backward()
             loss += loss_mb.detach()
             if step == 0 and k == 0:
-                ref = logits_ref[: len(x_mb)].detach()
+                ref = logits_ref[mine][: len(x_mb)].detach()
                 want = specs["lm_head.weight"].take(ref, dim=-1) if loss_parallel else ref
                 torch.testing.assert_close(logits, want, **TOL)
-        torch.testing.assert_close(loss, loss_ref, **TOL)
+        torch.testing.assert_close(loss, lm_loss(logits_ref[mine], tgt[mine]), **TOL)
         # Clipping is active (the norms are > 0.5) and must see the whole model's gradient.
         norm_ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.5)
-        torch.testing.assert_close(clip_grad_norm_(model, 0.5), norm_ref, **TOL)
+        torch.testing.assert_close(clip_grad_norm_(net, 0.5), norm_ref, **TOL)
         if step == 0:
             check("gradient of", lambda p: p.grad)
         opt_ref.step()
@@ -346,3 +354,9 @@ def _bad(case: str) -> None:
 def test_impossible_plan_raises_clear_error(pools, case, expect):
     errors = pools[4].errors(_bad, case)
     assert all(expect in e for e in errors.values()), errors[0]
+
+
+def test_composes_with_ddp_on_the_dp_axis(pools):
+    # world 4 = dp 2 x tp 2: tensor_parallel touches only the tp groups, DDP only the dp groups.
+    out = pools[4].run(_gpt_parity, 2, True, {"vocab_size": 255}, True, 2)
+    assert out[0]["losses"] == out[1]["losses"] != out[2]["losses"] == out[3]["losses"]

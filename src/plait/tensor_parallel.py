@@ -53,7 +53,7 @@ from plait.tp_styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["tensor_parallel", "gpt_plan", "loss_fn_for", "tp_info", "TPInfo"]
+__all__ = ["tensor_parallel", "gpt_plan", "loss_fn_for", "tp_info", "tp_module", "TPInfo"]
 
 Plan = Mapping[str, Style]
 
@@ -135,12 +135,19 @@ def _head_vocab(specs: dict[int, ShardSpec], modules: dict[str, nn.Module],
 
 def tp_info(model: nn.Module) -> TPInfo | None:
     """The `TPInfo` of a tensor-parallel model (looking through ``.module`` wrappers), else None."""
-    seen = 0
-    while model is not None and seen < 8:
-        info = getattr(model, "_plait_tp", None)
-        if info is not None:
-            return info
-        model, seen = getattr(model, "module", None), seen + 1
+    found = tp_module(model)
+    return None if found is None else found._plait_tp
+
+
+def tp_module(model: nn.Module) -> nn.Module | None:
+    """The tensor-parallel module itself, inside ``.module`` wrappers such as DDP (else None).
+    Parameter names in `TPInfo.specs` are relative to it."""
+    for _ in range(8):
+        if getattr(model, "_plait_tp", None) is not None:
+            return model
+        model = getattr(model, "module", None)
+        if model is None:
+            return None
     return None
 
 

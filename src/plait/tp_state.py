@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.tensor_parallel import tp_info
+from plait.tensor_parallel import tp_info, tp_module
 
 __all__ = ["clip_grad_norm_", "full_state_dict", "load_full_state_dict"]
 
@@ -27,11 +27,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     keeps replicated parameters identical. Returns the total norm (same on every tp rank).
     For a model that is not tensor-parallel this is torch's function.
     """
-    info = tp_info(model)
+    inner, info = tp_module(model), tp_info(model)
     params = [p for p in model.parameters() if p.grad is not None]
-    if info is None:
+    if inner is None or info is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    sharded = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in info.specs}
+    sharded = {id(p) for name, p in inner.named_parameters(remove_duplicate=False) if name in info.specs}
     dev = params[0].grad.device if params else torch.device("cpu")
     sq = torch.zeros(2, dtype=torch.float32, device=dev)  # [sharded, replicated]
     for p in params:
@@ -51,8 +51,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Sharded entries are all-gathered over the tp group (one all-gather each), so the result
     loads into the single-process model or, through `load_full_state_dict`, into a
-    tensor-parallel one of any tp size.
+    tensor-parallel one of any tp size. Keys are those of the tensor-parallel module itself
+    (without the ``module.`` prefix of a DDP wrapper around it).
     """
+    model = tp_module(model) or model
     info = tp_info(model)
     out = {}
     for name, t in model.state_dict().items():
@@ -70,7 +72,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Load full-size tensors (e.g. from `full_state_dict` or a single-process model) into a
-    tensor-parallel ``model``: each rank copies its slice. No communication."""
+    tensor-parallel ``model``: each rank copies its slice. No communication. Keys as in
+    `full_state_dict`."""
+    model = tp_module(model) or model
     info = tp_info(model)
     own = model.state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
