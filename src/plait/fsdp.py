@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait._torch_compat import queue_end_of_backward
 from plait.env import device as default_device
 from plait.fsdp_flat import FlatParam, ShardCfg
 from plait.fsdp_units import Unit, build_units, check_no_optimizer
@@ -199,7 +200,7 @@ class FullyShardedDataParallel(nn.Module):
     def _pre_backward(self, unit: Unit) -> None:
         if not self._backward_queued:
             self._backward_queued = True
-            _queue_end_of_backward(self._end_backward)
+            queue_end_of_backward(self._end_backward)  # reductions are awaited there
         unit.gather()
         prev = unit.position - 1
         if self.zero_stage == 3 and 0 <= prev < len(self._order):
@@ -353,10 +354,3 @@ def _cast_floats(obj, dtype: torch.dtype):
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
-
-
-def _queue_end_of_backward(callback) -> None:
-    # Only the autograd engine's callback queue fires after the *whole* graph has run; the
-    # public hooks fire per tensor or node. Must be called from inside a running backward.
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
-
