@@ -126,7 +126,8 @@ def tensor_parallel(
 
 
 def _head_vocab(specs: dict[int, ShardSpec], modules: dict[str, nn.Module],
-                  heads: list[tuple[str, Style]]) -> int | None:
+                heads: list[tuple[str, Style]]) -> int | None:
+    """The full vocabulary of the one lm_head whose logits stay sharded (None: none do)."""
     if len(heads) > 1:
         raise ValueError(f"plan: at most one VocabParallelOutput may leave its logits sharded, got "
                          f"{[h for h, _ in heads]}")
