@@ -29,6 +29,9 @@ import torch
 import torch.distributed as dist
 
 ReduceOp = dist.ReduceOp
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); torch 2.6 has only those.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # ------------------------------------------------------------------ group registry
 _labels: dict[int, tuple[str, tuple[int, ...]]] = {}
@@ -200,7 +203,7 @@ def all_gather_into(
         out.copy_(shard)
         return Handle(None, "") if async_op else None
     return _run("all_gather", shard, group,
-                lambda: dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op),
+                lambda: _ALL_GATHER(out, shard, group=group, async_op=async_op),
                 async_op)
 
 
@@ -215,7 +218,7 @@ def reduce_scatter_into(
         out.copy_(full)
         return Handle(None, "") if async_op else None
     return _run("reduce_scatter", full, group,
-                lambda: dist.reduce_scatter_tensor(out, full, op=op, group=group,
+                lambda: _REDUCE_SCATTER(out, full, op=op, group=group,
                                                    async_op=async_op), async_op)
 
 

@@ -178,8 +178,7 @@ class DistributedDataParallel(nn.Module):
         if self._join is not None:
             self._divisor = self._join.step(sync)
         if self.broadcast_buffers and self.world > 1:
-            with torch.no_grad():
-                _broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
+            _broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
         out = self.module(*args, **kwargs)
         self._sync_this_backward = sync
         if sync:
@@ -344,31 +343,27 @@ def average_gradients(params: Iterable[nn.Parameter], group: Any) -> None:
     """
     world = dist.get_world_size(group)
     grads = [p.grad for p in params if p.grad is not None]
-    if world == 1 or not grads:
-        return
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault((g.dtype, g.device), []).append(g)
-    for gs in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in gs]).div_(world)
-        comm.all_reduce(flat, group)
-        offset = 0
-        for g in gs:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    if world > 1:
+        _coalesced(grads, lambda flat: comm.all_reduce(flat.div_(world), group))
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Any) -> None:
     """Broadcast many tensors as one flat buffer per dtype (one collective instead of hundreds)."""
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    _coalesced(tensors, lambda flat: comm.broadcast(flat, src, group))
+
+
+@torch.no_grad()
+def _coalesced(tensors: list[torch.Tensor], collective: Any) -> None:
+    """Run an in-place ``collective`` on one flat copy of ``tensors`` per (dtype, device)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     seen: set[int] = set()
     for t in tensors:
         if id(t) not in seen:
             seen.add(id(t))
-            by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    for ts in by_dtype.values():
+            groups.setdefault((t.dtype, t.device), []).append(t)
+    for ts in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        comm.broadcast(flat, src, group)
+        collective(flat)
         offset = 0
         for t in ts:
             t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
