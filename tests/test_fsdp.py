@@ -135,14 +135,16 @@ def test_parity_world4(pools, ref, stage):
     assert_params(out[3]["params"], ref["params"])
 
 
-def test_hybrid_dp2_fsdp2(pools, ref):
-    out = pools[4].run(train_fsdp, 2, 2, 3)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hybrid_dp2_fsdp2(pools, ref, stage):
+    out = pools[4].run(train_fsdp, 2, 2, stage)
     for o in out:
         assert_params(o["params"], ref["params"])
 
 
-def test_cpu_offload_parity_and_placement(pools, ref):
-    out = pools[2].run(train_fsdp, 1, 2, 3, offload=True)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cpu_offload_parity_and_placement(pools, ref, stage):
+    out = pools[2].run(train_fsdp, 1, 2, stage, offload=True)
     assert_params(out[0]["params"], ref["params"])
     place = out[1]["placement"]
     assert place["shards"] == place["grads"] == place["optim"] == {"cpu"}
@@ -198,9 +200,15 @@ def oracle_bf16(world: int, steps: int = STEPS) -> dict:
     return {k: v.detach().clone() for k, v in master.state_dict().items()}
 
 
-def test_mixed_precision_bf16(pools):
-    want = oracle_bf16(2)
-    out = pools[2].run(train_fsdp, 1, 2, 3, mixed_precision="bf16")
+@pytest.fixture(scope="module")
+def ref_bf16() -> dict:
+    return oracle_bf16(2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_mixed_precision_bf16(pools, ref_bf16, stage):
+    want = ref_bf16
+    out = pools[2].run(train_fsdp, 1, 2, stage, mixed_precision="bf16")
     # The bf16 forward/backward is bitwise the reference's; what differs is only the fp32
     # order of the two-rank gradient sum, so fp32 tolerances hold.
     assert_params(out[0]["params"], want)
@@ -232,10 +240,10 @@ def _steps(model, opt, bs: list[torch.Tensor]) -> None:
         opt.zero_grad()
 
 
-def ckpt_save(path: str, fsdp: int, steps: int) -> dict:
+def ckpt_save(path: str, fsdp: int, steps: int, dp: int = 1) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    model, opt = _wrap(1, fsdp, 3)
+    model, opt = _wrap(dp, fsdp, 3)
     _steps(model, opt, batches(steps))
     dcp.save(model.sharded_state_dict(opt), checkpoint_id=path)
     return model.full_state_dict()
@@ -259,6 +267,14 @@ def test_sharded_checkpoint_world4_resumes_at_world2_and_world1(pools, ref, tmp_
         out = pools[world].run(ckpt_resume, str(tmp_path / "ck"), world, 3, STEPS)[0]
         assert_params(out["loaded"], saved, rtol=0, atol=0)  # the load itself is exact
         assert_params(out["params"], ref["params"])  # Adam moments and step came back too
+
+
+def test_hybrid_checkpoint_resumes_fully_sharded(pools, ref, tmp_path):
+    # dp replicas hold identical shards; the checkpoint stores each once.
+    saved = pools[4].run(ckpt_save, str(tmp_path / "hy"), 2, 3, 2)[0]
+    out = pools[2].run(ckpt_resume, str(tmp_path / "hy"), 2, 3, STEPS)[0]
+    assert_params(out["loaded"], saved, rtol=0, atol=0)
+    assert_params(out["params"], ref["params"])
 
 
 def full_roundtrip(steps: int) -> dict:
