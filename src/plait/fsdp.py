@@ -21,6 +21,15 @@ while backward continues into earlier units.
 The training loop stays plain PyTorch: build any optimizer on ``model.parameters()`` *after*
 wrapping (those are this rank's flat shards), call ``loss.backward()``, ``opt.step()``.
 
+State: `full_state_dict` (gathered, CPU, original names) for export; `sharded_state_dict`
+(per-parameter ``Shard(0)`` DTensors, optionally with the optimizer's state) for
+`torch.distributed.checkpoint`, loadable at another world size. ``state_dict()`` itself is
+nn.Module's: the flat shards under ``flat_<unit>_<group>`` plus buffers.
+
+Not covered yet: activation checkpointing inside a unit (its recomputed forward would re-enter
+the unit hooks), and parameters used on some ranks but not others in the same step (every
+rank must issue the same reductions). fp16 has no loss scaling of its own.
+
 GPU behaviour (CPU offload): shards, their gradients and the optimizer state stay in pinned
 host memory; each unit's shard is copied to the GPU (non-blocking) just before its
 all-gather, reduced gradient shards are copied back, and the optimizer steps on the CPU. On
@@ -153,6 +162,7 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         root = self.units[0]
         self._order = []
+        self._backward_queued = False  # in case the previous backward raised before its callback
         if self.zero_stage < 3:
             # Shards changed by the optimizer are gathered again; all issued now, each unit
             # waits for its own in its pre-forward.
