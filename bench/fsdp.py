@@ -1,4 +1,4 @@
-"""plait ZeRO-3 against PyTorch FSDP2 (``fully_shard`` per block and root), world 2, one run.
+"""plait ZeRO-3 against PyTorch FSDP2 (``fully_shard`` per block and root), world 2 by default.
 
 Reports:
 
@@ -26,7 +26,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import alternate, markdown_table, median, peak_rss_mib, write_section
 
-WORLD = 2
 MIB = 2**20
 
 
@@ -96,11 +95,11 @@ def _cfg(args: dict):
 
 def _batch(args: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
-    b = torch.randint(0, 256, (args["batch"], args["seq_len"] + 1), generator=g).chunk(WORLD)[rank]
+    b = torch.randint(0, 256, (args["batch"], args["seq_len"] + 1), generator=g).chunk(args["world"])[rank]
     return b[:, :-1], b[:, 1:]
 
 
-def _build(impl: str, args: dict, stage: int = 3):
+def _build(impl: str, args: dict, stage: int | None = None):
     import torch.distributed as dist
 
     import plait
@@ -113,7 +112,8 @@ def _build(impl: str, args: dict, stage: int = 3):
     if impl == "plait":
         with torch.device("meta"):
             model = GPT(cfg)
-        model = FSDP(model, cached_mesh(fsdp=WORLD), stage, offload=args["offload"],
+        model = FSDP(model, cached_mesh(fsdp=args["world"]), stage or args["zero_stage"],
+                     offload=args["offload"],
                      mixed_precision=MixedPrecision(torch.bfloat16) if mp else None)
     else:
         from torch.distributed.device_mesh import DeviceMesh
@@ -126,7 +126,9 @@ def _build(impl: str, args: dict, stage: int = 3):
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mp else MixedPrecisionPolicy()
         # FSDP2's CPUOffloadPolicy needs an accelerator; on a CPU-only machine torch runs unoffloaded.
         offload = args["offload"] and torch.cuda.is_available()
-        kw = dict(mesh=mesh, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+        # ZeRO-3 frees gathered blocks after forward; FSDP2's ZeRO-2-like mode keeps them.
+        kw = dict(mesh=mesh, reshard_after_forward=args["zero_stage"] == 3,
+                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
                   mp_policy=policy)
         for layer in model.layers:
             fully_shard(layer, **kw)
@@ -159,11 +161,11 @@ def timing_job(args: dict) -> dict:
     models = {impl: _build(impl, args) for impl in ("plait", "torch")}
     steps = {impl: _step_fn(*models[impl], x, y, losses[impl]) for impl in models}
     times = alternate(steps, warmup=args["warmup"], iters=args["iters"])
-    # Communication of one plait ZeRO-3 step against DDP's one all-reduce of every gradient.
+    # Communication of one plait step against DDP's one all-reduce of every gradient.
     comm.reset_stats()
     steps["plait"]()
     s = comm.stats()
-    zero3 = s.total("all_gather", None, "wire_bytes") + s.total("reduce_scatter", None, "wire_bytes")
+    zero3 = sum(s.total(op, None, "wire_bytes") for op in ("all_gather", "reduce_scatter", "all_reduce"))
     psi = sum(p.numel() for p in models["torch"][0].parameters())  # DTensor numel is the global size
     comm.reset_stats()
     comm.all_reduce(torch.zeros(psi), dist.group.WORLD)
@@ -222,23 +224,27 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=4, help="global batch (split over the 2 ranks)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--fsdp", type=int, default=2, help="ranks (the fsdp axis), default 2")
+    p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
+                   help="plait's stage in the timed comparison (torch: reshard_after_forward=stage==3)")
     p.add_argument("--mixed-precision", action="store_true", help="bf16 compute on both sides")
     p.add_argument("--offload", action="store_true", help="CPU offload on both sides")
     p.add_argument("--no-write", action="store_true", help="print only; do not update bench/results")
     a = p.parse_args(argv)
     args = {k: getattr(a, k) for k in ("model", "seq_len", "batch", "iters", "warmup", "mixed_precision",
-                                       "offload")}
+                                       "offload", "zero_stage")}
+    args["world"] = a.fsdp
     from plait.testing import RankPool
 
     t0 = time.time()
-    pool = RankPool(WORLD, timeout_s=900)
+    pool = RankPool(args["world"], timeout_s=900)
     try:
         timing = pool.run(timing_job, args)[0]
     finally:
         pool.close()
     mem = {}
     for impl in ("plait", "torch"):  # fresh processes each: neither sees the other's memory
-        pool = RankPool(WORLD, timeout_s=900)
+        pool = RankPool(args["world"], timeout_s=900)
         try:
             mem[impl] = pool.run(memory_job, impl, args)
         finally:
@@ -246,17 +252,18 @@ def main(argv: list[str]) -> int:
     body = _report(args, timing, mem, time.time() - t0)
     print(body)
     if not a.no_write:
-        write_section("fsdp", "FSDP: plait ZeRO-3 vs PyTorch FSDP2 (fully_shard)", body,
+        write_section("fsdp", f"FSDP: plait ZeRO-{a.zero_stage} vs PyTorch FSDP2 (fully_shard)", body,
                       command="plait bench fsdp " + " ".join(argv))
     return 0
 
 
 def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
+    st = args["zero_stage"]
     tp, tt = median(timing["times"]["plait"]), median(timing["times"]["torch"])
     peak = {k: max(r["peak_live"] for r in v) for k, v in mem.items()}
     rss = {k: max(r["rss_mib"] for r in v) for k, v in mem.items()}
     kind = "CUDA allocator peak" if torch.cuda.is_available() else "live tensor storage (CPU tracker)"
-    psi, n = mem["plait"][0]["psi"], WORLD
+    psi, n = mem["plait"][0]["psi"], args["world"]
     off_note = " (plait only: FSDP2 offload needs an accelerator)" if (
         args["offload"] and not torch.cuda.is_available()) else ""
     k = len(timing["losses"]["torch"])  # plait ran one extra step (the communication count)
@@ -266,8 +273,8 @@ def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
         [f"peak live memory / rank (MiB), {kind}", peak["plait"] / MIB, peak["torch"] / MIB,
          peak["plait"] / peak["torch"], "<= 0.9"],
         ["peak RSS / rank (MiB)", rss["plait"], rss["torch"], rss["plait"] / rss["torch"], ""],
-        ["ZeRO-3 wire bytes / DDP wire bytes", timing["zero3_wire"] / MIB, timing["ddp_wire"] / MIB,
-         timing["zero3_wire"] / timing["ddp_wire"], "1.5 (theory)"],
+        [f"ZeRO-{st} wire bytes / DDP wire bytes", timing["zero3_wire"] / MIB, timing["ddp_wire"] / MIB,
+         timing["zero3_wire"] / timing["ddp_wire"], {1: "1.5", 2: "1.0", 3: "1.5"}[st] + " (theory)"],
     ]
     table = markdown_table(["metric", "plait", "torch / reference", "ratio", "target"], rows)
     formula = {1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
@@ -277,7 +284,7 @@ def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
                             srows)
     return f"""
 GPT preset `{args['model']}` (Ψ = {psi / 1e6:.1f}M parameters), seq {args['seq_len']}, global batch
-{args['batch']}, world {WORLD} (Gloo, one thread per rank), AdamW; mixed precision
+{args['batch']}, world {args['world']} (Gloo, one thread per rank), AdamW; mixed precision
 {args['mixed_precision']}, offload {args['offload']}{off_note}; {args['iters']} timed steps per side after
 {args['warmup']} warm-up, strictly alternating; total wall {wall:.0f} s.
 
