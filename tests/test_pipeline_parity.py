@@ -3,8 +3,8 @@
 Each case builds the GPT on the meta device, pipelines it (every rank materializes only its own
 stages) and trains 5 AdamW steps next to an unsplit oracle with the same seed and batches. The
 pipeline averages microbatch mean losses, the oracle takes one mean over the batch: equal in exact
-arithmetic, different in float summation order, hence rtol=1e-5 with atol=1e-6 (parameters are
-O(0.02..1); gradient entries that are ~0 differ by rounding noise only).
+arithmetic, different in float summation order (and microbatch matmul shapes), hence rtol=1e-5
+with atol=1e-6: entries that are ~0 differ by rounding noise only.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from plait.testing import cached_mesh
 
 CFG = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=2)
 TOL = dict(rtol=1e-5, atol=1e-6)
+# Adam divides by sqrt(v) + eps: for a gradient entry of ~1e-8 (cancellation), rounding noise in it
+# becomes an O(1) change of that entry's update. eps=1e-6 keeps such entries' updates linear in the
+# gradient, so the parameter check measures the pipeline, not the noise amplifier; the gradients
+# themselves are compared directly at the first step.
+ADAM = dict(lr=1e-3, eps=1e-6, weight_decay=0.1)
 
 
 def _batch(step: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,8 +44,12 @@ def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="a
     mine = dict(pipe.named_parameters())
     ref = dict(oracle.named_parameters())
     assert all(not p.is_meta for p in mine.values())
-    opt = torch.optim.AdamW(list(mine.values()), lr=1e-3)
-    oopt = torch.optim.AdamW(oracle.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(list(mine.values()), **ADAM)
+    oopt = torch.optim.AdamW(oracle.parameters(), **ADAM)
+    x, y = _batch(99)
+    out = pipe.eval_step(x)  # forward only: the last stage's rank gets the logits
+    if out is not None:
+        torch.testing.assert_close(out, oracle(x).detach(), **TOL)
     losses = []
     for step in range(steps):
         x, y = _batch(step)
@@ -48,7 +57,7 @@ def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="a
         ref_loss = lm_loss(oracle(x), y)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-        if step == 0:
+        if step == 0:  # same parameters on both sides; later steps compare at drifted points
             for name, p in mine.items():
                 torch.testing.assert_close(p.grad, ref[name].grad, **TOL,
                                            msg=lambda s, n=name: f"grad {n}: {s}")
@@ -60,10 +69,6 @@ def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="a
     for name, p in mine.items():
         torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL,
                                    msg=lambda s, n=name: f"param {n}: {s}")
-    x, y = _batch(99)
-    out = pipe.eval_step(x)
-    if out is not None:
-        torch.testing.assert_close(out, oracle(x).detach(), **TOL)
     torch.testing.assert_close(pipe.eval_step(x, y), lm_loss(oracle(x), y).detach(), **TOL)
     return {"names": sorted(mine), "losses": losses, "bubble": pipe.bubble_fraction}
 
