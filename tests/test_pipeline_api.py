@@ -1,0 +1,207 @@
+"""Pipeline API: splitting, tuple activations, custom schedules, timelines and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_pipeline_parity import ADAM, CFG, TOL, _batch, _parity
+from torch import nn
+
+from plait.testing import cached_mesh
+
+
+# ------------------------------------------------------------------ splitting (no ranks)
+def test_auto_split_of_30_layers_on_4_stages_keeps_every_layer():
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.pipeline.split import plan_stages, segments
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layers=30, d_model=64, n_heads=4))
+    segs = segments(model)
+    assert [n for n, _ in segs][:3] == ["tok_emb", "drop", "layers.0"] and segs[-1][0] == "lm_head"
+    plan = plan_stages(segs, 4, "auto")
+    assert sum(plan, []) == list(range(len(segs)))  # each segment once, in order
+    sizes = [sum(p.numel() for i in idx for p in segs[i][1].parameters()) for idx in plan]
+    assert max(sizes) / min(sizes) < 1.2, sizes
+    manual = plan_stages(segs, 3, ["layers.10", "layers.20"])
+    assert [segs[idx[0]][0] for idx in manual] == ["tok_emb", "layers.10", "layers.20"]
+
+
+def test_split_errors_name_the_problem():
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.pipeline.split import plan_stages, segments
+
+    with torch.device("meta"):
+        segs = segments(GPT(GPTConfig(n_layers=2)))
+    with pytest.raises(ValueError, match="'layers.9' is not a segment"):
+        plan_stages(segs, 2, ["layers.9"])
+    with pytest.raises(ValueError, match="need 1 segment names"):
+        plan_stages(segs, 2, ["layers.0", "norm"])
+    with pytest.raises(ValueError, match="must come after"):
+        plan_stages(segs, 3, ["norm", "layers.1"])
+    with pytest.raises(ValueError, match="only 6 segments"):
+        plan_stages(segs, 8, "auto")
+
+
+def test_uneven_manual_split_pp2(pools):
+    # Stage 0: tok_emb, drop, layers.0..1; stage 1: layers.2, norm, lm_head.
+    pools[2].run(_parity, 2, "1f1b", 4, 1, 3, ["layers.2"])
+
+
+# ------------------------------------------------------------------ tuple activations
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(CFG["vocab_size"], 16)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The token ids travel on as a tensor that needs no gradient.
+        return self.emb(ids), ids
+
+
+class Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gate = (ids % 3 == 0).unsqueeze(-1).float()
+        return torch.tanh(self.a(h)) + gate, self.b(h), ids
+
+
+class Merge(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(16, CFG["vocab_size"])
+
+    def forward(self, h: torch.Tensor, g: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(h * torch.sigmoid(g))
+
+
+class TupleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = Embed()
+        self.mix = Mix()
+        self.merge = Merge()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.merge(*self.mix(*self.embed(ids)))
+
+
+def _tuple_parity(schedule: str) -> float:
+    import plait
+    from plait.models.gpt import lm_loss
+    from plait.pipeline import pipeline
+
+    mesh = cached_mesh(pp=2)
+    oracle = plait.init_weights(TupleNet(), seed=1)
+    with torch.device("meta"):
+        model = TupleNet()
+    pipe = pipeline(model, mesh, split=["mix"], schedule=schedule, microbatches=4, loss_fn=lm_loss, seed=1)
+    mine, ref = dict(pipe.named_parameters()), dict(oracle.named_parameters())
+    opt, oopt = torch.optim.AdamW(mine.values(), **ADAM), torch.optim.AdamW(oracle.parameters(), **ADAM)
+    for step in range(5):
+        x, y = _batch(step)
+        loss = pipe.step(x, y)
+        lm_loss(oracle(x), y).backward()
+        if step == 0:
+            for n, p in mine.items():
+                torch.testing.assert_close(p.grad, ref[n].grad, **TOL)
+        for o in (opt, oopt):
+            o.step()
+            o.zero_grad()
+    for n, p in mine.items():
+        torch.testing.assert_close(p.detach(), ref[n].detach(), **TOL)
+    return float(loss)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_tuples_and_tensors_without_grad_pass_between_stages(pools, schedule):
+    losses = pools[2].run(_tuple_parity, schedule)
+    assert losses[0] == losses[1]
+
+
+# ------------------------------------------------------------------ custom schedules, timelines
+def _custom_and_timeline() -> dict:
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+    from plait.pipeline import Action, Kind, pipeline
+
+    mesh = cached_mesh(pp=2)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layers=2, **CFG))
+    # Compute order only (the sends and receives are added): forwards, then backwards in reverse.
+    rows = [[*(Action(Kind.F, r, mb) for mb in range(2)), *(Action(Kind.BW, r, mb) for mb in (1, 0))]
+            for r in range(2)]
+    pipe = pipeline(model, mesh, schedule=rows, microbatches=2, loss_fn=lm_loss)
+    x, y = _batch(0)
+    loss = pipe.step(x, y)
+    everyone = pipe.gather_timelines()
+    return {"loss": float(loss), "kinds": [s.action.kind.value for s in pipe.timeline],
+            "bubble": pipe.bubble_fraction, "ranks": len(everyone), "text": pipe.schedule.text()}
+
+
+def test_custom_action_list_and_timeline(pools):
+    out = pools[2].run(_custom_and_timeline)
+    assert out[0]["loss"] == out[1]["loss"]
+    assert out[0]["kinds"] == ["F", "SEND_F", "F", "SEND_F", "RECV_B", "BW", "RECV_B", "BW"]
+    assert all(0.0 <= o["bubble"] < 1.0 for o in out) and out[0]["ranks"] == 2
+    assert "rank 1:" in out[0]["text"]
+
+
+# ------------------------------------------------------------------ errors before any collective
+class Residual(nn.Module):
+    """Adds the embedding back after the blocks: not a chain of children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(CFG["vocab_size"], 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, CFG["vocab_size"])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        return self.head(self.body(h) + h)
+
+
+def _bad(case: str) -> None:
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+    from plait.pipeline import Action, Kind, pipeline
+
+    mesh = cached_mesh(pp=2)
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(n_layers=2, tie_embeddings=case == "tied", **CFG))
+    x, y = _batch(0)
+    if case == "microbatches":
+        pipeline(gpt, mesh, microbatches=0, loss_fn=lm_loss)
+    elif case == "batch":
+        pipeline(gpt, mesh, microbatches=3, loss_fn=lm_loss).step(x, y)
+    elif case == "tied":
+        pipeline(gpt, mesh, microbatches=2, loss_fn=lm_loss)
+    elif case == "chain":
+        with torch.device("meta"):
+            res = Residual()
+        pipeline(res, mesh, microbatches=2, loss_fn=lm_loss).step(x, y)
+    elif case == "schedule":
+        rows = [[Action(Kind.F, 0, 0), Action(Kind.BW, 0, 0)], [Action(Kind.F, 1, 0), Action(Kind.BW, 1, 0)]]
+        rows[0] = rows[0][::-1]  # backward before forward
+        pipeline(gpt, mesh, schedule=rows, microbatches=1, loss_fn=lm_loss)
+    elif case == "interleaved":
+        pipeline(gpt, mesh, schedule="interleaved", chunks=2, microbatches=1, loss_fn=lm_loss)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("microbatches", "microbatches must be a positive integer, got 0"),
+    ("batch", "inputs batch size 8 is not divisible by microbatches=3"),
+    ("tied", "tok_emb.weight .stage 0, pp rank 0. is tied to lm_head.weight .stage 1, pp rank 1."),
+    ("chain", "segment 'head' is called with something other than the previous segment's output"),
+    ("schedule", r"rank 0, action #0 RECV_B\(stage=0, mb=0\): deadlock: it waits for SEND_B\(stage=1"),
+    ("interleaved", "microbatches=1 < pp=2"),
+])
+def test_bad_input_fails_on_every_rank_without_hanging(pools, case, message):
+    import re
+
+    errors = pools[2].errors(_bad, case)
+    assert len(errors) == 2
+    assert all(re.search(message, e) for e in errors.values()), errors[0]
