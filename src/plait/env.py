@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import logging
 import os
@@ -130,10 +131,19 @@ def init(
                 world_size=launch.world_size,
                 timeout=timeout,
             )
+        # Tear the group down before interpreter shutdown: a Gloo group whose threads are
+        # still alive when the process exits can abort ("terminate called ...") at random.
+        atexit.register(_shutdown)
     seed_everything(seed)
     _configure_logging(log_level)
     _state.update(device=dev, launch=launch, timeout_s=timeout_s)
     return dev
+
+
+def _shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state.clear()
 
 
 def device() -> torch.device:

@@ -114,7 +114,9 @@ class Mesh:
                 fixed = tuple(c[a] for a in AXES if a not in key)
                 buckets.setdefault(fixed, []).append(r)
             for ranks in buckets.values():
-                pg = dist.group.WORLD if len(ranks) == self.world_size else dist.new_group(ranks)
+                # A new group even when it spans the world: sharing WORLD would let the next
+                # Mesh relabel it, and its traffic would be booked under the wrong axis.
+                pg = dist.new_group(ranks)
                 if self.global_rank in ranks:
                     self._groups[key] = pg
                     self._group_ranks[key] = ranks
