@@ -234,3 +234,15 @@ def test_bad_arguments_fail_before_communication():
         DDP(nn.Linear(2, 2), None, gradient_compression="int8")
     with pytest.raises(TypeError, match="plait.Mesh"):
         DDP(nn.Linear(2, 2), "dp")
+
+
+def test_bucket_plan_small_at_both_ends_and_covers_everything():
+    from plait.ddp import plan_buckets
+
+    mib = 2**20
+    sizes = [mib // 2] * 100 + [30 * mib] + [mib // 4] * 20
+    plan = plan_buckets(sizes, 25 * mib, mib)
+    assert [i for b in plan for i in b] == list(range(len(sizes)))  # every item once, in order
+    sums = [sum(sizes[i] for i in b) for b in plan]
+    assert sums[0] <= mib and sums[-1] <= mib and sums[-2] <= 4 * mib
+    assert all(s <= 25 * mib or len(b) == 1 for s, b in zip(sums, plan))  # only a lone giant exceeds

@@ -18,6 +18,7 @@ parallelism on the other axes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +31,9 @@ from plait import comm
 from plait._torch_compat import queue_end_of_backward
 from plait.mesh import Mesh
 
-__all__ = ["DistributedDataParallel", "DDP", "average_gradients"]
+__all__ = ["DistributedDataParallel", "DDP", "average_gradients", "plan_buckets"]
 
-_FIRST_BUCKET_BYTES = 2**20
+_SMALL_BUCKET_BYTES = 2**20  # first and last buckets: see plan_buckets
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -145,21 +146,16 @@ class DistributedDataParallel(nn.Module):
         _broadcast_coalesced(tensors, self.src, self.group)
 
     def _make_buckets(self, trainable: list[tuple[str, nn.Parameter]], cap: int) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
-        current: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+        # Launch order is reverse registration order (roughly the order backward finishes
+        # gradients); parameters of different dtypes or devices never share a bucket.
+        by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
         for name, p in reversed(trainable):
-            key = (p.dtype, p.device)
-            cur = current.setdefault(key, [])
-            size = sum(q.numel() for _, q in cur) * p.element_size()
-            # The first bucket is small so that communication starts early in backward.
-            limit = min(cap, _FIRST_BUCKET_BYTES) if not buckets else cap
-            if cur and size + p.numel() * p.element_size() > limit:
-                buckets.append(self._new_bucket(len(buckets), cur))
-                current[key] = cur = []
-            cur.append((name, p))
-        for cur in current.values():
-            if cur:
-                buckets.append(self._new_bucket(len(buckets), cur))
+            by_kind.setdefault((p.dtype, p.device), []).append((name, p))
+        buckets: list[_Bucket] = []
+        for members in by_kind.values():
+            sizes = [p.numel() * p.element_size() for _, p in members]
+            for idx in plan_buckets(sizes, cap):
+                buckets.append(self._new_bucket(len(buckets), [members[i] for i in idx]))
         return buckets
 
     @staticmethod
@@ -333,6 +329,36 @@ class _JoinState:
         longest = max(range(len(steps)), key=lambda r: (steps[r], r))
         src = ddp.mesh.group_ranks(ddp.axis)[longest]
         _broadcast_coalesced(list(ddp.module.parameters()), src, ddp.group)
+
+
+def plan_buckets(sizes: list[int], cap: int, small: int = _SMALL_BUCKET_BYTES) -> list[list[int]]:
+    """Group consecutive items (in launch order) into buckets of at most ``cap`` bytes.
+
+    Both ends are small on purpose. The first bucket (<= ``small``) lets communication start
+    as soon as backward produces its first gradients. The last buckets (<= ``small``, then
+    <= 4 x ``small``) hold the first layers, whose gradients arrive when almost no backward
+    work is left: whatever they contain is all-reduced with nothing to overlap, so keeping
+    them small shortens the exposed tail of the step.
+    """
+
+    def greedy(order: list[int], limits: Iterator[int]) -> list[list[int]]:
+        out: list[list[int]] = []
+        cur: list[int] = []
+        size, limit = 0, next(limits)
+        for i in order:
+            if cur and size + sizes[i] > limit:
+                out.append(cur)
+                cur, size, limit = [], 0, next(limits)
+            cur.append(i)
+            size += sizes[i]
+        return out + [cur] if cur else out
+
+    small = min(small, cap)
+    tail_limits = itertools.chain([small, min(4 * small, cap)], itertools.repeat(cap))
+    from_end = greedy(list(reversed(range(len(sizes)))), tail_limits)
+    buckets = [list(reversed(b)) for b in reversed(from_end)]
+    head = greedy(buckets[0], itertools.chain([small], itertools.repeat(cap))) if buckets else []
+    return head + buckets[1:]
 
 
 def average_gradients(params: Iterable[nn.Parameter], group: Any) -> None:
