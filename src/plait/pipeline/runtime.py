@@ -153,8 +153,7 @@ class Executor:
                 data = to_send.pop(key)
                 dst = self.peer(a.stage + 1)
                 tag = self.tag(False, a.stage, a.mb, 0)
-                sends += [(comm.isend(t.contiguous(), dst, self.group, tag + i), t)
-                          for i, t in enumerate(data)]
+                sends += self._send(data, dst, tag)
             elif a.kind is Kind.RECV_F:
                 bufs, hs = recvs.pop((a.kind, a.stage, a.mb))
                 for h in hs:
@@ -185,13 +184,18 @@ class Executor:
             elif a.kind is Kind.SEND_B:
                 dst = self.peer(a.stage - 1)
                 tag = self.tag(True, a.stage - 1, a.mb, 0)
-                sends += [(comm.isend(t.contiguous(), dst, self.group, tag + i), t)
-                          for i, t in enumerate(grads_in.pop(key))]
+                sends += self._send(grads_in.pop(key), dst, tag)
             timeline.append(Slot(a, start - t0, time.perf_counter() - t0))
         for h, _ in sends:
             h.wait()
         self.timeline, self.step_time = timeline, time.perf_counter() - t0
         return loss_sum, outputs
+
+    def _send(self, data: Sequence[torch.Tensor], dst: int,
+              tag: int) -> list[tuple[comm.Handle, torch.Tensor]]:
+        # Keep each sent buffer referenced until its handle is waited: Gloo reads it asynchronously.
+        bufs = [t.contiguous() for t in data]
+        return [(comm.isend(b, dst, self.group, tag + i), b) for i, b in enumerate(bufs)]
 
     def _params(self, stage: int) -> list[nn.Parameter]:
         return [p for p in self.stages[stage].parameters() if p.requires_grad]
