@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import plait
-from plait import comm
+from plait import checkpoint, comm
 from plait.data import BatchSampler, load_corpus
 from plait.ddp import average_gradients
 from plait.mesh import Mesh
@@ -70,6 +70,9 @@ class TrainConfig:
     data: str | None = None
     max_bytes: int = 16 * 2**20
     metrics: str = "runs/metrics.jsonl"
+    save_dir: str | None = None  # checkpoints go to SAVE_DIR/step_NNNNNN
+    save_every: int = 0  # 0: only at the end (when --save-dir is given)
+    resume: bool = False  # continue from the newest checkpoint in --save-dir, on any world size
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -109,6 +112,12 @@ class TrainConfig:
                 f"--batch-size {self.batch_size} must be divisible by the data-parallel size "
                 f"{self.data_parallel_size} x --grad-accum {self.grad_accum}"
             )
+        if (self.save_dir or self.resume) and (self.pp > 1 or self.tp > 1):
+            raise ValueError("--save-dir/--resume do not support --pp or --tp yet")
+        if self.resume and not self.save_dir:
+            raise ValueError("--resume needs --save-dir (where to find the checkpoint)")
+        if self.save_every < 0:
+            raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"--warmup must be in [0, --steps); got {self.warmup} with {self.steps} steps")
 
@@ -217,6 +226,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     is_main = dist.get_rank() == 0
+    start = _maybe_resume(cfg, model, opt, sampler, log)
     with torch.device("meta"):
         n_params = GPT(cfg.gpt_config()).num_parameters()
     log.info("%s, %s params, corpus %s (%.1f MB), %s %s, global batch %d x %d tokens",
@@ -225,13 +235,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     metrics_path = Path(cfg.metrics)
     if is_main:
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    bar = _progress(cfg, is_main)
+    bar = _progress(cfg, is_main, start)
     tokens_per_step = cfg.batch_size * seq
     first_loss = last_loss = float("nan")
     losses: list[float] = []
     eval_loss = None
     t_start = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -260,6 +270,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             elif (step + 1) % max(1, cfg.steps // 10) == 0:
                 log.info("step %d/%d loss %.4f tok/s %.0f", step + 1, cfg.steps, last_loss,
                          record["tokens_per_s"])
+        due = (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps
+        if cfg.save_dir and due:
+            meta = {"step": step + 1, "sampler": sampler.state_dict(), "config": dataclasses.asdict(cfg)}
+            checkpoint.save(Path(cfg.save_dir) / f"step_{step + 1:06d}", model, opt, meta)
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start
@@ -274,12 +288,27 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     return {**summary, "losses": losses}
 
 
-def _progress(cfg: TrainConfig, is_main: bool):
+def _maybe_resume(cfg: TrainConfig, model: nn.Module | Pipeline, opt: torch.optim.Optimizer,
+                  sampler: BatchSampler, log: Any) -> int:
+    """Load the newest checkpoint when ``--resume``; return the step to continue from."""
+    if not cfg.resume:
+        return 0
+    path = checkpoint.latest(cfg.save_dir)  # type: ignore[arg-type]
+    if path is None:
+        log.info("--resume: no checkpoint in %s yet, starting from step 0", cfg.save_dir)
+        return 0
+    meta = checkpoint.load(path, model, opt)
+    sampler.load_state_dict(meta["sampler"])
+    log.info("resumed from %s (step %d)", path, meta["step"])
+    return int(meta["step"])
+
+
+def _progress(cfg: TrainConfig, is_main: bool, start: int):
     if not (cfg.progress and is_main):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
 def _spawned_rank(cfg: TrainConfig) -> None:
