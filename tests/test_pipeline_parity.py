@@ -44,6 +44,8 @@ def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="a
     mine = dict(pipe.named_parameters())
     ref = dict(oracle.named_parameters())
     assert all(not p.is_meta for p in mine.values())
+    # No rank holds the full model: the other ranks' stages stay on the meta device here.
+    assert all(p.is_meta for n, p in model.named_parameters() if n not in mine)
     opt = torch.optim.AdamW(list(mine.values()), **ADAM)
     oopt = torch.optim.AdamW(oracle.parameters(), **ADAM)
     x, y = _batch(99)
