@@ -45,6 +45,9 @@ class Pipeline:
         p = mesh.size("pp")
         self.sched = _resolve_schedule(schedule, p, microbatches, chunks)
         self.microbatches, self.loss_fn = microbatches, loss_fn
+        if torch.distributed.get_backend() != "gloo" and (why := self.sched.order_mismatch()):
+            raise ScheduleError(f"pipeline: schedule '{self.sched.name}' sends and receives in different "
+                                f"orders ({why}); only Gloo matches point-to-point messages by tag")
         self.rank = mesh.rank("pp")
         self.group = mesh.group("pp")
         self.pp_ranks = mesh.group_ranks("pp")

@@ -109,6 +109,29 @@ class Schedule:
         self.simulate()
         return self
 
+    def order_mismatch(self) -> str | None:
+        """Where the receives on some rank pair are issued in a different order from the sends.
+
+        Gloo matches messages by tag, so any order works; NCCL ignores tags and matches
+        point-to-point messages between two ranks in issue order, so it needs None here.
+        """
+        sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        got: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        for r, row in enumerate(self.actions):
+            for a in row:
+                if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                    to = a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1
+                    sent.setdefault((r, self.stage_rank(to)), []).append((a.kind.value[-1], to, a.mb))
+                elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    frm = a.stage - 1 if a.kind is Kind.RECV_F else a.stage + 1
+                    got.setdefault((self.stage_rank(frm), r), []).append((a.kind.value[-1], a.stage, a.mb))
+        for pair, msgs in sorted(sent.items()):
+            for i, (m_sent, m_got) in enumerate(zip(msgs, got.get(pair, []))):
+                if m_sent != m_got:
+                    return (f"rank {pair[0]} -> rank {pair[1]}: message #{i} is sent as {m_sent} but "
+                            f"received as {m_got} (kind, stage, microbatch)")
+        return None
+
     def forward_part(self) -> Schedule:
         """The same order restricted to forwards and activation transfers (eval mode)."""
         keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
