@@ -23,3 +23,11 @@ def pools() -> Iterator[dict[int, RankPool]]:
     yield _Lazy()
     for pool in made.values():
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> list[float]:
+    """Per-step losses of the single-process run that every layout must reproduce."""
+    from oracle import train_losses
+
+    return train_losses(str(tmp_path_factory.mktemp("single")), strategy="none", nproc=1)

@@ -43,3 +43,14 @@ def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert set(got) == set(want), set(got) ^ set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+TRAIN_BASE = dict(model="tiny", steps=6, warmup=1, batch_size=8, seq_len=32, eval_every=0, progress=False,
+                  max_bytes=200_000, lr=1e-2)
+
+
+def train_losses(tmp: str, **layout) -> list[float]:
+    """Per-step losses of `plait train`'s loop on a short run (picklable for rank pools)."""
+    from plait.train import TrainConfig, train
+
+    return train(TrainConfig(**TRAIN_BASE, metrics=f"{tmp}/m.jsonl", **layout))["losses"]

@@ -5,27 +5,16 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from oracle import train_losses
 
-from plait.train import TrainConfig, train
-
-BASE = dict(model="tiny", steps=6, warmup=1, batch_size=8, seq_len=32, eval_every=0, progress=False,
-            max_bytes=200_000, lr=1e-2)
-
-
-def _train(tmp: str, **kw) -> list[float]:
-    return train(TrainConfig(**BASE, metrics=f"{tmp}/m.jsonl", **kw))["losses"]
-
-
-@pytest.fixture(scope="module")
-def oracle(tmp_path_factory) -> list[float]:
-    return _train(str(tmp_path_factory.mktemp("single")), strategy="none", nproc=1)
+from plait.train import TrainConfig
 
 
 @pytest.fixture(scope="module")
 def zero3_checkpoint(pools, tmp_path_factory):
     """ZeRO-3 on 4 ranks, saving every 3 steps; returns a folder holding only the step-3 save."""
     root = tmp_path_factory.mktemp("ckpt")
-    losses = pools[4].run(_train, str(root), strategy="fsdp", nproc=4, save_dir=str(root / "all"),
+    losses = pools[4].run(train_losses, str(root), strategy="fsdp", nproc=4, save_dir=str(root / "all"),
                           save_every=3)[0]
     only3 = root / "only3"
     shutil.copytree(root / "all" / "step_000003", only3 / "step_000003")
@@ -44,7 +33,7 @@ def test_resume_on_another_world_size_and_layout(pools, oracle, zero3_checkpoint
     folder, _ = zero3_checkpoint
     work = tmp_path / "resume"
     shutil.copytree(folder, work)
-    losses = pools[world].run(_train, str(tmp_path), save_dir=str(work), resume=True, **layout)[0]
+    losses = pools[world].run(train_losses, str(tmp_path), save_dir=str(work), resume=True, **layout)[0]
     # Steps 4-6 continue exactly where the 4-rank ZeRO-3 run stopped (Adam moments restored too).
     assert losses == pytest.approx(oracle[3:], rel=1e-4)
 
@@ -53,7 +42,7 @@ def test_resume_in_one_process(oracle, zero3_checkpoint, tmp_path):
     folder, _ = zero3_checkpoint
     work = tmp_path / "resume"
     shutil.copytree(folder, work)
-    losses = _train(str(tmp_path), strategy="none", nproc=1, save_dir=str(work), resume=True)
+    losses = train_losses(str(tmp_path), strategy="none", nproc=1, save_dir=str(work), resume=True)
     assert losses == pytest.approx(oracle[3:], rel=1e-4)
 
 

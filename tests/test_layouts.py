@@ -6,21 +6,7 @@ The single-process run is the oracle; every layout must reproduce its per-step l
 from __future__ import annotations
 
 import pytest
-
-from plait.train import TrainConfig, train
-
-BASE = dict(model="tiny", steps=6, warmup=1, batch_size=8, seq_len=32, eval_every=0, progress=False,
-            max_bytes=200_000, lr=1e-2)
-
-
-def _train(tmp: str, **layout) -> list[float]:
-    return train(TrainConfig(**BASE, metrics=f"{tmp}/m.jsonl", **layout))["losses"]
-
-
-@pytest.fixture(scope="module")
-def oracle(tmp_path_factory) -> list[float]:
-    return _train(str(tmp_path_factory.mktemp("single")), strategy="none", nproc=1)
-
+from oracle import train_losses
 
 LAYOUTS = {
     "ddp4": dict(strategy="ddp", nproc=4),
@@ -36,11 +22,11 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process_losses(pools, oracle, tmp_path, name):
-    losses = pools[4].run(_train, str(tmp_path), **LAYOUTS[name])[0]
+    losses = pools[4].run(train_losses, str(tmp_path), **LAYOUTS[name])[0]
     assert oracle[-1] < oracle[0] - 0.5  # the run actually learns
     # Reductions happen in a different order on different layouts: fp32 rounding only.
     assert losses == pytest.approx(oracle, rel=1e-4), (name, losses, oracle)
 
 
 def test_threaded_data_parallel_matches(oracle, tmp_path):
-    assert _train(str(tmp_path), strategy="dp", nproc=2) == pytest.approx(oracle, rel=1e-4)
+    assert train_losses(str(tmp_path), strategy="dp", nproc=2) == pytest.approx(oracle, rel=1e-4)
