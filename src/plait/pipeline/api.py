@@ -45,9 +45,13 @@ class Pipeline:
         p = mesh.size("pp")
         self.sched = _resolve_schedule(schedule, p, microbatches, chunks)
         self.microbatches, self.loss_fn = microbatches, loss_fn
-        if torch.distributed.get_backend() != "gloo" and (why := self.sched.order_mismatch()):
-            raise ScheduleError(f"pipeline: schedule '{self.sched.name}' sends and receives in different "
-                                f"orders ({why}); only Gloo matches point-to-point messages by tag")
+        backend = torch.distributed.get_backend()
+        if backend != "gloo":
+            # Receives are posted when a step starts and matched by tag. NCCL ignores tags and
+            # serializes a rank pair's messages, so it would need grouped send/recv pairs
+            # (Schedule.order_mismatch() is the first check such a path needs); not built yet.
+            raise NotImplementedError(f"pipeline: the P2P executor supports the Gloo backend only, "
+                                      f"this process group uses {backend!r}")
         self.rank = mesh.rank("pp")
         self.group = mesh.group("pp")
         self.pp_ranks = mesh.group_ranks("pp")
