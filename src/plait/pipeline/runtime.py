@@ -19,8 +19,10 @@ from torch import nn
 
 from plait import comm
 from plait.pipeline.backward_split import WeightGrad, backward_input
-from plait.pipeline.schedules import Action, Kind, Schedule, Slot
+from plait.pipeline.schedules import Kind, Schedule, Slot
 from plait.pipeline.split import Stage
+
+__all__ = ["Executor", "as_tuple", "describe", "busy_fraction"]
 
 Meta = list[tuple[tuple[int, ...], torch.dtype, bool]]  # per carried tensor: shape, dtype, needs grad
 
@@ -206,4 +208,3 @@ def busy_fraction(timeline: Sequence[Slot], total: float) -> float:
     return busy / total if total > 0 else 0.0
 
 
-__all__ = ["Executor", "as_tuple", "describe", "busy_fraction", "Action"]

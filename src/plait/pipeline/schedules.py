@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["Kind", "Action", "Schedule", "ScheduleError", "Slot", "SCHEDULES", "make_schedule",
            "with_comms", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1"]
@@ -88,7 +88,6 @@ class Schedule:
     stages: int
     microbatches: int
     actions: tuple[tuple[Action, ...], ...]
-    _slots: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def chunks(self) -> int:
