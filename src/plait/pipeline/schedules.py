@@ -27,7 +27,7 @@ or backward.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Kind", "Action", "Schedule", "ScheduleError", "Slot", "SCHEDULES", "make_schedule",
@@ -77,6 +77,7 @@ class ScheduleError(ValueError):
 
 
 DEFAULT_COSTS: Mapping[Kind, float] = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, Kind.BW: 2.0}
+Costs = Mapping[Kind, float] | Callable[[Action], float]
 
 
 @dataclass(frozen=True)
@@ -137,16 +138,20 @@ class Schedule:
         acts = tuple(tuple(a for a in row if a.kind in keep) for row in self.actions)
         return Schedule(self.name + " (forward only)", self.ranks, self.stages, self.microbatches, acts)
 
-    def simulate(self, costs: Mapping[Kind, float] | None = None, latency: float = 0.0) -> list[list[Slot]]:
+    def simulate(self, costs: Costs | None = None, latency: float = 0.0) -> list[list[Slot]]:
         """Replay every rank (sends free, receives wait for their send) and place actions in time.
 
-        Doubles as the validator: any rule broken raises `ScheduleError`.
+        ``costs`` maps kinds to durations (default F = B = W = 1, BW = 2) or is a function of the
+        action (e.g. measured durations per stage). Doubles as the validator: any rule broken
+        raises `ScheduleError`.
         """
-        costs = {**DEFAULT_COSTS, **(costs or {})}
+        if not callable(costs):
+            table = {**DEFAULT_COSTS, **(costs or {})}
+            costs = lambda a: table[a.kind]  # noqa: E731
         _check_shape(self)
         return _Replay(self, costs, latency).run()
 
-    def bubble(self, costs: Mapping[Kind, float] | None = None) -> float:
+    def bubble(self, costs: Costs | None = None) -> float:
         """Planned bubble: mean over ranks of idle time / makespan under ``costs``."""
         slots = self.simulate(costs)
         span = max((s.end for row in slots for s in row), default=0.0)
@@ -155,7 +160,7 @@ class Schedule:
         busy = [sum(s.end - s.start for s in row if s.action.kind.is_compute) for row in slots]
         return sum(1 - b / span for b in busy) / self.ranks
 
-    def text(self, costs: Mapping[Kind, float] | None = None) -> str:
+    def text(self, costs: Costs | None = None) -> str:
         from plait.pipeline.draw import render_text
 
         return render_text(self, costs)
@@ -179,7 +184,7 @@ def _check_shape(s: Schedule) -> None:
 
 
 class _Replay:
-    def __init__(self, s: Schedule, costs: Mapping[Kind, float], latency: float) -> None:
+    def __init__(self, s: Schedule, costs: Callable[[Action], float], latency: float) -> None:
         self.s, self.costs, self.latency = s, costs, latency
         self.done: list[set[tuple[Kind, int, int]]] = [set() for _ in range(s.ranks)]
         self.sent: dict[tuple[Kind, int, int], float] = {}  # send -> time issued
@@ -201,7 +206,7 @@ class _Replay:
                     start = self.ready(r, ptr[r], a, clock[r])
                     if start is None:
                         break  # blocked on a receive
-                    end = start + (self.costs[a.kind] if a.kind.is_compute else 0.0)
+                    end = start + (self.costs(a) if a.kind.is_compute else 0.0)
                     self.done[r].add((a.kind, a.stage, a.mb))
                     if a.kind in (Kind.SEND_F, Kind.SEND_B):
                         self.sent[(a.kind, a.stage, a.mb)] = end
