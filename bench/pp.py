@@ -182,5 +182,6 @@ def main(argv: list[str]) -> int:
         + "\n".join(pics) + "\n"
     )
     print(body)
-    write_section("pp", "Pipeline parallelism: plait schedules vs torch.distributed.pipelining", body)
+    write_section("pp", "Pipeline parallelism: plait schedules vs torch.distributed.pipelining", body,
+                  command=" ".join(["plait bench pp", *argv]))
     return 0
