@@ -48,6 +48,11 @@ def test_uneven_manual_split_pp2(pools):
     pools[2].run(_parity, 2, "1f1b", 4, 1, 3, ["layers.2"])
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_fewer_microbatches_than_stages(pools, schedule):
+    pools[4].run(_parity, 4, schedule, 2, 1, 5)
+
+
 # ------------------------------------------------------------------ tuple activations
 class Embed(nn.Module):
     def __init__(self) -> None:
