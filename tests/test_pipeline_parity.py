@@ -29,20 +29,21 @@ def _batch(step: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
-def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="auto", steps: int = 5) -> dict:
+def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="auto", steps: int = 5,
+            tie: bool = False) -> dict:
     import plait
     from plait.models.gpt import GPT, GPTConfig, lm_loss
     from plait.pipeline import pipeline
 
     mesh = cached_mesh(pp=pp)
-    cfg = GPTConfig(n_layers=n_layers, **CFG)
+    cfg = GPTConfig(n_layers=n_layers, tie_embeddings=tie, **CFG)
     oracle = plait.init_weights(GPT(cfg), seed=3)
     with torch.device("meta"):
         model = GPT(cfg)
     pipe = pipeline(model, mesh, split=split, schedule=schedule, microbatches=m, loss_fn=lm_loss,
                     chunks=chunks, seed=3)
     mine = dict(pipe.named_parameters())
-    ref = dict(oracle.named_parameters())
+    ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
     assert all(not p.is_meta for p in mine.values())
     # No rank holds the full model: the other ranks' stages stay on the meta device here.
     assert all(p.is_meta for n, p in model.named_parameters() if n not in mine)

@@ -13,6 +13,7 @@ from plait.materialize import is_meta
 from plait.pipeline.runtime import Executor, as_tuple, busy_fraction
 from plait.pipeline.schedules import COMM, Action, Schedule, ScheduleError, Slot, make_schedule, with_comms
 from plait.pipeline.split import Stage, check_chain, materialize_segments, plan_stages, segments
+from plait.pipeline.ties import find_ties, first_owners, sync_grads, tie_groups
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -58,7 +59,8 @@ class Pipeline:
         segs = segments(module)
         plan = plan_stages(segs, self.sched.stages, split)
         self.stage_names = [[segs[i][0] for i in idx] for idx in plan]
-        _check_ties(segs, plan, self.sched)
+        ties = find_ties(segs, plan, self.sched)
+        owners = first_owners(module)
         mine = self.sched.rank_stages(self.rank)
         meta = is_meta(module)
         if device is None:
@@ -71,8 +73,13 @@ class Pipeline:
         for s in mine:
             own = [segs[i] for i in plan[s]]
             if meta:
-                materialize_segments(own, seed, self.device)
+                materialize_segments(own, seed, self.device, owners)
             self.stages[s] = Stage(s, own).to(self.device)
+        # Copies of weights shared with another pp rank, with the group that sums their gradients.
+        groups = tie_groups(ties, mesh)
+        held = {n: p for s in self.stages.values() for n, p in s.qualified_parameters()}
+        self._tied = [(next(held[n] for n in tie.names if n in held), g)
+                      for tie, g in zip(ties, groups) if g is not None]
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
                              self.device)
         self._fwd_sched = self.sched.forward_part().validate()
@@ -140,6 +147,8 @@ class Pipeline:
         if mb_tg is not None and holds_last:
             mb_tg = [_to(t, self.device) for t in mb_tg]
         loss_sum, outs = self.exec.run(sched, metas, mb_in, mb_tg if holds_last else None, train)
+        if train:
+            sync_grads(self._tied)
         self.bubble_fraction = 1.0 - busy_fraction(self.exec.timeline, self.exec.step_time)
         if targets is None and not train:
             if not holds_last:
@@ -194,21 +203,6 @@ def _resolve_schedule(schedule: Any, p: int, m: int, chunks: int) -> Schedule:
         raise ScheduleError(f"pipeline: the schedule is for ranks={sched.ranks}, microbatches="
                             f"{sched.microbatches}, but pp={p} and microbatches={m}")
     return sched.validate()
-
-
-def _check_ties(segs: list, plan: list[list[int]], sched: Schedule) -> None:
-    owner: dict[int, tuple[str, int]] = {}
-    for s, idx in enumerate(plan):
-        for i in idx:
-            name, mod = segs[i]
-            for k, prm in mod.named_parameters(remove_duplicate=False):
-                first = owner.setdefault(id(prm), (f"{name}.{k}", s))
-                if sched.stage_rank(first[1]) != sched.stage_rank(s):
-                    raise ValueError(
-                        f"pipeline: parameter {first[0]} (stage {first[1]}, pp rank "
-                        f"{sched.stage_rank(first[1])}) is tied to {name}.{k} (stage {s}, pp rank "
-                        f"{sched.stage_rank(s)}); tied weights across pp ranks are not supported: untie them "
-                        "(e.g. GPTConfig(tie_embeddings=False)) or split so both land on one rank")
 
 
 def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",

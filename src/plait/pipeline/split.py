@@ -180,23 +180,29 @@ def check_chain(module: nn.Module, segs: Sequence[Segment], example: Any) -> Non
         raise ValueError(f"{req}; the model changes the output of its last segment {names[-1]!r}")
 
 
-def materialize_segments(segs: Sequence[Segment], seed: int, device: torch.device) -> None:
+def materialize_segments(segs: Sequence[Segment], seed: int, device: torch.device,
+                         first_owner: dict[int, tuple[str, nn.Module, str]]) -> None:
     """Give meta-device tensors of ``segs`` their oracle initial values, one owner module at a time.
 
-    Values come from `plait.materialize.full_values` under the original qualified names, so they
-    equal `init_weights(model, seed)` of a single process. Tied tensors inside ``segs`` stay tied.
+    Values come from `plait.materialize.full_values` of each tensor's first owner in the original
+    model (``first_owner``, by id), under its qualified name, so they equal `init_weights(model,
+    seed)` of a single process even for a tensor tied to a module on another rank. Tied tensors
+    inside ``segs`` stay tied.
     """
     replaced: dict[int, torch.Tensor] = {}
+    cache: dict[str, dict[str, torch.Tensor]] = {}
     for seg_name, seg in segs:
-        for qual, owner in owner_modules(seg, prefix=seg_name):
-            values: dict[str, torch.Tensor] | None = None
+        for _, owner in owner_modules(seg, prefix=seg_name):
             for store in (owner._parameters, owner._buffers):
                 for key, t in store.items():
                     if t is None or not t.is_meta:
                         continue
                     if id(t) not in replaced:
-                        values = values if values is not None else full_values(owner, qual, seed)
-                        new = values[key].to(device)
+                        qual, src, src_key = first_owner[id(t)]
+                        if qual not in cache:  # one owner module's full tensors at a time
+                            cache.clear()
+                            cache[qual] = full_values(src, qual, seed)
+                        new = cache[qual][src_key].to(device)
                         replaced[id(t)] = (nn.Parameter(new, t.requires_grad)
                                            if isinstance(t, nn.Parameter) else new)
                     store[key] = replaced[id(t)]  # type: ignore[assignment]
