@@ -122,9 +122,11 @@ def ref() -> dict:
 
 
 # ------------------------------------------------------------------ parity
-@pytest.mark.parametrize("stage,reshard", [(1, True), (2, True), (3, True), (3, False)])
-def test_parity_world2(pools, ref, stage, reshard):
-    out = pools[2].run(train_fsdp, 1, 2, stage, reshard_after_forward=reshard)
+@pytest.mark.parametrize("stage,reshard,prefetch", [
+    (1, True, None), (2, True, None), (3, True, None), (3, False, None), (3, True, True)])
+def test_parity_world2(pools, ref, stage, reshard, prefetch):
+    # prefetch None is sequential backward on CPU; True overlaps gathers and reductions.
+    out = pools[2].run(train_fsdp, 1, 2, stage, reshard_after_forward=reshard, backward_prefetch=prefetch)
     for o in out:
         assert_params(o["params"], ref["params"])
 
@@ -355,7 +357,7 @@ def test_units_default_and_named(pools, ref, spec, names):
 def overlap_probe() -> dict:
     from plait.models.gpt import lm_loss
 
-    model, opt = _wrap(1, 2, 3)
+    model, opt = _wrap(1, 2, 3, backward_prefetch=True)
     l0, l1 = model.units[1].flats[0], model.units[2].flats[0]
     seen: dict[str, bool] = {}
 
@@ -397,6 +399,56 @@ def test_prefetch_and_reduce_scatter_overlap(pools):
     # layers.1's all-gather is in flight while layers.0 computes; in backward layers.0's while
     # layers.1 computes; layers.1's reduce-scatter is left in flight when its hook returns.
     assert seen == {"fwd_prefetch": True, "bwd_prefetch": True, "rs_in_flight": True}
+
+
+def sequential_probe() -> dict:
+    """What a rank holds at the backward boundaries when backward_prefetch is left to default (CPU)."""
+    from plait.models.gpt import lm_loss
+
+    model, opt = _wrap(1, 2, 3)
+    l0, l1 = model.units[1].flats[0], model.units[2].flats[0]
+    seen: dict[str, bool] = {"default_sequential": model.backward_prefetch is False}
+    in_backward = {"on": False}
+
+    def on_l1_grad(grads) -> None:
+        seen.setdefault("l0_untouched_during_l1", l0._handle is None and not l0.gathered)
+        in_backward["on"] = True
+
+    def on_l1_output(mod, args, out) -> None:
+        torch.autograd.graph.register_multi_grad_hook([out], on_l1_grad, mode="any")
+
+    issue_l1_reduce, gather_l0 = l1.start_reduce, l0.start_gather
+
+    def on_l1_reduce() -> None:
+        # Every parameter gradient was moved into the gathered buffer as it arrived: nothing is
+        # left on the leaves to copy, and the reduction's input is the buffer itself.
+        moved = all(leaf.grad is None for leaf in l1.leaves) and all(l1.in_buf)
+        seen.setdefault("grads_moved_into_buf", moved)
+        issue_l1_reduce()
+
+    def on_l0_gather() -> None:
+        if in_backward["on"]:
+            # layers.1's reduction has landed and its full-size input is freed before layers.0's
+            # parameters are gathered again.
+            seen.setdefault("l1_reduced_and_freed_first",
+                            l1.pending is None and l1.buf.untyped_storage().nbytes() == 0)
+        gather_l0()
+
+    model.module.layers[1].register_forward_hook(on_l1_output)
+    l1.start_reduce, l0.start_gather = on_l1_reduce, on_l0_gather
+    for b in batches(2):
+        in_backward["on"] = False
+        x, y = _local(b, model.mesh.rank("fsdp"), 2)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+def test_sequential_backward_holds_one_unit(pools):
+    seen = pools[2].run(sequential_probe)[0]
+    assert seen == {"default_sequential": True, "l0_untouched_during_l1": True, "grads_moved_into_buf": True,
+                    "l1_reduced_and_freed_first": True}
 
 
 def comm_bytes(reshard: bool) -> dict:

@@ -222,6 +222,37 @@ def reduce_scatter_into(
                                                    async_op=async_op), async_op)
 
 
+def reduce_scatter_consuming(
+    full: torch.Tensor, group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False,
+) -> tuple[Handle | None, torch.Tensor]:
+    """Reduce-scatter that may overwrite ``full``: returns (handle, this rank's reduced chunk).
+
+    For callers that drop ``full`` afterwards (FSDP's flat gradient). Gloo has no reduce-scatter
+    of its own: torch's Gloo backend clones the input, all-reduces the clone and copies one
+    chunk out, so two full-size buffers live until the wait. Here Gloo all-reduces ``full`` in
+    place instead (the same algorithm and bytes on the wire, without the clone) and the chunk is
+    a view of ``full``; other backends reduce-scatter into a new tensor. Counted as a
+    reduce-scatter, like `reduce_scatter_into`.
+    """
+    n = _n(group)
+    if full.numel() % n:
+        raise ValueError(f"reduce_scatter_consuming: {full.numel()} elements do not split into {n} chunks")
+    _record("reduce_scatter", group, full.numel() * full.element_size(), (n - 1) / n)
+    size = full.numel() // n
+    if n == 1:
+        return (Handle(None, "") if async_op else None), full
+    if dist.get_backend(group) == "gloo":
+        chunk = full.narrow(0, dist.get_rank(group) * size, size)
+        work = _run("reduce_scatter", full, group,
+                    lambda: dist.all_reduce(full, op=op, group=group, async_op=async_op), async_op)
+        return work, chunk
+    out = torch.empty(size, dtype=full.dtype, device=full.device)
+    work = _run("reduce_scatter", full, group,
+                lambda: _REDUCE_SCATTER(out, full, op=op, group=group, async_op=async_op), async_op)
+    return work, out
+
+
 def broadcast(
     t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> Handle | None:

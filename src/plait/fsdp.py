@@ -95,6 +95,12 @@ class FullyShardedDataParallel(nn.Module):
             is always one). Default: every child of an ``nn.ModuleList`` (repeated blocks).
         reshard_after_forward: stage 3: free a unit's parameters after its forward and
             gather them again for backward (False keeps them until backward).
+        backward_prefetch: stage 3: gather the unit that backward reaches next while the
+            current one computes, and let each gradient reduction run on during the next unit's
+            backward (True: overlap, one extra gathered unit and one in-flight full-size gradient
+            at a time); False: wait for each reduction, then gather the next unit (lowest peak
+            memory, communication not hidden in backward). None: True on an accelerator, False
+            on CPU, where the collectives run on the same cores as the compute anyway.
         mixed_precision: `MixedPrecision`, ``"bf16"``/``"fp16"`` or None (fp32).
         offload: keep shards, gradients and optimizer state in CPU memory.
         seed: initialisation seed for a meta-device module.
@@ -108,6 +114,7 @@ class FullyShardedDataParallel(nn.Module):
         *,
         units: Sequence[type | str] | None = None,
         reshard_after_forward: bool = True,
+        backward_prefetch: bool | None = None,
         mixed_precision: MixedPrecision | str | None = None,
         offload: bool = False,
         seed: int = 0,
@@ -128,6 +135,9 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel(module=...) expects an nn.Module, "
                             f"got {type(module).__name__}")
+        if backward_prefetch is not None and not isinstance(backward_prefetch, bool):
+            raise TypeError(f"FullyShardedDataParallel(backward_prefetch=...) expects True, False or None, "
+                            f"got {backward_prefetch!r}")
         check_no_optimizer(module)
         self.mp = _parse_mp(mixed_precision)
         self.zero_stage, self.reshard_after_forward, self.mesh = zero_stage, reshard_after_forward, mesh
@@ -137,6 +147,9 @@ class FullyShardedDataParallel(nn.Module):
             world=mesh.size("fsdp"), rank=mesh.rank("fsdp"), replicas=dp, device=default_device(),
             param_dtype=self.mp.param_dtype if self.mp else None,
             reduce_dtype=self.mp.reduce_dtype if self.mp else None, offload=offload)
+        if backward_prefetch is None:
+            backward_prefetch = self.cfg.device.type != "cpu"
+        self.backward_prefetch = backward_prefetch
         self.units: list[Unit] = build_units(module, units, self.cfg, seed)
         self.module = module
         # The shards are this wrapper's parameters, named after their unit.
@@ -150,8 +163,8 @@ class FullyShardedDataParallel(nn.Module):
             for flat in unit.flats:
                 flat.bind_views()
                 if flat.requires_grad:
-                    for leaf in flat.leaves:
-                        leaf.register_post_accumulate_grad_hook(self._make_post_backward(flat))
+                    for i, leaf in enumerate(flat.leaves):
+                        leaf.register_post_accumulate_grad_hook(self._make_post_backward(flat, i))
         self._order: list[Unit] = []  # units in this forward's execution order
         self._prev_order: list[Unit] = list(self.units)  # last forward's order: what to prefetch
         self._sync = True
@@ -211,16 +224,22 @@ class FullyShardedDataParallel(nn.Module):
         if not self._backward_queued:
             self._backward_queued = True
             queue_end_of_backward(self._end_backward)  # reductions are awaited there
+        if not self.backward_prefetch:
+            # Sequential backward: the previous unit's gradient reduction lands (and frees its
+            # full-size input) before this unit's parameters are gathered, so a rank never
+            # holds one unit's unsharded gradients and another's gathered parameters at once.
+            while self._inflight:
+                self._inflight.pop(0).finish_reduce()
         unit.gather()
         prev = unit.position - 1
-        if self.zero_stage == 3 and 0 <= prev < len(self._order):
+        if self.backward_prefetch and self.zero_stage == 3 and 0 <= prev < len(self._order):
             self._order[prev].prefetch()  # the unit that backward reaches next
 
-    def _make_post_backward(self, flat: FlatParam):
+    def _make_post_backward(self, flat: FlatParam, i: int):
         def hook(_leaf: torch.Tensor) -> None:
             if not self._sync:
                 return  # no_sync: unsharded gradients keep accumulating on the leaves
-            if not flat.grad_ready():
+            if not flat.grad_ready(i):
                 return  # the unit's other parameters have not reported yet
             flat.start_reduce()  # overlaps with the rest of backward
             if self.zero_stage == 3:

@@ -12,8 +12,13 @@ autograd saved in forward see the re-gathered values in backward.
 Each original parameter is an autograd leaf aliasing its range of ``buf`` with its *own*
 version counter, so writing into ``buf`` never trips autograd's "modified by an inplace
 operation" check. The modules' attributes point at these leaves, and their gradients land
-on them as usual; once every leaf of the unit has reported, the gradients are copied into one
-flat buffer (in the reduce dtype) for the reduction and dropped.
+on them as usual. Under ZeRO-3 each leaf's gradient is copied into the leaf's own range of
+``buf`` the moment autograd has accumulated it (then dropped): by then every backward node that
+read that parameter has run, so its gathered values are dead and ``buf`` turns, range by range,
+into the unit's flat gradient. A unit never holds its gathered parameters and a full copy of its
+gradients at once, and the reduce-scatter reads ``buf`` directly (freed once it lands). Stages
+1-2 keep ``buf`` (the parameters stay gathered), so there the gradients are copied into a new
+flat buffer once every leaf has reported.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class FlatParam:
         self.buf = torch.zeros(self.padded, dtype=self.compute_dtype, device=cfg.device)
         self.leaves = [_alias(self.buf, s.offset, s.shape).requires_grad_(requires_grad) for s in slots]
         self.arrived = 0  # leaves whose gradient this backward has accumulated
+        self.in_buf = [False] * len(slots)  # ZeRO-3: leaf i's gradient already sits in buf
         start = cfg.rank * self.shard_size
         if self.aliased:
             local = _alias(self.buf, start, self.shard_size)
@@ -109,6 +115,8 @@ class FlatParam:
 
         Forward: all-gather of ``padded`` elements in the compute dtype over the fsdp axis.
         """
+        if self.cfg.stage == 3 and self.pending is not None:
+            self.finish_reduce()  # buf may be the in-flight reduction's input
         if not self.needs_gather():
             return
         nbytes = self.padded * self.buf.element_size()
@@ -150,24 +158,50 @@ class FlatParam:
                 mod.__dict__[attr] = leaf
 
     # ------------------------------------------------------------- gradients
-    def grad_ready(self) -> bool:
-        """Count one leaf's gradient as accumulated; True once every leaf has reported."""
+    def grad_ready(self, i: int) -> bool:
+        """Leaf ``i``'s gradient has been accumulated; True once every leaf has reported.
+
+        ZeRO-3 moves the gradient into the leaf's range of ``buf`` at once. Autograd accumulates
+        a leaf only after every node that used it has run, so nothing reads those gathered
+        values again (a parameter read outside autograd's sight, e.g. through ``.detach()`` in
+        forward and saved by another op, would break this; plait's FSDP does not support it).
+        """
+        leaf = self.leaves[i]
+        if self.cfg.stage == 3 and leaf.grad is not None and self.gathered:
+            slot = self.slots[i]
+            with torch.no_grad():
+                self.buf.narrow(0, slot.offset, slot.numel).copy_(leaf.grad.reshape(-1))
+            leaf.grad = None
+            self.in_buf[i] = True
         self.arrived += 1
         return self.arrived == len(self.leaves)
 
     def _flatten_grads(self) -> torch.Tensor | None:
-        # Copied only once the unit's backward is complete: by then its activations are gone,
-        # so the brief overlap of per-parameter gradients and the flat copy costs less than
-        # holding a flat buffer from the unit's first gradient on (measured: lower peak).
-        grads = [(slot, leaf) for slot, leaf in zip(self.slots, self.leaves, strict=True)
-                 if leaf.grad is not None]
-        if not grads:
+        have = [i for i, leaf in enumerate(self.leaves) if self.in_buf[i] or leaf.grad is not None]
+        if not have:
             return None
-        dtype = self.cfg.reduce_dtype or grads[0][1].grad.dtype
-        flat = torch.zeros(self.padded, dtype=dtype, device=grads[0][1].grad.device)
-        for slot, leaf in grads:
-            flat[slot.offset : slot.offset + slot.numel].copy_(leaf.grad.reshape(-1))
-            leaf.grad = None
+        if self.cfg.stage == 3:
+            # buf becomes the flat gradient: ranges already moved there stay, the rest take the
+            # leaves' gradients (no_sync leftovers) or zeros; the padding is zeroed too.
+            if self.buf.untyped_storage().nbytes() == 0:
+                self.buf.untyped_storage().resize_(self.padded * self.buf.element_size())
+            flat = self.buf
+            self.gathered = False  # from here on buf holds gradients; freed after the reduction
+        else:
+            dtype = self.cfg.reduce_dtype or self.leaves[have[0]].grad.dtype
+            flat = torch.empty(self.padded, dtype=dtype, device=self.buf.device)
+        with torch.no_grad():
+            for i, (slot, leaf) in enumerate(zip(self.slots, self.leaves, strict=True)):
+                if self.in_buf[i]:
+                    continue
+                dst = flat.narrow(0, slot.offset, slot.numel)
+                if leaf.grad is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(leaf.grad.reshape(-1))
+                    leaf.grad = None
+            flat.narrow(0, self.total, self.padded - self.total).zero_()
+        self.in_buf = [False] * len(self.leaves)
         return flat
 
     def start_reduce(self) -> None:
@@ -182,11 +216,14 @@ class FlatParam:
             return
         if self.cfg.reduce_dtype is not None and g.dtype != self.cfg.reduce_dtype:
             g = g.to(self.cfg.reduce_dtype)
+            if g is not self.buf and self.cfg.stage == 3:
+                self.buf.untyped_storage().resize_(0)  # the cast copy is what gets reduced
         if self.cfg.stage == 1:
             self.pending = (comm.all_reduce(g, self.cfg.group, async_op=True), g)
         else:
-            out = torch.empty(self.shard_size, dtype=g.dtype, device=g.device)
-            self.pending = (comm.reduce_scatter_into(out, g, self.cfg.group, async_op=True), out)
+            # g is dropped after the reduction, so it may serve as the reduction's own scratch
+            # (on Gloo: no hidden full-size clone; the result is a view of g).
+            self.pending = comm.reduce_scatter_consuming(g, self.cfg.group, async_op=True)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction, average, reduce across dp replicas (hybrid) and accumulate."""
@@ -207,10 +244,20 @@ class FlatParam:
             red = red.to(self.shard.device, self.shard.dtype, copy=True)
             if self.cfg.offload:
                 self.offload_bytes["to_host"] += red.numel() * red.element_size()
-        if self.shard.grad is None:
-            self.shard.grad = red
-        else:
+        st = red.untyped_storage()
+        borrowed = st.nbytes() > red.numel() * red.element_size() or st.data_ptr() == self.buf.data_ptr()
+        if self.shard.grad is not None:
             self.shard.grad.add_(red)
+        elif self.cfg.stage > 1 and borrowed:
+            # A window on the reduced full vector (Gloo reduces in place; at world 1 it is buf
+            # itself), which is dropped next. (ZeRO-1 keeps its window: every rank holds the
+            # whole gradient there by design.)
+            self.shard.grad = red.clone()
+        else:
+            self.shard.grad = red
+        del red, st
+        if self.cfg.stage == 3 and not self.gathered and self._handle is None:
+            self.buf.untyped_storage().resize_(0)  # the reduction's input, released at once
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...] | torch.Size | int) -> torch.Tensor:
