@@ -215,3 +215,27 @@ def test_bad_input_fails_on_every_rank_without_hanging(pools, case, message):
     errors = pools[2].errors(_bad, case)
     assert len(errors) == 2
     assert all(re.search(message, e) for e in errors.values()), errors[0]
+
+
+def test_one_rank_several_stages_hand_over_locally():
+    """pp=1 with 2 chunks: four stages on one rank exchange data locally (no sends or receives),
+    and a tie between its first and last stage stays one tensor."""
+    import plait
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+    from plait.pipeline import Kind, pipeline
+
+    plait.init()
+    cfg = GPTConfig(n_layers=2, tie_embeddings=True, **CFG)
+    oracle = plait.init_weights(GPT(cfg), seed=0)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    pipe = pipeline(model, plait.Mesh(), schedule="interleaved", chunks=2, microbatches=2, loss_fn=lm_loss)
+    assert model.tok_emb.weight is model.lm_head.weight
+    assert not any(a.kind in (Kind.SEND_F, Kind.RECV_F) for a in pipe.schedule.actions[0])
+    x, y = _batch(0)
+    loss = pipe.step(x, y)
+    ref = lm_loss(oracle(x), y)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), **TOL)
+    for (name, p), (_, q) in zip(pipe.named_parameters(), oracle.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda s, n=name: f"{n}: {s}")

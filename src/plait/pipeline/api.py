@@ -28,6 +28,9 @@ class Pipeline:
     returns the batch's mean loss on every rank of the ``pp`` axis. Pass the same ``inputs`` on
     every ``pp`` rank (the first stage reads them, the others take their shape signature);
     ``targets`` are read on the rank holding the last stage.
+
+    A weight shared by stages on different pp ranks (a tied embedding and LM head) is kept as one
+    copy per rank, initialised from its first owner; `step` sums the copies' gradients.
     """
 
     def __init__(self, module: nn.Module, mesh: Any, *, split: str | Sequence[str] = "auto",
@@ -69,12 +72,9 @@ class Pipeline:
         self.device = torch.device(device)
         self._skeleton: nn.Module | None = module  # structure check at the first step, then dropped
         self._segs = segs
-        self.stages: dict[int, Stage] = {}
-        for s in mine:
-            own = [segs[i] for i in plan[s]]
-            if meta:
-                materialize_segments(own, seed, self.device, owners)
-            self.stages[s] = Stage(s, own).to(self.device)
+        if meta:  # all of this rank's stages at once, so ties between them stay ties
+            materialize_segments([segs[i] for s in mine for i in plan[s]], seed, self.device, owners)
+        self.stages = {s: Stage(s, [segs[i] for i in plan[s]]).to(self.device) for s in mine}
         # Copies of weights shared with another pp rank, with the group that sums their gradients.
         groups = tie_groups(ties, mesh)
         held = {n: p for s in self.stages.values() for n, p in s.qualified_parameters()}
