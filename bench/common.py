@@ -71,7 +71,7 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
 def write_section(name: str, title: str, body: str, command: str | None = None) -> Path:
     """Write one benchmark's section to bench/results/<name>.md and rebuild bench/RESULTS.md."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    command = command or "plait bench " + " ".join(sys.argv[1:])
+    command = command or "plait " + " ".join(sys.argv[1:])  # argv: plait bench NAME ...
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     env = f"torch {torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU/Gloo'}"
     text = f"## {title}\n\nCommand: `{command}` ({stamp}, {env})\n\n{body.strip()}\n"

@@ -8,6 +8,7 @@ from plait.fsdp import FSDP, FullyShardedDataParallel, MixedPrecision
 from plait.materialize import init_weights
 from plait.mesh import Mesh
 from plait.parallelize import ParallelPlan, clip_grad_norm_, parallelize
+from plait.pipeline import Pipeline, pipeline
 from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel
 from plait.tp_loss import vocab_parallel_cross_entropy
 from plait.tp_styles import (
@@ -41,6 +42,8 @@ __all__ = [
     "VocabParallelOutput",
     "SequenceParallel",
     "ParallelRegion",
+    "pipeline",
+    "Pipeline",
     "parallelize",
     "ParallelPlan",
     "clip_grad_norm_",
