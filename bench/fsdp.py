@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.common import alternate, markdown_table, median, peak_rss_mib, write_section
 
 MIB = 2**20
+IMPLS = ("plait", "plait_prefetch", "torch")
 
 
 # ---------------------------------------------------------------- the CPU memory tracker
@@ -42,6 +43,9 @@ class LiveStorageBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
+        self.phase = "forward"  # set by the caller; the phase of the peak is reported
+        self.peak_phase = self.phase
+        self.at_phase_start: dict[str, int] = {}  # live bytes at each phase's first op
         self.refs: dict[int, StorageWeakRef] = {}
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.Tensor):  # type(): some gc'd proxies warn on isinstance
@@ -69,10 +73,14 @@ class LiveStorageBytes(TorchDispatchMode):
         return total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.phase not in self.at_phase_start:
+            self.at_phase_start[self.phase] = self.now()
         out = func(*args, **(kwargs or {}))
         for t in _leaves((args, kwargs, out)):
             self._add(t)
-        self.peak = max(self.peak, self.now())
+        now = self.now()
+        if now > self.peak:
+            self.peak, self.peak_phase = now, self.phase
         return out
 
 
@@ -100,6 +108,7 @@ def _batch(args: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _build(impl: str, args: dict, stage: int | None = None):
+    """impl: "plait" (defaults), "plait_prefetch" (backward_prefetch=True) or "torch"."""
     import torch.distributed as dist
 
     import plait
@@ -109,11 +118,11 @@ def _build(impl: str, args: dict, stage: int | None = None):
 
     cfg = _cfg(args)
     mp = args["mixed_precision"]
-    if impl == "plait":
+    if impl.startswith("plait"):
         with torch.device("meta"):
             model = GPT(cfg)
         model = FSDP(model, cached_mesh(fsdp=args["world"]), stage or args["zero_stage"],
-                     offload=args["offload"],
+                     offload=args["offload"], backward_prefetch=True if impl == "plait_prefetch" else None,
                      mixed_precision=MixedPrecision(torch.bfloat16) if mp else None)
     else:
         from torch.distributed.device_mesh import DeviceMesh
@@ -137,12 +146,19 @@ def _build(impl: str, args: dict, stage: int | None = None):
     return model, opt
 
 
-def _step_fn(model, opt, x, y, losses: list[float]):
+def _step_fn(model, opt, x, y, losses: list[float], tracker: LiveStorageBytes | None = None):
     from plait.models.gpt import lm_loss
 
+    def phase(name: str) -> None:
+        if tracker is not None:
+            tracker.phase = name
+
     def step() -> None:
+        phase("forward")
         loss = lm_loss(model(x), y)
+        phase("backward")
         loss.backward()
+        phase("optimizer")
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -157,8 +173,8 @@ def timing_job(args: dict) -> dict:
 
     rank = dist.get_rank()
     x, y = _batch(args, rank)
-    losses: dict[str, list[float]] = {"plait": [], "torch": []}
-    models = {impl: _build(impl, args) for impl in ("plait", "torch")}
+    losses: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    models = {impl: _build(impl, args) for impl in IMPLS}
     steps = {impl: _step_fn(*models[impl], x, y, losses[impl]) for impl in models}
     times = alternate(steps, warmup=args["warmup"], iters=args["iters"])
     # Communication of one plait step against DDP's one all-reduce of every gradient.
@@ -180,22 +196,26 @@ def memory_job(impl: str, args: dict) -> dict:
 
     x, y = _batch(args, dist.get_rank())
     model, opt = _build(impl, args)
-    step = _step_fn(model, opt, x, y, [])
-    step()  # optimizer state exists from here on, as in steady-state training
+    _step_fn(model, opt, x, y, [])()  # optimizer state exists from here on, as in steady-state training
     gc.collect()
+    out: dict = {"phase": None, "bwd_start": None}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-        step()
+        _step_fn(model, opt, x, y, [])()
         peak = torch.cuda.max_memory_allocated()
     else:
         with LiveStorageBytes() as tracker:
-            step()
+            _step_fn(model, opt, x, y, [], tracker)()
         peak = tracker.peak
-    out = {"peak_live": peak, "rss_mib": peak_rss_mib()}
+        # Model state plus every activation, just before backward's first gather.
+        out.update(phase=tracker.peak_phase, bwd_start=tracker.at_phase_start.get("backward"))
+    out.update(peak_live=peak, rss_mib=peak_rss_mib())
     if impl == "plait":
         from plait.models.gpt import lm_loss
 
-        del model, opt, step
+        # The largest gathered unit (one block): what ZeRO-3 must add to the backward-start floor.
+        out["block"] = max(f.padded * f.buf.element_size() for u in model.units[1:] for f in u.flats)
+        del model, opt
         stages = {}
         for stage in (1, 2, 3):
             m, o = _build("plait", args, stage)
@@ -243,7 +263,7 @@ def main(argv: list[str]) -> int:
     finally:
         pool.close()
     mem = {}
-    for impl in ("plait", "torch"):  # fresh processes each: neither sees the other's memory
+    for impl in IMPLS:  # fresh processes each: none sees another's memory
         pool = RankPool(args["world"], timeout_s=900)
         try:
             mem[impl] = pool.run(memory_job, impl, args)
@@ -259,22 +279,26 @@ def main(argv: list[str]) -> int:
 
 def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
     st = args["zero_stage"]
-    tp, tt = median(timing["times"]["plait"]), median(timing["times"]["torch"])
+    t = {k: median(v) for k, v in timing["times"].items()}
     peak = {k: max(r["peak_live"] for r in v) for k, v in mem.items()}
     rss = {k: max(r["rss_mib"] for r in v) for k, v in mem.items()}
-    kind = "CUDA allocator peak" if torch.cuda.is_available() else "live tensor storage (CPU tracker)"
+    cpu = not torch.cuda.is_available()
+    kind = "live tensor storage (CPU tracker)" if cpu else "CUDA allocator peak"
     psi, n = mem["plait"][0]["psi"], args["world"]
-    off_note = " (plait only: FSDP2 offload needs an accelerator)" if (
-        args["offload"] and not torch.cuda.is_available()) else ""
+    off_note = " (plait only: FSDP2 offload needs an accelerator)" if (args["offload"] and cpu) else ""
     k = len(timing["losses"]["torch"])  # plait ran one extra step (the communication count)
-    lp, lt = timing["losses"]["plait"][:k], timing["losses"]["torch"]
+    lp, lq, lt = timing["losses"]["plait"][:k], timing["losses"]["plait_prefetch"], timing["losses"]["torch"]
     rows = [
-        ["median step time (s)", tp, tt, tp / tt, "<= 1.0"],
+        ["median step time (s)", t["plait"], t["torch"], t["plait"] / t["torch"], "<= 1.0"],
         [f"peak live memory / rank (MiB), {kind}", peak["plait"] / MIB, peak["torch"] / MIB,
          peak["plait"] / peak["torch"], "<= 0.9"],
         ["peak RSS / rank (MiB)", rss["plait"], rss["torch"], rss["plait"] / rss["torch"], ""],
         [f"ZeRO-{st} wire bytes / DDP wire bytes", timing["zero3_wire"] / MIB, timing["ddp_wire"] / MIB,
          timing["zero3_wire"] / timing["ddp_wire"], {1: "1.5", 2: "1.0", 3: "1.5"}[st] + " (theory)"],
+        ["backward_prefetch=True: median step time (s)", t["plait_prefetch"], t["torch"],
+         t["plait_prefetch"] / t["torch"], ""],
+        ["backward_prefetch=True: peak live memory / rank (MiB)", peak["plait_prefetch"] / MIB,
+         peak["torch"] / MIB, peak["plait_prefetch"] / peak["torch"], ""],
     ]
     table = markdown_table(["metric", "plait", "torch / reference", "ratio", "target"], rows)
     formula = {1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
@@ -282,11 +306,34 @@ def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
               mem["plait"][0]["stages"][s] / formula[s]] for s in (1, 2, 3)]
     stable = markdown_table(["stage", "measured MiB / rank", "formula MiB (fp32 Adam, no offload)", "ratio"],
                             srows)
+    where = ""
+    if cpu:
+        names = {"plait": "plait (default)", "plait_prefetch": "plait, backward_prefetch=True",
+                 "torch": "torch FSDP2"}
+        prow = []
+        for impl, name in names.items():
+            r = max(mem[impl], key=lambda r: r["peak_live"])
+            prow.append([name, r["phase"], r["bwd_start"] / MIB, r["peak_live"] / MIB,
+                         (r["peak_live"] - r["bwd_start"]) / MIB])
+        where = "Where the peak falls (the rank with the higher peak):\n\n" + markdown_table(
+            ["run", "peak phase", "live at backward start (MiB)", "peak (MiB)", "peak - backward start"],
+            prow)
+        block = mem["plait"][0]["block"] / MIB
+        floor = max(r["bwd_start"] for r in mem["plait"]) / MIB + block
+        where += f"""
+
+Live memory at backward start is the model state (parameter and AdamW shards) plus every
+activation, identical on both sides; the first block's backward then needs that block gathered
+({block:.2f} MiB) plus its first gradient. With blocks as sharding units (as FSDP2 here) no
+schedule peaks below about {floor:.1f} MiB, i.e. {floor * MIB / peak["torch"]:.3f} of torch's peak; the 0.9
+target ({0.9 * peak["torch"] / MIB:.1f} MiB) would need smaller units or fewer saved activations
+(recomputation), which this comparison does not use."""
     return f"""
 GPT preset `{args['model']}` (Ψ = {psi / 1e6:.1f}M parameters), seq {args['seq_len']}, global batch
 {args['batch']}, world {args['world']} (Gloo, one thread per rank), AdamW; mixed precision
 {args['mixed_precision']}, offload {args['offload']}{off_note}; {args['iters']} timed steps per side after
-{args['warmup']} warm-up, strictly alternating; total wall {wall:.0f} s.
+{args['warmup']} warm-up, strictly alternating (plait, plait with backward_prefetch=True, torch);
+total wall {wall:.0f} s.
 
 {table}
 
@@ -295,14 +342,27 @@ rank holds; DDP would be 16Ψ = {16 * psi / MIB:.0f} MiB):
 
 {stable}
 
-Sanity: same initial values and batch on both sides; loss after step 1 plait {lp[0]:.6f}, torch
-{lt[0]:.6f}; after step {len(lp)} plait {lp[-1]:.6f}, torch {lt[-1]:.6f}.
+Sanity: same initial values and batch on all sides; loss after step 1 plait {lp[0]:.6f},
+prefetching plait {lq[0]:.6f}, torch {lt[0]:.6f}; after step {len(lp)} plait {lp[-1]:.6f},
+prefetching plait {lq[-1]:.6f}, torch {lt[-1]:.6f}.
 Peak memory is measured in separate fresh processes per implementation, one step after a
-warm-up step (optimizer state allocated). Both peaks fall early in backward, where a rank holds
-its parameter and AdamW-state shards, every activation, and two gathered blocks (the one
-computing and the prefetched one): the two implementations hold the same set, which is why the
-ratio sits near 1.0 rather than at the 0.9 target. The ZeRO-3 ratio is below 1.5 because the
-root unit (embedding, final norm, head) stays gathered from forward into backward, as in FSDP2.
+warm-up step (optimizer state allocated).
+
+{where}
+
+How plait gets there (ZeRO-3): each parameter's gradient is moved into its own range of the
+block's gathered buffer as soon as autograd has accumulated it (those parameter values are
+dead by then), so a block never holds its gathered parameters and a second full-size copy of
+its gradients; that buffer is the reduction's input, and on Gloo it is all-reduced in place
+(torch's Gloo reduce-scatter clones its input first and is also an all-reduce underneath, so
+wire bytes are counted the same way for both). On CPU plait defaults to `backward_prefetch=False`:
+each block's reduction lands and frees its buffer before the next block is gathered, so backward
+never holds more than one block; the collectives run on the same cores as the compute there, so
+the lost overlap costs little (the step-time row). With `backward_prefetch=True` (the default on
+accelerators) the next block is gathered while one computes and a reduction stays in flight,
+like FSDP2, whose peak here holds three blocks (the one computing, the prefetched one, and the
+previous block's reduce-scatter input). The ZeRO-3 wire ratio is below 1.5
+because the root unit (embedding, final norm, head) stays gathered from forward into backward.
 """
 
 

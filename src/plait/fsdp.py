@@ -14,9 +14,13 @@ What moves per step, for Ψ parameters on N ranks (ring wire bytes per rank):
     backward  all-gather again (stage 3 with reshard_after_forward), reduce-scatter of grads
               (stage 1: all-reduce, like DDP)
 
-so stage 3 moves 3(N-1)/N·Ψ against DDP's 2(N-1)/N·Ψ: 1.5x. The next unit's all-gather is
-issued while the current unit computes (forward and backward), and each reduce-scatter runs
-while backward continues into earlier units.
+so stage 3 moves 3(N-1)/N·Ψ against DDP's 2(N-1)/N·Ψ: 1.5x. In forward the next unit's
+all-gather is issued while the current unit computes. In backward, ``backward_prefetch=True``
+(the default on accelerators) does the same and lets each reduce-scatter run on while backward
+continues into earlier units; ``False`` (the default on CPU, where Gloo's collectives compete
+with the compute for the same cores) waits for each unit's reduction before gathering the next
+unit, so backward holds one gathered unit at a time. Either way a unit's gradients are moved
+into its gathered buffer as they arrive (see `plait.fsdp_flat`), never held twice.
 
 The training loop stays plain PyTorch: build any optimizer on ``model.parameters()`` *after*
 wrapping (those are this rank's flat shards), call ``loss.backward()``, ``opt.step()``.
