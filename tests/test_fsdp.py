@@ -451,6 +451,40 @@ def test_sequential_backward_holds_one_unit(pools):
                     "l1_reduced_and_freed_first": True}
 
 
+def train_after_failed_backward() -> dict:
+    """A backward that raises halfway through layers.1, then the usual 5 steps."""
+    from plait.models.gpt import lm_loss
+
+    model, opt = _wrap(1, 2, 3)
+    r = model.mesh.rank("fsdp")
+
+    def boom(_grad):
+        raise RuntimeError("injected")
+
+    def arm(_mod, _args, out) -> None:
+        out.register_hook(boom)
+
+    # Raises after layers.1's MLP gradients (and the head's) have moved into gathered buffers.
+    hook = model.module.layers[1].attn.register_forward_hook(arm)
+    x, y = _local(batches(1)[0], r, 2)
+    try:
+        lm_loss(model(x), y).backward()
+    except RuntimeError as e:
+        assert "injected" in str(e)
+    hook.remove()
+    opt.zero_grad()
+    for b in batches():
+        x, y = _local(b, r, 2)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict()
+
+
+def test_failed_backward_leaves_no_gradient_in_parameters(pools, ref):
+    assert_params(pools[2].run(train_after_failed_backward)[0], ref["params"])
+
+
 def comm_bytes(reshard: bool) -> dict:
     from plait import comm
     from plait.models.gpt import lm_loss

@@ -179,7 +179,11 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         root = self.units[0]
         self._order = []
-        self._backward_queued = False  # in case the previous backward raised before its callback
+        if self._backward_queued:  # the previous backward raised before its end callback
+            for unit in self.units:
+                for flat in unit.flats:
+                    flat.abandon_backward()
+        self._backward_queued = False
         if self.zero_stage < 3:
             # Shards changed by the optimizer are gathered again; all issued now, each unit
             # waits for its own in its pre-forward.

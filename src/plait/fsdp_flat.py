@@ -176,6 +176,12 @@ class FlatParam:
         self.arrived += 1
         return self.arrived == len(self.leaves)
 
+    def abandon_backward(self) -> None:
+        """Forget a backward that raised midway: buf may hold some gradients in place of values."""
+        if any(self.in_buf):
+            self.gathered = False  # the next use gathers the parameters again
+        self.arrived, self.in_buf = 0, [False] * len(self.leaves)
+
     def _flatten_grads(self) -> torch.Tensor | None:
         have = [i for i, leaf in enumerate(self.leaves) if self.in_buf[i] or leaf.grad is not None]
         if not have:
