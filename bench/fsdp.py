@@ -2,11 +2,14 @@
 
 Reports:
 
-* median step time plait / torch, steps strictly alternating in the same processes;
+* median step time plait / torch, steps strictly alternating in the same processes (plait with
+  its defaults, plait with ``backward_prefetch=True``, torch);
 * peak live memory per rank, measured separately for each implementation in its own fresh
   processes so neither sees the other's tensors: on CUDA the allocator's peak; on CPU one
   tracker of live tensor-storage bytes (`LiveStorageBytes`, below) applied identically to
   both, plus each process's peak RSS;
+* on CPU, the phase of each peak and the live bytes at backward start (model state plus every
+  activation: the floor that one gathered block is added to);
 * ZeRO-3 wire bytes per step / DDP's (one all-reduce of every gradient): theory 1.5;
 * model-state bytes per rank for ZeRO-1/2/3 against the fp32-Adam formula.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 
 import torch
@@ -256,7 +260,7 @@ def main(argv: list[str]) -> int:
     args["world"] = a.fsdp
     from plait.testing import RankPool
 
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()[0]
     pool = RankPool(args["world"], timeout_s=900)
     try:
         timing = pool.run(timing_job, args)[0]
@@ -269,6 +273,7 @@ def main(argv: list[str]) -> int:
             mem[impl] = pool.run(memory_job, impl, args)
         finally:
             pool.close()
+    args["load"] = (load0, os.getloadavg()[0])  # other jobs share the cores: times are relative
     body = _report(args, timing, mem, time.time() - t0)
     print(body)
     if not a.no_write:
@@ -333,7 +338,9 @@ GPT preset `{args['model']}` (Ψ = {psi / 1e6:.1f}M parameters), seq {args['seq_
 {args['batch']}, world {args['world']} (Gloo, one thread per rank), AdamW; mixed precision
 {args['mixed_precision']}, offload {args['offload']}{off_note}; {args['iters']} timed steps per side after
 {args['warmup']} warm-up, strictly alternating (plait, plait with backward_prefetch=True, torch);
-total wall {wall:.0f} s.
+total wall {wall:.0f} s; 1-minute load average {args['load'][0]:.1f} at the start,
+{args['load'][1]:.1f} at the end ({os.cpu_count()} cores, shared with other jobs: compare ratios, not
+absolute times).
 
 {table}
 
