@@ -3,7 +3,7 @@
 Reports:
 
 * median step time plait / torch, steps strictly alternating in the same processes (plait with
-  its defaults, plait with ``backward_prefetch=True``, torch);
+  its defaults, plait with ``backward_prefetch=False``, torch);
 * peak live memory per rank, measured separately for each implementation in its own fresh
   processes so neither sees the other's tensors: on CUDA the allocator's peak; on CPU one
   tracker of live tensor-storage bytes (`LiveStorageBytes`, below) applied identically to
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.common import alternate, markdown_table, median, peak_rss_mib, write_section
 
 MIB = 2**20
-IMPLS = ("plait", "plait_prefetch", "torch")
+IMPLS = ("plait", "plait_lowmem", "torch")
 
 
 # ---------------------------------------------------------------- the CPU memory tracker
@@ -112,7 +112,7 @@ def _batch(args: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _build(impl: str, args: dict, stage: int | None = None):
-    """impl: "plait" (defaults), "plait_prefetch" (backward_prefetch=True) or "torch"."""
+    """impl: "plait" (defaults), "plait_lowmem" (backward_prefetch=False) or "torch"."""
     import torch.distributed as dist
 
     import plait
@@ -126,7 +126,7 @@ def _build(impl: str, args: dict, stage: int | None = None):
         with torch.device("meta"):
             model = GPT(cfg)
         model = FSDP(model, cached_mesh(fsdp=args["world"]), stage or args["zero_stage"],
-                     offload=args["offload"], backward_prefetch=True if impl == "plait_prefetch" else None,
+                     offload=args["offload"], backward_prefetch=impl != "plait_lowmem",
                      mixed_precision=MixedPrecision(torch.bfloat16) if mp else None)
     else:
         from torch.distributed.device_mesh import DeviceMesh
@@ -292,7 +292,7 @@ def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
     psi, n = mem["plait"][0]["psi"], args["world"]
     off_note = " (plait only: FSDP2 offload needs an accelerator)" if (args["offload"] and cpu) else ""
     k = len(timing["losses"]["torch"])  # plait ran one extra step (the communication count)
-    lp, lq, lt = timing["losses"]["plait"][:k], timing["losses"]["plait_prefetch"], timing["losses"]["torch"]
+    lp, lq, lt = timing["losses"]["plait"][:k], timing["losses"]["plait_lowmem"], timing["losses"]["torch"]
     rows = [
         ["median step time (s)", t["plait"], t["torch"], t["plait"] / t["torch"], "<= 1.0"],
         [f"peak live memory / rank (MiB), {kind}", peak["plait"] / MIB, peak["torch"] / MIB,
@@ -300,10 +300,10 @@ def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
         ["peak RSS / rank (MiB)", rss["plait"], rss["torch"], rss["plait"] / rss["torch"], ""],
         [f"ZeRO-{st} wire bytes / DDP wire bytes", timing["zero3_wire"] / MIB, timing["ddp_wire"] / MIB,
          timing["zero3_wire"] / timing["ddp_wire"], {1: "1.5", 2: "1.0", 3: "1.5"}[st] + " (theory)"],
-        ["backward_prefetch=True: median step time (s)", t["plait_prefetch"], t["torch"],
-         t["plait_prefetch"] / t["torch"], ""],
-        ["backward_prefetch=True: peak live memory / rank (MiB)", peak["plait_prefetch"] / MIB,
-         peak["torch"] / MIB, peak["plait_prefetch"] / peak["torch"], ""],
+        ["backward_prefetch=False: median step time (s)", t["plait_lowmem"], t["torch"],
+         t["plait_lowmem"] / t["torch"], ""],
+        ["backward_prefetch=False: peak live memory / rank (MiB)", peak["plait_lowmem"] / MIB,
+         peak["torch"] / MIB, peak["plait_lowmem"] / peak["torch"], ""],
     ]
     table = markdown_table(["metric", "plait", "torch / reference", "ratio", "target"], rows)
     formula = {1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
@@ -313,7 +313,7 @@ def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
                             srows)
     where = ""
     if cpu:
-        names = {"plait": "plait (default)", "plait_prefetch": "plait, backward_prefetch=True",
+        names = {"plait": "plait (default)", "plait_lowmem": "plait, backward_prefetch=False",
                  "torch": "torch FSDP2"}
         prow = []
         for impl, name in names.items():
@@ -337,7 +337,7 @@ target ({0.9 * peak["torch"] / MIB:.1f} MiB) would need smaller units or fewer s
 GPT preset `{args['model']}` (Ψ = {psi / 1e6:.1f}M parameters), seq {args['seq_len']}, global batch
 {args['batch']}, world {args['world']} (Gloo, one thread per rank), AdamW; mixed precision
 {args['mixed_precision']}, offload {args['offload']}{off_note}; {args['iters']} timed steps per side after
-{args['warmup']} warm-up, strictly alternating (plait, plait with backward_prefetch=True, torch);
+{args['warmup']} warm-up, strictly alternating (plait, plait with backward_prefetch=False, torch);
 total wall {wall:.0f} s; 1-minute load average {args['load'][0]:.1f} at the start,
 {args['load'][1]:.1f} at the end ({os.cpu_count()} cores, shared with other jobs: compare ratios, not
 absolute times).
@@ -350,8 +350,8 @@ rank holds; DDP would be 16Ψ = {16 * psi / MIB:.0f} MiB):
 {stable}
 
 Sanity: same initial values and batch on all sides; loss after step 1 plait {lp[0]:.6f},
-prefetching plait {lq[0]:.6f}, torch {lt[0]:.6f}; after step {len(lp)} plait {lp[-1]:.6f},
-prefetching plait {lq[-1]:.6f}, torch {lt[-1]:.6f}.
+low-memory plait {lq[0]:.6f}, torch {lt[0]:.6f}; after step {len(lp)} plait {lp[-1]:.6f},
+low-memory plait {lq[-1]:.6f}, torch {lt[-1]:.6f}.
 Peak memory is measured in separate fresh processes per implementation, one step after a
 warm-up step (optimizer state allocated).
 
@@ -362,13 +362,13 @@ block's gathered buffer as soon as autograd has accumulated it (those parameter 
 dead by then), so a block never holds its gathered parameters and a second full-size copy of
 its gradients; that buffer is the reduction's input, and on Gloo it is all-reduced in place
 (torch's Gloo reduce-scatter clones its input first and is also an all-reduce underneath, so
-wire bytes are counted the same way for both). On CPU plait defaults to `backward_prefetch=False`:
-each block's reduction lands and frees its buffer before the next block is gathered, so backward
-never holds more than one block; the collectives run on the same cores as the compute there, so
-the lost overlap costs little (the step-time row). With `backward_prefetch=True` (the default on
-accelerators) the next block is gathered while one computes and a reduction stays in flight,
-like FSDP2, whose peak here holds three blocks (the one computing, the prefetched one, and the
-previous block's reduce-scatter input). The ZeRO-3 wire ratio is below 1.5
+wire bytes are counted the same way for both). By default (`backward_prefetch=True`) the next
+block is gathered while one computes and a reduction stays in flight, like FSDP2, whose peak
+here holds three blocks (the one computing, the prefetched one, and the previous block's
+reduce-scatter input). With `backward_prefetch=False` each block's reduction lands and frees its
+buffer before the next block is gathered, so backward never holds more than one block; on CPU
+the collectives run on the same cores as the compute, so the lost overlap costs little (its
+step-time row). The ZeRO-3 wire ratio is below 1.5
 because the root unit (embedding, final norm, head) stays gathered from forward into backward.
 """
 

@@ -123,9 +123,9 @@ def ref() -> dict:
 
 # ------------------------------------------------------------------ parity
 @pytest.mark.parametrize("stage,reshard,prefetch", [
-    (1, True, None), (2, True, None), (3, True, None), (3, False, None), (3, True, True)])
+    (1, True, True), (2, True, True), (3, True, True), (3, False, True), (3, True, False)])
 def test_parity_world2(pools, ref, stage, reshard, prefetch):
-    # prefetch None is sequential backward on CPU; True overlaps gathers and reductions.
+    # prefetch True (the default) overlaps gathers and reductions; False is sequential backward.
     out = pools[2].run(train_fsdp, 1, 2, stage, reshard_after_forward=reshard, backward_prefetch=prefetch)
     for o in out:
         assert_params(o["params"], ref["params"])
@@ -402,12 +402,12 @@ def test_prefetch_and_reduce_scatter_overlap(pools):
 
 
 def sequential_probe() -> dict:
-    """What a rank holds at the backward boundaries when backward_prefetch is left to default (CPU)."""
+    """What a rank holds at the backward boundaries with backward_prefetch=False."""
     from plait.models.gpt import lm_loss
 
-    model, opt = _wrap(1, 2, 3)
+    model, opt = _wrap(1, 2, 3, backward_prefetch=False)
     l0, l1 = model.units[1].flats[0], model.units[2].flats[0]
-    seen: dict[str, bool] = {"default_sequential": model.backward_prefetch is False}
+    seen: dict[str, bool] = {"sequential": model.backward_prefetch is False}
     in_backward = {"on": False}
 
     def on_l1_grad(grads) -> None:
@@ -447,7 +447,7 @@ def sequential_probe() -> dict:
 
 def test_sequential_backward_holds_one_unit(pools):
     seen = pools[2].run(sequential_probe)[0]
-    assert seen == {"default_sequential": True, "l0_untouched_during_l1": True, "grads_moved_into_buf": True,
+    assert seen == {"sequential": True, "l0_untouched_during_l1": True, "grads_moved_into_buf": True,
                     "l1_reduced_and_freed_first": True}
 
 

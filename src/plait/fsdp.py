@@ -16,11 +16,12 @@ What moves per step, for Ψ parameters on N ranks (ring wire bytes per rank):
 
 so stage 3 moves 3(N-1)/N·Ψ against DDP's 2(N-1)/N·Ψ: 1.5x. In forward the next unit's
 all-gather is issued while the current unit computes. In backward, ``backward_prefetch=True``
-(the default on accelerators) does the same and lets each reduce-scatter run on while backward
-continues into earlier units; ``False`` (the default on CPU, where Gloo's collectives compete
-with the compute for the same cores) waits for each unit's reduction before gathering the next
-unit, so backward holds one gathered unit at a time. Either way a unit's gradients are moved
-into its gathered buffer as they arrive (see `plait.fsdp_flat`), never held twice.
+(the default) does the same and lets each reduce-scatter run on while backward continues into
+earlier units; ``False`` waits for each unit's reduction before gathering the next unit, so
+backward holds one gathered unit at a time (lowest peak memory; on CPU, where Gloo's
+collectives share the cores with the compute, the lost overlap costs only a few percent).
+Either way a unit's gradients are moved into its gathered buffer as they arrive (see
+`plait.fsdp_flat`), never held twice.
 
 The training loop stays plain PyTorch: build any optimizer on ``model.parameters()`` *after*
 wrapping (those are this rank's flat shards), call ``loss.backward()``, ``opt.step()``.
@@ -102,9 +103,9 @@ class FullyShardedDataParallel(nn.Module):
         backward_prefetch: stage 3: gather the unit that backward reaches next while the
             current one computes, and let each gradient reduction run on during the next unit's
             backward (True: overlap, one extra gathered unit and one in-flight full-size gradient
-            at a time); False: wait for each reduction, then gather the next unit (lowest peak
-            memory, communication not hidden in backward). None: True on an accelerator, False
-            on CPU, where the collectives run on the same cores as the compute anyway.
+            at a time; the default); False: wait for each reduction, then gather the next unit
+            (lowest peak memory, communication not hidden in backward; on CPU, where the
+            collectives share the cores with the compute, it costs only a few percent).
         mixed_precision: `MixedPrecision`, ``"bf16"``/``"fp16"`` or None (fp32).
         offload: keep shards, gradients and optimizer state in CPU memory.
         seed: initialisation seed for a meta-device module.
@@ -118,7 +119,7 @@ class FullyShardedDataParallel(nn.Module):
         *,
         units: Sequence[type | str] | None = None,
         reshard_after_forward: bool = True,
-        backward_prefetch: bool | None = None,
+        backward_prefetch: bool = True,
         mixed_precision: MixedPrecision | str | None = None,
         offload: bool = False,
         seed: int = 0,
@@ -139,8 +140,8 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel(module=...) expects an nn.Module, "
                             f"got {type(module).__name__}")
-        if backward_prefetch is not None and not isinstance(backward_prefetch, bool):
-            raise TypeError(f"FullyShardedDataParallel(backward_prefetch=...) expects True, False or None, "
+        if not isinstance(backward_prefetch, bool):
+            raise TypeError(f"FullyShardedDataParallel(backward_prefetch=...) expects True or False, "
                             f"got {backward_prefetch!r}")
         check_no_optimizer(module)
         self.mp = _parse_mp(mixed_precision)
@@ -151,8 +152,6 @@ class FullyShardedDataParallel(nn.Module):
             world=mesh.size("fsdp"), rank=mesh.rank("fsdp"), replicas=dp, device=default_device(),
             param_dtype=self.mp.param_dtype if self.mp else None,
             reduce_dtype=self.mp.reduce_dtype if self.mp else None, offload=offload)
-        if backward_prefetch is None:
-            backward_prefetch = self.cfg.device.type != "cpu"
         self.backward_prefetch = backward_prefetch
         self.units: list[Unit] = build_units(module, units, self.cfg, seed)
         self.module = module

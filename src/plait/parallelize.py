@@ -51,6 +51,7 @@ class ParallelPlan:
     mixed_precision: str | None = None
     offload: bool = False
     reshard_after_forward: bool = True
+    backward_prefetch: bool = True
     fsdp_units: Sequence[type | str] | None = None
     ddp_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0  # init seed for modules still on the meta device
@@ -78,7 +79,8 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module:
     if plan.data == "fsdp":
         return FullyShardedDataParallel(
             module, mesh, plan.zero_stage, units=plan.fsdp_units,
-            reshard_after_forward=plan.reshard_after_forward, mixed_precision=plan.mixed_precision,
+            reshard_after_forward=plan.reshard_after_forward, backward_prefetch=plan.backward_prefetch,
+            mixed_precision=plan.mixed_precision,
             offload=plan.offload, seed=plan.seed)
     if is_meta(module):  # DDP keeps full replicas: materialize with the same per-module init
         module = init_weights(module.to_empty(device=device()), plan.seed)

@@ -55,6 +55,7 @@ class TrainConfig:
     mixed_precision: str | None = None
     offload: bool = False
     reshard_after_forward: bool = True
+    backward_prefetch: bool = True  # --no-backward-prefetch: FSDP's lowest-memory backward
     steps: int = 200
     batch_size: int = 16  # global batch, in sequences
     seq_len: int | None = None  # default: the preset's
@@ -165,7 +166,8 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
         tp=gpt_plan(gcfg) if cfg.tp > 1 else None, sequence_parallel=cfg.sequence_parallel,
         data="fsdp" if cfg.strategy == "fsdp" else "ddp", zero_stage=cfg.zero_stage,
         mixed_precision=cfg.mixed_precision, offload=cfg.offload,
-        reshard_after_forward=cfg.reshard_after_forward, seed=cfg.seed)
+        reshard_after_forward=cfg.reshard_after_forward, backward_prefetch=cfg.backward_prefetch,
+        seed=cfg.seed)
     return parallelize(gpt, mesh, plan)
 
 
