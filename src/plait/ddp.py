@@ -44,6 +44,8 @@ class _Bucket:
     names: list[str]
     offsets: list[int]
     buffer: torch.Tensor
+    slots: list[torch.Tensor] = field(default_factory=list)  # flat view of each parameter's range
+    grads: list[torch.Tensor] = field(default_factory=list)  # the same ranges, shaped like the params
     pending: int = 0
     wire: torch.Tensor | None = None  # what is actually all-reduced (compressed copy or buffer)
     handle: comm.Handle | None = None
@@ -154,7 +156,7 @@ class DistributedDataParallel(nn.Module):
         buckets: list[_Bucket] = []
         for members in by_kind.values():
             sizes = [p.numel() * p.element_size() for _, p in members]
-            for idx in plan_buckets(sizes, cap):
+            for idx in plan_buckets(sizes, cap, _SMALL_BUCKET_BYTES):
                 buckets.append(self._new_bucket(len(buckets), [members[i] for i in idx]))
         return buckets
 
@@ -166,7 +168,10 @@ class DistributedDataParallel(nn.Module):
             total += p.numel()
         p0 = members[0][1]
         buf = torch.zeros(total, dtype=p0.dtype, device=p0.device)
-        return _Bucket(index, [p for _, p in members], [n for n, _ in members], offsets, buf)
+        # Views made once: the backward hooks are on the critical path and run once per parameter.
+        slots = [buf[o : o + p.numel()] for o, (_, p) in zip(offsets, members)]
+        grads = [v.view_as(p) for v, (_, p) in zip(slots, members)]
+        return _Bucket(index, [p for _, p in members], [n for n, _ in members], offsets, buf, slots, grads)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -198,7 +203,7 @@ class DistributedDataParallel(nn.Module):
                 p = b.params[i]
                 if p.grad is not None:  # detach a bucket-view grad before zeroing its slot
                     p.grad = p.grad.clone()
-                b.buffer[b.offsets[i] : b.offsets[i] + p.numel()].zero_()
+                b.slots[i].zero_()
                 self._mark_ready(b, i)
             else:
                 assert self._used_flags is not None
@@ -218,9 +223,13 @@ class DistributedDataParallel(nn.Module):
         if i in b.ready:
             return
         assert p.grad is not None
-        slot = b.buffer[b.offsets[i] : b.offsets[i] + p.numel()]
-        if p.grad.data_ptr() != slot.data_ptr():  # grad already lives in the bucket: no copy
-            slot.copy_(p.grad.reshape(-1))
+        slot = b.slots[i]
+        # Pre-divide while copying (one pass over memory): the all-reduced sum is then the mean,
+        # and a half-precision wire format cannot overflow.
+        if p.grad.data_ptr() == slot.data_ptr():  # the grad already lives in the bucket
+            slot.div_(self._divisor)
+        else:
+            torch.div(p.grad.reshape(-1), self._divisor, out=slot)
         self._mark_ready(b, i)
 
     def _mark_ready(self, b: _Bucket, i: int) -> None:
@@ -232,7 +241,6 @@ class DistributedDataParallel(nn.Module):
             self._next_launch += 1
 
     def _launch(self, b: _Bucket) -> None:
-        b.buffer.div_(self._divisor)  # pre-divide: the sum is then the mean, and fp16 cannot overflow
         b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)
         b.handle = comm.all_reduce(b.wire, self.group, async_op=True)
 
@@ -241,7 +249,7 @@ class DistributedDataParallel(nn.Module):
         missing = [(b, i) for b in self._buckets for i in range(len(b.params)) if i not in b.ready]
         if missing and self.find_unused_parameters:
             for b, i in missing:  # reachable in the graph, yet no gradient arrived: contribute zeros
-                b.buffer[b.offsets[i] : b.offsets[i] + b.params[i].numel()].zero_()
+                b.slots[i].zero_()
                 self._mark_ready(b, i)
             missing = []
         if missing:
@@ -266,7 +274,7 @@ class DistributedDataParallel(nn.Module):
                     continue  # unused everywhere: leave grad as a single process would
                 # The gradient becomes a view of its bucket: no copy back now, and if the user keeps
                 # it (zero_grad(set_to_none=False), no_sync), the next backward accumulates in place.
-                p.grad = b.buffer[b.offsets[i] : b.offsets[i] + p.numel()].view_as(p)
+                p.grad = b.grads[i]
 
     # ------------------------------------------------------------------ user API
     @contextlib.contextmanager
