@@ -18,22 +18,25 @@ parallelism on the other axes.
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from plait import comm
 from plait._torch_compat import queue_end_of_backward
+from plait.ddp_helpers import (
+    average_gradients,
+    broadcast_coalesced,
+    params_reached_by,
+    plan_buckets,
+)
 from plait.mesh import Mesh
 
 __all__ = ["DistributedDataParallel", "DDP", "average_gradients", "plan_buckets"]
 
-_SMALL_BUCKET_BYTES = 2**20  # first and last buckets: see plan_buckets
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -145,7 +148,7 @@ class DistributedDataParallel(nn.Module):
     @torch.no_grad()
     def _broadcast_state(self) -> None:
         tensors = [p for p in self.module.parameters()] + [b for b in self.module.buffers()]
-        _broadcast_coalesced(tensors, self.src, self.group)
+        broadcast_coalesced(tensors, self.src, self.group)
 
     def _make_buckets(self, trainable: list[tuple[str, nn.Parameter]], cap: int) -> list[_Bucket]:
         # Launch order is reverse registration order (roughly the order backward finishes
@@ -156,7 +159,7 @@ class DistributedDataParallel(nn.Module):
         buckets: list[_Bucket] = []
         for members in by_kind.values():
             sizes = [p.numel() * p.element_size() for _, p in members]
-            for idx in plan_buckets(sizes, cap, _SMALL_BUCKET_BYTES):
+            for idx in plan_buckets(sizes, cap):
                 buckets.append(self._new_bucket(len(buckets), [members[i] for i in idx]))
         return buckets
 
@@ -179,7 +182,7 @@ class DistributedDataParallel(nn.Module):
         if self._join is not None:
             self._divisor = self._join.step(sync)
         if self.broadcast_buffers and self.world > 1:
-            _broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
+            broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
         out = self.module(*args, **kwargs)
         self._sync_this_backward = sync
         if sync:
@@ -197,7 +200,7 @@ class DistributedDataParallel(nn.Module):
         self._used_flags = torch.zeros(len(self._where)) if self.find_unused_parameters else None
 
     def _mark_unreachable(self, out: Any) -> None:
-        reached = _params_reached_by(out)
+        reached = params_reached_by(out)
         for p_id, (b, i) in self._where.items():
             if p_id not in reached:
                 p = b.params[i]
@@ -325,7 +328,7 @@ class _JoinState:
             if counts[0] == 0:
                 break
             if ddp.broadcast_buffers and ddp.world > 1:
-                _broadcast_coalesced(list(ddp.module.buffers()), ddp.src, ddp.group)
+                broadcast_coalesced(list(ddp.module.buffers()), ddp.src, ddp.group)
             if counts[1] > 0:  # the others run a synchronised backward: mirror its collectives
                 for b in ddp._buckets:
                     b.buffer.zero_()
@@ -336,101 +339,7 @@ class _JoinState:
         steps = comm.all_gather_object(self.steps, ddp.group)
         longest = max(range(len(steps)), key=lambda r: (steps[r], r))
         src = ddp.mesh.group_ranks(ddp.axis)[longest]
-        _broadcast_coalesced(list(ddp.module.parameters()), src, ddp.group)
-
-
-def plan_buckets(sizes: list[int], cap: int, small: int = _SMALL_BUCKET_BYTES) -> list[list[int]]:
-    """Group consecutive items (in launch order) into buckets of at most ``cap`` bytes.
-
-    Both ends are small on purpose. The first bucket (<= ``small``) lets communication start
-    as soon as backward produces its first gradients. The last buckets (<= ``small``, then
-    <= 4 x ``small``) hold the first layers, whose gradients arrive when almost no backward
-    work is left: whatever they contain is all-reduced with nothing to overlap, so keeping
-    them small shortens the exposed tail of the step.
-    """
-
-    def greedy(order: list[int], limits: Iterator[int]) -> list[list[int]]:
-        out: list[list[int]] = []
-        cur: list[int] = []
-        size, limit = 0, next(limits)
-        for i in order:
-            if cur and size + sizes[i] > limit:
-                out.append(cur)
-                cur, size, limit = [], 0, next(limits)
-            cur.append(i)
-            size += sizes[i]
-        return out + [cur] if cur else out
-
-    small = min(small, cap)
-    tail_limits = itertools.chain([small, min(4 * small, cap)], itertools.repeat(cap))
-    from_end = greedy(list(reversed(range(len(sizes)))), tail_limits)
-    buckets = [list(reversed(b)) for b in reversed(from_end)]
-    head = greedy(buckets[0], itertools.chain([small], itertools.repeat(cap))) if buckets else []
-    return head + buckets[1:]
-
-
-def average_gradients(params: Iterable[nn.Parameter], group: Any) -> None:
-    """Average ``.grad`` over ``group`` after backward, in one flat all-reduce per dtype.
-
-    For loops that cannot use DDP's overlapping hooks (e.g. a pipeline, whose microbatches
-    run their own backward passes): correct, but without overlap.
-    """
-    world = dist.get_world_size(group)
-    grads = [p.grad for p in params if p.grad is not None]
-    if world > 1:
-        _coalesced(grads, lambda flat: comm.all_reduce(flat.div_(world), group))
-
-
-def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Any) -> None:
-    """Broadcast many tensors as one flat buffer per dtype (one collective instead of hundreds)."""
-    _coalesced(tensors, lambda flat: comm.broadcast(flat, src, group))
-
-
-@torch.no_grad()
-def _coalesced(tensors: list[torch.Tensor], collective: Any) -> None:
-    """Run an in-place ``collective`` on one flat copy of ``tensors`` per (dtype, device)."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    seen: set[int] = set()
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            groups.setdefault((t.dtype, t.device), []).append(t)
-    for ts in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        collective(flat)
-        offset = 0
-        for t in ts:
-            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
-def _params_reached_by(out: Any) -> set[int]:
-    """Ids of the leaf tensors (parameters) that backward from ``out`` would reach."""
-    roots = [t.grad_fn for t in _tensors_in(out) if t.grad_fn is not None]
-    seen_nodes: set[Any] = set()
-    reached: set[int] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen_nodes:
-            continue
-        seen_nodes.add(node)
-        var = getattr(node, "variable", None)
-        if var is not None:
-            reached.add(id(var))
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return reached
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors_in(v)
+        broadcast_coalesced(list(ddp.module.parameters()), src, ddp.group)
 
 
 DDP = DistributedDataParallel
