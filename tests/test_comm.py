@@ -40,6 +40,20 @@ def _desync() -> None:
         comm.set_debug(False)
 
 
+def _matching_under_debug() -> float:
+    comm.set_debug(True)
+    try:
+        t = torch.ones(4, dtype=torch.bfloat16)
+        comm.all_reduce(t, cached_mesh(dp=2).group("dp"))
+        return float(t[0])
+    finally:
+        comm.set_debug(False)
+
+
+def test_debug_mode_passes_matching_collectives(pools):
+    assert pools[2].run(_matching_under_debug) == [2.0, 2.0]
+
+
 def test_debug_mode_reports_desync_instead_of_mixing_data(pools):
     errors = pools[2].errors(_desync)
     assert "desync" in errors[0] and "all_reduce" in errors[0]
