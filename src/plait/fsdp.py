@@ -57,6 +57,7 @@ from plait.env import device as default_device
 from plait.fsdp_flat import FlatParam, ShardCfg
 from plait.fsdp_units import Unit, build_units, check_no_optimizer
 from plait.mesh import Mesh
+from plait.tensor_parallel import TPInfo, tp_info
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecision", "model_state_bytes"]
 
@@ -153,7 +154,12 @@ class FullyShardedDataParallel(nn.Module):
             param_dtype=self.mp.param_dtype if self.mp else None,
             reduce_dtype=self.mp.reduce_dtype if self.mp else None, offload=offload)
         self.backward_prefetch = backward_prefetch
+        # A tensor-parallel module (plait.tensor_parallel, applied first): its tp shards are this
+        # wrapper's parameters like any other; only the gradient norm needs the tp layout.
+        self.tp: TPInfo | None = tp_info(module)
         self.units: list[Unit] = build_units(module, units, self.cfg, seed)
+        if self.tp is not None:
+            _mark_tp_ranges(self.units, self.tp)
         self.module = module
         # The shards are this wrapper's parameters, named after their unit.
         for i, unit in enumerate(self.units):
@@ -290,19 +296,35 @@ class FullyShardedDataParallel(nn.Module):
 
         Each rank reduces its shards' norms, then one all-reduce (sum of p-th powers, or max for
         inf) over the fsdp axis gives the norm of the whole gradient; dp replicas hold the same
-        shards, so they need no exchange. Returns the total norm before clipping.
+        shards, so they need no exchange. On a tensor-parallel module the p-th powers of
+        tp-sharded parameters are also summed over the tp axis (one more all-reduce of one
+        number), while replicated ones, identical on every tp rank, count once. Returns the
+        total norm before clipping (the same on every rank).
         """
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        flats = [f for u in self.units for f in u.flats if f.shard.grad is not None]
+        grads = [f.shard.grad for f in flats]
         dev = grads[0].device if grads else torch.device("cpu")
+        tp_group = self.tp.group if self.tp is not None and self.tp.size > 1 else None
         if norm_type == float("inf"):
             local = max((g.abs().max() for g in grads), default=torch.zeros((), device=dev)).float()
             comm.all_reduce(local, self.cfg.group, op=dist.ReduceOp.MAX)
+            if tp_group is not None:
+                comm.all_reduce(local, tp_group, op=dist.ReduceOp.MAX)
             total = local
         else:
-            local = sum((g.float().norm(norm_type) ** norm_type for g in grads),
-                        torch.zeros((), device=dev))
-            comm.all_reduce(local, self.cfg.group)
-            total = local ** (1.0 / norm_type)
+            sums = torch.zeros(2, device=dev)  # [tp-sharded, not tp-sharded] sums of |g|^p
+            for f, g in zip(flats, grads, strict=True):
+                if tp_group is None:
+                    sums[1] += g.float().norm(norm_type) ** norm_type
+                    continue
+                for a, b, sharded in f.tp_ranges:
+                    sums[0 if sharded else 1] += g[a:b].float().norm(norm_type) ** norm_type
+            comm.all_reduce(sums, self.cfg.group)
+            if tp_group is not None:
+                part = sums[:1].clone()
+                comm.all_reduce(part, tp_group)
+                sums[0] = part[0]
+            total = sums.sum() ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))
@@ -312,23 +334,34 @@ class FullyShardedDataParallel(nn.Module):
         """Every parameter and persistent buffer gathered in full, on CPU, original names."""
         from plait.fsdp_state_dict import full_state_dict
 
+        self._no_tp_state("full_state_dict")
         return full_state_dict(self)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from plait.fsdp_state_dict import load_full_state_dict
 
+        self._no_tp_state("load_full_state_dict")
         load_full_state_dict(self, state)
 
     def sharded_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Parameters (and optimizer state) as Shard(0) DTensors, for torch.distributed.checkpoint."""
         from plait.fsdp_state_dict import sharded_state_dict
 
+        self._no_tp_state("sharded_state_dict")
         return sharded_state_dict(self, optimizer)
 
     def load_sharded_state_dict(self, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
         from plait.fsdp_state_dict import load_sharded_state_dict
 
+        self._no_tp_state("load_sharded_state_dict")
         load_sharded_state_dict(self, state, optimizer)
+
+    def _no_tp_state(self, what: str) -> None:
+        # The flat shards hold tp shards: names and shapes would describe neither the full
+        # model nor a layout another tp size could load.
+        if self.tp is not None:
+            raise ValueError(f"FullyShardedDataParallel.{what}: state dicts of a model that is also "
+                             "tensor-parallel are not supported yet (checkpoints refuse tp models)")
 
     def offload_bytes(self) -> dict[str, int]:
         """Bytes copied host->device and device->host by CPU offload since wrapping."""
@@ -370,6 +403,18 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     out["optimizer"] = add(state)
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def _mark_tp_ranges(units: list[Unit], info: TPInfo) -> None:
+    """Record, per flat group, which ranges of this rank's shard hold tp-sharded parameters."""
+    for unit in units:
+        for flat in unit.flats:
+            lo, hi = flat.shard_range()
+            for slot in flat.slots:
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    sharded = any(n in info.specs for n in (slot.fqn, *slot.aliases))
+                    flat.tp_ranges.append((a - lo, b - lo, sharded))
 
 
 def _tensors(obj) -> list[torch.Tensor]:

@@ -19,6 +19,12 @@ into the unit's flat gradient. A unit never holds its gathered parameters and a 
 gradients at once, and the reduce-scatter reads ``buf`` directly (freed once it lands). Stages
 1-2 keep ``buf`` (the parameters stay gathered), so there the gradients are copied into a new
 flat buffer once every leaf has reported.
+
+Gradient hooks that an earlier transformation registered on an original parameter (e.g. tensor
+parallelism's sum over the tp group for a replicated weight applied to sequence shards) die
+with that parameter object, so such code also lists them in the parameter's
+``_plait_grad_hooks`` attribute (see `GRAD_HOOKS_ATTR`); each leaf registers them again, and
+they run on the leaf's gradient before it is accumulated, exactly as on the original.
 """
 
 from __future__ import annotations
@@ -32,7 +38,12 @@ from torch import nn
 
 from plait import comm
 
-__all__ = ["Slot", "FlatParam"]
+__all__ = ["Slot", "FlatParam", "GRAD_HOOKS_ATTR"]
+
+# Attribute of a parameter: gradient hooks (tensor -> tensor | None) that must survive FSDP
+# replacing the parameter by its alias leaf. Whoever calls ``p.register_hook(h)`` on a
+# parameter that FSDP may wrap later appends ``h`` here too.
+GRAD_HOOKS_ATTR = "_plait_grad_hooks"
 
 
 @dataclass
@@ -44,6 +55,7 @@ class Slot:
     offset: int
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
     aliases: list[str] = field(default_factory=list)  # fqns of tied copies (state dicts list them)
+    grad_hooks: list = field(default_factory=list)  # carried over from the original parameter
 
     @property
     def numel(self) -> int:
@@ -81,6 +93,13 @@ class FlatParam:
         self.aliased = cfg.stage < 3 and self.compute_dtype == dtype and not cfg.offload
         self.buf = torch.zeros(self.padded, dtype=self.compute_dtype, device=cfg.device)
         self.leaves = [_alias(self.buf, s.offset, s.shape).requires_grad_(requires_grad) for s in slots]
+        if requires_grad:
+            for s, leaf in zip(slots, self.leaves, strict=True):
+                for hook in s.grad_hooks:
+                    leaf.register_hook(hook)
+        # Set by the wrapper when the module is tensor-parallel: (start, end, tp_sharded) ranges
+        # of this rank's shard, one per slot piece it holds (for the global gradient norm).
+        self.tp_ranges: list[tuple[int, int, bool]] = []
         self.arrived = 0  # leaves whose gradient this backward has accumulated
         self.in_buf = [False] * len(slots)  # ZeRO-3: leaf i's gradient already sits in buf
         start = cfg.rank * self.shard_size

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from plait.fsdp_flat import FlatParam, ShardCfg, Slot
+from plait.fsdp_flat import GRAD_HOOKS_ATTR, FlatParam, ShardCfg, Slot
 from plait.materialize import full_values
 
 __all__ = ["Unit", "build_units", "check_no_optimizer"]
@@ -116,7 +116,8 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
                 continue
             fqn = f"{mname}.{attr}" if mname else attr
             if id(p) not in info:
-                info[id(p)] = (p, Slot(fqn, p.shape, 0), [])
+                hooks = list(getattr(p, GRAD_HOOKS_ATTR, ()))  # re-registered on the alias leaf
+                info[id(p)] = (p, Slot(fqn, p.shape, 0, grad_hooks=hooks), [])
             else:
                 info[id(p)][1].aliases.append(fqn)
             info[id(p)][1].owners.append((mod, attr))

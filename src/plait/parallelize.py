@@ -13,7 +13,12 @@ Order, and why it is fixed:
    and the data-parallel groups (which differ only in the ``dp``/``fsdp`` coordinate) hold
    shards of identical shape.
 3. **Data parallel** last, on the ``dp`` axis (DDP) or the ``fsdp`` axis with optional ``dp``
-   replication (FSDP / HSDP): it only needs the final local parameters.
+   replication (FSDP / HSDP): it only needs the final local parameters. FSDP over tensor
+   parallelism (2-D fsdp x tp, or 3-D dp x fsdp x tp) flattens and shards each rank's tp
+   shards across its fsdp group; a meta-device model is materialized by TP as tp shards (1/tp
+   of each split layer, replicated norms in full), which FSDP then cuts down to its slice.
+   Gradient hooks TP put on parameters (sequence parallelism) move to FSDP's leaves, and
+   `clip_grad_norm_` counts tp-sharded gradients across tp and replicated ones once.
 """
 
 from __future__ import annotations
@@ -59,9 +64,6 @@ class ParallelPlan:
     def __post_init__(self) -> None:
         if self.data not in DATA_STRATEGIES:
             raise ValueError(f"ParallelPlan(data=...) must be one of {DATA_STRATEGIES}, got {self.data!r}")
-        if self.data == "fsdp" and self.tp is not None:
-            raise ValueError("ParallelPlan: FSDP combined with tensor parallelism is not supported yet "
-                             "(the global gradient norm would need both shardings); use data='ddp' with tp")
 
 
 def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module:

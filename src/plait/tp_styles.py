@@ -132,6 +132,11 @@ class SequenceShardGrads:
 
     def watch(self, p: nn.Parameter) -> None:
         p.register_hook(self._sum)
+        # Also listed on the parameter, so FSDP (which replaces it) registers it on its leaf.
+        hooks = getattr(p, "_plait_grad_hooks", None)
+        if hooks is None:
+            hooks = p._plait_grad_hooks = []
+        hooks.append(self._sum)
 
     def _sum(self, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share the buffer

@@ -91,8 +91,6 @@ class TrainConfig:
             raise ValueError(
                 f"--tp needs one process per rank: use --strategy ddp or fsdp, not {self.strategy}"
             )
-        if self.strategy == "fsdp" and self.tp > 1:
-            raise ValueError("--strategy fsdp with --tp is not supported yet; use --strategy ddp with --tp")
         if self.dp > 1 and self.strategy != "fsdp":
             raise ValueError(
                 "--dp (hybrid replicas) applies to --strategy fsdp; with ddp every data rank is dp"

@@ -1,0 +1,136 @@
+"""FSDP over tensor parallelism (2-D fsdp x tp, 3-D dp x fsdp x tp) against a single process.
+
+Every rank also runs the single-process oracle on the whole global batch, so each comparison
+is local: the piece of each parameter that this rank's flat FSDP shard holds, against the
+same piece of the oracle's tp slice of that parameter.
+
+Tolerance: fp32, ``rtol=1e-5`` as in test_tensor_parallel.py (sharding only reorders sums);
+``atol=1e-6`` covers entries near zero, where a relative bound means nothing. AdamW's ``eps``
+is 1e-4 for the reason given there (fp32-noise gradients of rarely used embedding rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.testing import cached_mesh
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+ADAMW = {"lr": 1e-3, "eps": 1e-4}
+TINY = {"seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64}
+CLIP = 0.5  # below every step's gradient norm here, so clipping scales the gradients
+
+
+def _batch(step: int, vocab: int, b: int = 8, s: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    w = torch.randint(0, vocab, (b, s + 1), generator=g)
+    return w[:, :-1], w[:, 1:]
+
+
+def _pieces(net):
+    """(name, flat, slice of this rank's shard, slice of the flattened tp-local parameter)."""
+    for unit in net.units:
+        for flat in unit.flats:
+            lo, hi = flat.shard_range()
+            for slot in flat.slots:
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    yield slot.fqn, flat, slice(a - lo, b - lo), slice(a - slot.offset, b - slot.offset)
+
+
+def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_stage: int = 3,
+                    steps: int = 5) -> dict:
+    import plait
+    from plait.fsdp import FullyShardedDataParallel
+    from plait.materialize import init_weights
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+    from plait.tensor_parallel import gpt_plan, loss_fn_for, tp_info
+
+    mesh = cached_mesh(dp=dp, fsdp=fsdp, tp=tp)
+    cfg = GPTConfig(**{**TINY, **cfg_kw})
+    oracle = init_weights(GPT(cfg), seed=3)
+    with torch.device("meta"):  # no rank ever materializes the full model
+        model = GPT(cfg)
+    net = plait.parallelize(model, mesh, plait.ParallelPlan(tp=gpt_plan(cfg), sequence_parallel=sp,
+                                                            data="fsdp", zero_stage=zero_stage, seed=3))
+    assert isinstance(net, FullyShardedDataParallel)
+    specs = tp_info(net).specs
+    loss_fn = loss_fn_for(net)
+    ref = dict(oracle.named_parameters(remove_duplicate=False))
+
+    def check(what: str, get) -> None:
+        for name, flat, mine, theirs in _pieces(net):
+            full = get(ref[name])
+            want = (specs[name].take(full) if name in specs else full).reshape(-1)[theirs]
+            torch.testing.assert_close(get(flat.shard)[mine], want, **TOL,
+                                       msg=lambda m, n=name: f"{what} {n}: {m}")
+
+    check("initial value of", lambda p: p.detach())
+    opt_ref = torch.optim.AdamW(oracle.parameters(), **ADAMW)
+    opt = torch.optim.AdamW(net.parameters(), **ADAMW)
+    data_rank, data_size = mesh.rank(("dp", "fsdp")), mesh.size(("dp", "fsdp"))
+    losses, norms = [], []
+    for step in range(steps):
+        idx, tgt = _batch(step, cfg.vocab_size)
+        lm_loss(oracle(idx), tgt).backward()
+        mine = slice(data_rank * len(idx) // data_size, (data_rank + 1) * len(idx) // data_size)
+        loss = loss_fn(net(idx[mine]), tgt[mine])
+        loss.backward()
+        if step == 0:  # the max norm needs no weighting: every copy of a value is the same value
+            inf_ref = max(p.grad.abs().max() for p in oracle.parameters())
+            torch.testing.assert_close(net.clip_grad_norm_(1e9, norm_type=float("inf")), inf_ref, **TOL)
+        norm_ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), CLIP)
+        norm = plait.clip_grad_norm_(net, CLIP)
+        torch.testing.assert_close(norm, norm_ref, **TOL)
+        assert norm_ref > CLIP  # clipping really scaled the gradients compared below
+        if step == 0:
+            check("clipped gradient of", lambda p: p.grad)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        losses.append(loss.item())
+        norms.append(float(norm))
+    check(f"after {steps} AdamW steps,", lambda p: p.detach())
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        net.sharded_state_dict(opt)  # checkpoints still refuse tp models
+    local = sum(p.numel() for p in net.parameters())
+    return {"losses": losses, "norms": norms, "local": local, "full": oracle.num_parameters()}
+
+
+@pytest.mark.parametrize("sp,cfg_kw,zero_stage", [
+    (False, {"vocab_size": 256}, 3),
+    (True, {"vocab_size": 255, "tie_embeddings": True}, 3),
+    (True, {"vocab_size": 256}, 2),
+], ids=["zero3", "zero3-sp-vocab255-tied", "zero2-sp"])
+def test_fsdp2_tp2_matches_single_process(pools, sp, cfg_kw, zero_stage):
+    out = pools[4].run(_fsdp_tp_parity, 1, 2, 2, sp, cfg_kw, zero_stage)
+    # Each rank holds about a quarter of the model (padding and the replicated norms aside).
+    assert out[0]["local"] < out[0]["full"] / 4 * 1.1
+    assert all(o["norms"] == out[0]["norms"] for o in out)  # every rank clips by the same factor
+
+
+def _hook_carried_over() -> bool:
+    """A gradient hook listed in ``_plait_grad_hooks`` runs on FSDP's leaf before accumulation."""
+    from torch import nn
+
+    from plait.fsdp import FullyShardedDataParallel
+
+    lin = nn.Linear(4, 4)
+    lin.weight.register_hook(lambda g: g * 3)  # lost with the parameter object
+    lin.weight._plait_grad_hooks = [lambda g: g * 2]
+    ref = nn.Linear(4, 4)
+    ref.load_state_dict(lin.state_dict())
+    net = FullyShardedDataParallel(lin, cached_mesh(fsdp=2))
+    x = torch.ones(2, 4)
+    net(x).sum().backward()
+    ref(x).sum().backward()
+    flat = net.units[0].flats[0]
+    lo, hi = flat.shard_range()
+    want = torch.cat([ref.weight.grad.reshape(-1) * 2, ref.bias.grad])[lo:hi]
+    return torch.equal(flat.shard.grad, want)
+
+
+def test_fsdp_carries_listed_grad_hooks_to_its_leaves(pools):
+    assert all(pools[2].run(_hook_carried_over))
