@@ -46,6 +46,7 @@ def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_st
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig, lm_loss
     from plait.tensor_parallel import gpt_plan, loss_fn_for, tp_info
+    from plait.tp_state import full_state_dict
 
     mesh = cached_mesh(dp=dp, fsdp=fsdp, tp=tp)
     cfg = GPTConfig(**{**TINY, **cfg_kw})
@@ -95,6 +96,8 @@ def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_st
     check(f"after {steps} AdamW steps,", lambda p: p.detach())
     with pytest.raises(ValueError, match="tensor-parallel"):
         net.sharded_state_dict(opt)  # checkpoints still refuse tp models
+    with pytest.raises(ValueError, match="wrapped by FSDP"):
+        full_state_dict(net)  # would otherwise export buffers only
     local = sum(p.numel() for p in net.parameters())
     return {"losses": losses, "norms": norms, "local": local, "full": oracle.num_parameters()}
 

@@ -56,6 +56,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     model = tp_module(model) or model
     info = tp_info(model)
+    _check_not_fsdp(model, "full_state_dict")
     out = {}
     for name, t in model.state_dict().items():
         spec = info.specs.get(name) if info is not None else None
@@ -76,6 +77,7 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
     `full_state_dict`."""
     model = tp_module(model) or model
     info = tp_info(model)
+    _check_not_fsdp(model, "load_full_state_dict")
     own = model.state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
@@ -92,3 +94,12 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
             raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)}, "
                              f"expected {tuple(target.shape)}")
         target.copy_(value)
+
+
+def _check_not_fsdp(model: nn.Module, what: str) -> None:
+    """FSDP over the tp model takes its parameters away (into flat shards): a state dict of the
+    module would silently hold buffers only."""
+    info = tp_info(model)
+    if info is not None and info.specs and not set(info.specs) & set(model.state_dict()):
+        raise ValueError(f"tp_state.{what}: this tensor-parallel model is wrapped by FSDP, which holds "
+                         "its parameters; state dicts of FSDP with tensor parallelism are not supported yet")
