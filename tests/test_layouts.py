@@ -20,6 +20,8 @@ LAYOUTS = {
     "pp2-dp2-zb-h1": dict(strategy="ddp", nproc=4, pp=2, schedule="zb-h1"),
     "pp4-gpipe": dict(strategy="ddp", nproc=4, pp=4, schedule="gpipe"),
     "pp2-dp2-interleaved": dict(strategy="ddp", nproc=4, pp=2, schedule="interleaved", chunks=2),
+    "pp2-tp2": dict(strategy="ddp", nproc=4, pp=2, tp=2),
+    "pp2-dp2-tp2": dict(strategy="ddp", nproc=8, pp=2, tp=2),
 }
 
 

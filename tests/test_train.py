@@ -57,7 +57,8 @@ def test_plait_run_launches_a_user_script(tmp_path):
     (dict(model="huge"), "--model"),
     (dict(strategy="fsdp", nproc=4, tp=3), "not divisible"),
     (dict(strategy="fsdp", nproc=4, tp=2, save_dir="x"), "--save-dir"),
-    (dict(strategy="ddp", nproc=4, pp=2, tp=2), "--pp combines"),
+    (dict(strategy="ddp", nproc=4, pp=2, tp=2, sequence_parallel=True), "--pp combines"),
+    (dict(strategy="fsdp", nproc=4, pp=2, tp=2), "--pp combines"),
     (dict(strategy="ddp", nproc=2, pp=2, batch_size=6, microbatches=4), "--microbatches"),
     (dict(save_dir="x", tp=2, nproc=2), "--save-dir"),
 ])

@@ -6,8 +6,9 @@ Order, and why it is fixed:
 
 1. **Pipeline** (``pp`` axis) splits the model into stages first, so that every later step
    only ever sees this rank's layers. It returns a `Pipeline` (a schedule runner) rather than
-   a module, so it is applied by `plait.pipeline(..., stage_fn=...)`, whose ``stage_fn`` calls
-   this function on each stage.
+   a module, so tensor parallelism is applied by `plait.pipeline(..., tp_plan=...)` to each
+   rank's stages (pp x tp), and data parallelism by averaging the pipeline's gradients over
+   ``dp`` (as `plait train` does).
 2. **Tensor parallel** (``tp`` axis) shards single layers next. It must come before the data
    axes: DDP and FSDP then treat each rank's tensor-parallel shards as ordinary parameters,
    and the data-parallel groups (which differ only in the ``dp``/``fsdp`` coordinate) hold
@@ -96,10 +97,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     if isinstance(model, FullyShardedDataParallel):
         return model.clip_grad_norm_(max_norm)
     if isinstance(model, Pipeline):  # stages hold disjoint parameters: sum the squares over pp
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64)
-        for g in grads:
-            sq += g.detach().double().pow(2).sum().cpu()
+        info = model.tp_info
+        sharded = set(info.specs) if info is not None else set()
+        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        grads = [g for _, g in named]
+        parts = torch.zeros(2, dtype=torch.float64)  # [tp-sharded, replicated over tp]
+        for name, g in named:
+            parts[0 if name in sharded else 1] += g.detach().double().pow(2).sum().cpu()
+        if info is not None:  # pp x tp: shards are disjoint parts of a stage, replicas count once
+            shard_sq = parts[:1].clone()
+            comm.all_reduce(shard_sq, info.group)
+            parts[0] = shard_sq[0]
+        sq = parts.sum()
         comm.all_reduce(sq, model.group)
         norm = sq.sqrt().float()
         scale = max_norm / (float(norm) + 1e-6)

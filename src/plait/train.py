@@ -99,9 +99,10 @@ class TrainConfig:
             raise ValueError(f"--nproc {self.nproc} is not divisible by --pp {self.pp} x --tp {self.tp} x "
                              f"--dp {self.dp}")
         if self.pp > 1:
-            if self.strategy != "ddp" or self.tp > 1 or self.grad_accum > 1:
-                raise ValueError("--pp combines with --strategy ddp (data parallel across pipelines) only, "
-                                 "without --tp or --grad-accum (microbatches already accumulate)")
+            if self.strategy != "ddp" or self.sequence_parallel or self.grad_accum > 1:
+                raise ValueError("--pp combines with --strategy ddp (data parallel across pipelines) and "
+                                 "--tp only, without --sequence-parallel or --grad-accum (microbatches "
+                                 "already accumulate)")
             per_pipeline = self.batch_size // self.data_parallel_size
             if per_pipeline % self.microbatches:
                 raise ValueError(f"the per-pipeline batch {per_pipeline} is not divisible by "
@@ -159,9 +160,10 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
 
     with torch.device("meta"):  # each strategy materializes only what this rank keeps
         gpt = GPT(gcfg)
-    if cfg.pp > 1:
-        return pipeline(gpt, mesh, schedule=cfg.schedule, microbatches=cfg.microbatches, loss_fn=lm_loss,
-                        chunks=cfg.chunks, seed=cfg.seed, device=device)
+    if cfg.pp > 1:  # with --tp: the stages are tensor-parallel, the loss vocab-parallel
+        tp = dict(tp_plan=gpt_plan(gcfg), loss_fn=None) if cfg.tp > 1 else dict(loss_fn=lm_loss)
+        return pipeline(gpt, mesh, schedule=cfg.schedule, microbatches=cfg.microbatches, chunks=cfg.chunks,
+                        seed=cfg.seed, device=device, **tp)
     plan = ParallelPlan(
         tp=gpt_plan(gcfg) if cfg.tp > 1 else None, sequence_parallel=cfg.sequence_parallel,
         data="fsdp" if cfg.strategy == "fsdp" else "ddp", zero_stage=cfg.zero_stage,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,8 +12,18 @@ from plait import comm
 from plait.materialize import is_meta
 from plait.pipeline.runtime import Executor, as_tuple, busy_fraction
 from plait.pipeline.schedules import COMM, Action, Schedule, ScheduleError, Slot, make_schedule, with_comms
-from plait.pipeline.split import Stage, check_chain, materialize_segments, plan_stages, segments
+from plait.pipeline.split import (
+    Stage,
+    check_chain,
+    materialize_segments,
+    meta_copy,
+    named_view,
+    plan_stages,
+    segments,
+)
 from plait.pipeline.ties import find_ties, first_owners, sync_grads, tie_groups
+from plait.tensor_parallel import _match, loss_fn_for, tensor_parallel
+from plait.tp_styles import VocabParallelOutput
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -31,18 +41,24 @@ class Pipeline:
 
     A weight shared by stages on different pp ranks (a tied embedding and LM head) is kept as one
     copy per rank, initialised from its first owner; `step` sums the copies' gradients.
+
+    With ``tp_plan`` (pp x tp), this rank's stages are tensor-parallel over ``mesh.group('tp')``:
+    see `pipeline`. ``tp_module`` is then the `plait.tensor_parallel` module holding this rank's
+    stage modules under their original names (``tp_info``/``loss_fn_for``/`plait.tp_state` accept
+    it), else None.
     """
 
     def __init__(self, module: nn.Module, mesh: Any, *, split: str | Sequence[str] = "auto",
                  schedule: str | CustomSchedule = "1f1b", microbatches: int,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], chunks: int = 1, seed: int = 0,
-                 device: torch.device | str | None = None) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, chunks: int = 1, seed: int = 0,
+                 device: torch.device | str | None = None, tp_plan: Mapping[str, Any] | None = None) -> None:
         # Every check below runs before the first collective, so bad input never hangs a rank.
         if not isinstance(module, nn.Module):
             raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
         if not (hasattr(mesh, "size") and hasattr(mesh, "group_ranks")):
             raise TypeError(f"pipeline: mesh must be a plait.Mesh, got {type(mesh).__name__}")
-        if not callable(loss_fn):
+        _check_tp(module, mesh, tp_plan, loss_fn)
+        if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"pipeline: loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"pipeline: microbatches must be a positive integer, got {microbatches!r}")
@@ -63,6 +79,11 @@ class Pipeline:
         plan = plan_stages(segs, self.sched.stages, split)
         self.stage_names = [[segs[i][0] for i in idx] for idx in plan]
         ties = find_ties(segs, plan, self.sched)
+        if tp_plan is not None and ties:
+            shared = [t.names for t in ties]
+            raise ValueError(f"pipeline: tp_plan with weights shared across pp ranks ({shared}) is not "
+                             "supported; untie them (e.g. GPTConfig(tie_embeddings=False)) or put "
+                             "their users on one pp rank with split=")
         owners = first_owners(module)
         mine = self.sched.rank_stages(self.rank)
         meta = is_meta(module)
@@ -70,10 +91,24 @@ class Pipeline:
             device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                       else torch.device("cpu"))
         self.device = torch.device(device)
-        self._skeleton: nn.Module | None = module  # structure check at the first step, then dropped
+        # Structure check at the first step, then dropped. Tensor parallelism changes this rank's
+        # modules in place (and their forwards communicate), so the check then runs on a copy of
+        # the model as given.
+        self._skeleton: nn.Module | None = module if tp_plan is None else meta_copy(module)
         self._segs = segs
-        if meta:  # all of this rank's stages at once, so ties between them stay ties
-            materialize_segments([segs[i] for s in mine for i in plan[s]], seed, self.device, owners)
+        my_segs = [segs[i] for s in mine for i in plan[s]]
+        self.tp_module: nn.Module | None = None
+        if tp_plan is not None:
+            # All of this rank's stages in one tensor_parallel call (one TPInfo, ties inside the rank
+            # kept), under the original names: plan patterns match and a meta module gets its init
+            # values from full_values under its own name, one module at a time, keeping its shard.
+            self.tp_module = tensor_parallel(named_view(my_segs), mesh, tp_plan, sequence_parallel=False,
+                                             seed=seed, strict=False)
+            if loss_fn is None:
+                loss_fn = loss_fn_for(self.tp_module)
+            self.loss_fn = loss_fn
+        elif meta:  # all of this rank's stages at once, so ties between them stay ties
+            materialize_segments(my_segs, seed, self.device, owners)
         self.stages = {s: Stage(s, [segs[i] for i in plan[s]]).to(self.device) for s in mine}
         # Copies of weights shared with another pp rank, with the group that sums their gradients.
         groups = tie_groups(ties, mesh)
@@ -98,6 +133,11 @@ class Pipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, prm in self.named_parameters():
             yield prm
+
+    @property
+    def tp_info(self) -> Any:
+        """The `plait.tensor_parallel.TPInfo` of this rank's stages (None without ``tp_plan``)."""
+        return None if self.tp_module is None else self.tp_module._plait_tp
 
     @property
     def schedule(self) -> Schedule:
@@ -162,6 +202,28 @@ class Pipeline:
         return loss
 
 
+def _check_tp(module: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None, loss_fn: Any) -> None:
+    """Check the tensor-parallel arguments and the loss against the plan (no collective)."""
+    tp = mesh.size("tp")
+    if tp_plan is None:
+        if tp > 1:
+            raise ValueError(f"pipeline: the mesh has tp={tp} but no tp_plan was given; pass "
+                             "tp_plan=plait.gpt_plan(cfg) (or a plan for your model) to shard the stages")
+        if loss_fn is None:
+            raise TypeError("pipeline: loss_fn is required: a callable (last stage output, targets) "
+                            "-> scalar")
+        return
+    # Against the whole model, so a typo in a pattern is still an error although each rank's
+    # stages hold only some of the matched modules.
+    assigned = _match(module, tp_plan, strict=True)
+    sharded = any(isinstance(s, VocabParallelOutput) and not s.gather_output for s in assigned.values())
+    if sharded and loss_fn is not None:
+        raise ValueError("pipeline: tp_plan leaves the logits split by vocabulary (VocabParallelOutput("
+                         "gather_output=False)), so the loss must be the vocab-parallel cross-entropy: leave "
+                         "loss_fn unset (the pipeline then uses it), or gather the logits; got "
+                         f"loss_fn={loss_fn!r}")
+
+
 def _to(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device)
@@ -208,15 +270,26 @@ def _resolve_schedule(schedule: Any, p: int, m: int, chunks: int) -> Schedule:
 def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
              schedule: str | CustomSchedule = "1f1b", microbatches: int = 4,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, chunks: int = 1,
-             seed: int = 0, device: torch.device | str | None = None) -> Pipeline:
+             seed: int = 0, device: torch.device | str | None = None,
+             tp_plan: Mapping[str, Any] | None = None) -> Pipeline:
     """Pipeline ``module`` over the mesh's ``pp`` axis; see `Pipeline`.
 
     ``split``: ``"auto"`` (balanced by parameter count) or the segment names that start stages
     1.. (e.g. ``["layers.4"]``); ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
     ``"zb-h1"``, a `Schedule` or per-rank action lists; ``chunks``: stages per rank; ``seed``:
     the `plait.init_weights` seed used to materialize a meta-device model.
+
+    ``tp_plan`` (pp x tp, Megatron's layout): a `plait.tensor_parallel` plan, e.g.
+    ``plait.gpt_plan(cfg)``. The model is split into stages first, then each rank's stages are
+    tensor-parallel over ``mesh.group('tp')``, with the plan's patterns matched against the
+    original names (``layers.*.attn.q_proj``). A meta-device model is materialized by tensor
+    parallelism one module at a time, each rank keeping its shards (only one module's full
+    tensors exist at once). Stage outputs are replicated over tp, so each rank exchanges
+    activations with the rank of the same tp coordinate in the next stage (its pp group).
+    When the plan leaves the logits split by vocabulary, leave ``loss_fn`` unset: the last
+    stage then computes the vocab-parallel cross-entropy, the same value on each of its tp
+    ranks (without a vocab-split head, ``loss_fn`` defaults to `plait.loss_fn_for`'s choice).
+    Not supported with ``tp_plan``: sequence parallelism, weights tied across pp ranks.
     """
-    if loss_fn is None:
-        raise TypeError("pipeline: loss_fn is required: a callable (last stage output, targets) -> scalar")
     return Pipeline(module, mesh, split=split, schedule=schedule, microbatches=microbatches,
-                    loss_fn=loss_fn, chunks=chunks, seed=seed, device=device)
+                    loss_fn=loss_fn, chunks=chunks, seed=seed, device=device, tp_plan=tp_plan)

@@ -24,7 +24,8 @@ from torch import nn
 from plait.env import get_logger
 from plait.materialize import full_values, owner_modules
 
-__all__ = ["segments", "plan_stages", "check_chain", "materialize_segments", "Stage"]
+__all__ = ["segments", "plan_stages", "check_chain", "materialize_segments", "named_view", "meta_copy",
+           "Stage"]
 
 Segment = tuple[str, nn.Module]
 
@@ -128,6 +129,34 @@ def _as_args(x: Any) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are on the meta device (no data copied)."""
+    memo: dict[int, Any] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        meta = t.detach().to("meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def named_view(segs: Sequence[Segment]) -> nn.Module:
+    """A module tree holding ``segs`` (shared, not copied) under their names in the original model.
+
+    ``named_view([("layers.3", blk)])`` has ``blk`` at ``layers.3``, so module-name patterns written
+    for the whole model (a tensor-parallel plan's ``layers.*.attn.q_proj``) and per-module init
+    names match a pipeline stage's modules. The view is never called.
+    """
+    root = nn.Module()
+    for name, mod in segs:
+        parent = root
+        *path, last = name.split(".")
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, nn.Module())
+            parent = parent._modules[part]  # type: ignore[assignment]
+        parent.add_module(last, mod)
+    return root
+
+
 def check_chain(module: nn.Module, segs: Sequence[Segment], example: Any) -> None:
     """Check on a meta-device copy that ``module(example)`` is exactly the segment chain.
 
@@ -135,11 +164,7 @@ def check_chain(module: nn.Module, segs: Sequence[Segment], example: Any) -> Non
     or out of order, receives anything but the previous segment's output (a residual or a
     side input across segments), or if the model changes the last segment's output.
     """
-    memo: dict[int, Any] = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        meta = t.detach().to("meta")
-        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    skeleton = copy.deepcopy(module, memo)
+    skeleton = meta_copy(module)
     calls: list[tuple[str, tuple, dict, Any]] = []
     hooks = []
     for name, _ in segs:

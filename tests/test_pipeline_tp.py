@@ -1,0 +1,125 @@
+"""Pipeline x tensor parallelism (pp2 x tp2 on 4 Gloo ranks) against a single-process oracle.
+
+The GPT is built on the meta device, split into two stages, and each stage is tensor-parallel
+with `gpt_plan` (vocab-parallel embedding and lm_head, heads and MLP units split): every rank
+materializes only its shards of its own stage. It trains 5 AdamW steps with gradient clipping
+next to an unsplit oracle with the same seed and batches. Each rank's parameters and gradients
+are compared with the oracle's slice (`ShardSpec.take`) at rtol=1e-5, atol=1e-6: the pipeline
+averages microbatch losses and tensor parallelism sums partial matmuls, equal in exact
+arithmetic but summed in another order; atol covers entries that are ~0 (rounding noise only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait.testing import cached_mesh
+
+CFG = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=2)
+TOL = dict(rtol=1e-5, atol=1e-6)
+# Adam divides by sqrt(v) + eps: a gradient entry near 0 (cancellation; tok_emb[47, 31] is 6e-7 on
+# the first step, next to 0.06 in its row) turns the rounding noise of the tp all-reduces and
+# microbatch sums into a large change of that entry's update: with eps=1e-6 one such entry moved
+# by 5e-6 after 5 steps. eps=1e-5 keeps such updates linear in the gradient, so the parameter
+# check measures the layout, not Adam's noise amplifier (gradients are compared directly at step 0).
+ADAM = dict(lr=1e-3, eps=1e-5, weight_decay=0.1)
+MAX_NORM = 0.5  # below the oracle's gradient norm on every step (asserted): clipping scales
+
+
+def _batch(step: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, CFG["vocab_size"], (batch, CFG["seq_len"] + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def _pp_tp_parity(schedule: str, steps: int = 5) -> dict:
+    import plait
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+    from plait.pipeline import pipeline
+
+    mesh = cached_mesh(pp=2, tp=2)
+    cfg = GPTConfig(n_layers=2, **CFG)
+    oracle = plait.init_weights(GPT(cfg), seed=3)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    pipe = pipeline(model, mesh, schedule=schedule, microbatches=4, seed=3, tp_plan=plait.gpt_plan(cfg))
+    specs = pipe.tp_info.specs
+    mine = dict(pipe.named_parameters())
+    ref = dict(oracle.named_parameters())
+
+    def want(name: str, t: torch.Tensor) -> torch.Tensor:
+        return specs[name].take(t) if name in specs else t
+
+    # Split layers hold half their rows or columns: no rank materialized a full stage.
+    assert specs and all(p.numel() * 2 == ref[n].numel() for n, p in mine.items() if n in specs)
+    assert all(p.is_meta for n, p in model.named_parameters() if n not in mine)
+    for name, p in mine.items():
+        torch.testing.assert_close(p.detach(), want(name, ref[name].detach()), rtol=0, atol=0)
+    opt = torch.optim.AdamW(list(mine.values()), **ADAM)
+    oopt = torch.optim.AdamW(oracle.parameters(), **ADAM)
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = _batch(step)
+        loss = pipe.step(x, y)
+        ref_loss = lm_loss(oracle(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        if step == 0:  # same parameters on both sides; later steps compare at drifted points
+            for name, p in mine.items():
+                torch.testing.assert_close(p.grad, want(name, ref[name].grad), **TOL,
+                                           msg=lambda s, n=name: f"grad {n}: {s}")
+        norm = plait.clip_grad_norm_(pipe, MAX_NORM)
+        ref_norm = torch.nn.utils.clip_grad_norm_(oracle.parameters(), MAX_NORM)
+        assert float(ref_norm) > MAX_NORM  # clipping actually scales the gradients
+        torch.testing.assert_close(norm.double(), ref_norm.detach().double(), rtol=1e-5, atol=0)
+        opt.step()
+        oopt.step()
+        opt.zero_grad()
+        oopt.zero_grad()
+        losses.append(float(loss))
+        norms.append(float(norm))
+    # The last collective first, so a failed check below cannot leave the other ranks waiting.
+    torch.testing.assert_close(pipe.eval_step(x, y), lm_loss(oracle(x), y).detach(), **TOL)
+    for name, p in mine.items():
+        torch.testing.assert_close(p.detach(), want(name, ref[name].detach()), **TOL,
+                                   msg=lambda s, n=name: f"param {n}: {s}")
+    return {"names": sorted(mine), "losses": losses, "norms": norms, "coords": mesh.coords}
+
+
+def test_pp2_tp2_1f1b_matches_single_process(pools):
+    out = pools[4].run(_pp_tp_parity, "1f1b")
+    # Each tp pair of a stage holds the same names; the two stages together hold every parameter.
+    by_pp: dict[int, list[str]] = {}
+    for o in out:
+        assert by_pp.setdefault(o["coords"]["pp"], o["names"]) == o["names"]
+    names = [n for ns in by_pp.values() for n in ns]
+    assert len(names) == len(set(names)) == 3 + 2 * 9  # emb, 2 blocks x 9, norm, head
+    # Every rank returns the same loss and clipped norm (vocab-parallel loss on both tp ranks).
+    assert all(o["losses"] == out[0]["losses"] and o["norms"] == out[0]["norms"] for o in out)
+
+
+def _bad(case: str) -> None:
+    import plait
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+    from plait.pipeline import pipeline
+
+    mesh = cached_mesh(pp=2, tp=2)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layers=2, tie_embeddings=case == "tied", **CFG))
+    plan = plait.gpt_plan(model)
+    if case == "no plan":
+        pipeline(model, mesh, loss_fn=lm_loss)
+    elif case == "full-vocab loss":
+        pipeline(model, mesh, loss_fn=lm_loss, tp_plan=plan)
+    elif case == "typo":
+        pipeline(model, mesh, tp_plan={**plan, "layers.*.atn.q_proj": plan["layers.*.attn.q_proj"]})
+    else:
+        pipeline(model, mesh, tp_plan=plan)
+
+
+def test_bad_pp_tp_arguments_fail_before_any_collective(pools):
+    expect = {"no plan": "no tp_plan", "full-vocab loss": "vocab-parallel cross-entropy",
+              "typo": "layers.*.atn.q_proj", "tied": "shared across pp ranks"}
+    for case, text in expect.items():
+        errors = pools[4].errors(_bad, case)
+        assert len(errors) == 4 and all(text in e for e in errors.values()), (case, errors)
