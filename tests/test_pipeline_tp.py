@@ -17,12 +17,14 @@ from plait.testing import cached_mesh
 
 CFG = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=2)
 TOL = dict(rtol=1e-5, atol=1e-6)
-# Adam divides by sqrt(v) + eps: a gradient entry near 0 (cancellation; tok_emb[47, 31] is 6e-7 on
-# the first step, next to 0.06 in its row) turns the rounding noise of the tp all-reduces and
-# microbatch sums into a large change of that entry's update: with eps=1e-6 one such entry moved
-# by 5e-6 after 5 steps. eps=1e-5 keeps such updates linear in the gradient, so the parameter
-# check measures the layout, not Adam's noise amplifier (gradients are compared directly at step 0).
-ADAM = dict(lr=1e-3, eps=1e-5, weight_decay=0.1)
+# Adam divides by sqrt(v) + eps, so a gradient entry near 0 (cancellation: tok_emb[47, 31] is 6e-7
+# after clipping on the first step, in a tensor whose entries reach 0.45) turns the rounding noise of
+# the tp all-reduces and microbatch sums (1.5e-7 at most here, measured) into a large change of its
+# update. With eps=1e-6 (test_pipeline_parity's value) that entry moved 5e-6 off in 5 steps, with
+# 1e-5 by 1.2e-6; eps=1e-4 keeps such updates nearly linear in the gradient (this test then passes
+# at a third of its tolerance), so the parameter check measures the layout, not Adam's noise
+# amplifier. Gradients are compared directly at the first step.
+ADAM = dict(lr=1e-3, eps=1e-4, weight_decay=0.1)
 MAX_NORM = 0.5  # below the oracle's gradient norm on every step (asserted): clipping scales
 
 
