@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait import comm
 from plait.ddp import DistributedDataParallel
 from plait.env import device
 from plait.fsdp import FullyShardedDataParallel
@@ -39,6 +38,8 @@ from plait.materialize import init_weights, is_meta
 from plait.mesh import Mesh
 from plait.pipeline import Pipeline
 from plait.tensor_parallel import tensor_parallel, tp_info
+from plait.tp_state import clip_grad_norm_ as tp_clip_grad_norm_
+from plait.tp_state import clip_grads_by_global_norm_
 from plait.tp_styles import Style
 
 __all__ = ["ParallelPlan", "parallelize", "clip_grad_norm_"]
@@ -99,26 +100,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     if isinstance(model, Pipeline):  # stages hold disjoint parameters: sum the squares over pp
         info = model.tp_info
         sharded = set(info.specs) if info is not None else set()
-        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-        grads = [g for _, g in named]
-        parts = torch.zeros(2, dtype=torch.float64)  # [tp-sharded, replicated over tp]
-        for name, g in named:
-            parts[0 if name in sharded else 1] += g.detach().double().pow(2).sum().cpu()
-        if info is not None:  # pp x tp: shards are disjoint parts of a stage, replicas count once
-            shard_sq = parts[:1].clone()
-            comm.all_reduce(shard_sq, info.group)
-            parts[0] = shard_sq[0]
-        sq = parts.sum()
-        comm.all_reduce(sq, model.group)
-        norm = sq.sqrt().float()
-        scale = max_norm / (float(norm) + 1e-6)
-        if scale < 1:
-            for g in grads:
-                g.mul_(scale)
-        return norm
+        grads = [(p.grad, n in sharded) for n, p in model.named_parameters() if p.grad is not None]
+        return clip_grads_by_global_norm_(grads, max_norm, info.group if info else None, model.group)
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     if tp_info(inner) is not None:  # after DDP's all-reduce every dp replica holds the same grads
-        from plait.tp_state import clip_grad_norm_ as tp_clip
-
-        return tp_clip(inner, max_norm)
+        return tp_clip_grad_norm_(inner, max_norm)
     return torch.nn.utils.clip_grad_norm_([p for p in inner.parameters() if p.grad is not None], max_norm)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait import comm
 from plait.tensor_parallel import tp_info, tp_module
 
-__all__ = ["clip_grad_norm_", "full_state_dict", "load_full_state_dict"]
+__all__ = ["clip_grad_norm_", "clip_grads_by_global_norm_", "full_state_dict", "load_full_state_dict"]
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -32,16 +33,34 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     if inner is None or info is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     sharded = {id(p) for name, p in inner.named_parameters(remove_duplicate=False) if name in info.specs}
-    dev = params[0].grad.device if params else torch.device("cpu")
-    sq = torch.zeros(2, dtype=torch.float32, device=dev)  # [sharded, replicated]
-    for p in params:
-        sq[0 if id(p) in sharded else 1] += p.grad.detach().float().pow(2).sum()
-    part = sq[:1].clone()
-    comm.all_reduce(part, info.group)
-    total = (part[0] + sq[1]).sqrt()
+    return clip_grads_by_global_norm_([(p.grad, id(p) in sharded) for p in params], max_norm, info.group)
+
+
+def clip_grads_by_global_norm_(grads: list[tuple[torch.Tensor, bool]], max_norm: float,
+                               tp_group: dist.ProcessGroup | None,
+                               outer_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale ``grads`` in place by torch's clipping coefficient for the whole model's 2-norm.
+
+    Each entry is ``(grad, is_tp_shard)``. Squares of tp shards are summed over ``tp_group``
+    (disjoint parts of one parameter); replicated gradients count once. The total is then
+    summed over ``outer_group`` when ranks there hold disjoint parameters (pipeline stages).
+    Every rank applies the same coefficient and gets the same norm back.
+    """
+    dev = grads[0][0].device if grads else torch.device("cpu")
+    sq = torch.zeros(2, dtype=torch.float32, device=dev)  # [tp-sharded, replicated]
+    for g, is_shard in grads:
+        sq[0 if is_shard else 1] += g.detach().float().pow(2).sum()
+    if tp_group is not None:
+        part = sq[:1].clone()
+        comm.all_reduce(part, tp_group)
+        sq[0] = part[0]
+    total_sq = sq.sum().reshape(1)
+    if outer_group is not None:
+        comm.all_reduce(total_sq, outer_group)
+    total = total_sq[0].sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's formula
-    for p in params:
-        p.grad.detach().mul_(coef.to(p.grad.dtype))
+    for g, _ in grads:
+        g.detach().mul_(coef.to(g.dtype))
     return total
 
 
