@@ -163,6 +163,94 @@ def test_custom_action_list_and_timeline(pools):
     assert "rank 1:" in out[0]["text"]
 
 
+# ------------------------------------------------------------------ W fills waits at run time
+class SlowHead(nn.Module):
+    """A last stage slow enough that the first rank waits for its gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(16, CFG["vocab_size"])
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.03)
+        return self.out(torch.tanh(h))
+
+
+class _SlowGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.05)
+        return g
+
+
+class SlowEmbed(nn.Module):
+    """A first stage whose backward is slow: the last rank idles at the end of each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(CFG["vocab_size"], 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _SlowGrad.apply(self.emb(ids))
+
+
+class SlowNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = SlowEmbed()
+        self.body = nn.Linear(16, 16)
+        self.head = SlowHead()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(ids)))
+
+
+def _w_fills_wait() -> dict:
+    import plait
+    from plait.models.gpt import lm_loss
+    from plait.pipeline import Action, Kind, pipeline
+
+    mesh = cached_mesh(pp=2)
+    oracle = plait.init_weights(SlowNet(), seed=2)
+    with torch.device("meta"):
+        model = SlowNet()
+    pipe = pipeline(model, mesh, split=["body"], schedule="zb-h1", microbatches=4, loss_fn=lm_loss, seed=2)
+    x, y = _batch(0)
+    loss = pipe.step(x, y)
+    lm_loss(oracle(x), y).backward()
+    ref = dict(oracle.named_parameters())
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n].grad, **TOL)
+    plan = list(pipe.schedule.actions[mesh.rank("pp")])
+    ran = [s.action for s in pipe.timeline]
+    return {"loss": float(loss), "plan": plan, "ran": ran, "end": pipe.timeline[-1].end,
+            "step_time": pipe.step_time, "bubble": pipe.bubble_fraction,
+            "w0": Action(Kind.W, 0, 0), "recv": Action(Kind.RECV_B, 0, 1)}
+
+
+def test_waiting_rank_runs_pending_weight_gradients(pools):
+    out = pools[2].run(_w_fills_wait)
+    assert out[0]["loss"] == out[1]["loss"]
+    r0 = out[0]
+    w0, recv = r0["w0"], r0["recv"]
+    # Listed after the receive of microbatch 1's gradient; run while that gradient was on its way.
+    assert r0["plan"].index(w0) > r0["plan"].index(recv)
+    assert r0["ran"].index(w0) < r0["ran"].index(recv)
+    assert sorted(map(str, r0["ran"])) == sorted(map(str, r0["plan"]))  # each action exactly once
+    # The step time spans the whole pipeline: rank 1 finishes its actions while rank 0 still runs
+    # its last (slow) W, and that tail counts as rank 1's idle time.
+    r1 = out[1]
+    assert r1["step_time"] - r1["end"] > 0.03 and r1["bubble"] > 0.03 / r1["step_time"]
+
+
 # ------------------------------------------------------------------ errors before any collective
 class Residual(nn.Module):
     """Adds the embedding back after the blocks: not a chain of children."""

@@ -140,6 +140,23 @@ def test_theoretical_bubbles_and_zero_bubble_ratio():
     assert zb.bubble() / make_schedule("1f1b", p, m).bubble() < 0.45
 
 
+def test_waiting_rank_runs_pending_w_in_the_replay():
+    # Stage 1's B is slow: rank 0 waits for gradients and fills the wait with its pending W's,
+    # which the list places later (W's are latest positions).
+    s = make_schedule("zb-h1", 2, 4)
+    cost = {(0, Kind.F): 1, (0, Kind.B): 1, (0, Kind.W): 1, (1, Kind.F): 1, (1, Kind.B): 3, (1, Kind.W): 1}
+    ran = [(sl.action, sl.start) for sl in s.simulate(lambda a: cost[(a.stage, a.kind)])[0]]
+    order = [a for a, _ in ran]
+    w0, recv = Action(Kind.W, 0, 0), Action(Kind.RECV_B, 0, 1)
+    assert s.actions[0].index(w0) > s.actions[0].index(recv)
+    assert order.index(w0) < order.index(recv) and dict(ran)[w0] == 7
+    assert sorted(map(str, order)) == sorted(map(str, s.actions[0]))
+    # Listing a W twice is still a duplicate, even when its first listing ran early.
+    row = [*s.actions[0], w0]
+    with pytest.raises(ScheduleError, match=r"W\(stage=0, mb=0\): duplicate"):
+        _replace(s, 0, row).simulate(lambda a: cost[(a.stage, a.kind)])
+
+
 def test_custom_compute_order_gets_its_communication():
     # Two ranks, all forwards then backwards in reverse order: a valid GPipe variant.
     rows = [[Action(Kind.F, r, 0), Action(Kind.F, r, 1), Action(Kind.BW, r, 1), Action(Kind.BW, r, 0)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -118,7 +119,8 @@ class Pipeline:
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
                              self.device)
         self._fwd_sched = self.sched.forward_part().validate()
-        self.bubble_fraction = 0.0
+        self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
+        self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -189,17 +191,25 @@ class Pipeline:
         loss_sum, outs = self.exec.run(sched, metas, mb_in, mb_tg if holds_last else None, train)
         if train:
             sync_grads(self._tied)
-        self.bubble_fraction = 1.0 - busy_fraction(self.exec.timeline, self.exec.step_time)
         if targets is None and not train:
+            self._measure(self.exec.step_time)
             if not holds_last:
                 return None
             return torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if loss_sum is not None:
             loss.copy_(loss_sum / m)
-        # The loss lives on the last stage's rank; every pp rank returns it (one broadcast).
-        comm.broadcast(loss, self.pp_ranks[self.sched.stage_rank(S - 1)], self.group)
+        # The loss lives on the last stage's rank; every pp rank returns it. An all-reduce (the
+        # other ranks add zero) rather than a broadcast: it returns only once every rank is done,
+        # so the step time below spans the whole pipeline, including the idle tail of a rank
+        # that finished its actions early (part of the bubble, as in the theory).
+        comm.all_reduce(loss, self.group)
+        self._measure(time.perf_counter() - self.exec.t0)
         return loss
+
+    def _measure(self, step_time: float) -> None:
+        self.step_time = step_time
+        self.bubble_fraction = 1.0 - busy_fraction(self.exec.timeline, step_time)
 
 
 def _check_tp(module: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None, loss_fn: Any) -> None:

@@ -25,20 +25,32 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 __all__ = ["backward_input", "WeightGrad"]
 
 
-def _reaching(roots: Sequence[Node], targets: set[Node]) -> set[Node]:
-    """Nodes (from ``roots`` down) from which some node of ``targets`` is reachable."""
-    memo: dict[Node, bool] = {}
+IN, PARAM = 1, 2  # node flags: an input / a parameter is reachable from the node
+
+
+def _classify(roots: Sequence[Node], inputs: set[Node], params: set[Node]
+              ) -> tuple[dict[Node, int], dict[Node, list[Node]]]:
+    """One pass over the graph: each node's IN | PARAM flags, and its children.
+
+    Runs once per B, so it is a single iterative post-order (deep stages exceed Python's
+    recursion limit) that reads each node's ``next_functions`` once.
+    """
+    flags: dict[Node, int] = {}
+    kids: dict[Node, list[Node]] = {}
     stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
-    while stack:  # iterative post-order: graphs of deep stages exceed Python's recursion limit
+    while stack:
         node, expanded = stack.pop()
-        kids = [c for c, _ in node.next_functions if c is not None]
         if expanded:
-            memo[node] = node in targets or any(memo.get(c, False) for c in kids)
-        elif node not in memo:
-            memo[node] = False  # placeholder: also breaks revisits while in progress
+            f = (IN if node in inputs else 0) | (PARAM if node in params else 0)
+            for c in kids[node]:
+                f |= flags.get(c, 0)
+            flags[node] = f
+        elif node not in kids:
+            ks = kids[node] = [c for c, _ in node.next_functions if c is not None]
+            flags[node] = 0  # placeholder until expanded; also stops revisits
             stack.append((node, True))
-            stack.extend((c, False) for c in kids if c not in memo)
-    return {n for n, hit in memo.items() if hit}
+            stack.extend((c, False) for c in ks if c not in kids)
+    return flags, kids
 
 
 class WeightGrad:
@@ -72,10 +84,9 @@ def backward_input(
         return [], WeightGrad([(list(outputs), list(grads), params)])  # type: ignore[list-item]
     in_nodes = {get_gradient_edge(x).node for x in inputs}
     acc = {get_gradient_edge(p).node: p for p in params}
-    on_path = _reaching(roots, in_nodes)
-    to_param = _reaching(roots, set(acc))
-    cuts = [n for n in on_path
-            if any(c is not None and c in to_param and c not in on_path for c, _ in n.next_functions)]
+    flags, kids = _classify(roots, in_nodes, set(acc))
+    on_path = {n for n, f in flags.items() if f & IN}
+    cuts = [n for n in on_path if any(flags[c] == PARAM for c in kids[n])]
     saved: dict[Node, tuple] = {}
     hooks = [n.register_prehook(lambda gs, n=n: saved.__setitem__(n, gs)) for n in cuts]
     try:
@@ -89,7 +100,7 @@ def backward_input(
         gs = saved.get(n)
         if gs is None:
             continue
-        mine = _params_off_path(n, on_path, acc)
+        mine = _params_off_path(n, on_path, acc, kids)
         outs = [GradientEdge(n, k) for k, g in enumerate(gs) if g is not None]
         if mine and outs:
             work.append((outs, [g for g in gs if g is not None], mine))
@@ -100,9 +111,10 @@ def backward_input(
     return list(got), WeightGrad(work)
 
 
-def _params_off_path(node: Node, on_path: set[Node], acc: dict[Node, torch.nn.Parameter]) -> list:
+def _params_off_path(node: Node, on_path: set[Node], acc: dict[Node, torch.nn.Parameter],
+                     kids: dict[Node, list[Node]]) -> list:
     seen: set[Node] = set()
-    stack = [c for c, _ in node.next_functions if c is not None and c not in on_path]
+    stack = [c for c in kids[node] if c not in on_path]
     found: dict[int, torch.nn.Parameter] = {}
     while stack:
         c = stack.pop()
@@ -111,5 +123,5 @@ def _params_off_path(node: Node, on_path: set[Node], acc: dict[Node, torch.nn.Pa
         seen.add(c)
         if c in acc:
             found[id(acc[c])] = acc[c]
-        stack.extend(k for k, _ in c.next_functions if k is not None and k not in on_path)
+        stack.extend(k for k in kids.get(c, ()) if k not in on_path)
     return list(found.values())

@@ -10,6 +10,7 @@ microbatch and tensor, so arrival order does not matter); sends are waited for a
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from torch import nn
 
 from plait import comm
 from plait.pipeline.backward_split import WeightGrad, backward_input
-from plait.pipeline.schedules import Kind, Schedule, Slot
+from plait.pipeline.schedules import Action, Kind, Schedule, Slot
 from plait.pipeline.split import Stage
 
 __all__ = ["Executor", "as_tuple", "describe", "busy_fraction"]
@@ -50,7 +51,8 @@ class Executor:
         # signature -> {stage: input metadata, -1 - stage: output metadata}
         self.in_meta: dict[Any, dict[int, Meta]] = {}
         self.timeline: list[Slot] = []
-        self.step_time = 0.0
+        self.t0 = 0.0  # perf_counter() when the last step started
+        self.step_time = 0.0  # seconds from t0 until this rank's actions (and sends) finished
 
     # ------------------------------------------------------------------ metadata pass
     def exchange_meta(self, key: Any, example: tuple[torch.Tensor, ...]) -> dict[int, Meta]:
@@ -97,7 +99,7 @@ class Executor:
             mb_targets: list[Any] | None, train: bool) -> tuple[torch.Tensor | None, list[Any]]:
         """Execute this rank's actions; return (sum of microbatch losses or None, last-stage outputs)."""
         S, m = sched.stages, sched.microbatches
-        t0 = time.perf_counter()
+        self.t0 = t0 = time.perf_counter()
         timeline: list[Slot] = []
         recvs: dict[tuple[Kind, int, int], tuple[list[torch.Tensor], list[comm.Handle]]] = {}
         for a in sched.actions[self.rank]:  # post every receive now; waiting happens at the action
@@ -114,6 +116,11 @@ class Executor:
                 hs = [comm.irecv(b, src, self.group, self.tag(True, bnd, a.mb, i))
                       for i, b in enumerate(bufs)]
                 recvs[(a.kind, a.stage, a.mb)] = (bufs, hs)
+        # With W's in the plan, a helper thread waits for the receives so that this thread can see
+        # whether one has arrived and run a pending W instead of idling (see schedules.py).
+        arrivals = _Arrivals(recvs) if any(a.kind is Kind.W for a in sched.actions[self.rank]) else None
+        w_order = [(a.stage, a.mb) for a in sched.actions[self.rank] if a.kind is Kind.W]
+        pulled: set[tuple[int, int]] = set()
         acts_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage inputs (leaves)
         acts_out: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage outputs (graph roots)
         grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradients w.r.t. stage outputs
@@ -124,8 +131,19 @@ class Executor:
         loss_sum: torch.Tensor | None = None
         outputs: list[Any] = []
         for a in sched.actions[self.rank]:
-            start = time.perf_counter()
             key = (a.stage, a.mb)
+            if arrivals is not None and a.kind in (Kind.RECV_F, Kind.RECV_B):
+                while not arrivals.arrived((a.kind, a.stage, a.mb)):
+                    early = next((k for k in w_order if k in pending_w), None)
+                    if early is None:
+                        break
+                    start = time.perf_counter()
+                    pending_w.pop(early).run()
+                    pulled.add(early)
+                    timeline.append(Slot(Action(Kind.W, *early), start - t0, time.perf_counter() - t0))
+            elif a.kind is Kind.W and key in pulled:
+                continue
+            start = time.perf_counter()
             if a.kind is Kind.F:
                 if a.stage == 0:
                     x = mb_inputs[a.mb]
@@ -156,16 +174,17 @@ class Executor:
                 dst = self.peer(a.stage + 1)
                 tag = self.tag(False, a.stage, a.mb, 0)
                 sends += self._send(data, dst, tag)
-            elif a.kind is Kind.RECV_F:
+            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
                 bufs, hs = recvs.pop((a.kind, a.stage, a.mb))
-                for h in hs:
-                    h.wait()
-                acts_in[key] = tuple(bufs)
-            elif a.kind is Kind.RECV_B:
-                bufs, hs = recvs.pop((a.kind, a.stage, a.mb))
-                for h in hs:
-                    h.wait()
-                grads_out[key] = bufs
+                if arrivals is not None:
+                    arrivals.wait((a.kind, a.stage, a.mb))
+                else:
+                    for h in hs:
+                        h.wait()
+                if a.kind is Kind.RECV_F:
+                    acts_in[key] = tuple(bufs)
+                else:
+                    grads_out[key] = bufs
             elif a.kind in (Kind.BW, Kind.B):
                 ins = [t for t in acts_in.pop(key) if t.requires_grad]
                 outs = [t for t in acts_out.pop(key) if t.requires_grad]
@@ -190,6 +209,8 @@ class Executor:
             timeline.append(Slot(a, start - t0, time.perf_counter() - t0))
         for h, _ in sends:
             h.wait()
+        if arrivals is not None:
+            arrivals.join()
         self.timeline, self.step_time = timeline, time.perf_counter() - t0
         return loss_sum, outputs
 
@@ -201,6 +222,48 @@ class Executor:
 
     def _params(self, stage: int) -> list[nn.Parameter]:
         return [p for p in self.stages[stage].parameters() if p.requires_grad]
+
+
+class _Arrivals:
+    """Waits for a step's receives on a helper thread, in the order they were posted.
+
+    Gloo's ``Work.is_completed()`` turns true only once someone waited on the work, so the main
+    thread cannot poll a receive itself. The helper blocks in ``wait()`` (which releases the GIL)
+    and sets one event per receive; a failure (e.g. a timeout) is re-raised by `wait` on the main
+    thread, naming the receive.
+    """
+
+    def __init__(self, recvs: dict[Any, tuple[list[torch.Tensor], list[comm.Handle]]]) -> None:
+        self._events = {k: threading.Event() for k in recvs}
+        self._error: BaseException | None = None
+        order = [(k, hs) for k, (_, hs) in recvs.items()]
+        self._thread = threading.Thread(target=self._run, args=(order,), daemon=True,
+                                        name="plait-pipeline-recv")
+        self._thread.start()
+
+    def _run(self, order: list[tuple[Any, list[comm.Handle]]]) -> None:
+        try:
+            for k, hs in order:
+                for h in hs:
+                    h.wait()
+                self._events[k].set()
+        except BaseException as e:  # handed to the main thread
+            self._error = e
+            for ev in self._events.values():
+                ev.set()
+
+    def arrived(self, key: Any) -> bool:
+        return self._events[key].is_set()
+
+    def wait(self, key: Any) -> None:
+        self._events[key].wait()
+        if self._error is not None:
+            raise self._error
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def busy_fraction(timeline: Sequence[Slot], total: float) -> float:

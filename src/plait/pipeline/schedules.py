@@ -17,7 +17,11 @@ Action kinds (each names a stage and a microbatch):
 
 Execution model (what the runtime does and what `validate` checks): sends never block;
 a receive blocks until the peer has issued the matching send; compute actions never block
-but must find their inputs already produced on their rank. `validate` replays every rank
+but must find their inputs already produced on their rank. A ``W`` is a latest position:
+while a rank waits for a receive, it runs its oldest pending ``W`` (one whose ``B`` has run)
+instead of idling, and skips that ``W`` where the list names it. W needs nothing from other
+ranks, so pulling it earlier cannot deadlock, and it only frees memory sooner; this is how
+W fills bubbles whose size depends on real action durations. `validate` replays every rank
 under that model and rejects, naming the first bad action: an action on a stage the rank
 does not hold, a compute action before its input arrived, B/W before F, W without B,
 duplicates, a send nobody receives, a receive nobody sends (a deadlock), and a missing F
@@ -189,6 +193,7 @@ class _Replay:
         self.done: list[set[tuple[Kind, int, int]]] = [set() for _ in range(s.ranks)]
         self.sent: dict[tuple[Kind, int, int], float] = {}  # send -> time issued
         self.received: set[tuple[Kind, int, int]] = set()
+        self.pulled: list[set[tuple[int, int]]] = [set() for _ in range(s.ranks)]  # W's run early
 
     def fail(self, rank: int, i: int, a: Action, why: str) -> None:
         raise ScheduleError(f"schedule '{self.s.name}' is invalid at rank {rank}, action #{i} {a}: {why}")
@@ -203,6 +208,13 @@ class _Replay:
                 row = s.actions[r]
                 while ptr[r] < len(row):
                     a = row[ptr[r]]
+                    if a.kind is Kind.W and (a.stage, a.mb) in self.pulled[r]:
+                        self.pulled[r].discard((a.stage, a.mb))  # ran early; a second listing is a duplicate
+                        ptr[r] += 1
+                        progressed = True
+                        continue
+                    if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                        clock[r] = self.fill(r, ptr[r], a, clock[r], slots[r])
                     start = self.ready(r, ptr[r], a, clock[r])
                     if start is None:
                         break  # blocked on a receive
@@ -224,6 +236,25 @@ class _Replay:
                           f"{s.stage_rank(peer.stage)}, which never comes (every rank is blocked)")
         self.finish()
         return slots
+
+    def fill(self, r: int, i: int, a: Action, now: float, out: list[Slot]) -> float:
+        """Run rank r's oldest pending W's while receive ``a`` (action #i) has not arrived."""
+        peer = self.peer_send(a)
+        sent = self.sent.get((peer.kind, peer.stage, a.mb))
+        if sent is None:
+            return now  # the send's time is not known yet: come back when it is
+        done = self.done[r]
+        for w in self.s.actions[r][i + 1:]:
+            if now >= sent + self.latency:
+                break
+            if (w.kind is Kind.W and (Kind.B, w.stage, w.mb) in done
+                    and (Kind.W, w.stage, w.mb) not in done):
+                end = now + self.costs(w)
+                out.append(Slot(w, now, end))
+                done.add((Kind.W, w.stage, w.mb))
+                self.pulled[r].add((w.stage, w.mb))
+                now = end
+        return now
 
     @staticmethod
     def peer_send(a: Action) -> Action:
@@ -397,13 +428,19 @@ def zb_h1(p: int, m: int) -> Schedule:
 
     Built by list scheduling under unit costs (F = B = W): a rank runs the oldest pending W if
     more than p - 1 are pending (bounded memory), else a ready B, else a forward while it holds
-    fewer than p - r microbatches between F and B (1F1B's limit), else the oldest pending W.
-    Its makespan is 3m + p - 1 units against 1F1B's 3m + 3(p - 1): the bubble shrinks from
-    (p - 1)(F + B + W) to (p - 1)(F + B - W), the paper's figure.
+    fewer than p - r microbatches between F and B (1F1B's limit), else it waits, running pending
+    W's meanwhile. Its makespan is 3m + p - 1 units against 1F1B's 3m + 3(p - 1): the bubble
+    shrinks from (p - 1)(F + B + W) to (p - 1)(F + B - W), the paper's figure.
+
+    A W that only fills a wait is listed as late as the memory bound allows, not where the unit
+    plan ran it: the runtime pulls W's into whatever waits real durations produce (see the module
+    docstring), so a W listed early would be spent on a unit-cost wait that may not exist.
     """
     f_end: list[dict[int, int]] = [{} for _ in range(p)]
     b_end: list[dict[int, int]] = [{} for _ in range(p)]
     w_done: list[set[int]] = [set() for _ in range(p)]
+    deferred: list[list[int]] = [[] for _ in range(p)]  # W's run in a wait, not listed yet
+    listed_pending = [0] * p  # B's listed without their W
     rows: list[list[Action]] = [[] for _ in range(p)]
     free, nxt, t = [0] * p, [0] * p, 0
     while any(len(w) < m for w in w_done):
@@ -414,12 +451,16 @@ def zb_h1(p: int, m: int) -> Schedule:
                        and (r == p - 1 or b_end[r + 1].get(mb, t + 1) <= t)]
             held = sum(1 for mb in f_end[r] if mb not in b_end[r])
             pend_w = [mb for mb, e in b_end[r].items() if e <= t and mb not in w_done[r]]
+            listed = True
             if len(pend_w) > p - 1:  # bounds the saved weight-gradient work (memory)
                 mb, kind = min(pend_w), Kind.W
                 w_done[r].add(mb)
             elif ready_b:
                 mb, kind = min(ready_b), Kind.B
                 b_end[r][mb] = t + 1
+                while listed_pending[r] > p - 1 and deferred[r]:
+                    rows[r].append(Action(Kind.W, r, deferred[r].pop(0)))
+                    listed_pending[r] -= 1
             elif nxt[r] < m and held < p - r and (r == 0 or f_end[r - 1].get(nxt[r], t + 1) <= t):
                 mb, kind = nxt[r], Kind.F
                 f_end[r][mb] = t + 1
@@ -427,9 +468,19 @@ def zb_h1(p: int, m: int) -> Schedule:
             elif pend_w:
                 mb, kind = min(pend_w), Kind.W
                 w_done[r].add(mb)
+                listed = len(b_end[r]) == m  # after the last B nothing is left to wait for
             else:
                 continue
-            rows[r].append(Action(kind, r, mb))
+            if kind is Kind.W and not listed:
+                deferred[r].append(mb)
+            else:
+                if kind is Kind.W:
+                    rows[r] += [Action(Kind.W, r, d) for d in deferred[r]]
+                    listed_pending[r] -= len(deferred[r]) + 1
+                    deferred[r] = []
+                elif kind is Kind.B:
+                    listed_pending[r] += 1
+                rows[r].append(Action(kind, r, mb))
             free[r] = t + 1
         t += 1
     return with_comms("zb-h1", p, p, m, rows)
