@@ -49,3 +49,139 @@ def test_resume_in_one_process(oracle, zero3_checkpoint, tmp_path):
 def test_resume_without_save_dir_is_rejected():
     with pytest.raises(ValueError, match="--resume needs --save-dir"):
         TrainConfig(resume=True)
+
+
+# ------------------------------------------------------------------ tensor and pipeline parallelism
+@pytest.fixture(scope="module")
+def pp_tp_checkpoint(pools, tmp_path_factory):
+    """A 2-stage pipeline x tp 2 on 4 ranks, saving at step 3: each rank writes its stage's shards."""
+    root = tmp_path_factory.mktemp("ckpt_pp_tp")
+    losses = pools[4].run(train_losses, str(root), strategy="ddp", nproc=4, pp=2, tp=2,
+                          save_dir=str(root / "all"), save_every=3)[0]
+    only3 = root / "only3"
+    shutil.copytree(root / "all" / "step_000003", only3 / "step_000003")
+    return only3, losses
+
+
+def test_pipeline_tp_run_with_saves_matches_oracle(oracle, pp_tp_checkpoint):
+    assert pp_tp_checkpoint[1] == pytest.approx(oracle, rel=1e-4)
+
+
+@pytest.mark.parametrize("world,layout", [
+    (1, dict(strategy="none", nproc=1)),
+    (2, dict(strategy="ddp", nproc=2, tp=2)),
+    (2, dict(strategy="ddp", nproc=2, pp=2, schedule="zb-h1")),
+])
+def test_pipeline_tp_checkpoint_resumes_on_other_layouts(pools, oracle, pp_tp_checkpoint, tmp_path, world,
+                                                         layout):
+    folder, _ = pp_tp_checkpoint
+    work = tmp_path / "resume"
+    shutil.copytree(folder, work)
+    if world == 1:
+        losses = train_losses(str(tmp_path), save_dir=str(work), resume=True, **layout)
+    else:
+        losses = pools[world].run(train_losses, str(tmp_path), save_dir=str(work), resume=True, **layout)[0]
+    assert losses == pytest.approx(oracle[3:], rel=1e-4)
+
+
+def test_zero3_checkpoint_resumes_as_a_tp_pipeline(pools, oracle, zero3_checkpoint, tmp_path):
+    # FSDP's DTensor shards (dim-0 chunks over 4 ranks) load into tp shards of pipeline stages.
+    folder, _ = zero3_checkpoint
+    work = tmp_path / "resume"
+    shutil.copytree(folder, work)
+    losses = pools[4].run(train_losses, str(tmp_path), strategy="ddp", nproc=4, pp=2, tp=2,
+                          save_dir=str(work), resume=True)[0]
+    assert losses == pytest.approx(oracle[3:], rel=1e-4)
+
+
+def test_fsdp_with_tp_checkpoints_are_refused_before_starting():
+    with pytest.raises(ValueError, match="--strategy fsdp with --tp"):
+        TrainConfig(strategy="fsdp", nproc=4, tp=2, save_dir="x")
+
+
+
+def test_vocab_shards_padded_at_the_end_are_dtensor_chunks():
+    # 65 rows over tp=2 and 5 rows over tp=4 (one rank empty): DTensor's chunking exactly.
+    from plait.tp_state import _chunk_rows
+    from plait.tp_styles import make_spec
+
+    assert _chunk_rows(make_spec(0, 65, 2, 0), 2) and _chunk_rows(make_spec(0, 5, 4, 0), 4)
+    assert _chunk_rows(make_spec(1, 96, 2, 0, unit=8), 2)
+    assert not _chunk_rows(make_spec(0, 48, 4, 0, unit=8), 4)  # 16/16/16/0 rows: refused on save
+
+
+
+def _tied(seed: int = 5):
+    import torch
+    from test_pipeline_parity import ADAM, CFG
+
+    import plait
+    from plait.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layers=2, tie_embeddings=True, **CFG)
+    model = plait.init_weights(GPT(cfg), seed=seed)
+    return cfg, model, torch.optim.AdamW(model.parameters(), **ADAM)
+
+
+def _train(model, opt, steps, pipe=None) -> None:
+    from test_pipeline_parity import _batch
+
+    from plait.models.gpt import lm_loss
+
+    for step in steps:
+        x, y = _batch(step)
+        if pipe is None:
+            lm_loss(model(x), y).backward()
+        else:
+            pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+
+
+def _tied_pipeline_resume(single: str, folder: str) -> list[str]:
+    """Load a one-process checkpoint (step 2) into a pipeline whose embedding is tied to the LM
+    head on the other rank, train 2 steps, save, load into a fresh pipeline, train 2 more: the
+    parameters match a single process trained for 6 steps."""
+    import torch
+    from test_pipeline_parity import ADAM, TOL
+
+    from plait import checkpoint
+    from plait.models.gpt import GPT, lm_loss
+    from plait.pipeline import pipeline
+    from plait.testing import cached_mesh
+
+    cfg, oracle, oopt = _tied()
+
+    def build(seed: int):
+        with torch.device("meta"):
+            model = GPT(cfg)
+        pipe = pipeline(model, cached_mesh(pp=2), schedule="1f1b", microbatches=2, loss_fn=lm_loss, seed=seed)
+        return pipe, torch.optim.AdamW(list(pipe.parameters()), **ADAM)
+
+    pipe, opt = build(6)  # other initial values: everything must come from the checkpoint
+    checkpoint.load(single, pipe, opt)  # rank 1's copy takes tok_emb.weight's Adam state
+    _train(None, opt, range(2, 4), pipe)
+    checkpoint.save(folder, pipe, opt, {"step": 4})
+    pipe, opt = build(7)
+    checkpoint.load(folder, pipe, opt)
+    _train(None, opt, range(4, 6), pipe)
+    _train(oracle, oopt, range(6))
+    ref = dict(oracle.named_parameters(remove_duplicate=False))
+    mine = dict(pipe.named_parameters())
+    for name, p in mine.items():
+        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL, msg=lambda s, n=name: f"{n}: {s}")
+    return sorted(mine)
+
+
+def test_pipeline_with_weights_tied_across_ranks_resumes_a_single_process(pools, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from plait import checkpoint
+
+    _, model, opt = _tied()
+    _train(model, opt, range(2))
+    single = tmp_path / "single"
+    dcp.save(checkpoint.state_dict(model, opt), checkpoint_id=str(single))  # no process group here
+    (single / checkpoint.META).write_text('{"step": 2}')
+    names = pools[2].run(_tied_pipeline_resume, str(single), str(tmp_path / "tied"))
+    assert "tok_emb.weight" in names[0] and "lm_head.weight" in names[1]

@@ -60,7 +60,7 @@ def test_plait_run_launches_a_user_script(tmp_path):
     (dict(strategy="ddp", nproc=4, pp=2, tp=2, sequence_parallel=True), "--pp combines"),
     (dict(strategy="fsdp", nproc=4, pp=2, tp=2), "--pp combines"),
     (dict(strategy="ddp", nproc=2, pp=2, batch_size=6, microbatches=4), "--microbatches"),
-    (dict(save_dir="x", tp=2, nproc=2), "--save-dir"),
+    (dict(resume=True, pp=2, nproc=2), "--resume needs --save-dir"),
 ])
 def test_bad_config_is_rejected_before_launch(kwargs, match):
     with pytest.raises(ValueError, match=match):

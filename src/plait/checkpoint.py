@@ -6,10 +6,12 @@ layout::
 
     {"model": {fqn: tensor}, "optim": {f"{fqn}.{state_key}": tensor}}
 
-FSDP supplies DTensor shards of that layout; DDP, DataParallel and single-process models
-supply plain tensors. Because the keys and full shapes are the same, a checkpoint written by
-one layout loads into another (ZeRO-3 on 4 ranks -> DDP on 2 -> one process). Small
-metadata (step, sampler position, config) sits beside it in ``plait.json``.
+FSDP supplies DTensor shards of that layout, tensor parallelism DTensors of its shards (over
+the tp group), pipeline ranks the entries of their own stages; DDP, DataParallel and
+single-process models supply plain tensors. Because the keys and full shapes are the same, a
+checkpoint written by one layout loads into another (ZeRO-3 on 4 ranks -> DDP on 2 -> one
+process, or a 2-stage pipeline x tp 2 -> one process). Small metadata (step, sampler
+position, config) sits beside it in ``plait.json``.
 """
 
 from __future__ import annotations
@@ -27,26 +29,44 @@ from plait.data_parallel import DataParallel
 from plait.ddp import DistributedDataParallel
 from plait.fsdp import FullyShardedDataParallel
 from plait.fsdp_state_dict import _state_layout
+from plait.pipeline.api import Pipeline
+from plait.tensor_parallel import tp_info, tp_module
+from plait.tp_state import checkpoint_entry, restore_entry
 
 __all__ = ["save", "load", "latest", "state_dict", "load_state_dict"]
 
 META = "plait.json"
 
 
-def _plain(model: nn.Module) -> nn.Module:
+def _view(model: Any) -> tuple[nn.Module, Any, dict[str, str]]:
+    """(module whose state_dict has the shared layout's names, its TPInfo or None, renames).
+
+    ``renames`` maps a parameter name to the name its optimizer state is stored under: a weight
+    tied across pipeline ranks is held as a copy per rank, named after the module using it there,
+    but has one optimizer state in the shared layout (under its first owner's name).
+    """
+    if isinstance(model, Pipeline):
+        return model.state_module(), model.tp_info, model.tied_names
     if isinstance(model, (DistributedDataParallel, DataParallel)):
         model = model.module
-    if getattr(model, "_plait_tp", None) is not None:
-        raise ValueError("checkpoints of tensor-parallel models are not supported yet; use "
-                         "plait.tp_state.full_state_dict for export")
-    return model
+    tp = tp_module(model)
+    if tp is not None:
+        return tp, tp_info(tp), {}
+    return model, None, {}
 
 
-def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's view of the model and optimizer in the shared layout (also a `load` template)."""
+def state_dict(model: nn.Module | Pipeline, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's view of the model and optimizer in the shared layout (also a `load` template).
+
+    Tensor-parallel shards appear as DTensors of the full tensors (see `plait.tp_state`), a
+    pipeline rank contributes the entries of its own stages.
+    """
     if isinstance(model, FullyShardedDataParallel):
+        if tp_info(model.module) is not None:
+            raise ValueError("checkpoints of FSDP with tensor parallelism are not supported yet")
         return model.sharded_state_dict(optimizer)
-    module = _plain(model)
+    module, info, renames = _view(model)
+    specs = info.specs if info is not None else {}
     layout = _state_layout(optimizer)
     optim: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
@@ -54,24 +74,42 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
             continue
         state = optimizer.state.get(p, {})
         for key, kind in layout.items():
-            default = torch.zeros_like(p) if kind == "elem" else torch.zeros((), dtype=torch.float32)
-            optim[f"{name}.{key}"] = torch.as_tensor(state.get(key, default)).detach().clone()
-    model_sd = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            out = f"{renames.get(name, name)}.{key}"
+            if kind == "elem":
+                value = torch.as_tensor(state.get(key, torch.zeros_like(p)))
+                optim[out] = checkpoint_entry(value, specs.get(name), info, name)
+            else:
+                value = torch.as_tensor(state.get(key, torch.zeros((), dtype=torch.float32)))
+                optim[out] = value.detach().clone()
+    model_sd = {k: checkpoint_entry(v, specs.get(k), info, k) for k, v in module.state_dict().items()}
     return {"model": model_sd, "optim": optim}
 
 
 @torch.no_grad()
-def load_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_state_dict(model: nn.Module | Pipeline, optimizer: torch.optim.Optimizer,
+                    state: dict[str, Any]) -> None:
     """Put a filled `state_dict` template back into the model and optimizer."""
     if isinstance(model, FullyShardedDataParallel):
         model.load_sharded_state_dict(state, optimizer)
         return
-    module = _plain(model)
-    module.load_state_dict(state["model"])
+    module, info, renames = _view(model)
+    specs = info.specs if info is not None else {}
+    own = module.state_dict(keep_vars=True)
+    for key, target in own.items():
+        restore_entry(target, state["model"][key], specs.get(key))
     layout = _state_layout(optimizer)
     for name, p in module.named_parameters():
-        if p.requires_grad:
-            optimizer.state[p] = {key: state["optim"][f"{name}.{key}"].clone() for key in layout}
+        if not p.requires_grad:
+            continue
+        restored = {}
+        for key, kind in layout.items():
+            value = state["optim"][f"{renames.get(name, name)}.{key}"]
+            if kind == "elem":
+                restored[key] = torch.zeros_like(p)
+                restore_entry(restored[key], value, specs.get(name))
+            else:
+                restored[key] = value.clone()
+        optimizer.state[p] = restored
 
 
 def save(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,

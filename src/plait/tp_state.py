@@ -8,6 +8,7 @@ parameters without a spec are replicated on every tp rank.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,8 +16,10 @@ from torch import nn
 
 from plait import comm
 from plait.tensor_parallel import tp_info, tp_module
+from plait.tp_styles import ShardSpec
 
-__all__ = ["clip_grad_norm_", "clip_grads_by_global_norm_", "full_state_dict", "load_full_state_dict"]
+__all__ = ["clip_grad_norm_", "clip_grads_by_global_norm_", "full_state_dict", "load_full_state_dict",
+           "checkpoint_entry", "restore_entry"]
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -122,3 +125,66 @@ def _check_not_fsdp(model: nn.Module, what: str) -> None:
     if info is not None and info.specs and not set(info.specs) & set(model.state_dict()):
         raise ValueError(f"tp_state.{what}: this tensor-parallel model is wrapped by FSDP, which holds "
                          "its parameters; state dicts of FSDP with tensor parallelism are not supported yet")
+
+
+# ------------------------------------------------------------------ checkpoint entries
+_meshes: dict[int, Any] = {}
+
+
+def _tp_mesh(info: Any, device: torch.device) -> Any:
+    """A DeviceMesh over the tp group (a container for DTensor checkpoint entries)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = id(info.group)
+    if key not in _meshes:
+        _meshes[key] = DeviceMesh.from_group(info.group, device.type)
+    return _meshes[key]
+
+
+def _chunk_rows(spec: ShardSpec, size: int) -> bool:
+    """Whether every rank's valid rows are exactly its ``torch.chunk`` part (DTensor's Shard).
+
+    True for every layout `plait.tensor_parallel` makes today: even splits, and vocabulary
+    splits padded at the end in single rows.
+    """
+    per = -(-spec.full // size)
+    chunks = [max(0, min(per, spec.full - r * per)) for r in range(size)]
+    mine = [max(0, min(spec.local, spec.full - r * spec.local)) for r in range(size)]
+    return chunks == mine
+
+
+def checkpoint_entry(t: torch.Tensor, spec: ShardSpec | None, info: Any, name: str = "") -> torch.Tensor:
+    """``t`` (this rank's shard when ``spec``) as an entry of the full-size checkpoint layout.
+
+    A shard becomes a DTensor of the full tensor over the tp group, ``Shard(spec.dim)``, holding
+    this rank's valid rows (padding is not saved), so each rank writes its own rows and any
+    layout can read them back. No communication.
+    """
+    t = t.detach()
+    if spec is None:
+        return t.clone()
+    if not _chunk_rows(spec, info.size):
+        raise ValueError(f"checkpoint: {name!r} is split into {spec.local}-row shards of {spec.full} "
+                         f"rows over tp={info.size}, which is not DTensor's chunking; cannot save it")
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = list(t.shape)
+    shape[spec.dim] = spec.full
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * shape[d + 1]
+    local = t.narrow(spec.dim, 0, spec.valid).contiguous().clone()
+    return DTensor.from_local(local, _tp_mesh(info, t.device), [Shard(spec.dim)], run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))
+
+
+@torch.no_grad()
+def restore_entry(target: torch.Tensor, value: torch.Tensor, spec: ShardSpec | None) -> None:
+    """Copy a loaded `checkpoint_entry` back into this rank's tensor (its shard when ``spec``)."""
+    from torch.distributed.tensor import DTensor
+
+    if spec is None:
+        target.copy_(value)
+    else:
+        assert isinstance(value, DTensor), "a tp shard's template entry is a DTensor"
+        target.narrow(spec.dim, 0, spec.valid).copy_(value.to_local())

@@ -116,6 +116,9 @@ class Pipeline:
         held = {n: p for s in self.stages.values() for n, p in s.qualified_parameters()}
         self._tied = [(next(held[n] for n in tie.names if n in held), g)
                       for tie, g in zip(ties, groups) if g is not None]
+        # Each name of a weight tied across pp ranks -> its first owner's (one optimizer state).
+        self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
+        self._my_segs = [(n, m) for s in mine for n, m in zip(self.stages[s].names, self.stages[s].segs)]
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
                              self.device)
         self._fwd_sched = self.sched.forward_part().validate()
@@ -135,6 +138,11 @@ class Pipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, prm in self.named_parameters():
             yield prm
+
+    def state_module(self) -> nn.Module:
+        """This rank's stages as one module under their names in the original model: its
+        ``state_dict()`` has the original keys (checkpoints use it)."""
+        return self.tp_module if self.tp_module is not None else named_view(self._my_segs)
 
     @property
     def tp_info(self) -> Any:
