@@ -163,6 +163,14 @@ def test_custom_action_list_and_timeline(pools):
     assert "rank 1:" in out[0]["text"]
 
 
+# ------------------------------------------------------------------ ordered point-to-point (NCCL's)
+@pytest.mark.parametrize("pp,schedule,m", [(2, "gpipe", 4), (2, "1f1b", 4), (2, "zb-h1", 8), (4, "1f1b", 8)])
+def test_ordered_point_to_point_matches_single_process(pools, pp, schedule, m):
+    # The mode NCCL gets (batches in list order, no tags needed), run here on Gloo.
+    out = pools[pp].run(_parity, pp, schedule, m, 1, 4, "auto", 3, False, "ordered")
+    assert all(o["ordered"] for o in out)
+
+
 # ------------------------------------------------------------------ W fills waits at run time
 class SlowHead(nn.Module):
     """A last stage slow enough that the first rank waits for its gradients."""
@@ -288,6 +296,10 @@ def _bad(case: str) -> None:
         pipeline(gpt, mesh, schedule=rows, microbatches=1, loss_fn=lm_loss)
     elif case == "interleaved":
         pipeline(gpt, mesh, schedule="interleaved", chunks=2, microbatches=1, loss_fn=lm_loss)
+    elif case == "ordered":
+        pipeline(gpt, mesh, schedule="interleaved", chunks=2, microbatches=4, loss_fn=lm_loss, p2p="ordered")
+    elif case == "p2p":
+        pipeline(gpt, mesh, microbatches=2, loss_fn=lm_loss, p2p="nccl")
 
 
 @pytest.mark.parametrize("case,message", [
@@ -296,6 +308,8 @@ def _bad(case: str) -> None:
     ("chain", "segment 'head' is called with something other than the previous segment's output"),
     ("schedule", r"rank 0, action #0 RECV_B\(stage=0, mb=0\): deadlock: it waits for SEND_B\(stage=1"),
     ("interleaved", "microbatches=1 < pp=2"),
+    ("ordered", r"would hang with ordered point-to-point \(NCCL\): rank 0 waits in the batch"),
+    ("p2p", "p2p must be one of"),
 ])
 def test_bad_input_fails_on_every_rank_without_hanging(pools, case, message):
     import re

@@ -30,7 +30,7 @@ def _batch(step: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="auto", steps: int = 5,
-            tie: bool = False) -> dict:
+            tie: bool = False, p2p: str = "auto") -> dict:
     import plait
     from plait.models.gpt import GPT, GPTConfig, lm_loss
     from plait.pipeline import pipeline
@@ -41,7 +41,7 @@ def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="a
     with torch.device("meta"):
         model = GPT(cfg)
     pipe = pipeline(model, mesh, split=split, schedule=schedule, microbatches=m, loss_fn=lm_loss,
-                    chunks=chunks, seed=3)
+                    chunks=chunks, seed=3, p2p=p2p)
     mine = dict(pipe.named_parameters())
     ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
     assert all(not p.is_meta for p in mine.values())
@@ -73,7 +73,8 @@ def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="a
         torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL,
                                    msg=lambda s, n=name: f"param {n}: {s}")
     torch.testing.assert_close(pipe.eval_step(x, y), lm_loss(oracle(x), y).detach(), **TOL)
-    return {"names": sorted(mine), "losses": losses, "bubble": pipe.bubble_fraction}
+    return {"names": sorted(mine), "losses": losses, "bubble": pipe.bubble_fraction,
+            "ordered": pipe.exec.ordered}
 
 
 CASES = [(s, c, m) for s, c in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)] for m in (4, 8)]

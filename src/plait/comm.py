@@ -304,6 +304,31 @@ def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag
         raise CollectiveError(f"{what} failed: {e}") from e
 
 
+def batch_p2p(ops: Sequence[tuple[str, torch.Tensor, int, int]],
+              group: dist.ProcessGroup | None = None) -> list[Handle]:
+    """Post ``(kind, tensor, peer, tag)`` sends ("send") and receives ("recv") as one batch.
+
+    ``peer`` is a global rank; ``group`` names the axis for accounting. NCCL runs the batch as a
+    group, so two ranks that send to each other in the same batch cannot deadlock; Gloo posts
+    each operation on its own. One handle per operation, in order.
+    """
+    if not ops:
+        return []
+    p2p, whats = [], []
+    for kind, t, peer, tag in ops:
+        if kind not in ("send", "recv"):
+            raise ValueError(f"batch_p2p: kind must be 'send' or 'recv', got {kind!r}")
+        _record(kind, group, t.numel() * t.element_size(), 1.0 if kind == "send" else 0.0)
+        p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=tag))
+        whats.append(f"{kind} of a {tuple(t.shape)} {t.dtype} tensor {'to' if kind == 'send' else 'from'} "
+                     f"rank {peer} on {_describe(group)}")
+    try:
+        works = dist.batch_isend_irecv(p2p)
+    except RuntimeError as e:
+        raise CollectiveError(f"batched point-to-point ({'; '.join(whats)}) failed: {e}") from e
+    return [Handle(w, what) for w, what in zip(works, whats)]
+
+
 def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send a small picklable object (e.g. shapes and dtypes) to global rank ``dst``."""
     _record("send_object", group, 0, 0.0)

@@ -11,6 +11,7 @@ from torch import nn
 
 from plait import comm
 from plait.materialize import is_meta
+from plait.pipeline.ordered import check_ordered
 from plait.pipeline.runtime import Executor, as_tuple, busy_fraction
 from plait.pipeline.schedules import COMM, Action, Schedule, ScheduleError, Slot, make_schedule, with_comms
 from plait.pipeline.split import (
@@ -52,7 +53,8 @@ class Pipeline:
     def __init__(self, module: nn.Module, mesh: Any, *, split: str | Sequence[str] = "auto",
                  schedule: str | CustomSchedule = "1f1b", microbatches: int,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, chunks: int = 1, seed: int = 0,
-                 device: torch.device | str | None = None, tp_plan: Mapping[str, Any] | None = None) -> None:
+                 device: torch.device | str | None = None, tp_plan: Mapping[str, Any] | None = None,
+                 p2p: str = "auto") -> None:
         # Every check below runs before the first collective, so bad input never hangs a rank.
         if not isinstance(module, nn.Module):
             raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -66,13 +68,10 @@ class Pipeline:
         p = mesh.size("pp")
         self.sched = _resolve_schedule(schedule, p, microbatches, chunks)
         self.microbatches, self.loss_fn = microbatches, loss_fn
-        backend = torch.distributed.get_backend()
-        if backend != "gloo":
-            # Receives are posted when a step starts and matched by tag. NCCL ignores tags and
-            # serializes a rank pair's messages, so it would need grouped send/recv pairs
-            # (Schedule.order_mismatch() is the first check such a path needs); not built yet.
-            raise NotImplementedError(f"pipeline: the P2P executor supports the Gloo backend only, "
-                                      f"this process group uses {backend!r}")
+        self.ordered = _resolve_p2p(p2p, torch.distributed.get_backend())
+        if self.ordered:  # before any collective: a schedule that would hang on NCCL is refused
+            check_ordered(self.sched)
+            check_ordered(self.sched.forward_part())
         self.rank = mesh.rank("pp")
         self.group = mesh.group("pp")
         self.pp_ranks = mesh.group_ranks("pp")
@@ -120,7 +119,7 @@ class Pipeline:
         self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
         self._my_segs = [(n, m) for s in mine for n, m in zip(self.stages[s].names, self.stages[s].segs)]
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
-                             self.device)
+                             self.device, ordered=self.ordered)
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
@@ -264,6 +263,19 @@ def _chunk(x: Any, m: int, what: str) -> list:
     return out if isinstance(x, tuple) or what == "inputs" else [o[0] for o in out]
 
 
+P2P_MODES = ("auto", "tagged", "ordered")
+
+
+def _resolve_p2p(p2p: str, backend: str) -> bool:
+    """Whether to run the ordered point-to-point mode (see `plait.pipeline.ordered`)."""
+    if p2p not in P2P_MODES:
+        raise ValueError(f"pipeline: p2p must be one of {P2P_MODES}, got {p2p!r}")
+    if p2p == "tagged" and backend != "gloo":
+        raise ValueError(f"pipeline: p2p='tagged' matches messages by tag, which only Gloo does; this "
+                         f"process group uses {backend!r}: use p2p='ordered' (or 'auto')")
+    return p2p == "ordered" or (p2p == "auto" and backend != "gloo")
+
+
 def _resolve_schedule(schedule: Any, p: int, m: int, chunks: int) -> Schedule:
     if isinstance(schedule, str):
         return make_schedule(schedule, p, m, chunks)
@@ -289,7 +301,7 @@ def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
              schedule: str | CustomSchedule = "1f1b", microbatches: int = 4,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, chunks: int = 1,
              seed: int = 0, device: torch.device | str | None = None,
-             tp_plan: Mapping[str, Any] | None = None) -> Pipeline:
+             tp_plan: Mapping[str, Any] | None = None, p2p: str = "auto") -> Pipeline:
     """Pipeline ``module`` over the mesh's ``pp`` axis; see `Pipeline`.
 
     ``split``: ``"auto"`` (balanced by parameter count) or the segment names that start stages
@@ -308,6 +320,13 @@ def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
     stage then computes the vocab-parallel cross-entropy, the same value on each of its tp
     ranks (without a vocab-split head, ``loss_fn`` defaults to `plait.loss_fn_for`'s choice).
     Not supported with ``tp_plan``: sequence parallelism, weights tied across pp ranks.
+
+    ``p2p``: how stages exchange data. ``"tagged"`` posts every receive when a step starts and
+    matches messages by tag (Gloo; lets W's fill waits). ``"ordered"`` posts each run of
+    consecutive sends and receives as one batch in list order, as NCCL needs; schedules are
+    checked for it first (`plait.pipeline.ordered.check_ordered`), and those that could hang
+    (interleaved ones, today) are refused with the batch that would wait. ``"auto"``: tagged on
+    Gloo, ordered on other backends.
     """
     return Pipeline(module, mesh, split=split, schedule=schedule, microbatches=microbatches,
-                    loss_fn=loss_fn, chunks=chunks, seed=seed, device=device, tp_plan=tp_plan)
+                    loss_fn=loss_fn, chunks=chunks, seed=seed, device=device, tp_plan=tp_plan, p2p=p2p)

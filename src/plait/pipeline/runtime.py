@@ -6,6 +6,9 @@ backward, the gradient of every floating-point activation that requires one. Sha
 are exchanged once per input signature by a metadata pass along the stages, so no shape specs
 are needed. All receives of a step are posted when it starts (tags are unique per stage,
 microbatch and tensor, so arrival order does not matter); sends are waited for at the end.
+That needs a backend that matches messages by tag (Gloo). The *ordered* mode (NCCL, see
+`plait.pipeline.ordered`) instead posts each run of consecutive sends and receives as one batch
+where the list has it and waits for the batch's receives there.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from torch import nn
 
 from plait import comm
 from plait.pipeline.backward_split import WeightGrad, backward_input
-from plait.pipeline.schedules import Action, Kind, Schedule, Slot
+from plait.pipeline.ordered import batches
+from plait.pipeline.schedules import COMM, Action, Kind, Schedule, Slot
 from plait.pipeline.split import Stage
 
 __all__ = ["Executor", "as_tuple", "describe", "busy_fraction"]
@@ -45,8 +49,9 @@ class Executor:
     """Runs schedules for the stages this rank holds. Owned by `plait.pipeline.Pipeline`."""
 
     def __init__(self, schedule: Schedule, stages: dict[int, Stage], rank: int, pp_ranks: list[int],
-                 group: Any, loss_fn: Callable[..., torch.Tensor], device: torch.device) -> None:
-        self.sched, self.stages, self.rank = schedule, stages, rank
+                 group: Any, loss_fn: Callable[..., torch.Tensor], device: torch.device,
+                 ordered: bool = False) -> None:
+        self.sched, self.stages, self.rank, self.ordered = schedule, stages, rank, ordered
         self.pp_ranks, self.group, self.loss_fn, self.device = pp_ranks, group, loss_fn, device
         # signature -> {stage: input metadata, -1 - stage: output metadata}
         self.in_meta: dict[Any, dict[int, Meta]] = {}
@@ -101,24 +106,19 @@ class Executor:
         S, m = sched.stages, sched.microbatches
         self.t0 = t0 = time.perf_counter()
         timeline: list[Slot] = []
+        row = sched.actions[self.rank]
         recvs: dict[tuple[Kind, int, int], tuple[list[torch.Tensor], list[comm.Handle]]] = {}
-        for a in sched.actions[self.rank]:  # post every receive now; waiting happens at the action
-            if a.kind is Kind.RECV_F:
-                bufs = [torch.empty(sh, dtype=dt, device=self.device) for sh, dt, _ in metas[a.stage]]
-                src, bnd = self.peer(a.stage - 1), a.stage - 1
-                hs = [comm.irecv(b, src, self.group, self.tag(False, bnd, a.mb, i))
-                      for i, b in enumerate(bufs)]
-                recvs[(a.kind, a.stage, a.mb)] = (bufs, hs)
-            elif a.kind is Kind.RECV_B:
-                bufs = [torch.empty(sh, dtype=dt, device=self.device)
-                        for sh, dt, rg in metas[-1 - a.stage] if rg]
-                src, bnd = self.peer(a.stage + 1), a.stage
-                hs = [comm.irecv(b, src, self.group, self.tag(True, bnd, a.mb, i))
-                      for i, b in enumerate(bufs)]
-                recvs[(a.kind, a.stage, a.mb)] = (bufs, hs)
+        runs = batches(row) if self.ordered else {}
+        if not self.ordered:
+            for a in row:  # post every receive now; waiting happens at the action
+                if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    bufs, src, tag = self._recv_into(a, metas)
+                    recvs[(a.kind, a.stage, a.mb)] = (
+                        bufs, [comm.irecv(b, src, self.group, tag + i) for i, b in enumerate(bufs)])
         # With W's in the plan, a helper thread waits for the receives so that this thread can see
         # whether one has arrived and run a pending W instead of idling (see schedules.py).
-        arrivals = _Arrivals(recvs) if any(a.kind is Kind.W for a in sched.actions[self.rank]) else None
+        has_w = any(a.kind is Kind.W for a in row)
+        arrivals = _Arrivals(recvs) if has_w and not self.ordered else None
         w_order = [(a.stage, a.mb) for a in sched.actions[self.rank] if a.kind is Kind.W]
         pulled: set[tuple[int, int]] = set()
         acts_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage inputs (leaves)
@@ -130,8 +130,15 @@ class Executor:
         sends: list[tuple[comm.Handle, torch.Tensor]] = []
         loss_sum: torch.Tensor | None = None
         outputs: list[Any] = []
-        for a in sched.actions[self.rank]:
+        for i, a in enumerate(row):
             key = (a.stage, a.mb)
+            if self.ordered and a.kind in COMM:
+                if i in runs:  # the first of consecutive sends and receives: post them as one batch
+                    start = time.perf_counter()
+                    sends += self._batch(runs[i], metas, to_send, grads_in, acts_in, grads_out)
+                    end = time.perf_counter()
+                    timeline += [Slot(b, start - t0, end - t0) for b in runs[i]]
+                continue
             if arrivals is not None and a.kind in (Kind.RECV_F, Kind.RECV_B):
                 while not arrivals.arrived((a.kind, a.stage, a.mb)):
                     early = next((k for k in w_order if k in pending_w), None)
@@ -170,10 +177,7 @@ class Executor:
                     else:
                         to_send[key] = handoff
             elif a.kind is Kind.SEND_F:
-                data = to_send.pop(key)
-                dst = self.peer(a.stage + 1)
-                tag = self.tag(False, a.stage, a.mb, 0)
-                sends += self._send(data, dst, tag)
+                sends += self._send(to_send.pop(key), *self._send_to(a))
             elif a.kind in (Kind.RECV_F, Kind.RECV_B):
                 bufs, hs = recvs.pop((a.kind, a.stage, a.mb))
                 if arrivals is not None:
@@ -203,9 +207,7 @@ class Executor:
             elif a.kind is Kind.W:
                 pending_w.pop(key).run()
             elif a.kind is Kind.SEND_B:
-                dst = self.peer(a.stage - 1)
-                tag = self.tag(True, a.stage - 1, a.mb, 0)
-                sends += self._send(grads_in.pop(key), dst, tag)
+                sends += self._send(grads_in.pop(key), *self._send_to(a))
             timeline.append(Slot(a, start - t0, time.perf_counter() - t0))
         for h, _ in sends:
             h.wait()
@@ -213,6 +215,47 @@ class Executor:
             arrivals.join()
         self.timeline, self.step_time = timeline, time.perf_counter() - t0
         return loss_sum, outputs
+
+    def _recv_into(self, a: Action, metas: dict[int, Meta]) -> tuple[list[torch.Tensor], int, int]:
+        """Buffers for receive ``a`` (activations, or the gradients of outputs that need one),
+        the sender's global rank and the first tag."""
+        if a.kind is Kind.RECV_F:
+            bufs = [torch.empty(sh, dtype=dt, device=self.device) for sh, dt, _ in metas[a.stage]]
+            return bufs, self.peer(a.stage - 1), self.tag(False, a.stage - 1, a.mb, 0)
+        bufs = [torch.empty(sh, dtype=dt, device=self.device) for sh, dt, rg in metas[-1 - a.stage] if rg]
+        return bufs, self.peer(a.stage + 1), self.tag(True, a.stage, a.mb, 0)
+
+    def _send_to(self, a: Action) -> tuple[int, int]:
+        """Receiver's global rank and first tag of send ``a``."""
+        if a.kind is Kind.SEND_F:
+            return self.peer(a.stage + 1), self.tag(False, a.stage, a.mb, 0)
+        return self.peer(a.stage - 1), self.tag(True, a.stage - 1, a.mb, 0)
+
+    def _batch(self, run: list[Action], metas: dict[int, Meta], to_send: dict, grads_in: dict,
+               acts_in: dict, grads_out: dict) -> list[tuple[comm.Handle, torch.Tensor]]:
+        """Ordered mode: post ``run`` (consecutive sends and receives) as one batch and wait for
+        its receives; return the sends (waited for when the step ends)."""
+        ops: list[tuple[str, torch.Tensor, int, int]] = []
+        landing: list[tuple[Action, list[torch.Tensor]]] = []
+        for a in run:
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                data = (to_send if a.kind is Kind.SEND_F else grads_in).pop((a.stage, a.mb))
+                dst, tag = self._send_to(a)
+                ops += [("send", t.contiguous(), dst, tag + i) for i, t in enumerate(data)]
+            else:
+                bufs, src, tag = self._recv_into(a, metas)
+                ops += [("recv", b, src, tag + i) for i, b in enumerate(bufs)]
+                landing.append((a, bufs))
+        handles = comm.batch_p2p(ops, self.group)
+        for (kind, _, _, _), h in zip(ops, handles):
+            if kind == "recv":
+                h.wait()
+        for a, bufs in landing:
+            if a.kind is Kind.RECV_F:
+                acts_in[(a.stage, a.mb)] = tuple(bufs)
+            else:
+                grads_out[(a.stage, a.mb)] = bufs
+        return [(h, t) for (kind, t, _, _), h in zip(ops, handles) if kind == "send"]
 
     def _send(self, data: Sequence[torch.Tensor], dst: int,
               tag: int) -> list[tuple[comm.Handle, torch.Tensor]]:
