@@ -11,6 +11,7 @@ arithmetic but summed in another order; atol covers entries that are ~0 (roundin
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from plait.testing import cached_mesh
@@ -34,7 +35,7 @@ def _batch(step: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
-def _pp_tp_parity(schedule: str, steps: int = 5) -> dict:
+def _pp_tp_parity(schedule: str, steps: int = 5, sp: bool = False) -> dict:
     import plait
     from plait.models.gpt import GPT, GPTConfig, lm_loss
     from plait.pipeline import pipeline
@@ -44,7 +45,8 @@ def _pp_tp_parity(schedule: str, steps: int = 5) -> dict:
     oracle = plait.init_weights(GPT(cfg), seed=3)
     with torch.device("meta"):
         model = GPT(cfg)
-    pipe = pipeline(model, mesh, schedule=schedule, microbatches=4, seed=3, tp_plan=plait.gpt_plan(cfg))
+    pipe = pipeline(model, mesh, schedule=schedule, microbatches=4, seed=3, tp_plan=plait.gpt_plan(cfg),
+                    sequence_parallel=sp)
     specs = pipe.tp_info.specs
     mine = dict(pipe.named_parameters())
     ref = dict(oracle.named_parameters())
@@ -97,6 +99,14 @@ def test_pp2_tp2_1f1b_matches_single_process(pools):
     names = [n for ns in by_pp.values() for n in ns]
     assert len(names) == len(set(names)) == 3 + 2 * 9  # emb, 2 blocks x 9, norm, head
     # Every rank returns the same loss and clipped norm (vocab-parallel loss on both tp ranks).
+    assert all(o["losses"] == out[0]["losses"] and o["norms"] == out[0]["norms"] for o in out)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pp2_tp2_sequence_parallel_matches_single_process(pools, schedule):
+    # Stages exchange sequence-split activations; norm-weight gradients are summed over tp in W
+    # (zb-h1), which then runs where the list puts it on both tp ranks.
+    out = pools[4].run(_pp_tp_parity, schedule, 4, True)
     assert all(o["losses"] == out[0]["losses"] and o["norms"] == out[0]["norms"] for o in out)
 
 

@@ -91,6 +91,9 @@ class TrainConfig:
             raise ValueError(
                 f"--tp needs one process per rank: use --strategy ddp or fsdp, not {self.strategy}"
             )
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it "
+                             f"needs --tp 2 or more, got --tp {self.tp}")
         if self.dp > 1 and self.strategy != "fsdp":
             raise ValueError(
                 "--dp (hybrid replicas) applies to --strategy fsdp; with ddp every data rank is dp"
@@ -99,10 +102,10 @@ class TrainConfig:
             raise ValueError(f"--nproc {self.nproc} is not divisible by --pp {self.pp} x --tp {self.tp} x "
                              f"--dp {self.dp}")
         if self.pp > 1:
-            if self.strategy != "ddp" or self.sequence_parallel or self.grad_accum > 1:
+            if self.strategy != "ddp" or self.grad_accum > 1:
                 raise ValueError("--pp combines with --strategy ddp (data parallel across pipelines) and "
-                                 "--tp only, without --sequence-parallel or --grad-accum (microbatches "
-                                 "already accumulate)")
+                                 "--tp (with or without --sequence-parallel), not with --grad-accum "
+                                 "(microbatches already accumulate)")
             per_pipeline = self.batch_size // self.data_parallel_size
             if per_pipeline % self.microbatches:
                 raise ValueError(f"the per-pipeline batch {per_pipeline} is not divisible by "
@@ -162,7 +165,8 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
     with torch.device("meta"):  # each strategy materializes only what this rank keeps
         gpt = GPT(gcfg)
     if cfg.pp > 1:  # with --tp: the stages are tensor-parallel, the loss vocab-parallel
-        tp = dict(tp_plan=gpt_plan(gcfg), loss_fn=None) if cfg.tp > 1 else dict(loss_fn=lm_loss)
+        tp = (dict(tp_plan=gpt_plan(gcfg), loss_fn=None, sequence_parallel=cfg.sequence_parallel)
+              if cfg.tp > 1 else dict(loss_fn=lm_loss))
         return pipeline(gpt, mesh, schedule=cfg.schedule, microbatches=cfg.microbatches, chunks=cfg.chunks,
                         seed=cfg.seed, device=device, **tp)
     plan = ParallelPlan(

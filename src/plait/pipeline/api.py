@@ -54,13 +54,16 @@ class Pipeline:
                  schedule: str | CustomSchedule = "1f1b", microbatches: int,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, chunks: int = 1, seed: int = 0,
                  device: torch.device | str | None = None, tp_plan: Mapping[str, Any] | None = None,
-                 p2p: str = "auto") -> None:
+                 sequence_parallel: bool = False, p2p: str = "auto") -> None:
         # Every check below runs before the first collective, so bad input never hangs a rank.
         if not isinstance(module, nn.Module):
             raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
         if not (hasattr(mesh, "size") and hasattr(mesh, "group_ranks")):
             raise TypeError(f"pipeline: mesh must be a plait.Mesh, got {type(mesh).__name__}")
         _check_tp(module, mesh, tp_plan, loss_fn)
+        if sequence_parallel and tp_plan is None:
+            raise ValueError("pipeline: sequence_parallel=True needs a tp_plan (it splits the sequence "
+                             "over the tp axis inside tensor-parallel stages)")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"pipeline: loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
@@ -102,7 +105,8 @@ class Pipeline:
             # All of this rank's stages in one tensor_parallel call (one TPInfo, ties inside the rank
             # kept), under the original names: plan patterns match and a meta module gets its init
             # values from full_values under its own name, one module at a time, keeping its shard.
-            self.tp_module = tensor_parallel(named_view(my_segs), mesh, tp_plan, sequence_parallel=False,
+            self.tp_module = tensor_parallel(named_view(my_segs), mesh, tp_plan,
+                                             sequence_parallel=sequence_parallel,
                                              seed=seed, strict=False)
             if loss_fn is None:
                 loss_fn = loss_fn_for(self.tp_module)
@@ -119,7 +123,7 @@ class Pipeline:
         self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
         self._my_segs = [(n, m) for s in mine for n, m in zip(self.stages[s].names, self.stages[s].segs)]
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
-                             self.device, ordered=self.ordered)
+                             self.device, ordered=self.ordered, fill_w=not sequence_parallel)
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
@@ -301,7 +305,8 @@ def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
              schedule: str | CustomSchedule = "1f1b", microbatches: int = 4,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, chunks: int = 1,
              seed: int = 0, device: torch.device | str | None = None,
-             tp_plan: Mapping[str, Any] | None = None, p2p: str = "auto") -> Pipeline:
+             tp_plan: Mapping[str, Any] | None = None, sequence_parallel: bool = False,
+             p2p: str = "auto") -> Pipeline:
     """Pipeline ``module`` over the mesh's ``pp`` axis; see `Pipeline`.
 
     ``split``: ``"auto"`` (balanced by parameter count) or the segment names that start stages
@@ -319,7 +324,12 @@ def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
     When the plan leaves the logits split by vocabulary, leave ``loss_fn`` unset: the last
     stage then computes the vocab-parallel cross-entropy, the same value on each of its tp
     ranks (without a vocab-split head, ``loss_fn`` defaults to `plait.loss_fn_for`'s choice).
-    Not supported with ``tp_plan``: sequence parallelism, weights tied across pp ranks.
+    ``sequence_parallel`` (with ``tp_plan``): Megatron's sequence parallelism inside the stages;
+    the activations between stages are then split by sequence over tp, each rank exchanging
+    its part with its own pp group. Weight gradients of sequence-split norms are summed over tp
+    inside W, so W's run exactly where the list puts them (not pulled into waits), keeping the
+    tp ranks' collectives in the same order. Not supported with ``tp_plan``: weights tied
+    across pp ranks.
 
     ``p2p``: how stages exchange data. ``"tagged"`` posts every receive when a step starts and
     matches messages by tag (Gloo; lets W's fill waits). ``"ordered"`` posts each run of
@@ -329,4 +339,5 @@ def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
     Gloo, ordered on other backends.
     """
     return Pipeline(module, mesh, split=split, schedule=schedule, microbatches=microbatches,
-                    loss_fn=loss_fn, chunks=chunks, seed=seed, device=device, tp_plan=tp_plan, p2p=p2p)
+                    loss_fn=loss_fn, chunks=chunks, seed=seed, device=device, tp_plan=tp_plan,
+                    sequence_parallel=sequence_parallel, p2p=p2p)

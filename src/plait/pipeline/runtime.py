@@ -50,8 +50,9 @@ class Executor:
 
     def __init__(self, schedule: Schedule, stages: dict[int, Stage], rank: int, pp_ranks: list[int],
                  group: Any, loss_fn: Callable[..., torch.Tensor], device: torch.device,
-                 ordered: bool = False) -> None:
+                 ordered: bool = False, fill_w: bool = True) -> None:
         self.sched, self.stages, self.rank, self.ordered = schedule, stages, rank, ordered
+        self.fill_w = fill_w and not ordered  # W's pulled into waits need tagged receives
         self.pp_ranks, self.group, self.loss_fn, self.device = pp_ranks, group, loss_fn, device
         # signature -> {stage: input metadata, -1 - stage: output metadata}
         self.in_meta: dict[Any, dict[int, Meta]] = {}
@@ -118,7 +119,7 @@ class Executor:
         # With W's in the plan, a helper thread waits for the receives so that this thread can see
         # whether one has arrived and run a pending W instead of idling (see schedules.py).
         has_w = any(a.kind is Kind.W for a in row)
-        arrivals = _Arrivals(recvs) if has_w and not self.ordered else None
+        arrivals = _Arrivals(recvs) if has_w and self.fill_w else None
         w_order = [(a.stage, a.mb) for a in sched.actions[self.rank] if a.kind is Kind.W]
         pulled: set[tuple[int, int]] = set()
         acts_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage inputs (leaves)
