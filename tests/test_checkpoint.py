@@ -13,12 +13,24 @@ from plait.train import TrainConfig
 @pytest.fixture(scope="module")
 def zero3_checkpoint(pools, tmp_path_factory):
     """ZeRO-3 on 4 ranks, saving every 3 steps; returns a folder holding only the step-3 save."""
-    root = tmp_path_factory.mktemp("ckpt")
-    losses = pools[4].run(train_losses, str(root), strategy="fsdp", nproc=4, save_dir=str(root / "all"),
-                          save_every=3)[0]
+    return _saved_at_step_3(pools[4], tmp_path_factory.mktemp("ckpt"), strategy="fsdp", nproc=4)
+
+
+def _saved_at_step_3(pool, root, **layout):
+    """Train with saves every 3 steps; (a folder holding only the step-3 save, the losses)."""
+    losses = pool.run(train_losses, str(root), save_dir=str(root / "all"), save_every=3, **layout)[0]
     only3 = root / "only3"
     shutil.copytree(root / "all" / "step_000003", only3 / "step_000003")
     return only3, losses
+
+
+def _resume(pools, folder, tmp_path, world: int, **layout) -> list[float]:
+    """Losses of steps 4-6 resumed from a copy of ``folder`` on ``world`` ranks (1: in process)."""
+    work = tmp_path / "resume"
+    shutil.copytree(folder, work)
+    if world == 1:
+        return train_losses(str(tmp_path), save_dir=str(work), resume=True, **layout)
+    return pools[world].run(train_losses, str(tmp_path), save_dir=str(work), resume=True, **layout)[0]
 
 
 def test_zero3_run_with_saves_matches_oracle(oracle, zero3_checkpoint):
@@ -30,19 +42,13 @@ def test_zero3_run_with_saves_matches_oracle(oracle, zero3_checkpoint):
     (2, dict(strategy="fsdp", nproc=2, zero_stage=2)),
 ])
 def test_resume_on_another_world_size_and_layout(pools, oracle, zero3_checkpoint, tmp_path, world, layout):
-    folder, _ = zero3_checkpoint
-    work = tmp_path / "resume"
-    shutil.copytree(folder, work)
-    losses = pools[world].run(train_losses, str(tmp_path), save_dir=str(work), resume=True, **layout)[0]
+    losses = _resume(pools, zero3_checkpoint[0], tmp_path, world, **layout)
     # Steps 4-6 continue exactly where the 4-rank ZeRO-3 run stopped (Adam moments restored too).
     assert losses == pytest.approx(oracle[3:], rel=1e-4)
 
 
-def test_resume_in_one_process(oracle, zero3_checkpoint, tmp_path):
-    folder, _ = zero3_checkpoint
-    work = tmp_path / "resume"
-    shutil.copytree(folder, work)
-    losses = train_losses(str(tmp_path), strategy="none", nproc=1, save_dir=str(work), resume=True)
+def test_resume_in_one_process(pools, oracle, zero3_checkpoint, tmp_path):
+    losses = _resume(pools, zero3_checkpoint[0], tmp_path, 1, strategy="none", nproc=1)
     assert losses == pytest.approx(oracle[3:], rel=1e-4)
 
 
@@ -55,12 +61,8 @@ def test_resume_without_save_dir_is_rejected():
 @pytest.fixture(scope="module")
 def pp_tp_checkpoint(pools, tmp_path_factory):
     """A 2-stage pipeline x tp 2 on 4 ranks, saving at step 3: each rank writes its stage's shards."""
-    root = tmp_path_factory.mktemp("ckpt_pp_tp")
-    losses = pools[4].run(train_losses, str(root), strategy="ddp", nproc=4, pp=2, tp=2,
-                          save_dir=str(root / "all"), save_every=3)[0]
-    only3 = root / "only3"
-    shutil.copytree(root / "all" / "step_000003", only3 / "step_000003")
-    return only3, losses
+    return _saved_at_step_3(pools[4], tmp_path_factory.mktemp("ckpt_pp_tp"), strategy="ddp", nproc=4, pp=2,
+                            tp=2)
 
 
 def test_pipeline_tp_run_with_saves_matches_oracle(oracle, pp_tp_checkpoint):
@@ -74,30 +76,19 @@ def test_pipeline_tp_run_with_saves_matches_oracle(oracle, pp_tp_checkpoint):
 ])
 def test_pipeline_tp_checkpoint_resumes_on_other_layouts(pools, oracle, pp_tp_checkpoint, tmp_path, world,
                                                          layout):
-    folder, _ = pp_tp_checkpoint
-    work = tmp_path / "resume"
-    shutil.copytree(folder, work)
-    if world == 1:
-        losses = train_losses(str(tmp_path), save_dir=str(work), resume=True, **layout)
-    else:
-        losses = pools[world].run(train_losses, str(tmp_path), save_dir=str(work), resume=True, **layout)[0]
+    losses = _resume(pools, pp_tp_checkpoint[0], tmp_path, world, **layout)
     assert losses == pytest.approx(oracle[3:], rel=1e-4)
 
 
 def test_zero3_checkpoint_resumes_as_a_tp_pipeline(pools, oracle, zero3_checkpoint, tmp_path):
     # FSDP's DTensor shards (dim-0 chunks over 4 ranks) load into tp shards of pipeline stages.
-    folder, _ = zero3_checkpoint
-    work = tmp_path / "resume"
-    shutil.copytree(folder, work)
-    losses = pools[4].run(train_losses, str(tmp_path), strategy="ddp", nproc=4, pp=2, tp=2,
-                          save_dir=str(work), resume=True)[0]
+    losses = _resume(pools, zero3_checkpoint[0], tmp_path, 4, strategy="ddp", nproc=4, pp=2, tp=2)
     assert losses == pytest.approx(oracle[3:], rel=1e-4)
 
 
 def test_fsdp_with_tp_checkpoints_are_refused_before_starting():
     with pytest.raises(ValueError, match="--strategy fsdp with --tp"):
         TrainConfig(strategy="fsdp", nproc=4, tp=2, save_dir="x")
-
 
 
 def test_vocab_shards_padded_at_the_end_are_dtensor_chunks():
