@@ -86,7 +86,10 @@ def backward_input(
     acc = {get_gradient_edge(p).node: p for p in params}
     flags, kids = _classify(roots, in_nodes, set(acc))
     on_path = {n for n, f in flags.items() if f & IN}
-    cuts = [n for n in on_path if any(flags[c] == PARAM for c in kids[n])]
+    # In graph order, not set order (which follows object addresses): W runs the cuts in this
+    # order, and the gradient hooks it fires may communicate (sequence parallelism sums norm
+    # weights over tp), so every rank must visit them in the same order.
+    cuts = [n for n, f in flags.items() if f & IN and any(flags[c] == PARAM for c in kids[n])]
     saved: dict[Node, tuple] = {}
     hooks = [n.register_prehook(lambda gs, n=n: saved.__setitem__(n, gs)) for n in cuts]
     try:
