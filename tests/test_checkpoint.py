@@ -86,6 +86,20 @@ def test_zero3_checkpoint_resumes_as_a_tp_pipeline(pools, oracle, zero3_checkpoi
     assert losses == pytest.approx(oracle[3:], rel=1e-4)
 
 
+def test_zero3_checkpoint_resumes_as_pipelines_with_zero1(pools, oracle, zero3_checkpoint, tmp_path):
+    # Each rank of a stage's fsdp pair reads the Adam state of its share of the parameters only.
+    losses = _resume(pools, zero3_checkpoint[0], tmp_path, 4, strategy="fsdp", nproc=4, pp=2, zero_stage=1)
+    assert losses == pytest.approx(oracle[3:], rel=1e-4)
+
+
+def test_pipelines_with_zero1_checkpoint_resumes_in_one_process(pools, oracle, tmp_path):
+    folder, losses = _saved_at_step_3(pools[4], tmp_path / "pp_zero1", strategy="fsdp", nproc=4, pp=2,
+                                      zero_stage=1, schedule="zb-h1")
+    assert losses == pytest.approx(oracle, rel=1e-4)
+    resumed = _resume(pools, folder, tmp_path, 1, strategy="none", nproc=1)
+    assert resumed == pytest.approx(oracle[3:], rel=1e-4)
+
+
 def test_fsdp_with_tp_checkpoints_are_refused_before_starting():
     with pytest.raises(ValueError, match="--strategy fsdp with --tp"):
         TrainConfig(strategy="fsdp", nproc=4, tp=2, save_dir="x")

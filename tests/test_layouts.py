@@ -21,6 +21,7 @@ LAYOUTS = {
     "pp4-gpipe": dict(strategy="ddp", nproc=4, pp=4, schedule="gpipe"),
     "pp2-dp2-interleaved": dict(strategy="ddp", nproc=4, pp=2, schedule="interleaved", chunks=2),
     "pp2-tp2": dict(strategy="ddp", nproc=4, pp=2, tp=2),
+    "pp2-zero1x2": dict(strategy="fsdp", nproc=4, pp=2, zero_stage=1),
     "pp2-tp2-sp-zb": dict(strategy="ddp", nproc=4, pp=2, tp=2, sequence_parallel=True, schedule="zb-h1"),
     "pp2-dp2-tp2": dict(strategy="ddp", nproc=8, pp=2, tp=2),
 }

@@ -59,7 +59,9 @@ def test_plait_run_launches_a_user_script(tmp_path):
     (dict(strategy="fsdp", nproc=4, tp=2, save_dir="x"), "--save-dir"),
     (dict(strategy="ddp", nproc=4, pp=2, tp=2, grad_accum=2), "--pp combines"),
     (dict(strategy="ddp", nproc=2, pp=2, sequence_parallel=True), "needs --tp 2 or more"),
-    (dict(strategy="fsdp", nproc=4, pp=2, tp=2), "--pp combines"),
+    (dict(strategy="fsdp", nproc=4, pp=2, tp=2), "pass --zero-stage 1"),
+    (dict(strategy="fsdp", nproc=4, pp=2, zero_stage=1, offload=True), "got --zero-stage 1 --offload"),
+    (dict(strategy="dp", nproc=2, pp=2), "--pp combines"),
     (dict(strategy="ddp", nproc=2, pp=2, batch_size=6, microbatches=4), "--microbatches"),
     (dict(resume=True, pp=2, nproc=2), "--resume needs --save-dir"),
 ])

@@ -19,6 +19,7 @@ from plait.tp_styles import (
     VocabParallelEmbedding,
     VocabParallelOutput,
 )
+from plait.zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "init",
@@ -47,5 +48,6 @@ __all__ = [
     "parallelize",
     "ParallelPlan",
     "clip_grad_norm_",
+    "ZeroRedundancyOptimizer",
 ]
 __version__ = "0.1.0"

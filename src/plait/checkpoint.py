@@ -32,6 +32,7 @@ from plait.fsdp_state_dict import _state_layout
 from plait.pipeline.api import Pipeline
 from plait.tensor_parallel import tp_info, tp_module
 from plait.tp_state import checkpoint_entry, restore_entry
+from plait.zero import ZeroRedundancyOptimizer
 
 __all__ = ["save", "load", "latest", "state_dict", "load_state_dict"]
 
@@ -55,6 +56,12 @@ def _view(model: Any) -> tuple[nn.Module, Any, dict[str, str]]:
     return model, None, {}
 
 
+def _steps(optimizer: Any, p: nn.Parameter) -> bool:
+    """Whether this rank's optimizer steps ``p``: a ZeRO-1 wrapper holds (and writes, and
+    reads back) the optimizer state of its own share of the parameters only."""
+    return p.requires_grad and (not isinstance(optimizer, ZeroRedundancyOptimizer) or optimizer.owns(p))
+
+
 def state_dict(model: nn.Module | Pipeline, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's view of the model and optimizer in the shared layout (also a `load` template).
 
@@ -70,7 +77,7 @@ def state_dict(model: nn.Module | Pipeline, optimizer: torch.optim.Optimizer) ->
     layout = _state_layout(optimizer)
     optim: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters():
-        if not p.requires_grad:
+        if not _steps(optimizer, p):
             continue
         state = optimizer.state.get(p, {})
         for key, kind in layout.items():
@@ -99,7 +106,7 @@ def load_state_dict(model: nn.Module | Pipeline, optimizer: torch.optim.Optimize
         restore_entry(target, state["model"][key], specs.get(key))
     layout = _state_layout(optimizer)
     for name, p in module.named_parameters():
-        if not p.requires_grad:
+        if not _steps(optimizer, p):
             continue
         restored = {}
         for key, kind in layout.items():

@@ -152,8 +152,9 @@ def _state_layout(optimizer: torch.optim.Optimizer) -> dict[str, str]:
     throwaway copy of the optimizer on a two-element parameter."""
     dummy = nn.Parameter(torch.zeros(2))
     dummy.grad = torch.zeros(2)
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    probe = type(optimizer)([dummy], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    cls = getattr(optimizer, "optimizer_class", type(optimizer))  # the class a ZeRO wrapper runs
+    accepted = inspect.signature(cls.__init__).parameters
+    probe = cls([dummy], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
     probe.step()
     return {k: "elem" if torch.is_tensor(v) and v.shape == dummy.shape else "scalar"
             for k, v in probe.state[dummy].items()}

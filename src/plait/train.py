@@ -32,6 +32,7 @@ from plait.models.gpt import GPT, PRESETS, GPTConfig, lm_loss
 from plait.parallelize import clip_grad_norm_
 from plait.pipeline import Pipeline, pipeline
 from plait.tensor_parallel import loss_fn_for
+from plait.zero import ZeroRedundancyOptimizer
 
 STRATEGIES = ("none", "dp", "ddp", "fsdp")
 DATA_AXES = ("dp", "fsdp")  # ranks along these axes see different data
@@ -102,10 +103,19 @@ class TrainConfig:
             raise ValueError(f"--nproc {self.nproc} is not divisible by --pp {self.pp} x --tp {self.tp} x "
                              f"--dp {self.dp}")
         if self.pp > 1:
-            if self.strategy != "ddp" or self.grad_accum > 1:
-                raise ValueError("--pp combines with --strategy ddp (data parallel across pipelines) and "
-                                 "--tp (with or without --sequence-parallel), not with --grad-accum "
+            if self.strategy not in ("ddp", "fsdp") or self.grad_accum > 1:
+                raise ValueError("--pp combines with --strategy ddp or fsdp (data parallel across pipelines) "
+                                 "and --tp (with or without --sequence-parallel), not with --grad-accum "
                                  "(microbatches already accumulate)")
+            if self.strategy == "fsdp" and (self.zero_stage != 1 or self.mixed_precision or self.offload):
+                extra = "".join(f" --{f}" for f, on in (("mixed-precision", self.mixed_precision),
+                                                         ("offload", self.offload)) if on)
+                raise ValueError(
+                    "--pp with --strategy fsdp runs ZeRO-1 across the pipeline replicas (optimizer state "
+                    "sharded): pass --zero-stage 1, without --mixed-precision or --offload. Stage 2 would "
+                    "shard gradients the pipeline accumulates in full over microbatches anyway, stage 3 "
+                    f"would all-gather the parameters for every microbatch; got --zero-stage "
+                    f"{self.zero_stage}{extra}")
             per_pipeline = self.batch_size // self.data_parallel_size
             if per_pipeline % self.microbatches:
                 raise ValueError(f"the per-pipeline batch {per_pipeline} is not divisible by "
@@ -189,7 +199,7 @@ def _forward_backward(model: nn.Module | Pipeline, x: torch.Tensor, y: torch.Ten
     """One optimizer step's gradients (left in ``.grad``); returns this rank's mean loss."""
     if isinstance(model, Pipeline):
         loss = model.step(x, y).item()  # microbatches run on the schedule, grads accumulate
-        average_gradients(model.parameters(), mesh.group("dp"))  # across pipeline replicas
+        average_gradients(model.parameters(), mesh.group(DATA_AXES))  # across pipeline replicas
         return loss
     loss_sum = 0.0
     for i, (xm, ym) in enumerate(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum))):
@@ -232,8 +242,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     seq = cfg.gpt_config().seq_len
     sampler = BatchSampler(corpus.train, seq, cfg.batch_size, dp_rank, dp_size, seed=cfg.seed)
     val = BatchSampler(corpus.val, seq, cfg.batch_size, dp_rank, dp_size, seed=cfg.seed + 1)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                            weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    params = [p for p in model.parameters() if p.requires_grad]
+    adam = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if isinstance(model, Pipeline) and cfg.strategy == "fsdp":  # ZeRO-1 across pipeline replicas
+        opt: Any = ZeroRedundancyOptimizer(params, torch.optim.AdamW, mesh.group("fsdp"), **adam)
+    else:
+        opt = torch.optim.AdamW(params, **adam)
     is_main = dist.get_rank() == 0
     start = _maybe_resume(cfg, model, opt, sampler, log)
     with torch.device("meta"):
