@@ -130,6 +130,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--schedules", default=",".join(PAIRS))
+    ap.add_argument("--section", default="pp",
+                    help="results section to write (bench/results/SECTION.md; pictures pp_<schedule> for "
+                         "'pp', SECTION_<schedule> otherwise)")
     ap.add_argument("--split", default="auto",
                     help="'auto' (balanced by parameter count) or comma-separated segment names starting "
                          "stages 1.. (used for the one-chunk schedules)")
@@ -160,10 +163,10 @@ def main(argv: list[str]) -> int:
         first = f"{r['loss0'][0][0]:.5f} / {per_rank[-1][name]['loss0'][1][0]:.5f}"
         rows.append([name, r["torch_cls"], t_a, t_b, t_a / t_b, ideal, t_b / ideal, r["bubble"], theory,
                      r["bubble"] / theory - 1, r["replayed"], first])
-        path = BENCH_DIR / "pictures" / f"pp_{name}.png"
+        path = BENCH_DIR / "pictures" / f"{args.section}_{name}.png"
         path.parent.mkdir(exist_ok=True)
         r["sched"].draw(str(path), measured=r["timelines"])
-        pics.append(f"![{name}](pictures/pp_{name}.png)")
+        pics.append(f"![{name}](pictures/{path.name})")
     zb = ""
     if "zb-h1" in res and "1f1b" in res:
         ratio = res["zb-h1"]["bubble"] / res["1f1b"]["bubble"]
@@ -198,6 +201,8 @@ def main(argv: list[str]) -> int:
         + "\n".join(pics) + "\n"
     )
     print(body)
-    write_section("pp", "Pipeline parallelism: plait schedules vs torch.distributed.pipelining", body,
-                  command=" ".join(["plait bench pp", *argv]))
+    title = "Pipeline parallelism: plait schedules vs torch.distributed.pipelining"
+    if args.section != "pp":
+        title += f" ({args.model}, {args.layers} layers)"
+    write_section(args.section, title, body, command=" ".join(["plait bench pp", *argv]))
     return 0
