@@ -276,7 +276,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         opt.step()
         last_loss = _mean_over(loss_sum, mesh.group(DATA_AXES), dp_size)
         losses.append(last_loss)
-        if step == 0:
+        if step == start:  # the first step this run took (after a resume, not step 0)
             first_loss = last_loss
         dt = time.perf_counter() - t0
         record = {"step": step + 1, "loss": last_loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
