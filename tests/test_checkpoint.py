@@ -100,9 +100,15 @@ def test_pipelines_with_zero1_checkpoint_resumes_in_one_process(pools, oracle, t
     assert resumed == pytest.approx(oracle[3:], rel=1e-4)
 
 
-def test_fsdp_with_tp_checkpoints_are_refused_before_starting():
-    with pytest.raises(ValueError, match="--strategy fsdp with --tp"):
-        TrainConfig(strategy="fsdp", nproc=4, tp=2, save_dir="x")
+def test_fsdp_over_tp_checkpoint_resumes_in_one_process_and_from_zero3(pools, oracle, zero3_checkpoint,
+                                                                         tmp_path):
+    # FSDP's flat shards of tp shards are written as tp-shard DTensors of the original tensors.
+    folder, losses = _saved_at_step_3(pools[4], tmp_path / "fsdp_tp", strategy="fsdp", nproc=4, tp=2)
+    assert losses == pytest.approx(oracle, rel=1e-4)
+    resumed = _resume(pools, folder, tmp_path / "one", 1, strategy="none", nproc=1)
+    assert resumed == pytest.approx(oracle[3:], rel=1e-4)
+    resumed = _resume(pools, zero3_checkpoint[0], tmp_path / "z3", 4, strategy="fsdp", nproc=4, tp=2)
+    assert resumed == pytest.approx(oracle[3:], rel=1e-4)
 
 
 def test_vocab_shards_padded_at_the_end_are_dtensor_chunks():

@@ -10,7 +10,7 @@ FSDP supplies DTensor shards of that layout, tensor parallelism DTensors of its 
 the tp group), pipeline ranks the entries of their own stages; DDP, DataParallel and
 single-process models supply plain tensors. Because the keys and full shapes are the same, a
 checkpoint written by one layout loads into another (ZeRO-3 on 4 ranks -> DDP on 2 -> one
-process, or a 2-stage pipeline x tp 2 -> one process). Small metadata (step, sampler
+process, or a 2-stage pipeline x tp 2 -> FSDP x tp 2 -> one process). Small metadata (step, sampler
 position, config) sits beside it in ``plait.json``.
 """
 
@@ -69,8 +69,6 @@ def state_dict(model: nn.Module | Pipeline, optimizer: torch.optim.Optimizer) ->
     pipeline rank contributes the entries of its own stages.
     """
     if isinstance(model, FullyShardedDataParallel):
-        if tp_info(model.module) is not None:
-            raise ValueError("checkpoints of FSDP with tensor parallelism are not supported yet")
         return model.sharded_state_dict(optimizer)
     module, info, renames = _view(model)
     specs = info.specs if info is not None else {}

@@ -344,24 +344,24 @@ class FullyShardedDataParallel(nn.Module):
         load_full_state_dict(self, state)
 
     def sharded_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
-        """Parameters (and optimizer state) as Shard(0) DTensors, for torch.distributed.checkpoint."""
+        """Parameters (and optimizer state) as DTensors of the original model's tensors, for
+        torch.distributed.checkpoint: Shard(0) over fsdp, or, over tensor parallelism, each tp
+        shard over tp (see `plait.fsdp_state_dict`)."""
         from plait.fsdp_state_dict import sharded_state_dict
 
-        self._no_tp_state("sharded_state_dict")
         return sharded_state_dict(self, optimizer)
 
     def load_sharded_state_dict(self, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
         from plait.fsdp_state_dict import load_sharded_state_dict
 
-        self._no_tp_state("load_sharded_state_dict")
         load_sharded_state_dict(self, state, optimizer)
 
     def _no_tp_state(self, what: str) -> None:
         # The flat shards hold tp shards: names and shapes would describe neither the full
         # model nor a layout another tp size could load.
         if self.tp is not None:
-            raise ValueError(f"FullyShardedDataParallel.{what}: state dicts of a model that is also "
-                             "tensor-parallel are not supported yet (checkpoints refuse tp models)")
+            raise ValueError(f"FullyShardedDataParallel.{what}: full state dicts of a model that is also "
+                             "tensor-parallel are not supported yet; plait.checkpoint (sharded) is")
 
     def offload_bytes(self) -> dict[str, int]:
         """Bytes copied host->device and device->host by CPU offload since wrapping."""

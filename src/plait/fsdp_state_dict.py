@@ -8,6 +8,8 @@
   it and load it at a different number of ranks. Optimizer state that has the shape of a
   shard (Adam's moments) is converted the same way under ``optim.<param>.<key>``; scalar state
   (``step``) is stored per parameter as a plain tensor. DTensor is only the container here.
+  Over tensor parallelism, a parameter's entry is its tp shard as a DTensor over tp instead
+  (the original model's full shape), so the keys and shapes match every other layout.
 
 Converting between the flat layout (a contiguous slice of all of a unit's parameters) and
 dim-0 chunks needs the whole flat vector of one group at a time: one all-gather per group,
@@ -160,6 +162,36 @@ def _state_layout(optimizer: torch.optim.Optimizer) -> dict[str, str]:
             for k, v in probe.state[dummy].items()}
 
 
+def _to_entries(model, flat: FlatParam, value: torch.Tensor) -> list[torch.Tensor]:
+    """Checkpoint entries of a shard-shaped ``value``, one per slot.
+
+    Without tensor parallelism: ``Shard(0)`` DTensors over the fsdp axis. With it, a slot is a
+    tp shard of the original parameter: the flat vector is gathered over fsdp (one unit at a
+    time) and each slot becomes `plait.tp_state.checkpoint_entry` of its tp shard, a DTensor
+    over tp that every fsdp rank of the tp coordinate writes alike (stored once).
+    """
+    if model.tp is None:
+        return _to_dtensors(model, flat, value)
+    from plait.tp_state import checkpoint_entry
+
+    full = _gather_flat(flat, value)
+    return [checkpoint_entry(full[s.offset : s.offset + s.numel].view(s.shape), model.tp.specs.get(s.fqn),
+                             model.tp, s.fqn) for s in flat.slots]
+
+
+def _from_entries(model, flat: FlatParam, values: list[torch.Tensor], dest: torch.Tensor) -> None:
+    """Inverse of `_to_entries`: fill this rank's shard ``dest`` from loaded entries."""
+    if model.tp is None:
+        _from_dtensors(flat, values, dest)
+        return
+    from plait.tp_state import restore_entry
+
+    full = torch.zeros(flat.padded, dtype=dest.dtype, device=dest.device)
+    for s, v in zip(flat.slots, values, strict=True):
+        restore_entry(full[s.offset : s.offset + s.numel].view(s.shape), v, model.tp.specs.get(s.fqn))
+    _scatter_flat(flat, full, dest)
+
+
 def sharded_state_dict(model, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """``{"model": {name: DTensor | buffer}, "optim": {...}}``; also a template for `dcp.load`.
 
@@ -170,7 +202,7 @@ def sharded_state_dict(model, optimizer: torch.optim.Optimizer | None = None) ->
     optim_sd: dict[str, torch.Tensor] = {}
     layout = _state_layout(optimizer) if optimizer is not None else {}
     for flat in _flats(model):
-        for s, dt in zip(flat.slots, _to_dtensors(model, flat, flat.shard), strict=True):
+        for s, dt in zip(flat.slots, _to_entries(model, flat, flat.shard), strict=True):
             model_sd[s.fqn] = dt
         if optimizer is None or not flat.requires_grad:
             continue
@@ -178,7 +210,7 @@ def sharded_state_dict(model, optimizer: torch.optim.Optimizer | None = None) ->
         for key, kind in layout.items():
             if kind == "elem":
                 value = state.get(key, torch.zeros_like(flat.shard))
-                for s, dt in zip(flat.slots, _to_dtensors(model, flat, value), strict=True):
+                for s, dt in zip(flat.slots, _to_entries(model, flat, value), strict=True):
                     optim_sd[f"{s.fqn}.{key}"] = dt
             else:
                 value = state.get(key, torch.zeros((), dtype=torch.float32))
@@ -198,14 +230,14 @@ def load_sharded_state_dict(model, state: dict, optimizer: torch.optim.Optimizer
     _check_keys(model, model_sd, names | set(buffers), "load_sharded_state_dict")
     layout = _state_layout(optimizer) if optimizer is not None else {}
     for flat in _flats(model):
-        _from_dtensors(flat, [model_sd[s.fqn] for s in flat.slots], flat.shard.detach())
+        _from_entries(model, flat, [model_sd[s.fqn] for s in flat.slots], flat.shard.detach())
         if optimizer is None or not flat.requires_grad:
             continue
         new: dict[str, torch.Tensor] = {}
         for key, kind in layout.items():
             if kind == "elem":
                 dest = torch.zeros_like(flat.shard.detach())
-                _from_dtensors(flat, [state["optim"][f"{s.fqn}.{key}"] for s in flat.slots], dest)
+                _from_entries(model, flat, [state["optim"][f"{s.fqn}.{key}"] for s in flat.slots], dest)
                 new[key] = dest
             else:
                 new[key] = state["optim"][f"{flat.slots[0].fqn}.{key}"].detach().clone()

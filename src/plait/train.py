@@ -127,9 +127,6 @@ class TrainConfig:
                 f"--batch-size {self.batch_size} must be divisible by the data-parallel size "
                 f"{self.data_parallel_size} x --grad-accum {self.grad_accum}"
             )
-        if (self.save_dir or self.resume) and self.tp > 1 and self.strategy == "fsdp":
-            raise ValueError("--save-dir/--resume do not support --strategy fsdp with --tp yet "
-                             "(DDP or no data parallelism with --tp, and --pp, are supported)")
         if self.resume and not self.save_dir:
             raise ValueError("--resume needs --save-dir (where to find the checkpoint)")
         if self.save_every < 0:
