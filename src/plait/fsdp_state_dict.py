@@ -203,7 +203,8 @@ def sharded_state_dict(model, optimizer: torch.optim.Optimizer | None = None) ->
     layout = _state_layout(optimizer) if optimizer is not None else {}
     for flat in _flats(model):
         for s, dt in zip(flat.slots, _to_entries(model, flat, flat.shard), strict=True):
-            model_sd[s.fqn] = dt
+            for name in (s.fqn, *s.aliases):  # a tied weight under each of its names, as in state_dict()
+                model_sd[name] = dt
         if optimizer is None or not flat.requires_grad:
             continue
         state = optimizer.state.get(flat.shard, {})
@@ -225,7 +226,7 @@ def sharded_state_dict(model, optimizer: torch.optim.Optimizer | None = None) ->
 def load_sharded_state_dict(model, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a (DCP-filled) `sharded_state_dict` into the shards and, if given, the optimizer."""
     model_sd = state["model"]
-    names = {s.fqn for f in _flats(model) for s in f.slots}
+    names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
     buffers = dict(model.module.state_dict())
     _check_keys(model, model_sd, names | set(buffers), "load_sharded_state_dict")
     layout = _state_layout(optimizer) if optimizer is not None else {}
