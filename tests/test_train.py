@@ -56,7 +56,6 @@ def test_plait_run_launches_a_user_script(tmp_path):
     (dict(strategy="none", nproc=2), "one process"),
     (dict(model="huge"), "--model"),
     (dict(strategy="fsdp", nproc=4, tp=3), "not divisible"),
-    (dict(strategy="fsdp", nproc=4, tp=2, save_dir="x"), "--save-dir"),
     (dict(strategy="ddp", nproc=4, pp=2, tp=2, grad_accum=2), "--pp combines"),
     (dict(strategy="ddp", nproc=2, pp=2, sequence_parallel=True), "needs --tp 2 or more"),
     (dict(strategy="fsdp", nproc=4, pp=2, tp=2), "pass --zero-stage 1"),
