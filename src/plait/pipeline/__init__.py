@@ -1,13 +1,8 @@
 """Pipeline parallelism: stages split by module names, schedules as data, a P2P executor."""
 
 from plait.pipeline.api import Pipeline, pipeline
-from plait.pipeline.schedules import (
+from plait.pipeline.generators import (
     SCHEDULES,
-    Action,
-    Kind,
-    Schedule,
-    ScheduleError,
-    Slot,
     gpipe,
     interleaved_1f1b,
     make_schedule,
@@ -15,6 +10,7 @@ from plait.pipeline.schedules import (
     with_comms,
     zb_h1,
 )
+from plait.pipeline.schedules import Action, Kind, Schedule, ScheduleError, Slot
 
 __all__ = ["pipeline", "Pipeline", "Schedule", "ScheduleError", "Action", "Kind", "Slot", "SCHEDULES",
            "make_schedule", "with_comms", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1"]

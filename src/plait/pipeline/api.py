@@ -11,9 +11,10 @@ from torch import nn
 
 from plait import comm
 from plait.materialize import is_meta
+from plait.pipeline.generators import make_schedule, with_comms
 from plait.pipeline.ordered import check_ordered
 from plait.pipeline.runtime import Executor, as_tuple, busy_fraction
-from plait.pipeline.schedules import COMM, Action, Schedule, ScheduleError, Slot, make_schedule, with_comms
+from plait.pipeline.schedules import COMM, Action, Schedule, ScheduleError, Slot
 from plait.pipeline.split import (
     Stage,
     check_chain,

@@ -1,0 +1,169 @@
+"""Autograd-aware tensor-parallel operators (Megatron-LM, Shoeybi et al. 2019, sec. 3;
+sequence parallelism: Korthikanti et al. 2022, sec. 4.2), built on `plait.comm`'s collectives
+and re-exported by it.
+
+Each operator's docstring says what moves in forward and backward; each is the identity when
+the group has one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from plait.comm import _describe, _n, all_gather_into, all_reduce, reduce_scatter_into
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
+           "reduce_scatter_to_sp"]
+
+
+def _split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    n, r = _n(group), dist.get_rank(group)
+    if x.shape[-1] % n:
+        raise ValueError(f"splitting the last dim ({x.shape[-1]}) of a {tuple(x.shape)} tensor across the "
+                         f"{n} ranks of {_describe(group)}: it is not divisible")
+    return x.chunk(n, dim=-1)[r].contiguous()
+
+
+def _gather_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    n = _n(group)
+    if n == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    n = _n(group)
+    if n == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    if moved.shape[0] % n:
+        raise ValueError(f"reduce-scatter along dim {dim}: size {moved.shape[0]} is not divisible "
+                         f"by the {n} ranks of {_describe(group)}")
+    out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron f. Forward: nothing moves. Backward: all-reduce (sum) of the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        # A copy: autograd may hand the same gradient tensor to other consumers of the output.
+        g = g.clone(memory_format=torch.contiguous_format)
+        all_reduce(g, ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron g. Forward: all-reduce (sum) of partial outputs. Backward: nothing moves."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        x = x.clone(memory_format=torch.contiguous_format)  # never reduce the caller's tensor in place
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
+class _GatherLast(torch.autograd.Function):
+    """Forward: all-gather along the last dim. Backward: nothing moves (keep this rank's slice)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather_dim(x, group, x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _split_last(g, ctx.group), None
+
+
+class _ScatterLast(torch.autograd.Function):
+    """Forward: nothing moves (keep this rank's slice). Backward: all-gather along the last dim."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _gather_dim(g, ctx.group, g.dim() - 1), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """SP g-bar. Forward: all-gather along ``dim``. Backward: reduce-scatter along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _reduce_scatter_dim(g, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """SP g. Forward: reduce-scatter along ``dim``. Backward: all-gather along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _gather_dim(g, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Megatron's *f*: forward identity; backward all-reduce of the input gradient.
+
+    Sits before a column-parallel layer whose input is replicated: each rank computes a
+    partial input gradient from its column shard, and the full gradient is their sum.
+    """
+    return x if _n(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Megatron's *g*: forward all-reduce (sum of partial outputs); backward identity.
+
+    Sits after a row-parallel layer: each rank holds a partial sum of the output.
+    """
+    return x if _n(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Forward all-gather along the last dim; backward keeps this rank's slice of the gradient."""
+    return x if _n(group) == 1 else _GatherLast.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Forward keeps this rank's slice of the last dim; backward all-gathers the gradient."""
+    return x if _n(group) == 1 else _ScatterLast.apply(x, group)
+
+
+def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """Sequence parallel *g-bar*: forward all-gather along the sequence dim; backward
+    reduce-scatter of the gradient (each rank's partial gradient is summed, then split)."""
+    return x if _n(group) == 1 else _GatherSeq.apply(x, group, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """Sequence parallel *g*: forward reduce-scatter of partial sums along the sequence dim;
+    backward all-gather of the gradient."""
+    return x if _n(group) == 1 else _ReduceScatterSeq.apply(x, group, dim)
