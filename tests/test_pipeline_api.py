@@ -163,12 +163,15 @@ def test_custom_action_list_and_timeline(pools):
     assert "rank 1:" in out[0]["text"]
 
 
-# ------------------------------------------------------------------ ordered point-to-point (NCCL's)
-@pytest.mark.parametrize("pp,schedule,m", [(2, "gpipe", 4), (2, "1f1b", 4), (2, "zb-h1", 8), (4, "1f1b", 8)])
-def test_ordered_point_to_point_matches_single_process(pools, pp, schedule, m):
-    # The mode NCCL gets (batches in list order, no tags needed), run here on Gloo.
-    out = pools[pp].run(_parity, pp, schedule, m, 1, 4, "auto", 3, False, "ordered")
-    assert all(o["ordered"] for o in out)
+# ------------------------------------------------------------------ one group per direction (NCCL's)
+@pytest.mark.parametrize("pp,schedule,m,chunks", [(2, "gpipe", 4, 1), (2, "interleaved", 4, 2),
+                                                  (2, "zb-h1", 8, 1), (4, "1f1b", 8, 1)])
+def test_one_group_per_direction_matches_single_process(pools, pp, schedule, m, chunks):
+    # The mode NCCL gets (messages matched by order on a group per direction), run here on Gloo.
+    out = pools[pp].run(_parity, pp, schedule, m, chunks, 4, "auto", 3, False, "directed")
+    me = [o["links"] for o in out]
+    # Rank 0 of pp=2 sends to and receives from rank 1: two directions; interior ranks of pp=4: four.
+    assert me[0] == [(0, 1), (1, 0)] and (pp == 2 or len(me[1]) == 4)
 
 
 # ------------------------------------------------------------------ W fills waits at run time
@@ -276,7 +279,7 @@ class Residual(nn.Module):
 
 def _bad(case: str) -> None:
     from plait.models.gpt import GPT, GPTConfig, lm_loss
-    from plait.pipeline import Action, Kind, pipeline
+    from plait.pipeline import Action, Kind, make_schedule, pipeline
 
     mesh = cached_mesh(pp=2)
     with torch.device("meta"):
@@ -296,8 +299,13 @@ def _bad(case: str) -> None:
         pipeline(gpt, mesh, schedule=rows, microbatches=1, loss_fn=lm_loss)
     elif case == "interleaved":
         pipeline(gpt, mesh, schedule="interleaved", chunks=2, microbatches=1, loss_fn=lm_loss)
-    elif case == "ordered":
-        pipeline(gpt, mesh, schedule="interleaved", chunks=2, microbatches=4, loss_fn=lm_loss, p2p="ordered")
+    elif case == "directed":
+        s = make_schedule("gpipe", 2, 2)
+        row = list(s.actions[1])  # rank 1 receives microbatch 1 before microbatch 0
+        i, j = row.index(Action(Kind.RECV_F, 1, 0)), row.index(Action(Kind.RECV_F, 1, 1))
+        row[i], row[j], row[i + 1], row[j + 1] = row[j], row[i], row[j + 1], row[i + 1]
+        rows = [s.actions[0], row]
+        pipeline(gpt, mesh, schedule=rows, microbatches=2, loss_fn=lm_loss, p2p="directed")
     elif case == "p2p":
         pipeline(gpt, mesh, microbatches=2, loss_fn=lm_loss, p2p="nccl")
 
@@ -308,7 +316,7 @@ def _bad(case: str) -> None:
     ("chain", "segment 'head' is called with something other than the previous segment's output"),
     ("schedule", r"rank 0, action #0 RECV_B\(stage=0, mb=0\): deadlock: it waits for SEND_B\(stage=1"),
     ("interleaved", "microbatches=1 < pp=2"),
-    ("ordered", r"would hang with ordered point-to-point \(NCCL\): rank 0 waits in the batch"),
+    ("directed", r"cannot run with one group per direction \(NCCL\): rank 0 -> rank 1: message #0"),
     ("p2p", "p2p must be one of"),
 ])
 def test_bad_input_fails_on_every_rank_without_hanging(pools, case, message):

@@ -74,7 +74,7 @@ def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="a
                                    msg=lambda s, n=name: f"param {n}: {s}")
     torch.testing.assert_close(pipe.eval_step(x, y), lm_loss(oracle(x), y).detach(), **TOL)
     return {"names": sorted(mine), "losses": losses, "bubble": pipe.bubble_fraction,
-            "ordered": pipe.exec.ordered}
+            "links": sorted(pipe.exec.links or {})}
 
 
 CASES = [(s, c, m) for s, c in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)] for m in (4, 8)]

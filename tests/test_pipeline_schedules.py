@@ -157,33 +157,15 @@ def test_waiting_rank_runs_pending_w_in_the_replay():
         _replace(s, 0, row).simulate(lambda a: cost[(a.stage, a.kind)])
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
-@pytest.mark.parametrize("p,m", [(2, 1), (2, 8), (3, 5), (4, 4), (4, 12), (8, 16)])
-def test_one_chunk_schedules_are_safe_for_ordered_point_to_point(name, p, m):
-    from plait.pipeline.ordered import check_ordered
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
+                                         ("gpipe", 2)])
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 6), (4, 4), (4, 12), (8, 16)])
+def test_built_in_schedules_match_messages_by_order(name, chunks, p, m):
+    # One group per direction (NCCL) needs each rank pair's receives in the order of its sends.
+    from plait.pipeline.directed import check_directed, directions
 
-    check_ordered(make_schedule(name, p, m))
-
-
-def test_ordered_point_to_point_refuses_what_could_hang():
-    from plait.pipeline.ordered import batches, check_ordered
-
-    # Interleaved on 2 ranks: each rank's next batch waits for a message the other posts later.
-    with pytest.raises(ScheduleError, match=r"would hang .* rank 0 waits in the batch \['SEND_B\(stage=2"):
-        check_ordered(make_schedule("interleaved", 2, 4, 2))
-    # Receives in another order than the sends: NCCL would pair the wrong messages.
-    s = make_schedule("gpipe", 2, 2)
-    row = list(s.actions[1])
-    i, j = row.index(Action(Kind.RECV_F, 1, 0)), row.index(Action(Kind.RECV_F, 1, 1))
-    row[i], row[j] = row[j], row[i]
-    row[i + 1], row[j + 1] = row[j + 1], row[i + 1]  # the forwards follow their inputs
-    bad = _replace(s, 1, row).validate()  # fine where messages are matched by tag
-    with pytest.raises(ScheduleError, match="cannot run with ordered point-to-point.*message #0"):
-        check_ordered(bad)
-    # Consecutive sends and receives form one batch, keyed by the first one's index.
-    one = make_schedule("1f1b", 2, 2).actions[0]
-    assert [[a.kind.value for a in run] for run in batches(one).values()] == \
-        [["SEND_F"], ["SEND_F", "RECV_B"], ["RECV_B"]]
+    s = check_directed(make_schedule(name, p, m, chunks))
+    assert (0, 1 % p) in directions(s) and all(0 <= a < p and 0 <= b < p and a != b for a, b in directions(s))
 
 
 def test_custom_compute_order_gets_its_communication():

@@ -284,49 +284,27 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 
 
 # ------------------------------------------------------------------ point to point
-def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Handle:
-    """Asynchronously send ``t`` to global rank ``dst``; ``group`` names the axis for accounting."""
+def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0,
+          via: dist.ProcessGroup | None = None) -> Handle:
+    """Asynchronously send ``t`` to global rank ``dst``; ``group`` names the axis for accounting,
+    ``via`` is the process group that carries the message (default: the default group)."""
     _record("send", group, t.numel() * t.element_size(), 1.0)
     what = f"send of a {tuple(t.shape)} {t.dtype} tensor to rank {dst} on {_describe(group)}"
     try:
-        return Handle(dist.isend(t, dst=dst, tag=tag), what)
+        return Handle(dist.isend(t, dst=dst, tag=tag, group=via), what)
     except RuntimeError as e:
         raise CollectiveError(f"{what} failed: {e}") from e
 
 
-def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0) -> Handle:
-    """Asynchronously receive into ``t`` from global rank ``src``."""
+def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0,
+          via: dist.ProcessGroup | None = None) -> Handle:
+    """Asynchronously receive into ``t`` from global rank ``src`` (``via``: as in `isend`)."""
     _record("recv", group, t.numel() * t.element_size(), 0.0)
     what = f"recv of a {tuple(t.shape)} {t.dtype} tensor from rank {src} on {_describe(group)}"
     try:
-        return Handle(dist.irecv(t, src=src, tag=tag), what)
+        return Handle(dist.irecv(t, src=src, tag=tag, group=via), what)
     except RuntimeError as e:
         raise CollectiveError(f"{what} failed: {e}") from e
-
-
-def batch_p2p(ops: Sequence[tuple[str, torch.Tensor, int, int]],
-              group: dist.ProcessGroup | None = None) -> list[Handle]:
-    """Post ``(kind, tensor, peer, tag)`` sends ("send") and receives ("recv") as one batch.
-
-    ``peer`` is a global rank; ``group`` names the axis for accounting. NCCL runs the batch as a
-    group, so two ranks that send to each other in the same batch cannot deadlock; Gloo posts
-    each operation on its own. One handle per operation, in order.
-    """
-    if not ops:
-        return []
-    p2p, whats = [], []
-    for kind, t, peer, tag in ops:
-        if kind not in ("send", "recv"):
-            raise ValueError(f"batch_p2p: kind must be 'send' or 'recv', got {kind!r}")
-        _record(kind, group, t.numel() * t.element_size(), 1.0 if kind == "send" else 0.0)
-        p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=tag))
-        whats.append(f"{kind} of a {tuple(t.shape)} {t.dtype} tensor {'to' if kind == 'send' else 'from'} "
-                     f"rank {peer} on {_describe(group)}")
-    try:
-        works = dist.batch_isend_irecv(p2p)
-    except RuntimeError as e:
-        raise CollectiveError(f"batched point-to-point ({'; '.join(whats)}) failed: {e}") from e
-    return [Handle(w, what) for w, what in zip(works, whats)]
 
 
 def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> None:

@@ -11,8 +11,8 @@ from torch import nn
 
 from plait import comm
 from plait.materialize import is_meta
+from plait.pipeline.directed import check_directed, direction_groups
 from plait.pipeline.generators import make_schedule, with_comms
-from plait.pipeline.ordered import check_ordered
 from plait.pipeline.runtime import Executor, as_tuple, busy_fraction
 from plait.pipeline.schedules import COMM, Action, Schedule, ScheduleError, Slot
 from plait.pipeline.split import (
@@ -72,10 +72,9 @@ class Pipeline:
         p = mesh.size("pp")
         self.sched = _resolve_schedule(schedule, p, microbatches, chunks)
         self.microbatches, self.loss_fn = microbatches, loss_fn
-        self.ordered = _resolve_p2p(p2p, torch.distributed.get_backend())
-        if self.ordered:  # before any collective: a schedule that would hang on NCCL is refused
-            check_ordered(self.sched)
-            check_ordered(self.sched.forward_part())
+        directed = _resolve_p2p(p2p, torch.distributed.get_backend())
+        if directed:  # before any collective: NCCL matches a direction's messages by order
+            check_directed(self.sched)
         self.rank = mesh.rank("pp")
         self.group = mesh.group("pp")
         self.pp_ranks = mesh.group_ranks("pp")
@@ -124,7 +123,8 @@ class Pipeline:
         self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
         self._my_segs = [(n, m) for s in mine for n, m in zip(self.stages[s].names, self.stages[s].segs)]
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
-                             self.device, ordered=self.ordered, fill_w=not sequence_parallel)
+                             self.device, links=direction_groups(self.sched, mesh) if directed else None,
+                             fill_w=not sequence_parallel)
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
@@ -268,17 +268,17 @@ def _chunk(x: Any, m: int, what: str) -> list:
     return out if isinstance(x, tuple) or what == "inputs" else [o[0] for o in out]
 
 
-P2P_MODES = ("auto", "tagged", "ordered")
+P2P_MODES = ("auto", "tagged", "directed")
 
 
 def _resolve_p2p(p2p: str, backend: str) -> bool:
-    """Whether to run the ordered point-to-point mode (see `plait.pipeline.ordered`)."""
+    """Whether to send on one group per direction (see `plait.pipeline.directed`)."""
     if p2p not in P2P_MODES:
         raise ValueError(f"pipeline: p2p must be one of {P2P_MODES}, got {p2p!r}")
     if p2p == "tagged" and backend != "gloo":
         raise ValueError(f"pipeline: p2p='tagged' matches messages by tag, which only Gloo does; this "
-                         f"process group uses {backend!r}: use p2p='ordered' (or 'auto')")
-    return p2p == "ordered" or (p2p == "auto" and backend != "gloo")
+                         f"process group uses {backend!r}: use p2p='directed' (or 'auto')")
+    return p2p == "directed" or (p2p == "auto" and backend != "gloo")
 
 
 def _resolve_schedule(schedule: Any, p: int, m: int, chunks: int) -> Schedule:
@@ -332,12 +332,12 @@ def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
     tp ranks' collectives in the same order. Not supported with ``tp_plan``: weights tied
     across pp ranks.
 
-    ``p2p``: how stages exchange data. ``"tagged"`` posts every receive when a step starts and
-    matches messages by tag (Gloo; lets W's fill waits). ``"ordered"`` posts each run of
-    consecutive sends and receives as one batch in list order, as NCCL needs; schedules are
-    checked for it first (`plait.pipeline.ordered.check_ordered`), and those that could hang
-    (interleaved ones, today) are refused with the batch that would wait. ``"auto"``: tagged on
-    Gloo, ordered on other backends.
+    ``p2p``: how stages exchange data. Either way every receive of a step is posted when it
+    starts. ``"tagged"``: all messages on the default group, matched by tag (Gloo).
+    ``"directed"``: one two-rank group per direction between neighbouring ranks, messages
+    matched by order, as NCCL needs (`plait.pipeline.directed`; a schedule whose receives come
+    in another order than its sends is refused first). ``"auto"``: tagged on Gloo, directed on
+    other backends.
     """
     return Pipeline(module, mesh, split=split, schedule=schedule, microbatches=microbatches,
                     loss_fn=loss_fn, chunks=chunks, seed=seed, device=device, tp_plan=tp_plan,

@@ -6,9 +6,11 @@ backward, the gradient of every floating-point activation that requires one. Sha
 are exchanged once per input signature by a metadata pass along the stages, so no shape specs
 are needed. All receives of a step are posted when it starts (tags are unique per stage,
 microbatch and tensor, so arrival order does not matter); sends are waited for at the end.
-That needs a backend that matches messages by tag (Gloo). The *ordered* mode (NCCL, see
-`plait.pipeline.ordered`) instead posts each run of consecutive sends and receives as one batch
-where the list has it and waits for the batch's receives there.
+That needs a backend that matches messages by tag (Gloo). The *directed* mode (NCCL) sends
+each message on a process group of its own direction (one per ordered pair of neighbouring
+ranks, see `plait.pipeline.directed`): NCCL ignores tags and runs a communicator's operations
+in order on one stream, so with one communicator per direction a receive is matched by order
+alone, and traffic in the two directions never queues behind each other.
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ from torch import nn
 
 from plait import comm
 from plait.pipeline.backward_split import WeightGrad, backward_input
-from plait.pipeline.ordered import batches
-from plait.pipeline.schedules import COMM, Action, Kind, Schedule, Slot
+from plait.pipeline.schedules import Action, Kind, Schedule, Slot
 from plait.pipeline.split import Stage
 
 __all__ = ["Executor", "as_tuple", "describe", "busy_fraction"]
@@ -50,9 +51,11 @@ class Executor:
 
     def __init__(self, schedule: Schedule, stages: dict[int, Stage], rank: int, pp_ranks: list[int],
                  group: Any, loss_fn: Callable[..., torch.Tensor], device: torch.device,
-                 ordered: bool = False, fill_w: bool = True) -> None:
-        self.sched, self.stages, self.rank, self.ordered = schedule, stages, rank, ordered
-        self.fill_w = fill_w and not ordered  # W's pulled into waits need tagged receives
+                 links: dict[tuple[int, int], Any] | None = None, fill_w: bool = True) -> None:
+        self.sched, self.stages, self.rank, self.fill_w = schedule, stages, rank, fill_w
+        # (sender, receiver) global ranks -> the process group carrying that direction; None:
+        # every message on the default group, told apart by tag.
+        self.links = links
         self.pp_ranks, self.group, self.loss_fn, self.device = pp_ranks, group, loss_fn, device
         # signature -> {stage: input metadata, -1 - stage: output metadata}
         self.in_meta: dict[Any, dict[int, Meta]] = {}
@@ -98,6 +101,10 @@ class Executor:
         return self.pp_ranks[self.sched.stage_rank(stage)]
 
     def tag(self, grad: bool, boundary: int, mb: int, i: int) -> int:
+        if self.links is not None:
+            # One group per direction: matched by order alone, as on NCCL (which ignores tags), so
+            # runs on Gloo exercise the same matching.
+            return i
         return ((int(grad) * self.sched.stages + boundary) * self.sched.microbatches + mb) * 64 + i
 
     # ------------------------------------------------------------------ one step
@@ -109,13 +116,12 @@ class Executor:
         timeline: list[Slot] = []
         row = sched.actions[self.rank]
         recvs: dict[tuple[Kind, int, int], tuple[list[torch.Tensor], list[comm.Handle]]] = {}
-        runs = batches(row) if self.ordered else {}
-        if not self.ordered:
-            for a in row:  # post every receive now; waiting happens at the action
-                if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                    bufs, src, tag = self._recv_into(a, metas)
-                    recvs[(a.kind, a.stage, a.mb)] = (
-                        bufs, [comm.irecv(b, src, self.group, tag + i) for i, b in enumerate(bufs)])
+        for a in row:  # post every receive now, in list order; waiting happens at the action
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                bufs, src, tag = self._recv_into(a, metas)
+                via = self._link(src, self.pp_ranks[self.rank])
+                recvs[(a.kind, a.stage, a.mb)] = (
+                    bufs, [comm.irecv(b, src, self.group, tag + i, via) for i, b in enumerate(bufs)])
         # With W's in the plan, a helper thread waits for the receives so that this thread can see
         # whether one has arrived and run a pending W instead of idling (see schedules.py).
         has_w = any(a.kind is Kind.W for a in row)
@@ -131,15 +137,8 @@ class Executor:
         sends: list[tuple[comm.Handle, torch.Tensor]] = []
         loss_sum: torch.Tensor | None = None
         outputs: list[Any] = []
-        for i, a in enumerate(row):
+        for a in row:
             key = (a.stage, a.mb)
-            if self.ordered and a.kind in COMM:
-                if i in runs:  # the first of consecutive sends and receives: post them as one batch
-                    start = time.perf_counter()
-                    sends += self._batch(runs[i], metas, to_send, grads_in, acts_in, grads_out)
-                    end = time.perf_counter()
-                    timeline += [Slot(b, start - t0, end - t0) for b in runs[i]]
-                continue
             if arrivals is not None and a.kind in (Kind.RECV_F, Kind.RECV_B):
                 while not arrivals.arrived((a.kind, a.stage, a.mb)):
                     early = next((k for k in w_order if k in pending_w), None)
@@ -232,37 +231,16 @@ class Executor:
             return self.peer(a.stage + 1), self.tag(False, a.stage, a.mb, 0)
         return self.peer(a.stage - 1), self.tag(True, a.stage - 1, a.mb, 0)
 
-    def _batch(self, run: list[Action], metas: dict[int, Meta], to_send: dict, grads_in: dict,
-               acts_in: dict, grads_out: dict) -> list[tuple[comm.Handle, torch.Tensor]]:
-        """Ordered mode: post ``run`` (consecutive sends and receives) as one batch and wait for
-        its receives; return the sends (waited for when the step ends)."""
-        ops: list[tuple[str, torch.Tensor, int, int]] = []
-        landing: list[tuple[Action, list[torch.Tensor]]] = []
-        for a in run:
-            if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                data = (to_send if a.kind is Kind.SEND_F else grads_in).pop((a.stage, a.mb))
-                dst, tag = self._send_to(a)
-                ops += [("send", t.contiguous(), dst, tag + i) for i, t in enumerate(data)]
-            else:
-                bufs, src, tag = self._recv_into(a, metas)
-                ops += [("recv", b, src, tag + i) for i, b in enumerate(bufs)]
-                landing.append((a, bufs))
-        handles = comm.batch_p2p(ops, self.group)
-        for (kind, _, _, _), h in zip(ops, handles):
-            if kind == "recv":
-                h.wait()
-        for a, bufs in landing:
-            if a.kind is Kind.RECV_F:
-                acts_in[(a.stage, a.mb)] = tuple(bufs)
-            else:
-                grads_out[(a.stage, a.mb)] = bufs
-        return [(h, t) for (kind, t, _, _), h in zip(ops, handles) if kind == "send"]
+    def _link(self, src: int, dst: int) -> Any:
+        """The process group carrying messages from global rank ``src`` to ``dst`` (None: default)."""
+        return None if self.links is None else self.links[(src, dst)]
 
     def _send(self, data: Sequence[torch.Tensor], dst: int,
               tag: int) -> list[tuple[comm.Handle, torch.Tensor]]:
         # Keep each sent buffer referenced until its handle is waited: Gloo reads it asynchronously.
         bufs = [t.contiguous() for t in data]
-        return [(comm.isend(b, dst, self.group, tag + i), b) for i, b in enumerate(bufs)]
+        via = self._link(self.pp_ranks[self.rank], dst)
+        return [(comm.isend(b, dst, self.group, tag + i, via), b) for i, b in enumerate(bufs)]
 
     def _params(self, stage: int) -> list[nn.Parameter]:
         return [p for p in self.stages[stage].parameters() if p.requires_grad]

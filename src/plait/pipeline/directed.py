@@ -1,0 +1,65 @@
+"""One process group per direction between neighbouring pipeline ranks: what NCCL needs.
+
+Gloo matches a receive to its send by tag, so the executor can post every receive of a step
+at once on one group. NCCL ignores tags: on a communicator, the k-th send from A to B meets
+B's k-th receive from A, and a communicator's operations run one after another on its stream.
+Giving every direction (A to B, B to A) its own two-rank group makes both rules harmless:
+
+* within a direction, messages are matched by order, so the receives must be listed in the
+  order of the sends (`Schedule.order_mismatch` proves it before anything runs; every built-in
+  schedule satisfies it);
+* a receive waiting on one direction never holds up a send in the other, so the validator's
+  model (sends never block, receives wait for their send) is what the devices do.
+
+Every rank creates every group, in the same order (group creation is collective over the
+world): for each coordinate of the other mesh axes, one group per direction the schedule uses.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch.distributed as dist
+
+from plait.pipeline.schedules import Kind, Schedule, ScheduleError
+
+__all__ = ["directions", "check_directed", "direction_groups"]
+
+
+def directions(sched: Schedule) -> list[tuple[int, int]]:
+    """(sending pp rank, receiving pp rank) of every message the schedule sends, sorted."""
+    out = set()
+    for r, row in enumerate(sched.actions):
+        for a in row:
+            if a.kind is Kind.SEND_F:
+                out.add((r, sched.stage_rank(a.stage + 1)))
+            elif a.kind is Kind.SEND_B:
+                out.add((r, sched.stage_rank(a.stage - 1)))
+    return sorted(out)
+
+
+def check_directed(sched: Schedule) -> Schedule:
+    """Raise `ScheduleError` if a rank pair's receives are listed in another order than its sends."""
+    why = sched.order_mismatch()
+    if why is not None:
+        raise ScheduleError(f"schedule '{sched.name}' cannot run with one group per direction (NCCL): "
+                            f"{why}; list each rank pair's receives in the order of the sends")
+    return sched
+
+
+def direction_groups(sched: Schedule, mesh: Any) -> dict[tuple[int, int], Any]:
+    """(sender, receiver) global ranks -> the two-rank group carrying that direction, for the
+    directions that involve this rank (checked with `check_directed` before any group exists)."""
+    check_directed(sched)
+    others = [a for a in ("dp", "fsdp", "tp") if mesh.size(a) > 1]
+    me = dist.get_rank()
+    links: dict[tuple[int, int], Any] = {}
+    for combo in itertools.product(*(range(mesh.size(a)) for a in others)):
+        coords = dict(zip(others, combo))
+        for src, dst in directions(sched):
+            pair = (mesh.global_rank_of(pp=src, **coords), mesh.global_rank_of(pp=dst, **coords))
+            group = dist.new_group(sorted(pair))
+            if me in pair:
+                links[pair] = group
+    return links
