@@ -122,9 +122,12 @@ class Pipeline:
         # Each name of a weight tied across pp ranks -> its first owner's (one optimizer state).
         self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
         self._my_segs = [(n, m) for s in mine for n, m in zip(self.stages[s].names, self.stages[s].segs)]
+        # W's pulled into waits (a helper thread watches the receives): on Gloo only, where a
+        # receive's wait() returns when the data is there (NCCL's returns at once, ordering streams),
+        # and not when W communicates (sequence parallelism), which would desynchronize tp ranks.
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
                              self.device, links=direction_groups(self.sched, mesh) if directed else None,
-                             fill_w=not sequence_parallel)
+                             fill_w=not sequence_parallel and torch.distributed.get_backend() == "gloo")
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
