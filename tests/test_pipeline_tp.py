@@ -35,7 +35,7 @@ def _batch(step: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
-def _pp_tp_parity(schedule: str, steps: int = 5, sp: bool = False) -> dict:
+def _pp_tp_parity(schedule: str, steps: int = 5, sp: bool = False, p2p: str = "auto") -> dict:
     import plait
     from plait.models.gpt import GPT, GPTConfig, lm_loss
     from plait.pipeline import pipeline
@@ -46,7 +46,7 @@ def _pp_tp_parity(schedule: str, steps: int = 5, sp: bool = False) -> dict:
     with torch.device("meta"):
         model = GPT(cfg)
     pipe = pipeline(model, mesh, schedule=schedule, microbatches=4, seed=3, tp_plan=plait.gpt_plan(cfg),
-                    sequence_parallel=sp)
+                    sequence_parallel=sp, p2p=p2p)
     specs = pipe.tp_info.specs
     mine = dict(pipe.named_parameters())
     ref = dict(oracle.named_parameters())
@@ -87,7 +87,8 @@ def _pp_tp_parity(schedule: str, steps: int = 5, sp: bool = False) -> dict:
     for name, p in mine.items():
         torch.testing.assert_close(p.detach(), want(name, ref[name].detach()), **TOL,
                                    msg=lambda s, n=name: f"param {n}: {s}")
-    return {"names": sorted(mine), "losses": losses, "norms": norms, "coords": mesh.coords}
+    return {"names": sorted(mine), "losses": losses, "norms": norms, "coords": mesh.coords,
+            "links": sorted(pipe.exec.links or {})}
 
 
 def test_pp2_tp2_1f1b_matches_single_process(pools):
@@ -108,6 +109,15 @@ def test_pp2_tp2_sequence_parallel_matches_single_process(pools, schedule):
     # (zb-h1), which then runs where the list puts it on both tp ranks.
     out = pools[4].run(_pp_tp_parity, schedule, 4, True)
     assert all(o["losses"] == out[0]["losses"] and o["norms"] == out[0]["norms"] for o in out)
+
+
+def test_pp2_tp2_one_group_per_direction_matches_single_process(pools):
+    # Each tp coordinate's pipeline gets its own pair of direction groups (NCCL's mode, on Gloo).
+    out = pools[4].run(_pp_tp_parity, "1f1b", 3, True, "directed")
+    for o in out:  # tp is the innermost axis: global rank = 2 * pp + tp
+        t = o["coords"]["tp"]
+        assert o["links"] == sorted([(t, 2 + t), (2 + t, t)])
+    assert all(o["losses"] == out[0]["losses"] for o in out)
 
 
 def _bad(case: str) -> None:
