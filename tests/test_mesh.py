@@ -21,6 +21,7 @@ def _layout(pp: int, dp: int, fsdp: int, tp: int) -> dict:
         "dpfsdp_ranks": m.group_ranks(("dp", "fsdp")),
         "tp_sum": t.item(),
         "dpfsdp_rank": m.rank(("dp", "fsdp")),
+        "pp_lines": m.all_group_ranks("pp"),
         "stats": comm.stats().as_dict(),
     }
 
@@ -32,6 +33,9 @@ def test_rank_order_tp_innermost(pools):
     assert out[5]["tp_ranks"] == [4, 5]
     assert out[5]["dpfsdp_ranks"] == [5, 7]
     assert out[7]["dpfsdp_rank"] == 1
+    # Every pp line (one per fsdp x tp coordinate), the same list on every rank.
+    assert out[0]["pp_lines"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert all(o["pp_lines"] == out[0]["pp_lines"] for o in out)
     assert [o["tp_sum"] for o in out] == [1, 1, 5, 5, 9, 9, 13, 13]
     assert out[0]["stats"]["all_reduce@tp"] == {"calls": 1, "bytes": 4, "wire_bytes": 4.0}
 

@@ -68,6 +68,19 @@ class Mesh:
         """Global ranks of `group(axes)`, ordered by their index along ``axes``."""
         return list(self._group_ranks[self._key(axes)])
 
+    def all_group_ranks(self, axis: str) -> list[list[int]]:
+        """For every coordinate of the other axes, the global ranks along ``axis`` (by index).
+
+        The same list, in the same order, on every rank: for creating per-coordinate process
+        groups, which every rank of the world must create together.
+        """
+        others = [a for a in AXES if a != axis]
+        lines = []
+        for combo in itertools.product(*(range(self.shape[a]) for a in others)):
+            fixed = dict(zip(others, combo))
+            lines.append([self.global_rank_of(**fixed, **{axis: i}) for i in range(self.shape[axis])])
+        return lines
+
     def global_rank_of(self, **coords: int) -> int:
         """Global rank at the given coordinates; unspecified axes keep this rank's coordinate."""
         full = {**self.coords, **coords}

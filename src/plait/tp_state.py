@@ -168,14 +168,13 @@ def checkpoint_entry(t: torch.Tensor, spec: ShardSpec | None, info: Any, name: s
                          f"rows over tp={info.size}, which is not DTensor's chunking; cannot save it")
     from torch.distributed.tensor import DTensor, Shard
 
+    from plait.fsdp_state_dict import _contiguous_stride
+
     shape = list(t.shape)
     shape[spec.dim] = spec.full
-    stride = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        stride[d] = stride[d + 1] * shape[d + 1]
     local = t.narrow(spec.dim, 0, spec.valid).contiguous().clone()
     return DTensor.from_local(local, _tp_mesh(info, t.device), [Shard(spec.dim)], run_check=False,
-                              shape=torch.Size(shape), stride=tuple(stride))
+                              shape=torch.Size(shape), stride=_contiguous_stride(torch.Size(shape)))
 
 
 @torch.no_grad()

@@ -61,7 +61,10 @@ class ZeroRedundancyOptimizer:
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.owner = partition([p.numel() for p in self.params], self.world)
-        self.owned = [p for p, r in zip(self.params, self.owner) if r == self.rank]
+        # (global rank of the owner, its share), for the broadcasts after each step
+        self._shares = [(dist.get_global_rank(group, r) if group is not None else r,
+                         [p for p, o in zip(self.params, self.owner) if o == r]) for r in range(self.world)]
+        self.owned = self._shares[self.rank][1]
         self.optimizer_class, self.defaults = optimizer_class, dict(defaults)
         # A rank may own nothing (more ranks than parameters): it keeps the hyper-parameters so a
         # schedule can still set them, and steps nothing.
@@ -92,11 +95,9 @@ class ZeroRedundancyOptimizer:
             self.optimizer.step()
         if self.world == 1:
             return
-        for r in range(self.world):
-            mine = [p for p, o in zip(self.params, self.owner) if o == r]
-            if mine:
-                src = dist.get_global_rank(self.group, r) if self.group is not None else r
-                broadcast_coalesced(mine, src, self.group)
+        for src, share in self._shares:
+            if share:
+                broadcast_coalesced(share, src, self.group)
 
     def owns(self, p: nn.Parameter) -> bool:
         """Whether this rank steps ``p`` (and keeps, and checkpoints, its optimizer state)."""

@@ -72,7 +72,8 @@ class Pipeline:
         p = mesh.size("pp")
         self.sched = _resolve_schedule(schedule, p, microbatches, chunks)
         self.microbatches, self.loss_fn = microbatches, loss_fn
-        directed = _resolve_p2p(p2p, torch.distributed.get_backend())
+        backend = torch.distributed.get_backend()
+        directed = _resolve_p2p(p2p, backend)
         if directed:  # before any collective: NCCL matches a direction's messages by order
             check_directed(self.sched)
         self.rank = mesh.rank("pp")
@@ -127,7 +128,7 @@ class Pipeline:
         # and not when W communicates (sequence parallelism), which would desynchronize tp ranks.
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
                              self.device, links=direction_groups(self.sched, mesh) if directed else None,
-                             fill_w=not sequence_parallel and torch.distributed.get_backend() == "gloo")
+                             fill_w=not sequence_parallel and backend == "gloo")
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline

@@ -17,7 +17,6 @@ world): for each coordinate of the other mesh axes, one group per direction the 
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch.distributed as dist
@@ -52,13 +51,11 @@ def direction_groups(sched: Schedule, mesh: Any) -> dict[tuple[int, int], Any]:
     """(sender, receiver) global ranks -> the two-rank group carrying that direction, for the
     directions that involve this rank (checked with `check_directed` before any group exists)."""
     check_directed(sched)
-    others = [a for a in ("dp", "fsdp", "tp") if mesh.size(a) > 1]
     me = dist.get_rank()
     links: dict[tuple[int, int], Any] = {}
-    for combo in itertools.product(*(range(mesh.size(a)) for a in others)):
-        coords = dict(zip(others, combo))
+    for line in mesh.all_group_ranks("pp"):
         for src, dst in directions(sched):
-            pair = (mesh.global_rank_of(pp=src, **coords), mesh.global_rank_of(pp=dst, **coords))
+            pair = (line[src], line[dst])
             group = dist.new_group(sorted(pair))
             if me in pair:
                 links[pair] = group

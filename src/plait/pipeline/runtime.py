@@ -124,9 +124,8 @@ class Executor:
                     bufs, [comm.irecv(b, src, self.group, tag + i, via) for i, b in enumerate(bufs)])
         # With W's in the plan, a helper thread waits for the receives so that this thread can see
         # whether one has arrived and run a pending W instead of idling (see schedules.py).
-        has_w = any(a.kind is Kind.W for a in row)
-        arrivals = _Arrivals(recvs) if has_w and self.fill_w else None
-        w_order = [(a.stage, a.mb) for a in sched.actions[self.rank] if a.kind is Kind.W]
+        w_order = [(a.stage, a.mb) for a in row if a.kind is Kind.W]
+        arrivals = _Arrivals(recvs) if w_order and self.fill_w else None
         pulled: set[tuple[int, int]] = set()
         acts_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage inputs (leaves)
         acts_out: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage outputs (graph roots)

@@ -9,7 +9,6 @@ shared word embedding under pipeline parallelism (Narayanan et al. 2021, sec. 4)
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +50,11 @@ def tie_groups(ties: list[Tie], mesh: Any) -> list[dist.ProcessGroup | None]:
     Every rank creates every group, in the same order (group creation is collective): one per tie
     and per coordinate of the other mesh axes.
     """
-    others = [a for a in ("dp", "fsdp", "tp") if mesh.size(a) > 1]
     mine: list[dist.ProcessGroup | None] = []
     for tie in ties:
         found = None
-        for combo in itertools.product(*(range(mesh.size(a)) for a in others)):
-            ranks = [mesh.global_rank_of(pp=i, **dict(zip(others, combo))) for i in tie.ranks]
+        for line in mesh.all_group_ranks("pp"):
+            ranks = [line[i] for i in tie.ranks]
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
                 found = group
