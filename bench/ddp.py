@@ -55,7 +55,13 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
     theirs = TorchDDP(_model(preset, seq), bucket_cap_mb=bucket_mb)
     opt_a = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     opt_b = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
-    steps = {"plait": _step_fn(ours, opt_a, x, y), "torch": _step_fn(theirs, opt_b, x, y)}
+    plait_step = _step_fn(ours, opt_a, x, y)
+
+    def unchecked() -> None:  # the same plait step without the default desync check
+        with comm.desync_check("off"):
+            plait_step()
+
+    steps = {"plait": plait_step, "torch": _step_fn(theirs, opt_b, x, y), "plait_unchecked": unchecked}
     times = alternate(steps, warmup, iters)
     comm.reset_stats()
     steps["plait"]()
@@ -111,6 +117,8 @@ def main(argv: list[str]) -> int:
 
     t_plait, t_torch = median(out["times"]["plait"]), median(out["times"]["torch"])
     paired = [a / b for a, b in zip(out["times"]["plait"], out["times"]["torch"])]
+    unchecked = out["times"]["plait_unchecked"]
+    check_cost = [a / b for a, b in zip(out["times"]["plait"], unchecked)]
     tokens = args.batch * args.seq
     rows = [
         ["median step time (s)", t_plait, t_torch, t_plait / t_torch],
@@ -126,6 +134,11 @@ def main(argv: list[str]) -> int:
         + markdown_table(["", "plait", "torch DDP", "plait / torch"], rows)
         + f"\n\nBytes all-reduced per step / (parameters x 4 bytes): **{out['bytes_ratio']:.2f}** "
         "(theory 1.00).\n"
+        + "\nDesync check (on by default: one 16-byte fingerprint all-reduce per collective on a "
+        "companion Gloo group), plait step with the check / the same step without it, alternated in "
+        f"this run: median of paired ratios **{median(check_cost):.3f}** (spread "
+        f"{min(check_cost):.3f}-{max(check_cost):.3f}; median step {median(unchecked):.3f} s "
+        "unchecked).\n"
     )
     print(body)
     write_section("ddp", "DistributedDataParallel: plait vs torch DDP", body)

@@ -16,3 +16,15 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     a running backward (e.g. from a gradient hook).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+def default_store() -> torch.distributed.Store:
+    """The key-value store behind the default process group.
+
+    When a collective fails, each rank posts where it stopped and reads where the others did,
+    to name the ranks that never arrived. The group itself is broken by then; the store (a
+    separate TCP connection to rank 0's server) still answers, and torch exposes it only here.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

@@ -6,11 +6,16 @@ Why one place:
   tensor being reduced or gathered) and its *wire* bytes (what one rank sends under the ring
   algorithm), per collective type and per mesh axis. Benchmarks compare these with theory:
   DDP all-reduces Ψ·4 logical bytes per step; ZeRO-3 moves 1.5× the wire bytes of DDP.
-* **Errors that name what was awaited.** A collective that fails or times out raises
-  `CollectiveError` saying which collective, on which axis and ranks, with which tensor.
-* **Desync checks.** With `set_debug(True)`, every collective first compares a fingerprint
-  (operation, shape, dtype, sequence number) across the group, so ranks that took different
-  code paths fail with both sides' descriptions instead of hanging or silently mixing data.
+* **Timeouts that hold.** Every group plait makes (`new_group`) gets `plait.init`'s timeout.
+  A collective that fails or times out raises `CollectiveError` naming the collective, the
+  axis, the ranks that never arrived (learnt through the store) and plait's operation and
+  step (`scope`), and writes this rank's flight record (`plait.desync`) to the run directory.
+* **Desync checks, on by default.** Before each collective the ranks compare a running
+  fingerprint of everything they called on the group (one 16-byte all-reduce on a companion
+  Gloo group); a mismatch names every rank's collective, shape, operation and call site,
+  before any data is exchanged. `with comm.debug():` compares full descriptions instead.
+* **Device checks.** A tensor on another device than the group's is refused by name, so a CPU
+  bookkeeping tensor bound for NCCL fails the same way on CPU.
 
 The autograd-aware tensor-parallel operators (Megatron's f and g and their sequence-parallel
 variants) are in `plait.comm_tp`, re-exported here.
@@ -18,41 +23,111 @@ variants) are in `plait.comm_tp`, re-exported here.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import threading
-import zlib
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from plait._torch_compat import default_store
+from plait.desync import MODES, CallRecord, GroupLog, first_divergence, write_flight_record
+from plait.desync import scope as _scope
+
 ReduceOp = dist.ReduceOp
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); torch 2.6 has only those.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_REDUCE_NAMES = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
+                 ReduceOp.PRODUCT: "product"}
+# How long a rank whose collective failed waits for its peers to say where they are.
+_ARRIVAL_GRACE_S = 3.0
+
 
 # ------------------------------------------------------------------ group registry
-_labels: dict[int, tuple[str, tuple[int, ...]]] = {}
+@dataclass
+class GroupInfo:
+    """What plait knows about a process group: its axis name, ranks, device and history."""
+
+    label: str
+    ranks: tuple[int, ...]
+    device: torch.device
+    checker: dist.ProcessGroup | None  # companion Gloo group for fingerprint checks
+    log: GroupLog = field(default_factory=GroupLog)
 
 
-def register_group(group: dist.ProcessGroup, label: str, ranks: Sequence[int]) -> None:
-    """Give a process group a name (the mesh axis) for accounting and error messages."""
-    _labels[id(group)] = (label, tuple(ranks))
+_groups: dict[int, GroupInfo] = {}
+_made: list[dist.ProcessGroup] = []  # every group plait created, in creation order (for teardown)
+
+
+def new_group(ranks: Sequence[int], label: str, checked: bool = True) -> dist.ProcessGroup | None:
+    """Create a process group with `init`'s timeout, plus its companion check group.
+
+    Collective over the whole world: every rank calls it with the same ``ranks`` in the same
+    order. Returns the group on its members and None elsewhere. ``checked=False`` (groups that
+    carry only point-to-point messages, which are not compared across ranks) skips the
+    companion.
+    """
+    ranks = sorted(ranks)
+    pg = dist.new_group(ranks, timeout=timeout())
+    with_checker = checked and len(ranks) > 1
+    checker = dist.new_group(ranks, timeout=timeout(), backend="gloo") if with_checker else None
+    if dist.get_rank() not in ranks:
+        return None
+    _made.extend(g for g in (pg, checker) if g is not None)
+    register_group(pg, label, ranks, checker=checker)
+    return pg
+
+
+def created_groups() -> list[dist.ProcessGroup]:
+    """Every group `new_group` made on this rank, oldest first."""
+    return list(_made)
+
+
+def register_group(group: dist.ProcessGroup, label: str, ranks: Sequence[int],
+                   checker: dist.ProcessGroup | None = None) -> None:
+    """Name a process group (its mesh axis) for accounting, checks and error messages.
+
+    Without a ``checker`` (a group made outside `new_group`), the fast desync check runs on the
+    group itself when it is a Gloo group, and not at all otherwise.
+    """
+    from plait.env import device
+
+    _groups[id(group)] = GroupInfo(label, tuple(ranks), device(), checker)
+
+
+def _info(group: dist.ProcessGroup | None) -> GroupInfo:
+    group = dist.group.WORLD if group is None else group
+    info = _groups.get(id(group))
+    if info is None:
+        from plait.env import device
+
+        label = "world" if group is dist.group.WORLD else "unnamed"
+        ranks = tuple(dist.get_process_group_ranks(group))
+        gloo = dist.get_backend(group) == "gloo"
+        info = _groups[id(group)] = GroupInfo(label, ranks, device(), group if gloo else None)
+    return info
 
 
 def group_label(group: dist.ProcessGroup | None) -> str:
     """The mesh-axis name of ``group`` ("world" for an unregistered default group)."""
-    group = dist.group.WORLD if group is None else group
-    return _labels.get(id(group), ("world" if group is dist.group.WORLD else "unnamed",))[0]
+    return _info(group).label
+
+
+def device_of(group: dist.ProcessGroup | None) -> torch.device:
+    """The device whose tensors ``group`` carries: where bookkeeping tensors must be made."""
+    return _info(group).device
 
 
 def _describe(group: dist.ProcessGroup | None) -> str:
-    group = dist.group.WORLD if group is None else group
-    ranks = _labels.get(id(group), ("", ()))[1] or tuple(dist.get_process_group_ranks(group))
-    return f"axis '{group_label(group)}' (global ranks {list(ranks)})"
+    info = _info(group)
+    return f"axis '{info.label}' (global ranks {list(info.ranks)})"
 
 
 # ------------------------------------------------------------------ accounting
@@ -85,9 +160,7 @@ class CommStats:
 
 _stats = CommStats()
 _lock = threading.Lock()
-_debug = {"on": False, "seq": 0}
-_OP_IDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "broadcast": 4, "barrier": 5,
-           "all_gather_object": 6}
+_settings: dict[str, Any] = {"mode": "fast", "run_dir": "runs"}
 
 
 def stats() -> CommStats:
@@ -103,9 +176,42 @@ def reset_stats() -> CommStats:
     return old
 
 
-def set_debug(on: bool) -> None:
-    """Turn cross-rank fingerprint checks before every collective on or off."""
-    _debug["on"] = on
+def configure(desync_check: str | None = None, run_dir: str | None = None) -> None:
+    """Set the process-wide desync check mode and the folder for flight records (`plait.init`)."""
+    if desync_check is not None:
+        if desync_check not in MODES:
+            raise ValueError(f"desync_check must be one of {MODES}, got {desync_check!r}")
+        _settings["mode"] = desync_check
+    if run_dir is not None:
+        _settings["run_dir"] = run_dir
+
+
+@contextmanager
+def desync_check(mode: str) -> Iterator[None]:
+    """Run the block with another desync check mode: "off", "fast" (the default) or "full"."""
+    old = _settings["mode"]
+    configure(desync_check=mode)
+    try:
+        yield
+    finally:
+        _settings["mode"] = old
+
+
+def scope(label: str) -> contextlib.AbstractContextManager[None]:
+    """``with comm.scope("step 12"):`` names what the collectives inside belong to, in desync
+    reports, timeout errors and flight records (scopes nest: "step 12 / DDP bucket 3")."""
+    return _scope(label)
+
+
+def operation(name: str) -> contextlib.AbstractContextManager[None]:
+    """Like `scope`, and the name replaces the call site in what ranks compare: for an operation
+    that ranks legitimately reach from different lines (a joined DDP rank mirroring buckets)."""
+    return _scope(name, operation=True)
+
+
+def debug() -> contextlib.AbstractContextManager[None]:
+    """``with comm.debug():`` compares every collective's full description across ranks."""
+    return desync_check("full")
 
 
 def _record(op: str, group: dist.ProcessGroup | None, nbytes: int, wire_factor: float) -> None:
@@ -117,7 +223,7 @@ def _record(op: str, group: dist.ProcessGroup | None, nbytes: int, wire_factor: 
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names the collective and the group."""
+    """A collective failed, timed out or desynchronised; the message says where and who."""
 
 
 def _what(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None) -> str:
@@ -128,8 +234,9 @@ def _what(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None) -> s
 class Handle:
     """An in-flight collective. `wait()` blocks and turns failures into `CollectiveError`."""
 
-    def __init__(self, work: dist.Work | None, what: str) -> None:
-        self._work, self._what = work, what
+    def __init__(self, work: dist.Work | None, what: str, on_fail: Callable[[Exception], str] | None = None
+                 ) -> None:
+        self._work, self._what, self._on_fail = work, what, on_fail
 
     def wait(self) -> None:
         if self._work is None:
@@ -137,40 +244,115 @@ class Handle:
         try:
             self._work.wait()
         except RuntimeError as e:
-            raise CollectiveError(f"waiting for {self._what} failed: {e}") from e
+            detail = self._on_fail(e) if self._on_fail is not None else ""
+            raise CollectiveError(f"waiting for {self._what} failed{detail}: {e}") from e
         self._work = None
 
 
-def _run(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None, fn, async_op: bool):
-    what = _what(op, t, group)
-    if _debug["on"]:
-        _check_fingerprint(op, t, group)
+def _run(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None, fn: Callable[[], Any],
+         async_op: bool, detail: str = "") -> Handle | None:
+    info = _info(group)
+    if t is not None:
+        _check_device(op, t, group, info)
+    rec = info.log.add(op, t, detail)
+    what = f"{_what(op, t, group)}, call {rec.describe()}"
+    on_fail = lambda e: _failure_report(info, rec, e)  # noqa: E731
+    _check(info, rec, on_fail, what)
     try:
         work = fn()
     except RuntimeError as e:
-        raise CollectiveError(f"{what} failed: {e}") from e
-    handle = Handle(work if async_op else None, what)
-    return handle if async_op else None
+        raise CollectiveError(f"{what} failed{on_fail(e)}: {e}") from e
+    return Handle(work, what, on_fail) if async_op else None
 
 
-def _check_fingerprint(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None) -> None:
-    _debug["seq"] += 1
-    shape = list(t.shape) if t is not None else []
-    mine = torch.tensor(
-        [_debug["seq"], _OP_IDS.get(op, 0), t.numel() if t is not None else 0,
-         zlib.crc32(str(t.dtype).encode()) if t is not None else 0, len(shape)],
-        dtype=torch.int64,
-    )
-    n = dist.get_world_size(group)
-    everyone = [torch.empty_like(mine) for _ in range(n)]
-    dist.all_gather(everyone, mine, group=group)
-    for r, other in enumerate(everyone):
-        if not torch.equal(other[1:], mine[1:]):
-            raise CollectiveError(
-                f"collective desync on {_describe(group)}: this rank is about to run "
-                f"{_what(op, t, group)} (call #{int(mine[0])}), but group rank {r} is at a "
-                f"different collective (op id {int(other[1])}, {int(other[2])} elements)"
-            )
+def _check_device(op: str, t: torch.Tensor, group: dist.ProcessGroup | None, info: GroupInfo) -> None:
+    """Refuse a tensor the group cannot carry (NCCL: device tensors only), before any rank waits.
+
+    ``_plait_unplaced`` marks a tensor made without ``device=`` under `plait.testing.DeviceAudit`:
+    right on a CPU machine by accident, wrong on a GPU one.
+    """
+    made = getattr(t, "_plait_unplaced", None)
+    if t.device.type != info.device.type or made is not None:
+        where = f" (made without device= at {made})" if made is not None else ""
+        raise CollectiveError(
+            f"{_what(op, t, group)}: the tensor is on {t.device}{where}, but this axis communicates "
+            f"on {info.device}; make bookkeeping tensors with device=comm.device_of(group)")
+
+
+def _reduce_name(op: dist.ReduceOp.RedOpType) -> str:
+    return _REDUCE_NAMES.get(op, str(op))
+
+
+def _check(info: GroupInfo, rec: CallRecord, on_fail: Callable[[Exception], str], what: str) -> None:
+    """Compare this call with the other ranks' before it runs (see `plait.desync`)."""
+    mode = _settings["mode"]
+    if mode == "off" or info.checker is None:
+        return
+    try:
+        if mode == "full":
+            mismatch = len({r.key() for r in _gather_records(info, [rec])}) > 1
+        else:
+            # max(h) == -max(-h) exactly when every rank's fingerprint is the same.
+            fp = torch.tensor([info.log.fingerprint, -info.log.fingerprint], dtype=torch.int64)
+            dist.all_reduce(fp, op=ReduceOp.MAX, group=info.checker)
+            mismatch = int(fp[0]) != -int(fp[1])
+    except RuntimeError as e:
+        raise CollectiveError(f"waiting for every rank to reach {what} failed{on_fail(e)}: {e}") from e
+    if mismatch:
+        raise CollectiveError(_desync_report(info))
+
+
+def _gather_records(info: GroupInfo, mine: list[CallRecord]) -> list[CallRecord]:
+    out: list[Any] = [None] * len(info.ranks)
+    dist.all_gather_object(out, mine, group=info.checker)
+    return [r for recs in out for r in recs]
+
+
+def _desync_report(info: GroupInfo) -> str:
+    """Gather every rank's recent calls on the group and name the first that differs."""
+    out: list[Any] = [None] * len(info.ranks)
+    dist.all_gather_object(out, list(info.log.last), group=info.checker)
+    seq, recs = first_divergence(out)
+    # Every rank of the group is here and nothing was exchanged: start the group's history
+    # afresh, so a caller that handles the error can go on using the group.
+    info.log = GroupLog()
+    sides = "\n".join(f"  rank {r}: " + (rec.describe() if rec is not None else "no collective (skipped)")
+                       for r, rec in zip(info.ranks, recs))
+    return (f"collective desync on axis '{info.label}' (global ranks {list(info.ranks)}) at call #{seq} "
+            f"of that axis; nothing was exchanged. Each rank's collective there:\n{sides}")
+
+
+def _failure_report(info: GroupInfo, rec: CallRecord, error: Exception) -> str:
+    """Write the flight record and learn, through the store, which ranks never arrived."""
+    rank = dist.get_rank()
+    flight = write_flight_record(_settings["run_dir"], rank, {g.label: g.log for g in _groups.values()},
+                                 f"{rec.describe()} on axis '{info.label}': {error}")
+    where = _arrivals(info, rec)
+    return f" ({where}; this rank's last collectives are in {flight})"
+
+
+def _arrivals(info: GroupInfo, rec: CallRecord) -> str:
+    """Post where this rank is, wait briefly for the group's other ranks to do the same."""
+    try:
+        store = default_store()
+        prefix = f"plait/at/{info.label}/{'-'.join(map(str, info.ranks))}/"
+        store.set(prefix + str(dist.get_rank()), rec.describe())
+        others = [r for r in info.ranks if r != dist.get_rank()]
+        deadline = time.monotonic() + _ARRIVAL_GRACE_S
+        while time.monotonic() < deadline and not store.check([prefix + str(r) for r in others]):
+            time.sleep(0.05)
+        missing, elsewhere = [], []
+        for r in others:
+            if not store.check([prefix + str(r)]):
+                missing.append(r)
+                continue
+            theirs = store.get(prefix + str(r)).decode()
+            if not theirs.startswith(f"#{rec.seq} "):
+                elsewhere.append(f"rank {r} is at {theirs}")
+    except Exception as e:  # the store itself may be gone with the failed rank
+        return f"could not learn where the other ranks are: {e}"
+    parts = [f"ranks {missing} did not arrive" if missing else "every rank arrived"] + elsewhere
+    return "; ".join(parts)
 
 
 def _n(group: dist.ProcessGroup | None) -> int:
@@ -190,7 +372,7 @@ def all_reduce(
     if n == 1:
         return Handle(None, "") if async_op else None
     return _run("all_reduce", t, group,
-                lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op)
+                lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op, _reduce_name(op))
 
 
 def all_gather_into(
@@ -219,8 +401,8 @@ def reduce_scatter_into(
         out.copy_(full)
         return Handle(None, "") if async_op else None
     return _run("reduce_scatter", full, group,
-                lambda: _REDUCE_SCATTER(out, full, op=op, group=group,
-                                                   async_op=async_op), async_op)
+                lambda: _REDUCE_SCATTER(out, full, op=op, group=group, async_op=async_op), async_op,
+                _reduce_name(op))
 
 
 def reduce_scatter_consuming(
@@ -246,11 +428,13 @@ def reduce_scatter_consuming(
     if dist.get_backend(group) == "gloo":
         chunk = full.narrow(0, dist.get_rank(group) * size, size)
         work = _run("reduce_scatter", full, group,
-                    lambda: dist.all_reduce(full, op=op, group=group, async_op=async_op), async_op)
+                    lambda: dist.all_reduce(full, op=op, group=group, async_op=async_op), async_op,
+                    _reduce_name(op))
         return work, chunk
     out = torch.empty(size, dtype=full.dtype, device=full.device)
     work = _run("reduce_scatter", full, group,
-                lambda: _REDUCE_SCATTER(out, full, op=op, group=group, async_op=async_op), async_op)
+                lambda: _REDUCE_SCATTER(out, full, op=op, group=group, async_op=async_op), async_op,
+                _reduce_name(op))
     return work, out
 
 
@@ -263,7 +447,8 @@ def broadcast(
     if n == 1:
         return Handle(None, "") if async_op else None
     return _run("broadcast", t, group,
-                lambda: dist.broadcast(t, src=src, group=group, async_op=async_op), async_op)
+                lambda: dist.broadcast(t, src=src, group=group, async_op=async_op), async_op,
+                f"from rank {src}")
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -290,10 +475,7 @@ def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag
     ``via`` is the process group that carries the message (default: the default group)."""
     _record("send", group, t.numel() * t.element_size(), 1.0)
     what = f"send of a {tuple(t.shape)} {t.dtype} tensor to rank {dst} on {_describe(group)}"
-    try:
-        return Handle(dist.isend(t, dst=dst, tag=tag, group=via), what)
-    except RuntimeError as e:
-        raise CollectiveError(f"{what} failed: {e}") from e
+    return _point_to_point(what, t, dst, lambda: dist.isend(t, dst=dst, tag=tag, group=via))
 
 
 def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0,
@@ -301,26 +483,44 @@ def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag
     """Asynchronously receive into ``t`` from global rank ``src`` (``via``: as in `isend`)."""
     _record("recv", group, t.numel() * t.element_size(), 0.0)
     what = f"recv of a {tuple(t.shape)} {t.dtype} tensor from rank {src} on {_describe(group)}"
+    return _point_to_point(what, t, src, lambda: dist.irecv(t, src=src, tag=tag, group=via))
+
+
+_p2p_log = GroupLog()  # sends and receives are not compared across ranks, only recorded
+
+
+def _point_to_point(what: str, t: torch.Tensor | None, peer: int, fn: Callable[[], Any]) -> Handle:
+    rec = _p2p_log.add(what.split(" of ")[0] + f" with rank {peer}", t, "")
+
+    def on_fail(e: Exception) -> str:
+        logs = {**{g.label: g.log for g in _groups.values()}, "p2p": _p2p_log}
+        flight = write_flight_record(_settings["run_dir"], dist.get_rank(), logs, f"{rec.describe()}: {e}")
+        return f" (rank {peer} never completed its side; this rank's last collectives are in {flight})"
+
     try:
-        return Handle(dist.irecv(t, src=src, tag=tag, group=via), what)
+        return Handle(fn(), what, on_fail)
     except RuntimeError as e:
-        raise CollectiveError(f"{what} failed: {e}") from e
+        raise CollectiveError(f"{what} failed{on_fail(e)}: {e}") from e
 
 
 def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send a small picklable object (e.g. shapes and dtypes) to global rank ``dst``."""
     _record("send_object", group, 0, 0.0)
-    dist.send_object_list([obj], dst=dst)
+    what = f"send of an object to rank {dst} on {_describe(group)}"
+    _point_to_point(what, None, dst, lambda: dist.send_object_list([obj], dst=dst))
 
 
 def recv_object(src: int, group: dist.ProcessGroup | None = None) -> Any:
+    """Receive what `send_object` sent from global rank ``src``."""
     box: list[Any] = [None]
     _record("recv_object", group, 0, 0.0)
-    dist.recv_object_list(box, src=src)
+    what = f"recv of an object from rank {src} on {_describe(group)}"
+    _point_to_point(what, None, src, lambda: dist.recv_object_list(box, src=src))
     return box[0]
 
 
 def timeout() -> _dt.timedelta:
+    """The collective timeout `plait.init` was given (for every group plait creates)."""
     from plait.env import collective_timeout_s
 
     return _dt.timedelta(seconds=collective_timeout_s())

@@ -182,7 +182,8 @@ class DistributedDataParallel(nn.Module):
         if self._join is not None:
             self._divisor = self._join.step(sync)
         if self.broadcast_buffers and self.world > 1:
-            broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
+            with comm.operation("DDP buffer broadcast"):
+                broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
         out = self.module(*args, **kwargs)
         self._sync_this_backward = sync
         if sync:
@@ -197,7 +198,11 @@ class DistributedDataParallel(nn.Module):
             b.ready.clear()
         self._callback_queued = False
         self._next_launch = 0
-        self._used_flags = torch.zeros(len(self._where)) if self.find_unused_parameters else None
+        self._used_flags = self._no_flags() if self.find_unused_parameters else None
+
+    def _no_flags(self) -> torch.Tensor:
+        """One flag per parameter, on the group's device (NCCL carries only device tensors)."""
+        return torch.zeros(len(self._where), device=comm.device_of(self.group))
 
     def _mark_unreachable(self, out: Any) -> None:
         reached = params_reached_by(out)
@@ -240,12 +245,18 @@ class DistributedDataParallel(nn.Module):
         b.pending -= 1
         # Launch in index order only: every rank must issue the same collectives in the same order.
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
-            self._launch(self._buckets[self._next_launch])
+            self._launch(self._next_launch)
             self._next_launch += 1
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, index: int) -> None:
+        b = self._buckets[index]
         b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)
-        b.handle = comm.all_reduce(b.wire, self.group, async_op=True)
+        with comm.operation(self._bucket_name(index)):
+            b.handle = comm.all_reduce(b.wire, self.group, async_op=True)
+
+    def _bucket_name(self, index: int) -> str:
+        """What desync reports call the bucket (a joined rank mirrors it from another line)."""
+        return f"DDP bucket {index + 1} of {len(self._buckets)}"
 
     def _finish_backward(self) -> None:
         self._sync_this_backward = False
@@ -265,7 +276,8 @@ class DistributedDataParallel(nn.Module):
             )
         globally_used = None
         if self._used_flags is not None:
-            comm.all_reduce(self._used_flags, self.group)
+            with comm.operation("DDP unused-parameter flags"):
+                comm.all_reduce(self._used_flags, self.group)
             globally_used = self._used_flags
         for b in self._buckets:
             assert b.handle is not None and b.wire is not None
@@ -302,9 +314,15 @@ class DistributedDataParallel(nn.Module):
         self._join = _JoinState(self, divide_by_initial_world_size)
         try:
             yield
-        finally:
-            state, self._join = self._join, None
+        except BaseException:
+            # The block failed (a desync, a timeout, the user's error): shadowing the others'
+            # collectives now would only add a hang to the error.
+            self._join = None
+            raise
+        state, self._join = self._join, None
+        try:
             state.shadow_until_all_done()
+        finally:
             self._divisor = float(self.world)
 
 
@@ -315,27 +333,32 @@ class _JoinState:
     def step(self, sync: bool) -> float:
         """Called by each forward of a rank still training; returns the gradient divisor."""
         self.steps += 1
-        counts = torch.tensor([1.0, float(sync)])
-        comm.all_reduce(counts, self.ddp.group)
+        counts = torch.tensor([1.0, float(sync)], device=comm.device_of(self.ddp.group))
+        with comm.operation("DDP join count"):
+            comm.all_reduce(counts, self.ddp.group)
         return float(self.ddp.world) if self.by_world else counts[0].item()
 
     @torch.no_grad()
     def shadow_until_all_done(self) -> None:
         ddp = self.ddp
         while True:
-            counts = torch.zeros(2)
-            comm.all_reduce(counts, ddp.group)
+            counts = torch.zeros(2, device=comm.device_of(ddp.group))
+            with comm.operation("DDP join count"):
+                comm.all_reduce(counts, ddp.group)
             if counts[0] == 0:
                 break
             if ddp.broadcast_buffers and ddp.world > 1:
-                broadcast_coalesced(list(ddp.module.buffers()), ddp.src, ddp.group)
+                with comm.operation("DDP buffer broadcast"):
+                    broadcast_coalesced(list(ddp.module.buffers()), ddp.src, ddp.group)
             if counts[1] > 0:  # the others run a synchronised backward: mirror its collectives
-                for b in ddp._buckets:
+                for index, b in enumerate(ddp._buckets):
                     b.buffer.zero_()
                     wire = b.buffer if ddp.wire_dtype is None else b.buffer.to(ddp.wire_dtype)
-                    comm.all_reduce(wire, ddp.group)
+                    with comm.operation(ddp._bucket_name(index)):
+                        comm.all_reduce(wire, ddp.group)
                 if ddp.find_unused_parameters:
-                    comm.all_reduce(torch.zeros(len(ddp._where)), ddp.group)
+                    with comm.operation("DDP unused-parameter flags"):
+                        comm.all_reduce(ddp._no_flags(), ddp.group)
         steps = comm.all_gather_object(self.steps, ddp.group)
         longest = max(range(len(steps)), key=lambda r: (steps[r], r))
         src = ddp.mesh.group_ranks(ddp.axis)[longest]

@@ -94,18 +94,26 @@ def init(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     backend: str | None = None,
     log_level: int = logging.INFO,
+    desync_check: str = "fast",
+    run_dir: str = "runs",
 ) -> torch.device:
     """Set up torch.distributed's default process group and return this rank's device.
 
     Idempotent: a second call returns the same device and changes nothing (an already
     initialised default group, e.g. made by the user, is adopted as it is). Picks cuda+nccl
     with one device per local rank when CUDA is available, else cpu+gloo. ``timeout_s`` bounds
-    every collective, so a rank that never arrives produces an error instead of a hang.
+    every collective on every group plait makes, so a rank that never arrives produces an error
+    naming it instead of a hang. ``desync_check`` ("fast", "full" or "off") chooses how ranks
+    compare their collectives before running them (`plait.comm`); ``run_dir`` is where a rank
+    writes its flight record (its last collectives) when one fails.
     """
-    if "device" in _state:
+    if "launch" in _state:  # set last, once everything succeeded
         return _state["device"]  # type: ignore[return-value]
-    if timeout_s <= 0:
+    if not timeout_s > 0:
         raise ValueError(f"init(timeout_s=...) must be positive, got {timeout_s}")
+    from plait import comm
+
+    comm.configure(desync_check=desync_check, run_dir=run_dir)
     launch = launch_from_env()
     use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
     backend = backend or ("nccl" if use_cuda else "gloo")
@@ -115,6 +123,7 @@ def init(
     else:
         dev = torch.device("cpu")
     timeout = _dt.timedelta(seconds=timeout_s)
+    _state.update(timeout_s=timeout_s, device=dev)  # groups made below take this timeout and device
     if not dist.is_initialized():
         if launch.source == "single":
             dist.init_process_group(
@@ -134,9 +143,13 @@ def init(
         # Tear the group down before interpreter shutdown: a Gloo group whose threads are
         # still alive when the process exits can abort ("terminate called ...") at random.
         atexit.register(_shutdown)
+    if dist.get_world_size() > 1:  # the default group's companion for desync checks (`comm.new_group`)
+        ranks = list(range(dist.get_world_size()))
+        checker = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        comm.register_group(dist.group.WORLD, "world", ranks, checker=checker)
     seed_everything(seed)
     _configure_logging(log_level)
-    _state.update(device=dev, launch=launch, timeout_s=timeout_s)
+    _state.update(launch=launch)
     return dev
 
 

@@ -129,11 +129,10 @@ class Mesh:
             for ranks in buckets.values():
                 # A new group even when it spans the world: sharing WORLD would let the next
                 # Mesh relabel it, and its traffic would be booked under the wrong axis.
-                pg = dist.new_group(ranks)
-                if self.global_rank in ranks:
+                pg = comm.new_group(ranks, "x".join(key) or "self")
+                if pg is not None:
                     self._groups[key] = pg
                     self._group_ranks[key] = ranks
-                    comm.register_group(pg, "x".join(key) or "self", ranks)
 
 
 def _resolve_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:

@@ -13,15 +13,20 @@ import contextlib
 import os
 import pickle
 import queue
+import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
+from torch.overrides import TorchFunctionMode
 
 from plait.launch import free_port, set_rank_env
 
-__all__ = ["RankPool", "RankFailure", "cached_mesh"]
+__all__ = ["RankPool", "RankFailure", "cached_mesh", "DeviceAudit"]
 
 _mesh_cache: dict[tuple[int, ...], Any] = {}
 
@@ -36,19 +41,63 @@ def cached_mesh(pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1):
     return _mesh_cache[key]
 
 
+class DeviceAudit(TorchFunctionMode):
+    """Marks tensors that plait's library makes with a factory and no ``device=``.
+
+    On a CPU-only machine every tensor is on the CPU, so a bookkeeping tensor made without a
+    device (``torch.tensor([loss])``) looks right, and fails only on NCCL, which carries device
+    tensors. Under this mode such tensors carry ``_plait_unplaced`` (where they were made), and
+    `plait.comm` refuses them as it would refuse a CPU tensor on a GPU group. Tensors made by
+    models, tests or torch itself are left alone: only plait's parallel code is audited.
+    """
+
+    _FACTORIES = frozenset({torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full,
+                            torch.arange, torch.rand, torch.randn, torch.randint})
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in self._FACTORIES and kwargs.get("device") is None and isinstance(out, torch.Tensor):
+            site = _plait_library_caller()
+            if site is not None:
+                out._plait_unplaced = site  # type: ignore[attr-defined]
+        return out
+
+
+def _plait_library_caller() -> str | None:
+    """file:line of the caller when it is plait's parallel code (not its models or apps)."""
+    import plait
+
+    root = os.path.dirname(os.path.abspath(plait.__file__))
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(os.path.dirname(torch.__file__)):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    path = frame.f_code.co_filename
+    if not path.startswith(root) or os.sep + "models" + os.sep in path or path.endswith("testing.py"):
+        return None
+    return f"{os.path.relpath(path, root)}:{frame.f_lineno}"
+
+
 class RankFailure(RuntimeError):
-    def __init__(self, errors: dict[int, str]) -> None:
-        self.errors = errors
+    """Some ranks raised or died; ``errors`` has their tracebacks, ``results`` the others' values."""
+
+    def __init__(self, errors: dict[int, str], results: dict[int, Any] | None = None) -> None:
+        self.errors, self.results = errors, results or {}
         body = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         super().__init__(f"{len(errors)} rank(s) failed:\n{body}")
 
 
-def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_s: float) -> None:
+def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_s: float,
+            run_dir: str) -> None:
     set_rank_env(rank, world, port, threads=1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import plait
 
-    plait.init(timeout_s=timeout_s)
+    # Gloo on CPU, pinned: on a CUDA host the default would be NCCL, and CPU models with it fail.
+    plait.init(timeout_s=timeout_s, backend="gloo", run_dir=run_dir)
+    DeviceAudit().__enter__()  # for the worker's life: every task's collectives are audited
     while True:
         item = tasks.get()
         if item is None:
@@ -64,8 +113,14 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
 
 
 class RankPool:
-    def __init__(self, world_size: int, timeout_s: float = 120.0) -> None:
+    """``world_size`` spawned Gloo ranks serving tasks; ``timeout_s`` is their `plait.init` timeout.
+
+    Flight records of failed collectives go to ``run_dir`` (default: a fresh temporary folder).
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 120.0, run_dir: str | None = None) -> None:
         self.world_size, self.timeout_s = world_size, timeout_s
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix="plait-pool-")
         self._procs: list[Any] = []
         self._start()
 
@@ -76,7 +131,8 @@ class RankPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
             ctx.Process(target=_worker, daemon=True,
-                        args=(r, self.world_size, port, self._tasks[r], self._results, self.timeout_s))
+                        args=(r, self.world_size, port, self._tasks[r], self._results, self.timeout_s,
+                              self.run_dir))
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -88,21 +144,38 @@ class RankPool:
         payload = pickle.dumps((fn, args, kwargs))
         for q in self._tasks:
             q.put(payload)
+        out, errors = self._collect()
+        if errors:
+            if out or len(errors) < self.world_size:  # survivors may have left collectives half-done
+                self.restart()
+            raise RankFailure(errors, out)
+        return [out[r] for r in range(self.world_size)]
+
+    def _collect(self) -> tuple[dict[int, Any], dict[int, str]]:
+        """Every rank's answer; a rank that died, or is silent past the timeout, is an error."""
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        try:
-            for _ in range(self.world_size):
-                rank, ok, value = self._results.get(timeout=self.timeout_s + 30)
+        deadline = time.monotonic() + self.timeout_s + 30
+        while len(out) + len(errors) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=0.5)
                 (out if ok else errors)[rank] = value
-        except queue.Empty:
-            self.restart()
-            missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
-            raise RankFailure({**errors, **{r: "no answer (hung or died)" for r in missing}}) from None
-        if errors:
-            if out:  # ranks disagreed: survivors may have left collectives half-done
-                self.restart()
-            raise RankFailure(errors)
-        return [out[r] for r in range(self.world_size)]
+                continue
+            except queue.Empty:
+                pass
+            waiting = [r for r in range(self.world_size) if r not in out and r not in errors]
+            dead = [r for r in waiting if not self._procs[r].is_alive()]
+            for r in dead:
+                errors[r] = "died"
+            if dead:  # the others get a moment to answer, then count as hung with it
+                deadline = min(deadline, time.monotonic() + 3)
+            if time.monotonic() > deadline:
+                errors.update({r: "no answer (hung)" for r in waiting if r not in errors})
+        return out, errors
+
+    def pids(self) -> list[int]:
+        """The ranks' process ids, in rank order (tests freeze or kill one)."""
+        return [p.pid for p in self._procs]
 
     def errors(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, str]:
         """Run ``fn`` expecting every rank to raise; return each rank's error text."""

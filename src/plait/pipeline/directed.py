@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from plait import comm
 from plait.pipeline.schedules import Kind, Schedule, ScheduleError
 
 __all__ = ["directions", "check_directed", "direction_groups"]
@@ -56,7 +57,7 @@ def direction_groups(sched: Schedule, mesh: Any) -> dict[tuple[int, int], Any]:
     for line in mesh.all_group_ranks("pp"):
         for src, dst in directions(sched):
             pair = (line[src], line[dst])
-            group = dist.new_group(sorted(pair))
+            group = comm.new_group(pair, "pp", checked=False)
             if me in pair:
                 links[pair] = group
     return links

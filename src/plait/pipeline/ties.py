@@ -55,10 +55,9 @@ def tie_groups(ties: list[Tie], mesh: Any) -> list[dist.ProcessGroup | None]:
         found = None
         for line in mesh.all_group_ranks("pp"):
             ranks = [line[i] for i in tie.ranks]
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
+            group = comm.new_group(ranks, "pp_tied")
+            if group is not None:
                 found = group
-                comm.register_group(group, "pp_tied", ranks)
         mine.append(found)
     return mine
 

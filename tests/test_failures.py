@@ -1,0 +1,263 @@
+"""Faults injected on 2 Gloo ranks: a frozen rank, skipped, swapped or mismatched collectives.
+
+The pool's ranks are initialised the way a user's are (`plait.init(timeout_s=TIMEOUT_S)`), and
+the groups under test are the ones plait makes (mesh axes, pipeline directions, weight ties):
+nothing here builds its own group with a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from plait import comm
+from plait.testing import RankFailure, RankPool, cached_mesh
+
+TIMEOUT_S = 4.0
+# A failed rank waits up to comm's arrival grace (3 s) for its peers' reports, then writes its
+# flight record; 4 s more leaves room for a loaded machine.
+BOUND_S = TIMEOUT_S + 7.0
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    p = RankPool(2, timeout_s=TIMEOUT_S, run_dir=str(tmp_path_factory.mktemp("run")))
+    yield p
+    p.close()
+
+
+# ------------------------------------------------------------------ frozen ranks
+def _freeze_rank1_then(fn_name: str, pids: list[int]) -> tuple[float, str]:
+    """Rank 1 stops (SIGSTOP) at step 50; rank 0 runs ``fn_name`` and reports how it ended."""
+    work = globals()[fn_name]
+    setup = work(None)  # both ranks build the groups (collective), then rank 1 freezes
+    comm.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return 0.0, "resumed"  # never reached: rank 0 kills this process
+    time.sleep(0.2)  # rank 1 is stopped by now
+    t0 = time.monotonic()
+    try:
+        with comm.scope("step 50"):
+            work(setup)
+        message = "no error"
+    except comm.CollectiveError as e:
+        message = str(e)
+    elapsed = time.monotonic() - t0
+    os.kill(pids[1], signal.SIGKILL)
+    return elapsed, message
+
+
+def _mesh_all_reduce(setup):
+    group = cached_mesh(dp=2).group("dp")
+    if setup is not None:
+        comm.all_reduce(torch.ones(3), group)
+    return group
+
+
+def _pipeline_step(setup):
+    from oracle import tiny_gpt
+
+    from plait.models.gpt import lm_loss
+    from plait.pipeline import pipeline
+
+    batch = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    if setup is None:  # build, and run one step so that shapes are known and messages flow
+        with torch.device("meta"):
+            model = tiny_gpt(tie_embeddings=True)
+        setup = pipeline(model, cached_mesh(pp=2), schedule="1f1b", microbatches=2, loss_fn=lm_loss,
+                         p2p="directed")
+    setup.step(batch[:, :-1], batch[:, 1:])
+    return setup
+
+
+def _tie_all_reduce(setup):
+    pipe = _pipeline_step(None) if setup is None else setup
+    if setup is not None:  # the step's backward left rank 0 at the tie's all-reduce; now rank 1 is gone
+        (weight, group), = pipe._tied  # the tied embedding / LM head copies and their group
+        comm.all_reduce(torch.ones(2), group)
+    return pipe
+
+
+def _finish(pool: RankPool, fn_name: str) -> tuple[float, str]:
+    with pytest.raises(RankFailure) as info:
+        pool.run(_freeze_rank1_then, fn_name, pool.pids())
+    assert info.value.errors == {1: "died"}, info.value.errors
+    return info.value.results[0]
+
+
+def test_frozen_rank_ends_its_peer_on_a_mesh_group_within_the_timeout(pool):
+    elapsed, message = _finish(pool, "_mesh_all_reduce")
+    assert TIMEOUT_S - 0.5 < elapsed < BOUND_S, (elapsed, message)
+    assert "all_reduce of a (3,) torch.float32 tensor on axis 'dp'" in message, message
+    assert "ranks [1] did not arrive" in message and "step 50" in message, message
+    assert "test_failures.py" in message  # the user's call site
+    flight = Path(pool.run_dir) / "flight" / "rank0.jsonl"
+    assert str(flight) in message
+    lines = [json.loads(x) for x in flight.read_text().splitlines()]
+    assert lines[-1]["op"] == "all_reduce" and lines[-1]["label"] == "step 50", lines[-1]
+
+
+def test_frozen_rank_ends_its_peer_in_a_pipeline_step(pool):
+    elapsed, message = _finish(pool, "_pipeline_step")
+    assert TIMEOUT_S - 0.5 < elapsed < BOUND_S, (elapsed, message)
+    # Stage 0 waits for stage 1's gradient on the group of that direction.
+    assert "recv of a" in message and "from rank 1 on axis 'pp'" in message, message
+    assert "rank 1 never completed its side" in message and "flight" in message, message
+
+
+def test_frozen_rank_ends_its_peer_on_a_tie_group(pool):
+    elapsed, message = _finish(pool, "_tie_all_reduce")
+    assert TIMEOUT_S - 0.5 < elapsed < BOUND_S, (elapsed, message)
+    assert "axis 'pp_tied'" in message and "ranks [1] did not arrive" in message, message
+
+
+def _skip_last() -> str:
+    group = cached_mesh(dp=2).group("dp")
+    if dist.get_rank() == 1:
+        return "skipped"
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(3), group)
+    except comm.CollectiveError as e:
+        return f"{time.monotonic() - t0:.1f} s: {e}"
+    return "no error"
+
+
+def test_a_collective_skipped_at_the_end_times_out_naming_the_missing_rank(pool):
+    message, skipped = pool.run(_skip_last)
+    pool.restart()  # rank 0 left the group mid-collective
+    assert skipped == "skipped"
+    assert "ranks [1] did not arrive" in message, message
+    assert float(message.split(" s:")[0]) < BOUND_S
+
+
+# ------------------------------------------------------------------ desynchronised collectives
+def _swapped(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Two same-size all-reduces that the ranks reach in opposite orders."""
+    if dist.get_rank() == 0:
+        comm.all_reduce(a, group)
+        comm.all_reduce(b, group)
+    else:
+        comm.all_reduce(b, group)
+        comm.all_reduce(a, group)
+
+
+def _two_calls(case: str) -> list[list[float]]:
+    """Rank 0 and rank 1 each call one or two collectives on dp; ``case`` says how they differ."""
+    group = cached_mesh(dp=2).group("dp")
+    a, b = torch.full((4,), 1.0), torch.full((4,), 10.0)
+    mine = dist.get_rank()
+    if case == "swapped":
+        _swapped(a, b, group)
+    elif case == "skipped":
+        if mine == 0:
+            comm.all_reduce(a, group)
+        comm.all_reduce(b, group)
+    elif case == "transposed":
+        c = torch.ones(2, 3) if mine == 0 else torch.ones(3, 2)
+        comm.all_reduce(c, group)
+    elif case == "dtype":
+        comm.all_reduce(a if mine == 0 else a.double(), group)
+    elif case == "reduce_op":
+        comm.all_reduce(a, group, op=comm.ReduceOp.SUM if mine == 0 else comm.ReduceOp.MAX)
+    return [a.tolist(), b.tolist()]
+
+
+@pytest.mark.parametrize("case,rank0,rank1", [
+    ("swapped", "all_reduce of a (4,) float32 tensor (sum) called at test_failures.py",
+     "all_reduce of a (4,) float32 tensor (sum) called at test_failures.py"),
+    ("skipped", "called at test_failures.py", "called at test_failures.py"),
+    ("transposed", "all_reduce of a (2, 3) float32", "all_reduce of a (3, 2) float32"),
+    ("dtype", "(4,) float32", "(4,) float64"),
+    ("reduce_op", "(sum)", "(max)"),
+])
+def test_desync_is_caught_by_default_before_any_data_moves(pool, case, rank0, rank1):
+    errors = pool.errors(_two_calls, case)
+    for r, want in ((0, rank0), (1, rank1)):
+        assert "collective desync on axis 'dp'" in errors[r], errors[r]
+        assert f"rank {r}: #1 " in errors[r] and want in errors[r], errors[r]
+    if case == "swapped":  # the two sides name different lines of the user's code
+        sites = [line.split("called at ")[1] for line in errors[0].splitlines() if "called at" in line]
+        assert len(set(sites)) == 2, errors[0]
+
+
+def _values_after_a_swap() -> list[list[float]]:
+    group = cached_mesh(dp=2).group("dp")
+    a, b = torch.full((4,), 1.0), torch.full((4,), 10.0)
+    with contextlib.suppress(comm.CollectiveError):
+        _swapped(a, b, group)
+    return [a.tolist(), b.tolist()]
+
+
+def test_swapped_collectives_leave_the_data_untouched(pool):
+    # Unchecked, each rank would hold 1 + 10 = 11 in both tensors (the reported 21 instead of 3).
+    assert pool.run(_values_after_a_swap) == [[[1.0] * 4, [10.0] * 4]] * 2
+
+
+def _matching(mode: str) -> list[float]:
+    with comm.desync_check(mode):
+        group = cached_mesh(dp=2).group("dp")
+        t = torch.arange(4.0) + dist.get_rank()
+        comm.all_reduce(t, group)
+        out = torch.empty(4)
+        comm.all_gather_into(out, torch.ones(2) * dist.get_rank(), group)
+        comm.broadcast(t, 0, group)
+        return t.tolist() + out.tolist()
+
+
+@pytest.mark.parametrize("mode", ["off", "fast", "full"])
+def test_matching_collectives_pass_every_check_mode(pool, mode):
+    assert pool.run(_matching, mode) == [[1.0, 3.0, 5.0, 7.0, 0.0, 0.0, 1.0, 1.0]] * 2
+
+
+def _full_mode_desync() -> None:
+    with comm.debug():
+        _two_calls("transposed")
+
+
+def test_full_mode_names_both_sides(pool):
+    errors = pool.errors(_full_mode_desync)
+    assert "(2, 3)" in errors[0] and "(3, 2)" in errors[0], errors[0]
+
+
+# ------------------------------------------------------------------ devices
+def _wrong_device() -> str:
+    try:
+        comm.all_reduce(torch.ones(2, device="meta"), cached_mesh(dp=2).group("dp"))
+    except comm.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_tensor_on_another_device_than_the_groups_is_refused_by_name(pool):
+    out = pool.run(_wrong_device)
+    assert all("the tensor is on meta, but this axis communicates on cpu" in m for m in out), out
+
+
+def _unplaced_bookkeeping() -> str:
+    """A tensor made in plait's library without device=, as the loss mean once was."""
+    import plait
+
+    fake_file = os.path.join(os.path.dirname(plait.__file__), "somewhere.py")
+    code = compile("torch.tensor([1.0])", fake_file, "eval")
+    made_in_plait = eval(code, {"torch": torch})
+    try:
+        comm.all_reduce(made_in_plait, cached_mesh(dp=2).group("dp"))
+    except comm.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_the_pool_audit_catches_a_bookkeeping_tensor_made_without_a_device(pool):
+    # On CPU it would pass unnoticed; on NCCL the all-reduce of a CPU tensor fails.
+    out = pool.run(_unplaced_bookkeeping)
+    assert all("made without device= at somewhere.py:1" in m for m in out), out
