@@ -7,7 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHES = ("ddp", "fsdp", "tp", "pp")
+BENCHES = ("ddp", "fsdp", "tp", "pp", "checkpoint")
 
 
 def _bench_package_root() -> Path:

@@ -74,7 +74,10 @@ class TrainConfig:
     metrics: str = "runs/metrics.jsonl"
     save_dir: str | None = None  # checkpoints go to SAVE_DIR/step_NNNNNN
     save_every: int = 0  # 0: only at the end (when --save-dir is given)
-    resume: bool = False  # continue from the newest checkpoint in --save-dir, on any world size
+    resume: bool = False  # continue from the newest intact checkpoint in --save-dir, on any world size
+    resume_anyway: bool = False  # resume a checkpoint of another run (other seed, lr, data...) with a warning
+    keep: int = 3  # checkpoints kept in --save-dir: older ones go once a newer one is complete
+    async_save: bool = False  # write checkpoints in the background: the loop stalls only for the copy
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -131,6 +134,8 @@ class TrainConfig:
             raise ValueError("--resume needs --save-dir (where to find the checkpoint)")
         if self.save_every < 0:
             raise ValueError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.keep < 1:
+            raise ValueError(f"--keep must be >= 1 (the newest checkpoints kept), got {self.keep}")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"--warmup must be in [0, --steps); got {self.warmup} with {self.steps} steps")
 
@@ -186,7 +191,7 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
 
 
 def _mean_over(value: float, group: dist.ProcessGroup, size: int) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=comm.device_of(group))
     comm.all_reduce(t, group)
     return t.item() / size
 
@@ -268,10 +273,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         x, y = next(sampler)
         x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
-        loss_sum = _forward_backward(model, x, y, cfg, loss_fn, mesh)
-        grad_norm = float(clip_grad_norm_(model, cfg.grad_clip))
-        opt.step()
-        last_loss = _mean_over(loss_sum, mesh.group(DATA_AXES), dp_size)
+        with comm.scope(f"step {step + 1}"):  # named in desync reports, timeouts and flight records
+            loss_sum = _forward_backward(model, x, y, cfg, loss_fn, mesh)
+            grad_norm = float(clip_grad_norm_(model, cfg.grad_clip))
+            opt.step()
+            last_loss = _mean_over(loss_sum, mesh.group(DATA_AXES), dp_size)
         losses.append(last_loss)
         if step == start:  # the first step this run took (after a resume, not step 0)
             first_loss = last_loss
@@ -292,8 +298,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                          record["tokens_per_s"])
         due = (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps
         if cfg.save_dir and due:
-            meta = {"step": step + 1, "sampler": sampler.state_dict(), "config": dataclasses.asdict(cfg)}
-            checkpoint.save(Path(cfg.save_dir) / f"step_{step + 1:06d}", model, opt, meta)
+            meta = {"step": step + 1, "sampler": sampler.state_dict(), "config": dataclasses.asdict(cfg),
+                    "identity": _identity(cfg, sampler), "layout": _layout(cfg)}
+            saving = checkpoint.save(Path(cfg.save_dir) / f"step_{step + 1:06d}", model, opt, meta,
+                                     keep=cfg.keep, async_save=cfg.async_save)
+            if step + 1 == cfg.steps:
+                saving.wait()  # the run ends with its last checkpoint complete
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start
@@ -310,17 +320,41 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 def _maybe_resume(cfg: TrainConfig, model: nn.Module | Pipeline, opt: torch.optim.Optimizer,
                   sampler: BatchSampler, log: Any) -> int:
-    """Load the newest checkpoint when ``--resume``; return the step to continue from."""
+    """Load the newest intact checkpoint of this run when ``--resume``; return the step to continue from.
+
+    Corrupt ones are skipped with a warning (`checkpoint.choose`), another run's are refused
+    unless ``--resume-anyway``; a different world size or layout is fine (the state reshards).
+    """
     if not cfg.resume:
         return 0
-    path = checkpoint.latest(cfg.save_dir)  # type: ignore[arg-type]
-    if path is None:
+    found = checkpoint.choose(cfg.save_dir, _identity(cfg, sampler),  # type: ignore[arg-type]
+                              resume_anyway=cfg.resume_anyway)
+    if found is None:
         log.info("--resume: no checkpoint in %s yet, starting from step 0", cfg.save_dir)
         return 0
-    meta = checkpoint.load(path, model, opt)
+    path, meta = found
+    checkpoint.load(path, model, opt, check=False)  # choose() verified it on rank 0
     sampler.load_state_dict(meta["sampler"])
-    log.info("resumed from %s (step %d)", path, meta["step"])
+    log.info("resumed from %s (step %d, written by %s)", path, meta["step"], meta.get("layout"))
     return int(meta["step"])
+
+
+def _identity(cfg: TrainConfig, sampler: BatchSampler) -> dict[str, Any]:
+    """What makes two runs one run, compared on ``--resume``: the model, the data (by content:
+    the same bytes under another path are the same data), the seed, the global batch size and
+    the optimizer and learning-rate settings. ``--steps`` is left out (resuming with more steps
+    to train longer is legitimate; the cosine decay then follows the new length), and so is
+    the layout, precision and offload included (checkpoints reshard)."""
+    return {"model": dataclasses.asdict(cfg.gpt_config()), "seed": cfg.seed, "batch_size": cfg.batch_size,
+            "lr": cfg.lr, "min_lr_ratio": cfg.min_lr_ratio, "warmup": cfg.warmup,
+            "weight_decay": cfg.weight_decay, "grad_clip": cfg.grad_clip,
+            "data": {"bytes": len(sampler.tokens), "sha256": checkpoint.digest(sampler.tokens)}}
+
+
+def _layout(cfg: TrainConfig) -> dict[str, Any]:
+    """How the run was spread over ranks: recorded in checkpoints, not compared on resume."""
+    return {"world_size": dist.get_world_size(), "strategy": cfg.strategy, "pp": cfg.pp, "tp": cfg.tp,
+            "data_parallel": cfg.data_parallel_size, "hybrid_dp": cfg.dp, "zero_stage": cfg.zero_stage}
 
 
 def _progress(cfg: TrainConfig, is_main: bool, start: int):
