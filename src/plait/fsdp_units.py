@@ -9,7 +9,6 @@ their deepest common ancestor unit, which is gathered whenever any of them runs.
 from __future__ import annotations
 
 import gc
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +16,8 @@ import torch
 from torch import nn
 
 from plait.fsdp_flat import GRAD_HOOKS_ATTR, FlatParam, ShardCfg, Slot
-from plait.materialize import full_values
+from plait.materialize import Keep, materialize
+from plait.names import matches
 
 __all__ = ["Unit", "build_units", "check_no_optimizer"]
 
@@ -75,7 +75,7 @@ def _unit_names(module: nn.Module, spec: Sequence[type | str] | None) -> list[st
         if not name:
             continue  # the root is always a unit
         for i, s in enumerate(spec):
-            if (isinstance(s, type) and isinstance(mod, s)) or (isinstance(s, str) and _match(s, name)):
+            if (isinstance(s, type) and isinstance(mod, s)) or (isinstance(s, str) and matches(s, name)):
                 names.append(name)
                 used.add(i)
                 break
@@ -84,11 +84,6 @@ def _unit_names(module: nn.Module, spec: Sequence[type | str] | None) -> list[st
         raise ValueError(f"FullyShardedDataParallel(units=...): {unused} matched no submodule of "
                          f"{type(module).__name__}")
     return names
-
-
-def _match(pattern: str, name: str) -> bool:
-    """Qualified-name pattern: ``*`` stands for one name component ("layers.*" = each layer)."""
-    return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]*"), name) is not None
 
 
 def _contains(unit: str, mod_name: str) -> bool:
@@ -138,7 +133,7 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
         for s in slots:
             where[id(s.owners[0][0]._parameters[s.owners[0][1]])] = (flat, s)
 
-    _materialize(module, where, cfg, seed)
+    materialize(module, seed, _keep_shard(where, cfg))
     for _p, slot, _ in info.values():
         for mod, attr in slot.owners:
             del mod._parameters[attr]
@@ -146,27 +141,18 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
     return [units[n] for n in names if units[n].flats or n == ""]
 
 
-@torch.no_grad()
-def _materialize(module: nn.Module, where: dict[int, tuple[FlatParam, Slot]], cfg: ShardCfg,
-                 seed: int) -> None:
-    """Fill each shard from one module's values at a time (the oracle's values for a meta module)."""
-    done: set[int] = set()
-    for mname, mod in module.named_modules():
-        if not (mod._parameters or mod._buffers):
-            continue
-        meta = any(t is not None and t.is_meta for t in [*mod._parameters.values(), *mod._buffers.values()])
-        vals = full_values(mod, mname, seed) if meta else {
-            k: t.detach() for k, t in [*mod._parameters.items(), *mod._buffers.items()] if t is not None}
-        for attr, p in mod._parameters.items():
-            if p is None or id(p) in done:
-                continue
-            done.add(id(p))  # tied: the first owner in named_modules() order wins, as in init_weights
-            flat, slot = where[id(p)]
-            lo, hi = flat.shard_range()
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a < b:
-                src = vals[attr].reshape(-1)[a - slot.offset : b - slot.offset]
-                flat.shard.detach()[a - lo : b - lo].copy_(src)
-        for k, buf in mod._buffers.items():
-            if buf is not None:
-                mod._buffers[k] = vals[k].to(cfg.device)
+def _keep_shard(where: dict[int, tuple[FlatParam, Slot]], cfg: ShardCfg) -> Keep:
+    """FSDP's share of each tensor: a parameter's slice goes into its flat shard (the module's
+    own parameter is removed afterwards), a buffer stays whole on the compute device."""
+
+    def keep(name: str, attr: str, full: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
+        if not isinstance(t, nn.Parameter):
+            return full.to(cfg.device)
+        flat, slot = where[id(t)]
+        lo, hi = flat.shard_range()
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            flat.shard.detach()[a - lo : b - lo].copy_(full.reshape(-1)[a - slot.offset : b - slot.offset])
+        return None
+
+    return keep

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import copy
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["init_weights", "owner_modules", "full_values", "is_meta", "module_seed"]
+__all__ = ["init_weights", "owner_modules", "full_values", "is_meta", "module_seed", "materialize", "Keep"]
+
+# What a strategy keeps of one tensor: (owner's qualified name, attribute, full value, the
+# current tensor) -> the tensor to put in its place, or None to leave the module untouched.
+Keep = Callable[[str, str, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -95,3 +99,63 @@ def init_weights(module: nn.Module, seed: int = 0) -> nn.Module:
             seen.add(id(target))
             target.copy_(value)
     return module
+
+
+@torch.no_grad()
+def materialize(roots: nn.Module | Sequence[tuple[str, nn.Module]], seed: int, keep: Keep,
+                first_owner: dict[int, tuple[str, nn.Module, str]] | None = None) -> None:
+    """Give each parameter and buffer under ``roots`` what ``keep`` makes of its full value.
+
+    The one materializer of every strategy (FSDP keeps a slice in its flat shard, tensor
+    parallelism a shard, a pipeline stage the whole tensor on its device). Owner modules are
+    visited one at a time and a meta tensor's full value is computed for its owner only, so no
+    rank ever holds more than one module's full tensors. Already materialized tensors are
+    passed as they are. A tensor shared by several owners (tied weights) is seen once, with
+    the values of its first owner, and every owner gets the same replacement.
+
+    ``roots`` is a module, or (qualified name, module) pairs for parts of a larger model;
+    ``first_owner`` (id -> qualified name, module, attribute in the original model) gives a
+    tensor tied to a module outside ``roots`` its first owner's values (pipeline stages).
+    """
+    parts = [("", roots)] if isinstance(roots, nn.Module) else list(roots)
+    placed: dict[int, torch.Tensor | None] = {}
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+    for prefix, part in parts:
+        for name, mod in owner_modules(part, prefix=prefix):
+            for store in (mod._parameters, mod._buffers):
+                for key, t in list(store.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in placed:
+                        qual, attr = _owner(t, name, mod, key, first_owner)
+                        full = _initial(t, name, mod, key, seed, first_owner, cache)
+                        placed[id(t)] = _place(keep(qual, attr, full, t), t)
+                    new = placed[id(t)]
+                    if new is not None:
+                        store[key] = new  # type: ignore[assignment]
+
+
+def _owner(t: torch.Tensor, name: str, mod: nn.Module, key: str,
+           first_owner: dict[int, tuple[str, nn.Module, str]] | None) -> tuple[str, str]:
+    qual, _, attr = first_owner.get(id(t), (name, mod, key)) if first_owner else (name, mod, key)
+    return qual, attr
+
+
+def _initial(t: torch.Tensor, name: str, mod: nn.Module, key: str, seed: int,
+             first_owner: dict[int, tuple[str, nn.Module, str]] | None,
+             cache: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
+    """A meta tensor's oracle value (its first owner's `full_values`), else the tensor itself."""
+    if not t.is_meta:
+        return t.detach()
+    qual, src, attr = first_owner.get(id(t), (name, mod, key)) if first_owner else (name, mod, key)
+    if qual not in cache:  # one owner module's full tensors at a time
+        cache.clear()
+        cache[qual] = full_values(src, qual, seed)
+    return cache[qual][attr]
+
+
+def _place(new: torch.Tensor | None, old: torch.Tensor) -> torch.Tensor | None:
+    """Wrap a parameter's replacement as a parameter with the same requires_grad."""
+    if new is None or new is old or not isinstance(old, nn.Parameter) or isinstance(new, nn.Parameter):
+        return new
+    return nn.Parameter(new, requires_grad=old.requires_grad)

@@ -7,13 +7,13 @@
     loss_fn = plait.loss_fn_for(model)        # vocab-parallel cross-entropy, or lm_loss
     loss = loss_fn(model(idx), targets)
 
-A plan maps module-name patterns to styles (`plait.tp_styles`). Patterns are matched segment
-by segment: ``*`` stands for one name segment (``layers.*.attn`` matches ``layers.3.attn``,
-not ``layers.3.x.attn``), with the usual `fnmatch` rules inside a segment.
+A plan maps module-name patterns to styles (`plait.tp_styles`). Patterns follow
+`plait.names.matches`: ``*`` stands for one name segment (``layers.*.attn`` matches
+``layers.3.attn``, not ``layers.3.x.attn``), with the usual `fnmatch` rules inside a segment.
 
 Only the ``tp`` axis of the mesh is used, so data or fully sharded parallelism can wrap the
 result on the other axes. Each rank materializes only its shards: a module on the meta device
-gets its full initial values from `plait.materialize.full_values` (one module at a time) and
+gets its full initial values from `plait.materialize.materialize` (one module at a time) and
 keeps its slice, so values equal the slice of a single-process `init_weights` under the same
 seed; an already materialized module is sliced in place instead.
 
@@ -25,7 +25,6 @@ along the sequence, and norms and dropouts run on sequence shards.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -36,8 +35,9 @@ from torch import nn
 
 from plait import comm
 from plait.env import device as _device
-from plait.materialize import full_values, module_seed
+from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
+from plait.names import matches
 from plait.tp_loss import vocab_parallel_cross_entropy
 from plait.tp_styles import (
     ColwiseParallel,
@@ -103,7 +103,7 @@ def tensor_parallel(
     ctx = TPContext(group=mesh.group("tp"), size=n, rank=r, sequence_parallel=bool(sequence_parallel),
                     rng=RNGFork(module_seed(seed, f"plait.tp.rng.{r}"), dev),
                     seq_grads=SequenceShardGrads(mesh.group("tp")))
-    ctx.assigned = _match(module, plan, strict)
+    ctx.assigned = assign_styles(module, plan, strict)
     modules = dict(module.named_modules())
     for name, style in ctx.assigned.items():
         style.validate(modules[name], name, ctx)
@@ -113,7 +113,7 @@ def tensor_parallel(
              if isinstance(s, VocabParallelOutput) and not s.gather_output]
     vocab_size = _head_vocab(specs, modules, heads)
 
-    _materialize(module, ctx, specs, seed, dev)
+    materialize(module, seed, _keep_tp_shard(specs, dev))
     for name, style in ctx.assigned.items():
         style.install(modules[name], name, ctx)
     _sync_default_rng(mesh, dev)
@@ -194,19 +194,15 @@ def gpt_plan(cfg: object, *, loss_parallel: bool = True) -> dict[str, Style]:
     }
 
 
-# ------------------------------------------------------------------ internals
-def _matches(pattern: str, name: str) -> bool:
-    p, n = pattern.split("."), name.split(".")
-    return len(p) == len(n) and all(fnmatch.fnmatchcase(b, a) for a, b in zip(p, n, strict=True))
-
-
-def _match(module: nn.Module, plan: Plan, strict: bool) -> dict[str, Style]:
+def assign_styles(module: nn.Module, plan: Plan, strict: bool) -> dict[str, Style]:
+    """Module name -> its style under ``plan``; a name matched twice is an error, and so is a
+    pattern that matches nothing when ``strict``."""
     assigned: dict[str, Style] = {}
     by: dict[str, str] = {}
     used: set[str] = set()
     for name, _ in module.named_modules():
         for pattern, style in plan.items():
-            if name and _matches(pattern, name):
+            if name and matches(pattern, name):
                 if name in assigned:
                     raise ValueError(f"plan: module {name!r} is matched by both {by[name]!r} and {pattern!r}")
                 assigned[name], by[name] = style, pattern
@@ -217,6 +213,8 @@ def _match(module: nn.Module, plan: Plan, strict: bool) -> dict[str, Style]:
                          "(a '*' stands for exactly one name segment)")
     return assigned
 
+
+# ------------------------------------------------------------------ internals
 
 def _named_params(module: nn.Module):
     return module.named_parameters(remove_duplicate=False)
@@ -241,37 +239,18 @@ def _param_specs(module: nn.Module, ctx: TPContext) -> dict[int, ShardSpec]:
     return {k: v for k, v in specs.items() if v is not None}
 
 
-@torch.no_grad()
-def _materialize(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], seed: int,
-                 dev: torch.device) -> None:
-    """Replace every parameter by this rank's shard (or a replicated copy), on ``dev``."""
-    done: dict[int, nn.Parameter] = {}
-    for name, mod in module.named_modules():
-        values: dict[str, torch.Tensor] | None = None
-        for key, p in list(mod._parameters.items()):
-            if p is None:
-                continue
-            if id(p) in done:  # tied: its first owner already made it
-                mod._parameters[key] = done[id(p)]
-                continue
-            spec = specs.get(id(p))
-            if not p.is_meta and spec is None and p.device == dev:
-                done[id(p)] = p
-                continue
-            if p.is_meta:
-                values = values if values is not None else full_values(mod, name, seed)
-                full = values[key]
-            else:
-                full = p.detach()
-            local = spec.take(full) if spec is not None else full
-            new = nn.Parameter(local.to(dev).contiguous(), requires_grad=p.requires_grad)
-            done[id(p)] = mod._parameters[key] = new
-        for key, b in list(mod._buffers.items()):
-            if b is not None and b.is_meta:
-                values = values if values is not None else full_values(mod, name, seed)
-                mod._buffers[key] = values[key].to(dev)
-            elif b is not None and b.device != dev:
-                mod._buffers[key] = b.to(dev)
+def _keep_tp_shard(specs: dict[int, ShardSpec], dev: torch.device) -> Keep:
+    """Tensor parallelism's share of each tensor: a split parameter's shard, anything else whole,
+    on ``dev`` (a materialized tensor already there stays the same object)."""
+
+    def keep(name: str, attr: str, full: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
+        spec = specs.get(id(t))
+        if spec is None and not t.is_meta and t.device == dev:
+            return None
+        local = spec.take(full) if spec is not None else full
+        return local.to(dev).contiguous()
+
+    return keep
 
 
 def _sync_default_rng(mesh: Mesh, dev: torch.device) -> None:

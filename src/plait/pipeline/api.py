@@ -25,7 +25,7 @@ from plait.pipeline.split import (
     segments,
 )
 from plait.pipeline.ties import find_ties, first_owners, sync_grads, tie_groups
-from plait.tensor_parallel import _match, loss_fn_for, tensor_parallel
+from plait.tensor_parallel import assign_styles, loss_fn_for, tensor_parallel
 from plait.tp_styles import VocabParallelOutput
 
 __all__ = ["Pipeline", "pipeline"]
@@ -241,7 +241,7 @@ def _check_tp(module: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None, l
         return
     # Against the whole model, so a typo in a pattern is still an error although each rank's
     # stages hold only some of the matched modules.
-    assigned = _match(module, tp_plan, strict=True)
+    assigned = assign_styles(module, tp_plan, strict=True)
     sharded = any(isinstance(s, VocabParallelOutput) and not s.gather_output for s in assigned.values())
     if sharded and loss_fn is not None:
         raise ValueError("pipeline: tp_plan leaves the logits split by vocabulary (VocabParallelOutput("

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from plait.env import get_logger
-from plait.materialize import full_values, owner_modules
+from plait.materialize import materialize
 
 __all__ = ["segments", "plan_stages", "check_chain", "materialize_segments", "named_view", "meta_copy",
            "Stage"]
@@ -207,30 +207,17 @@ def check_chain(module: nn.Module, segs: Sequence[Segment], example: Any) -> Non
 
 def materialize_segments(segs: Sequence[Segment], seed: int, device: torch.device,
                          first_owner: dict[int, tuple[str, nn.Module, str]]) -> None:
-    """Give meta-device tensors of ``segs`` their oracle initial values, one owner module at a time.
+    """Give meta-device tensors of ``segs`` their oracle initial values on ``device``.
 
-    Values come from `plait.materialize.full_values` of each tensor's first owner in the original
-    model (``first_owner``, by id), under its qualified name, so they equal `init_weights(model,
-    seed)` of a single process even for a tensor tied to a module on another rank. Tied tensors
-    inside ``segs`` stay tied.
+    Values are those of each tensor's first owner in the original model (``first_owner``, by
+    id), so they equal `init_weights(model, seed)` of a single process even for a tensor tied
+    to a module on another rank. Tied tensors inside ``segs`` stay tied.
     """
-    replaced: dict[int, torch.Tensor] = {}
-    cache: dict[str, dict[str, torch.Tensor]] = {}
-    for seg_name, seg in segs:
-        for _, owner in owner_modules(seg, prefix=seg_name):
-            for store in (owner._parameters, owner._buffers):
-                for key, t in store.items():
-                    if t is None or not t.is_meta:
-                        continue
-                    if id(t) not in replaced:
-                        qual, src, src_key = first_owner[id(t)]
-                        if qual not in cache:  # one owner module's full tensors at a time
-                            cache.clear()
-                            cache[qual] = full_values(src, qual, seed)
-                        new = cache[qual][src_key].to(device)
-                        replaced[id(t)] = (nn.Parameter(new, t.requires_grad)
-                                           if isinstance(t, nn.Parameter) else new)
-                    store[key] = replaced[id(t)]  # type: ignore[assignment]
+
+    def keep(name: str, attr: str, full: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
+        return full.to(device) if t.is_meta else None
+
+    materialize(segs, seed, keep, first_owner)
 
 
 class Stage(nn.Module):
