@@ -142,11 +142,12 @@ def _batch(step: int, vocab: int, b: int = 4, s: int = 16) -> tuple[torch.Tensor
 def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, dp: int = 1, steps: int = 5) -> dict:
     from contextlib import nullcontext
 
+    from plait.clip import clip_grad_norm_
     from plait.ddp import DDP
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig, lm_loss
     from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel, tp_info
-    from plait.tp_state import clip_grad_norm_, full_state_dict, load_full_state_dict
+    from plait.tp_state import full_state_dict, load_full_state_dict
 
     mesh = cached_mesh(dp=dp, tp=tp)
     cfg = GPTConfig(**{**TINY, **cfg_kw})

@@ -1,13 +1,14 @@
 """plait: train any PyTorch model on many devices with every classic form of parallelism."""
 
 from plait import comm
+from plait.clip import clip_grad_norm_
 from plait.data_parallel import DataParallel
 from plait.ddp import DDP, DistributedDataParallel
 from plait.env import get_logger, init
 from plait.fsdp import FSDP, FullyShardedDataParallel, MixedPrecision
 from plait.materialize import init_weights
 from plait.mesh import Mesh
-from plait.parallelize import ParallelPlan, clip_grad_norm_, parallelize
+from plait.parallelize import ParallelPlan, parallelize
 from plait.pipeline import Pipeline, pipeline
 from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel
 from plait.tp_loss import vocab_parallel_cross_entropy

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from plait.ddp_helpers import (
     plan_buckets,
 )
 from plait.mesh import Mesh
+
+if TYPE_CHECKING:
+    from plait.clip import GradParts
 
 __all__ = ["DistributedDataParallel", "DDP", "average_gradients", "plan_buckets"]
 
@@ -292,6 +295,13 @@ class DistributedDataParallel(nn.Module):
                 p.grad = b.grads[i]
 
     # ------------------------------------------------------------------ user API
+    def grad_norm_parts(self) -> GradParts:
+        """After the all-reduce every replica holds the same gradients: the wrapped module's parts,
+        never summed over dp (`plait.clip`)."""
+        from plait.clip import grad_norm_parts
+
+        return grad_norm_parts(self.module)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) for forwards run inside."""

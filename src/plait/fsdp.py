@@ -46,18 +46,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from plait import comm
 from plait._torch_compat import queue_end_of_backward
 from plait.env import device as default_device
 from plait.fsdp_flat import FlatParam, ShardCfg
 from plait.fsdp_units import Unit, build_units, check_no_optimizer
 from plait.mesh import Mesh
 from plait.tensor_parallel import TPInfo, tp_info
+
+if TYPE_CHECKING:
+    from plait.clip import GradParts
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecision", "model_state_bytes"]
 
@@ -290,45 +292,28 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             self._sync = old
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale this rank's gradient shards so the *global* gradient norm is at most ``max_norm``.
+        """Scale this rank's gradient shards so the *global* gradient norm is at most ``max_norm``;
+        returns the total norm before clipping, the same on every rank (`plait.clip`)."""
+        from plait.clip import clip_grad_norm_
 
-        Each rank reduces its shards' norms, then one all-reduce (sum of p-th powers, or max for
-        inf) over the fsdp axis gives the norm of the whole gradient; dp replicas hold the same
-        shards, so they need no exchange. On a tensor-parallel module the p-th powers of
-        tp-sharded parameters are also summed over the tp axis (one more all-reduce of one
-        number), while replicated ones, identical on every tp rank, count once. Returns the
-        total norm before clipping (the same on every rank).
-        """
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    def grad_norm_parts(self) -> GradParts:
+        """This rank's gradient shards, disjoint over fsdp (dp replicas hold the same shards, so
+        they are not summed over dp); on a tensor-parallel module the tp-sharded slots are also
+        disjoint over tp, while replicated ones, equal on every tp rank, count once."""
         flats = [f for u in self.units for f in u.flats if f.shard.grad is not None]
-        grads = [f.shard.grad for f in flats]
-        dev = grads[0].device if grads else torch.device("cpu")
-        tp_group = self.tp.group if self.tp is not None and self.tp.size > 1 else None
-        if norm_type == float("inf"):
-            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=dev)).float()
-            comm.all_reduce(local, self.cfg.group, op=dist.ReduceOp.MAX)
-            if tp_group is not None:
-                comm.all_reduce(local, tp_group, op=dist.ReduceOp.MAX)
-            total = local
-        else:
-            sums = torch.zeros(2, device=dev)  # [tp-sharded, not tp-sharded] sums of |g|^p
-            for f, g in zip(flats, grads, strict=True):
-                if tp_group is None:
-                    sums[1] += g.float().norm(norm_type) ** norm_type
-                    continue
-                for a, b, sharded in f.tp_ranges:
-                    sums[0 if sharded else 1] += g[a:b].float().norm(norm_type) ** norm_type
-            comm.all_reduce(sums, self.cfg.group)
-            if tp_group is not None:
-                part = sums[:1].clone()
-                comm.all_reduce(part, tp_group)
-                sums[0] = part[0]
-            total = sums.sum() ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
-        return total
+        if self.tp is None or self.tp.size == 1:
+            return {(self.cfg.group,): [f.shard.grad for f in flats]}  # type: ignore[misc]
+        sharded: list[torch.Tensor] = []
+        replicated: list[torch.Tensor] = []
+        for f in flats:
+            g = f.shard.grad
+            assert g is not None
+            for a, b, is_shard in f.tp_ranges:
+                (sharded if is_shard else replicated).append(g[a:b])
+        return {(self.cfg.group, self.tp.group): sharded, (self.cfg.group,): replicated}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer gathered in full, on CPU, original names."""

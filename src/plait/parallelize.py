@@ -19,7 +19,7 @@ Order, and why it is fixed:
    shards across its fsdp group; a meta-device model is materialized by TP as tp shards (1/tp
    of each split layer, replicated norms in full), which FSDP then cuts down to its slice.
    Gradient hooks TP put on parameters (sequence parallelism) move to FSDP's leaves, and
-   `clip_grad_norm_` counts tp-sharded gradients across tp and replicated ones once.
+   `plait.clip_grad_norm_` counts tp-sharded gradients across tp and replicated ones once.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from plait.ddp import DistributedDataParallel
@@ -36,13 +35,10 @@ from plait.env import device
 from plait.fsdp import FullyShardedDataParallel
 from plait.materialize import init_weights, is_meta
 from plait.mesh import Mesh
-from plait.pipeline import Pipeline
-from plait.tensor_parallel import tensor_parallel, tp_info
-from plait.tp_state import clip_grad_norm_ as tp_clip_grad_norm_
-from plait.tp_state import clip_grads_by_global_norm_
+from plait.tensor_parallel import tensor_parallel
 from plait.tp_styles import Style
 
-__all__ = ["ParallelPlan", "parallelize", "clip_grad_norm_"]
+__all__ = ["ParallelPlan", "parallelize"]
 
 DATA_STRATEGIES = ("ddp", "fsdp", "none")
 
@@ -91,18 +87,3 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module:
     if plan.data == "ddp" and mesh.size("dp") > 1:
         return DistributedDataParallel(module, mesh, **plan.ddp_options)
     return module
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip by the norm of the *whole* model's gradient, however it is sharded; return that norm."""
-    if isinstance(model, FullyShardedDataParallel):
-        return model.clip_grad_norm_(max_norm)
-    if isinstance(model, Pipeline):  # stages hold disjoint parameters: sum the squares over pp
-        info = model.tp_info
-        sharded = set(info.specs) if info is not None else set()
-        grads = [(p.grad, n in sharded) for n, p in model.named_parameters() if p.grad is not None]
-        return clip_grads_by_global_norm_(grads, max_norm, info.group if info else None, model.group)
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
-    if tp_info(inner) is not None:  # after DDP's all-reduce every dp replica holds the same grads
-        return tp_clip_grad_norm_(inner, max_norm)
-    return torch.nn.utils.clip_grad_norm_([p for p in inner.parameters() if p.grad is not None], max_norm)

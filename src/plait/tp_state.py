@@ -11,60 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from plait import comm
 from plait.tensor_parallel import tp_info, tp_module
 from plait.tp_styles import ShardSpec
 
-__all__ = ["clip_grad_norm_", "clip_grads_by_global_norm_", "full_state_dict", "load_full_state_dict",
+__all__ = ["full_state_dict", "load_full_state_dict",
            "checkpoint_entry", "restore_entry"]
-
-
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` (2-norm) for a tensor-parallel ``model``.
-
-    Each rank's sharded gradients hold a disjoint part of the model, so their squared norms
-    are summed across the tp group (one all-reduce of one number); replicated gradients are
-    identical on every rank and counted once. Every rank then applies the same scale, which
-    keeps replicated parameters identical. Returns the total norm (same on every tp rank).
-    For a model that is not tensor-parallel this is torch's function.
-    """
-    inner, info = tp_module(model), tp_info(model)
-    params = [p for p in model.parameters() if p.grad is not None]
-    if inner is None or info is None:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    sharded = {id(p) for name, p in inner.named_parameters(remove_duplicate=False) if name in info.specs}
-    return clip_grads_by_global_norm_([(p.grad, id(p) in sharded) for p in params], max_norm, info.group)
-
-
-def clip_grads_by_global_norm_(grads: list[tuple[torch.Tensor, bool]], max_norm: float,
-                               tp_group: dist.ProcessGroup | None,
-                               outer_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Scale ``grads`` in place by torch's clipping coefficient for the whole model's 2-norm.
-
-    Each entry is ``(grad, is_tp_shard)``. Squares of tp shards are summed over ``tp_group``
-    (disjoint parts of one parameter); replicated gradients count once. The total is then
-    summed over ``outer_group`` when ranks there hold disjoint parameters (pipeline stages).
-    Every rank applies the same coefficient and gets the same norm back.
-    """
-    dev = grads[0][0].device if grads else torch.device("cpu")
-    sq = torch.zeros(2, dtype=torch.float32, device=dev)  # [tp-sharded, replicated]
-    for g, is_shard in grads:
-        sq[0 if is_shard else 1] += g.detach().float().pow(2).sum()
-    if tp_group is not None:
-        part = sq[:1].clone()
-        comm.all_reduce(part, tp_group)
-        sq[0] = part[0]
-    total_sq = sq.sum().reshape(1)
-    if outer_group is not None:
-        comm.all_reduce(total_sq, outer_group)
-    total = total_sq[0].sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's formula
-    for g, _ in grads:
-        g.detach().mul_(coef.to(g.dtype))
-    return total
 
 
 @torch.no_grad()

@@ -25,11 +25,11 @@ from torch import nn
 
 import plait
 from plait import checkpoint, comm
+from plait.clip import clip_grad_norm_
 from plait.data import BatchSampler, load_corpus
 from plait.ddp import average_gradients
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, PRESETS, GPTConfig, lm_loss
-from plait.parallelize import clip_grad_norm_
 from plait.pipeline import Pipeline, pipeline
 from plait.tensor_parallel import loss_fn_for
 from plait.zero import ZeroRedundancyOptimizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from plait.pipeline.split import (
 from plait.pipeline.ties import find_ties, first_owners, sync_grads, tie_groups
 from plait.tensor_parallel import assign_styles, loss_fn_for, tensor_parallel
 from plait.tp_styles import VocabParallelOutput
+
+if TYPE_CHECKING:
+    from plait.clip import GradParts
 
 __all__ = ["Pipeline", "pipeline"]
 
@@ -151,6 +154,18 @@ class Pipeline:
         """This rank's stages as one module under their names in the original model: its
         ``state_dict()`` has the original keys (checkpoints use it)."""
         return self.tp_module if self.tp_module is not None else named_view(self._my_segs)
+
+    def grad_norm_parts(self) -> GradParts:
+        """Stages hold disjoint parameters, so every gradient is summed over pp; tp-sharded ones
+        over tp as well (`plait.clip`). Weights tied across pp ranks count once (their first
+        owner's copy), as in `named_parameters`."""
+        info = self.tp_info
+        sharded = set(info.specs) if info is not None else set()
+        grads = [(n in sharded, p.grad) for n, p in self.named_parameters() if p.grad is not None]
+        if info is None or info.size == 1:
+            return {(self.group,): [g for _, g in grads]}
+        return {(self.group, info.group): [g for s, g in grads if s],
+                (self.group,): [g for s, g in grads if not s]}
 
     @property
     def tp_info(self) -> Any:

@@ -1,0 +1,88 @@
+"""Gradient-norm clipping for every layout: one function, told by each wrapper what it holds.
+
+The norm of the whole model's gradient is a sum of p-th powers over pieces that different
+ranks hold. A wrapper describes its gradient as *parts*: lists of gradient tensors keyed by the
+process groups over which those tensors are disjoint pieces of the model (``grad_norm_parts``):
+
+* FSDP: flat gradient shards, disjoint over the fsdp group (and over tp for tp-sharded slots);
+* tensor parallelism: tp-sharded gradients over tp, replicated ones under no group;
+* a pipeline: its stages over pp (and tp-sharded ones over tp too);
+* DDP and plain modules: every gradient under no group (after DDP's all-reduce the replicas
+  are equal, so they must not be summed over dp).
+
+The same keys exist on every rank (a part may be empty), so every rank issues the same
+all-reduces: one per group, of the sums of every part that includes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+
+__all__ = ["clip_grad_norm_", "clip_parts_", "GradParts"]
+
+GradParts = dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]
+
+
+def clip_grad_norm_(model: nn.Module | Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for ``model`` in any layout; returns the total norm
+    before clipping, the same on every rank. An infinite ``max_norm`` only measures."""
+    return clip_parts_(grad_norm_parts(model), max_norm, norm_type)
+
+
+def grad_norm_parts(model: nn.Module | Any) -> GradParts:
+    """The wrapper's own description, or, for a (tensor-parallel) module, one made here."""
+    own = getattr(model, "grad_norm_parts", None)
+    if own is not None:
+        return own()
+    from plait.tensor_parallel import tp_info, tp_module
+
+    inner, info = tp_module(model), tp_info(model)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if inner is None or info is None or info.size == 1:
+        return {(): grads}
+    sharded = {id(p) for name, p in inner.named_parameters(remove_duplicate=False) if name in info.specs}
+    return {(info.group,): [p.grad for p in inner.parameters() if p.grad is not None and id(p) in sharded],
+            (): [p.grad for p in inner.parameters() if p.grad is not None and id(p) not in sharded]}
+
+
+@torch.no_grad()
+def clip_parts_(parts: GradParts, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale every gradient in ``parts`` by torch's coefficient for their joint ``norm_type`` norm."""
+    keys = list(parts)
+    grads = [g for key in keys for g in parts[key]]
+    dev = grads[0].device if grads else comm.device_of(next((k[0] for k in keys if k), None))
+    inf = norm_type == float("inf")
+    local = torch.zeros(len(keys), dtype=torch.float32, device=dev)
+    for i, key in enumerate(keys):
+        for g in parts[key]:
+            g32 = g.detach().float()
+            piece = g32.abs().max() if inf else g32.norm(norm_type) ** norm_type
+            local[i] = torch.maximum(local[i], piece) if inf else local[i] + piece
+    for group in _groups_in_order(keys):
+        rows = [i for i, key in enumerate(keys) if any(g is group for g in key)]
+        sub = local[rows].clone()
+        comm.all_reduce(sub, group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        local[rows] = sub
+    total = local.max() if inf else local.sum() ** (1.0 / norm_type)
+    if max_norm != float("inf"):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's formula
+        for g in grads:
+            g.detach().mul_(coef.to(g.device, g.dtype))
+    return total
+
+
+def _groups_in_order(keys: Sequence[tuple[dist.ProcessGroup, ...]]) -> list[dist.ProcessGroup]:
+    """Every group named in ``keys``, once, in order of first appearance (the same on every rank)."""
+    out: list[dist.ProcessGroup] = []
+    for key in keys:
+        for g in key:
+            if not any(g is h for h in out):
+                out.append(g)
+    return out
