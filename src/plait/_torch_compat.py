@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,3 +29,30 @@ def default_store() -> torch.distributed.Store:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+# ------------------------------------------------------------------ nested inputs and outputs
+# torch's pytree knows lists, tuples, dicts, named tuples and every type a library registers
+# (transformers registers its ModelOutput classes), which a hand-written walker would not.
+def tree_flatten(obj: Any) -> tuple[list[Any], Any]:
+    """(leaves, spec) of a nested structure; `tree_unflatten(leaves, spec)` rebuilds it."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(obj)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside a nested structure, in order."""
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """The structure with ``fn`` applied to each tensor (other leaves kept)."""
+    leaves, spec = tree_flatten(obj)
+    return tree_unflatten([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)

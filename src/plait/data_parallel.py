@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from plait._torch_compat import tree_flatten, tree_unflatten
+
 __all__ = ["DataParallel", "scatter", "gather", "replicate_state", "parallel_apply"]
 
 DeviceLike = torch.device | str | int
@@ -39,32 +41,33 @@ def scatter(obj: Any, devices: Sequence[torch.device]) -> list[Any]:
     Non-tensor leaves are passed to every replica unchanged.
     """
     n = len(devices)
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0 or obj.shape[0] < n:
-            raise ValueError(f"DataParallel: cannot scatter a tensor of shape {tuple(obj.shape)} over "
+    leaves, spec = tree_flatten(obj)
+    columns = []
+    for x in leaves:
+        if not isinstance(x, torch.Tensor):
+            columns.append([x] * n)
+            continue
+        if x.dim() == 0 or x.shape[0] < n:
+            raise ValueError(f"DataParallel: cannot scatter a tensor of shape {tuple(x.shape)} over "
                              f"{n} devices; dim 0 must have at least {n} entries")
-        return [c.to(d) for c, d in zip(obj.tensor_split(n, dim=0), devices)]
-    if isinstance(obj, (list, tuple)):
-        cols = [scatter(x, devices) for x in obj]
-        return [type(obj)(c[i] for c in cols) for i in range(n)] if cols else [type(obj)()] * n
-    if isinstance(obj, dict):
-        cols_d = {k: scatter(v, devices) for k, v in obj.items()}
-        return [{k: v[i] for k, v in cols_d.items()} for i in range(n)]
-    return [obj] * n
+        columns.append([c.to(d) for c, d in zip(x.tensor_split(n, dim=0), devices)])
+    return [tree_unflatten([col[i] for col in columns], spec) for i in range(n)]
 
 
 def gather(outputs: list[Any], device: torch.device) -> Any:
     """Concatenate replica outputs along dim 0 on ``device`` (autograd-aware)."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        moved = [o.to(device) for o in outputs]
-        # Scalars (e.g. a loss computed inside the model) come back as one entry per replica.
-        return torch.cat(moved, dim=0) if first.dim() else torch.stack(moved)
-    if isinstance(first, (list, tuple)):
-        return type(first)(gather([o[i] for o in outputs], device) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: gather([o[k] for o in outputs], device) for k in first}
-    return first
+    flat = [tree_flatten(o)[0] for o in outputs]
+    spec = tree_flatten(outputs[0])[1]
+    out = []
+    for leaves in zip(*flat):
+        first = leaves[0]
+        if isinstance(first, torch.Tensor):
+            moved = [t.to(device) for t in leaves]
+            # Scalars (e.g. a loss computed inside the model) come back as one entry per replica.
+            out.append(torch.cat(moved, dim=0) if first.dim() else torch.stack(moved))
+        else:
+            out.append(first)
+    return tree_unflatten(out, spec)
 
 
 def replicate_state(module: nn.Module, devices: Sequence[torch.device]) -> list[dict[str, torch.Tensor]]:

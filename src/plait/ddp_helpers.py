@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait._torch_compat import tensors_in
 
 __all__ = ["plan_buckets", "average_gradients", "broadcast_coalesced", "params_reached_by"]
 
@@ -85,7 +86,7 @@ def _coalesced(tensors: list[torch.Tensor], collective: Any) -> None:
 
 def params_reached_by(out: Any) -> set[int]:
     """Ids of the leaf tensors (parameters) that backward from ``out`` would reach."""
-    roots = [t.grad_fn for t in _tensors_in(out) if t.grad_fn is not None]
+    roots = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None]
     seen_nodes: set[Any] = set()
     reached: set[int] = set()
     stack = list(roots)
@@ -99,14 +100,3 @@ def params_reached_by(out: Any) -> set[int]:
             reached.add(id(var))
         stack.extend(nxt for nxt, _ in node.next_functions)
     return reached
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors_in(v)

@@ -23,10 +23,10 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from plait import comm
+from plait.dtensors import contiguous_stride, mesh_of
 from plait.fsdp_flat import FlatParam
 
 __all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict"]
@@ -90,12 +90,6 @@ def load_full_state_dict(model, state: dict[str, torch.Tensor]) -> None:
 
 
 # ---------------------------------------------------------------- sharded (DTensor) form
-def _device_mesh(model) -> DeviceMesh:
-    if getattr(model, "_dtensor_mesh", None) is None:
-        model._dtensor_mesh = DeviceMesh.from_group(model.cfg.group, model.cfg.device.type)
-    return model._dtensor_mesh
-
-
 def _rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
     """Dim-0 row range of ``rank``'s Shard(0) chunk (torch.chunk sizes; trailing chunks may be empty)."""
     per = -(-dim0 // world)
@@ -105,7 +99,7 @@ def _rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
 
 def _to_dtensors(model, flat: FlatParam, shard_like: torch.Tensor) -> list[DTensor]:
     full = _gather_flat(flat, shard_like)
-    mesh, world, rank = _device_mesh(model), flat.cfg.world, flat.cfg.rank
+    mesh, world, rank = mesh_of(model.cfg.group, model.cfg.device), flat.cfg.world, flat.cfg.rank
     out = []
     for s in flat.slots:
         p = full[s.offset : s.offset + s.numel].view(s.shape)
@@ -113,7 +107,7 @@ def _to_dtensors(model, flat: FlatParam, shard_like: torch.Tensor) -> list[DTens
         a, b = _rows(shape[0], world, rank)
         local = p.reshape(shape)[a:b].clone()
         out.append(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
-                                      stride=_contiguous_stride(shape)))
+                                      stride=contiguous_stride(shape)))
     return out
 
 
@@ -139,14 +133,6 @@ def _from_dtensors(flat: FlatParam, tensors: list[torch.Tensor], dest: torch.Ten
         full[s.offset : s.offset + s.numel] = everyone[:, col : col + size].reshape(-1)[: s.numel]
         col += size
     _scatter_flat(flat, full.to(dest.device), dest)
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
 
 
 def _state_layout(optimizer: torch.optim.Optimizer) -> dict[str, str]:

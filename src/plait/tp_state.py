@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.dtensors import contiguous_stride, mesh_of
 from plait.tensor_parallel import tp_info, tp_module
 from plait.tp_styles import ShardSpec
 
@@ -82,19 +83,6 @@ def _check_not_fsdp(model: nn.Module, what: str) -> None:
 
 
 # ------------------------------------------------------------------ checkpoint entries
-_meshes: dict[int, Any] = {}
-
-
-def _tp_mesh(info: Any, device: torch.device) -> Any:
-    """A DeviceMesh over the tp group (a container for DTensor checkpoint entries)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    key = id(info.group)
-    if key not in _meshes:
-        _meshes[key] = DeviceMesh.from_group(info.group, device.type)
-    return _meshes[key]
-
-
 def _chunk_rows(spec: ShardSpec, size: int) -> bool:
     """Whether every rank's valid rows are exactly its ``torch.chunk`` part (DTensor's Shard).
 
@@ -122,13 +110,12 @@ def checkpoint_entry(t: torch.Tensor, spec: ShardSpec | None, info: Any, name: s
                          f"rows over tp={info.size}, which is not DTensor's chunking; cannot save it")
     from torch.distributed.tensor import DTensor, Shard
 
-    from plait.fsdp_state_dict import _contiguous_stride
 
     shape = list(t.shape)
     shape[spec.dim] = spec.full
     local = t.narrow(spec.dim, 0, spec.valid).contiguous().clone()
-    return DTensor.from_local(local, _tp_mesh(info, t.device), [Shard(spec.dim)], run_check=False,
-                              shape=torch.Size(shape), stride=_contiguous_stride(torch.Size(shape)))
+    return DTensor.from_local(local, mesh_of(info.group, t.device), [Shard(spec.dim)], run_check=False,
+                              shape=torch.Size(shape), stride=contiguous_stride(torch.Size(shape)))
 
 
 @torch.no_grad()

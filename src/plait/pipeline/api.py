@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait._torch_compat import map_tensors
 from plait.materialize import is_meta
 from plait.pipeline.directed import check_directed, direction_groups
 from plait.pipeline.generators import make_schedule, with_comms
@@ -218,7 +219,7 @@ class Pipeline:
         metas = self.exec.exchange_meta(key, mb_in[0])
         mb_in = [tuple(t.to(self.device) for t in x) for x in mb_in] if 0 in self.stages else mb_in
         if mb_tg is not None and holds_last:
-            mb_tg = [_to(t, self.device) for t in mb_tg]
+            mb_tg = [map_tensors(lambda x: x.to(self.device), t) for t in mb_tg]
         loss_sum, outs = self.exec.run(sched, metas, mb_in, mb_tg if holds_last else None, train)
         if train:
             sync_grads(self._tied)
@@ -263,12 +264,6 @@ def _check_tp(module: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None, l
                          "gather_output=False)), so the loss must be the vocab-parallel cross-entropy: leave "
                          "loss_fn unset (the pipeline then uses it), or gather the logits; got "
                          f"loss_fn={loss_fn!r}")
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    return tuple(_to(t, device) for t in x)
 
 
 def _chunk(x: Any, m: int, what: str) -> list:
