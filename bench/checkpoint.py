@@ -30,7 +30,7 @@ def _training_step(preset: str, seq: int, batch: int):
     import torch.distributed as dist
 
     import plait
-    from plait.tensor_parallel import loss_fn_for
+    from plait.tp.apply import loss_fn_for
     from plait.train import TrainConfig, build_model
 
     cfg = TrainConfig(model=preset, strategy="ddp", nproc=dist.get_world_size(), seq_len=seq,

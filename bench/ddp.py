@@ -47,7 +47,7 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from plait import comm
-    from plait.ddp import DDP
+    from plait.ddp.wrapper import DDP
     from plait.testing import cached_mesh
 
     x, y = _batch(global_batch, seq)
@@ -74,7 +74,7 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
 def _memory(impl: str, preset: str, seq: int, global_batch: int, bucket_mb: float) -> float:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from plait.ddp import DDP
+    from plait.ddp.wrapper import DDP
     from plait.testing import cached_mesh
 
     x, y = _batch(global_batch, seq)

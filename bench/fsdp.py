@@ -116,7 +116,7 @@ def _build(impl: str, args: dict, stage: int | None = None):
     import torch.distributed as dist
 
     import plait
-    from plait.fsdp import FSDP, MixedPrecision
+    from plait.fsdp.wrapper import FSDP, MixedPrecision
     from plait.models.gpt import GPT
     from plait.testing import cached_mesh
 
@@ -196,7 +196,7 @@ def timing_job(args: dict) -> dict:
 def memory_job(impl: str, args: dict) -> dict:
     import torch.distributed as dist
 
-    from plait.fsdp import model_state_bytes
+    from plait.fsdp.wrapper import model_state_bytes
 
     x, y = _batch(args, dist.get_rank())
     model, opt = _build(impl, args)

@@ -113,8 +113,8 @@ def test_fsdp_over_tp_checkpoint_resumes_in_one_process_and_from_zero3(pools, or
 
 def test_vocab_shards_padded_at_the_end_are_dtensor_chunks():
     # 65 rows over tp=2 and 5 rows over tp=4 (one rank empty): DTensor's chunking exactly.
-    from plait.tp_state import _chunk_rows
-    from plait.tp_styles import make_spec
+    from plait.tp.state import _chunk_rows
+    from plait.tp.styles import make_spec
 
     assert _chunk_rows(make_spec(0, 65, 2, 0), 2) and _chunk_rows(make_spec(0, 5, 4, 0), 4)
     assert _chunk_rows(make_spec(1, 96, 2, 0, unit=8), 2)
@@ -196,3 +196,51 @@ def test_pipeline_with_weights_tied_across_ranks_resumes_a_single_process(pools,
     (single / checkpoint.META).write_text('{"step": 2}')
     names = pools[2].run(_tied_pipeline_resume, str(single), str(tmp_path / "tied"))
     assert "tok_emb.weight" in names[0] and "lm_head.weight" in names[1]
+
+
+def _pipeline_zero1_save(folder: str) -> None:
+    """A 2-stage pipeline (embedding tied to the head on the other stage) on 2 replicas with ZeRO-1
+    over dp: two steps, then a save in which each replica writes the Adam state it owns only."""
+    import torch
+    from test_pipeline_parity import ADAM, _batch
+
+    import plait
+    from plait import checkpoint, comm
+    from plait.models.gpt import GPT, lm_loss
+    from plait.testing import cached_mesh
+
+    cfg = _tied()[0]
+    mesh = cached_mesh(pp=2, dp=2)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    pipe = plait.pipeline(model, mesh, schedule="1f1b", microbatches=2, loss_fn=lm_loss, seed=5)
+    opt = plait.ZeroRedundancyOptimizer(pipe.parameters(), torch.optim.AdamW, mesh.group("dp"), **ADAM)
+    assert 0 < len(opt.owned) < len(list(pipe.parameters()))  # each replica owns a share
+    half = slice(mesh.rank("dp") * 4, mesh.rank("dp") * 4 + 4)
+    for step in range(2):
+        x, y = _batch(step)
+        pipe.step(x[half], y[half])
+        comm.average_gradients(pipe.parameters(), mesh.group("dp"))
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(folder, pipe, opt, {"step": 2})
+
+
+def test_pipeline_with_zero1_checkpoint_loads_in_one_process(pools, tmp_path):
+    # The optimizer says which parameters it steps (owns(p)); the checkpoint asks it, whatever its type.
+    import torch
+    from test_pipeline_parity import TOL
+
+    from plait import checkpoint
+
+    pools[4].run(_pipeline_zero1_save, str(tmp_path / "ckpt"))
+    _, oracle, oopt = _tied()
+    _train(oracle, oopt, range(2))
+    _, model, opt = _tied(seed=6)  # other initial values: everything must come from the checkpoint
+    checkpoint.load(tmp_path / "ckpt", model, opt)
+    ref = dict(oracle.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL, msg=lambda s, n=name: f"{n}: {s}")
+        for key, want in oopt.state[ref[name]].items():
+            torch.testing.assert_close(opt.state[p][key], want, **TOL,
+                                       msg=lambda s, n=name, k=key: f"{n}.{k}: {s}")

@@ -184,7 +184,7 @@ def _plant_metadata(folder: Path, payload: bytes) -> None:
     """Replace DCP's .metadata and fix plait.json's checksum for it, as an attacker would."""
     (folder / ".metadata").write_bytes(payload)
     meta = json.loads((folder / checkpoint.META).read_text())
-    meta["files"][".metadata"] = checkpoint._file_record(folder / ".metadata")
+    meta["files"][".metadata"] = checkpoint.file_record(folder / ".metadata")
     (folder / checkpoint.META).write_text(json.dumps(meta))
 
 

@@ -9,7 +9,7 @@ from oracle import assert_params_close, global_batches, make_opt, tiny_gpt, trai
 from torch import nn
 
 from plait import comm
-from plait.ddp import DDP
+from plait.ddp.wrapper import DDP
 from plait.models.gpt import lm_loss
 from plait.testing import cached_mesh
 
@@ -237,7 +237,7 @@ def test_bad_arguments_fail_before_communication():
 
 
 def test_bucket_plan_small_at_both_ends_and_covers_everything():
-    from plait.ddp import plan_buckets
+    from plait.ddp.buckets import plan_buckets
 
     mib = 2**20
     sizes = [mib // 2] * 100 + [30 * mib] + [mib // 4] * 20

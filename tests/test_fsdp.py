@@ -58,7 +58,7 @@ def oracle(steps: int = STEPS, clip: float | None = None, micro: int = 1, **mode
 
 
 def _wrap(dp: int, fsdp: int, stage: int, model_kw: dict | None = None, **kw):
-    from plait.fsdp import FSDP
+    from plait.fsdp.wrapper import FSDP
 
     model = FSDP(make_model(True, **(model_kw or {})), cached_mesh(dp=dp, fsdp=fsdp), stage, **kw)
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
@@ -72,7 +72,7 @@ def _local(b: torch.Tensor, mesh_dp_rank: int, n: int) -> tuple[torch.Tensor, to
 def train_fsdp(dp: int, fsdp: int, stage: int, steps: int = STEPS, clip: float | None = None,
                micro: int = 1, model_kw: dict | None = None, **kw) -> dict:
     from plait import comm
-    from plait.fsdp import model_state_bytes
+    from plait.fsdp.wrapper import model_state_bytes
     from plait.models.gpt import lm_loss
 
     model, opt = _wrap(dp, fsdp, stage, model_kw, **kw)
@@ -299,7 +299,7 @@ def test_full_state_dict_roundtrip(pools):
 
 # ------------------------------------------------------------------ errors
 def bad_input(kind: str) -> None:
-    from plait.fsdp import FSDP
+    from plait.fsdp.wrapper import FSDP
 
     mesh = cached_mesh(fsdp=2)
     if kind == "stage":
@@ -331,7 +331,7 @@ def test_bad_input_errors(pools, kind, words):
 
 # ------------------------------------------------------------------ units, overlap, comm
 def unit_layout(spec) -> dict:
-    from plait.fsdp import FSDP
+    from plait.fsdp.wrapper import FSDP
     from plait.models.gpt import MLP, Block
 
     classes = {"Block": Block, "MLP": MLP}

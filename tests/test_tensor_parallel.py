@@ -52,7 +52,7 @@ class MLPHolder(nn.Module):
 
 def _case(kind: str) -> tuple[nn.Module, dict, torch.Tensor, bool]:
     """(reference module, plan, input, whether the input is token ids)."""
-    from plait.tp_styles import (
+    from plait.tp.styles import (
         ColwiseParallel,
         ParallelRegion,
         RowwiseParallel,
@@ -81,7 +81,7 @@ def _case(kind: str) -> tuple[nn.Module, dict, torch.Tensor, bool]:
 def _style_vs_dense(kind: str, tp: int, sp: bool) -> None:
     import copy
 
-    from plait.tensor_parallel import loss_fn_for, tensor_parallel, tp_info
+    from plait.tp.apply import loss_fn_for, tensor_parallel, tp_info
 
     mesh = cached_mesh(tp=tp)
     r = mesh.rank("tp")
@@ -143,11 +143,12 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, dp: int = 
     from contextlib import nullcontext
 
     from plait.clip import clip_grad_norm_
-    from plait.ddp import DDP
+    from plait.ddp.wrapper import DDP
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig, lm_loss
-    from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel, tp_info
-    from plait.tp_state import full_state_dict, load_full_state_dict
+    from plait.models.plans import gpt_plan
+    from plait.tp.apply import loss_fn_for, tensor_parallel, tp_info
+    from plait.tp.state import full_state_dict, load_full_state_dict
 
     mesh = cached_mesh(dp=dp, tp=tp)
     cfg = GPTConfig(**{**TINY, **cfg_kw})
@@ -234,7 +235,8 @@ def _counts(s: comm.CommStats) -> dict[str, tuple[int, int]]:
 
 def _block_comm(tp: int, sp: bool) -> dict:
     from plait.models.gpt import GPT, GPTConfig
-    from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel
+    from plait.models.plans import gpt_plan
+    from plait.tp.apply import loss_fn_for, tensor_parallel
 
     cfg = GPTConfig(**TINY)
     with torch.device("meta"):
@@ -287,7 +289,8 @@ def _dropout_masks(tp: int, sp: bool) -> dict:
     import torch.distributed as dist
 
     from plait.models.gpt import GPT, GPTConfig
-    from plait.tensor_parallel import gpt_plan, tensor_parallel
+    from plait.models.plans import gpt_plan
+    from plait.tp.apply import tensor_parallel
 
     torch.manual_seed(100 + dist.get_rank())  # ranks out of step on purpose: tensor_parallel syncs tp
     cfg = GPTConfig(**{**TINY, "dropout": 0.5})
@@ -318,8 +321,9 @@ def test_dropout_rng_replicated_vs_sharded_regions(pools, sp):
 # ------------------------------------------------------------------ bad plans, clear errors
 def _bad(case: str) -> None:
     from plait.models.gpt import GPT, GPTConfig
-    from plait.tensor_parallel import gpt_plan, tensor_parallel
-    from plait.tp_styles import ColwiseParallel, RowwiseParallel
+    from plait.models.plans import gpt_plan
+    from plait.tp.apply import tensor_parallel
+    from plait.tp.styles import ColwiseParallel, RowwiseParallel
 
     mesh = cached_mesh(tp=4)
     kw = {"n_heads": 2} if case == "heads" else {"n_heads": 8, "n_kv_heads": 2} if case == "kv" else {}

@@ -49,6 +49,61 @@ def test_plait_run_launches_a_user_script(tmp_path):
     assert (tmp_path / "out0").read_text() == (tmp_path / "out1").read_text() == "3.0"
 
 
+
+def test_plait_run_passes_the_script_its_own_flags(tmp_path):
+    # --nproc after the module is plait train's flag, not an abbreviation of --nproc-per-node.
+    metrics = tmp_path / "m.jsonl"
+    res = _run(["run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "plait.cli",
+                "train", "--nproc", "2", "--steps", "3", "--model", "tiny", "--batch-size", "8",
+                "--max-bytes", "200000", "--eval-every", "0", "--no-progress", "--warmup", "1",
+                "--metrics", str(metrics)])
+    assert res.returncode == 0, res.stderr
+    assert "terminate called" not in res.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3] and rows[-1]["summary"]["world"] == 2
+
+
+def test_plait_run_splits_the_command_line_at_the_script():
+    from torch.distributed.run import get_args_parser
+
+    from plait.run import LaunchError, split_argv
+
+    parser = get_args_parser()
+    argv = ["--nproc-per-node", "2", "-m", "pkg.mod", "--nproc", "2", "--nnodes", "9"]
+    assert split_argv(argv, parser) == (["--nproc-per-node", "2", "-m"], "pkg.mod", argv[4:])
+    assert split_argv(["--nnodes=1", "--standalone", "job.py", "-m", "--"], parser) == (
+        ["--nnodes=1", "--standalone"], "job.py", ["-m", "--"])
+    assert split_argv(["--max-restarts", "0", "--", "job.py", "x"], parser) == (
+        ["--max-restarts", "0"], "job.py", ["x"])
+    with pytest.raises(LaunchError, match="unknown launcher option '--nproc'"):
+        split_argv(["--nproc", "2", "job.py"], parser)
+    with pytest.raises(LaunchError, match="no script given"):
+        split_argv(["--nproc-per-node", "2"], parser)
+
+
+def test_plait_run_without_a_script_is_a_usage_error():
+    res = _run(["run", "--nproc-per-node", "2"])
+    assert res.returncode == 2 and "no script given" in res.stderr
+
+
+def test_grad_clip_zero_means_no_clipping(tmp_path):
+    script = textwrap.dedent(f"""
+        import json
+        from plait.train import TrainConfig, train
+        out = {{}}
+        for clip in (0.0, 1e9, 0.5):
+            cfg = TrainConfig(strategy="none", nproc=1, grad_clip=clip, steps=4, warmup=1, batch_size=8,
+                              seq_len=32, eval_every=0, progress=False, max_bytes=200_000, lr=1e-2,
+                              metrics="{tmp_path}/m.jsonl")
+            out[clip] = train(cfg)["losses"]
+        print(json.dumps(list(out.values())))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    off, huge, clipped = json.loads(res.stdout.strip().splitlines()[-1])
+    assert off == huge  # 0 clips nothing (torch's formula with 0 would zero every gradient)
+    assert off[0] == clipped[0] and off[-1] != clipped[-1]  # a real limit does change the run
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(strategy="fsdp3"), "--strategy"),
     (dict(batch_size=10, nproc=4), "divisible"),
@@ -56,10 +111,9 @@ def test_plait_run_launches_a_user_script(tmp_path):
     (dict(strategy="none", nproc=2), "one process"),
     (dict(model="huge"), "--model"),
     (dict(strategy="fsdp", nproc=4, tp=3), "not divisible"),
-    (dict(strategy="ddp", nproc=4, pp=2, tp=2, grad_accum=2), "--pp combines"),
+    (dict(strategy="fsdp", nproc=4, pp=2, schedule="zb-h1"), "--schedule zb-h1 with --zero-stage 3"),
     (dict(strategy="ddp", nproc=2, pp=2, sequence_parallel=True), "needs --tp 2 or more"),
-    (dict(strategy="fsdp", nproc=4, pp=2, tp=2), "pass --zero-stage 1"),
-    (dict(strategy="fsdp", nproc=4, pp=2, zero_stage=1, offload=True), "got --zero-stage 1 --offload"),
+    (dict(strategy="ddp", nproc=4, pp=2, batch_size=8, grad_accum=2), "--microbatches 4 x --grad-accum 2"),
     (dict(strategy="dp", nproc=2, pp=2), "--pp combines"),
     (dict(strategy="ddp", nproc=2, pp=2, batch_size=6, microbatches=4), "--microbatches"),
     (dict(resume=True, pp=2, nproc=2), "--resume needs --save-dir"),

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from oracle import assert_params_close, global_batches, tiny_gpt, train_single
 
+from plait.fsdp.zero1 import ZeroRedundancyOptimizer, partition
 from plait.models.gpt import lm_loss
 from plait.testing import cached_mesh
-from plait.zero import ZeroRedundancyOptimizer, partition
 
 
 def test_partition_balances_sizes_the_same_way_everywhere():
@@ -22,7 +22,7 @@ def test_partition_balances_sizes_the_same_way_everywhere():
 
 
 def _ddp_zero(steps: int, batch: int) -> dict:
-    from plait.ddp import DDP
+    from plait.ddp.wrapper import DDP
 
     world = dist.get_world_size()
     model = DDP(tiny_gpt(seed=0), cached_mesh(dp=world))

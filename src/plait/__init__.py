@@ -5,22 +5,24 @@ from plait.clip import clip_grad_norm_
 from plait.data_parallel import DataParallel
 from plait.ddp import DDP, DistributedDataParallel
 from plait.env import get_logger, init
-from plait.fsdp import FSDP, FullyShardedDataParallel, MixedPrecision
+from plait.fsdp import FSDP, FullyShardedDataParallel, MixedPrecision, ZeroRedundancyOptimizer
 from plait.materialize import init_weights
 from plait.mesh import Mesh
+from plait.models.plans import gpt_plan
 from plait.parallelize import ParallelPlan, parallelize
 from plait.pipeline import Pipeline, pipeline
-from plait.tensor_parallel import gpt_plan, loss_fn_for, tensor_parallel
-from plait.tp_loss import vocab_parallel_cross_entropy
-from plait.tp_styles import (
+from plait.state_dict import full_state_dict, load_full_state_dict
+from plait.tp import (
     ColwiseParallel,
     ParallelRegion,
     RowwiseParallel,
     SequenceParallel,
     VocabParallelEmbedding,
     VocabParallelOutput,
+    loss_fn_for,
+    tensor_parallel,
+    vocab_parallel_cross_entropy,
 )
-from plait.zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "init",
@@ -49,6 +51,8 @@ __all__ = [
     "parallelize",
     "ParallelPlan",
     "clip_grad_norm_",
+    "full_state_dict",
+    "load_full_state_dict",
     "ZeroRedundancyOptimizer",
 ]
 __version__ = "0.1.0"

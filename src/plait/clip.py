@@ -6,7 +6,7 @@ process groups over which those tensors are disjoint pieces of the model (``grad
 
 * FSDP: flat gradient shards, disjoint over the fsdp group (and over tp for tp-sharded slots);
 * tensor parallelism: tp-sharded gradients over tp, replicated ones under no group;
-* a pipeline: its stages over pp (and tp-sharded ones over tp too);
+* a pipeline: each stage's parts (its wrapper's, or tp's), disjoint over pp as well;
 * DDP and plain modules: every gradient under no group (after DDP's all-reduce the replicas
   are equal, so they must not be summed over dp).
 
@@ -41,7 +41,7 @@ def grad_norm_parts(model: nn.Module | Any) -> GradParts:
     own = getattr(model, "grad_norm_parts", None)
     if own is not None:
         return own()
-    from plait.tensor_parallel import tp_info, tp_module
+    from plait.tp.apply import tp_info, tp_module
 
     inner, info = tp_module(model), tp_info(model)
     grads = [p.grad for p in model.parameters() if p.grad is not None]

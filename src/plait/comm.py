@@ -18,7 +18,7 @@ Why one place:
   bookkeeping tensor bound for NCCL fails the same way on CPU.
 
 The autograd-aware tensor-parallel operators (Megatron's f and g and their sequence-parallel
-variants) are in `plait.comm_tp`, re-exported here.
+variants) belong to tensor parallelism: `plait.tp.collectives`.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ import datetime as _dt
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from plait._torch_compat import default_store
 from plait.desync import MODES, CallRecord, GroupLog, first_divergence, write_flight_record
@@ -97,21 +98,17 @@ def register_group(group: dist.ProcessGroup, label: str, ranks: Sequence[int],
     Without a ``checker`` (a group made outside `new_group`), the fast desync check runs on the
     group itself when it is a Gloo group, and not at all otherwise.
     """
-    from plait.env import device
-
-    _groups[id(group)] = GroupInfo(label, tuple(ranks), device(), checker)
+    _groups[id(group)] = GroupInfo(label, tuple(ranks), _settings["device"], checker)
 
 
 def _info(group: dist.ProcessGroup | None) -> GroupInfo:
     group = dist.group.WORLD if group is None else group
     info = _groups.get(id(group))
     if info is None:
-        from plait.env import device
-
         label = "world" if group is dist.group.WORLD else "unnamed"
         ranks = tuple(dist.get_process_group_ranks(group))
         gloo = dist.get_backend(group) == "gloo"
-        info = _groups[id(group)] = GroupInfo(label, ranks, device(), group if gloo else None)
+        info = _groups[id(group)] = GroupInfo(label, ranks, _settings["device"], group if gloo else None)
     return info
 
 
@@ -125,7 +122,8 @@ def device_of(group: dist.ProcessGroup | None) -> torch.device:
     return _info(group).device
 
 
-def _describe(group: dist.ProcessGroup | None) -> str:
+def describe(group: dist.ProcessGroup | None) -> str:
+    """"axis 'dp' (global ranks [0, 1])": how errors name a group."""
     info = _info(group)
     return f"axis '{info.label}' (global ranks {list(info.ranks)})"
 
@@ -160,7 +158,9 @@ class CommStats:
 
 _stats = CommStats()
 _lock = threading.Lock()
-_settings: dict[str, Any] = {"mode": "fast", "run_dir": "runs"}
+# Set by `plait.init` through `configure`: comm reads no environment of its own.
+_settings: dict[str, Any] = {"mode": "fast", "run_dir": "runs", "timeout_s": 300.0,
+                             "device": torch.device("cpu")}
 
 
 def stats() -> CommStats:
@@ -176,8 +176,14 @@ def reset_stats() -> CommStats:
     return old
 
 
-def configure(desync_check: str | None = None, run_dir: str | None = None) -> None:
-    """Set the process-wide desync check mode and the folder for flight records (`plait.init`)."""
+def configure(desync_check: str | None = None, run_dir: str | None = None, timeout_s: float | None = None,
+              device: torch.device | None = None) -> None:
+    """Process-wide settings, from `plait.init`: the desync check mode, the folder for flight
+    records, the timeout of every group plait makes and the device collectives carry."""
+    if timeout_s is not None:
+        _settings["timeout_s"] = float(timeout_s)
+    if device is not None:
+        _settings["device"] = device
     if desync_check is not None:
         if desync_check not in MODES:
             raise ValueError(f"desync_check must be one of {MODES}, got {desync_check!r}")
@@ -228,7 +234,7 @@ class CollectiveError(RuntimeError):
 
 def _what(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None) -> str:
     tensor = f" of a {tuple(t.shape)} {t.dtype} tensor" if t is not None else ""
-    return f"{op}{tensor} on {_describe(group)}"
+    return f"{op}{tensor} on {describe(group)}"
 
 
 class Handle:
@@ -474,7 +480,7 @@ def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag
     """Asynchronously send ``t`` to global rank ``dst``; ``group`` names the axis for accounting,
     ``via`` is the process group that carries the message (default: the default group)."""
     _record("send", group, t.numel() * t.element_size(), 1.0)
-    what = f"send of a {tuple(t.shape)} {t.dtype} tensor to rank {dst} on {_describe(group)}"
+    what = f"send of a {tuple(t.shape)} {t.dtype} tensor to rank {dst} on {describe(group)}"
     return _point_to_point(what, t, dst, lambda: dist.isend(t, dst=dst, tag=tag, group=via))
 
 
@@ -482,7 +488,7 @@ def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag
           via: dist.ProcessGroup | None = None) -> Handle:
     """Asynchronously receive into ``t`` from global rank ``src`` (``via``: as in `isend`)."""
     _record("recv", group, t.numel() * t.element_size(), 0.0)
-    what = f"recv of a {tuple(t.shape)} {t.dtype} tensor from rank {src} on {_describe(group)}"
+    what = f"recv of a {tuple(t.shape)} {t.dtype} tensor from rank {src} on {describe(group)}"
     return _point_to_point(what, t, src, lambda: dist.irecv(t, src=src, tag=tag, group=via))
 
 
@@ -506,7 +512,7 @@ def _point_to_point(what: str, t: torch.Tensor | None, peer: int, fn: Callable[[
 def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send a small picklable object (e.g. shapes and dtypes) to global rank ``dst``."""
     _record("send_object", group, 0, 0.0)
-    what = f"send of an object to rank {dst} on {_describe(group)}"
+    what = f"send of an object to rank {dst} on {describe(group)}"
     _point_to_point(what, None, dst, lambda: dist.send_object_list([obj], dst=dst))
 
 
@@ -514,25 +520,47 @@ def recv_object(src: int, group: dist.ProcessGroup | None = None) -> Any:
     """Receive what `send_object` sent from global rank ``src``."""
     box: list[Any] = [None]
     _record("recv_object", group, 0, 0.0)
-    what = f"recv of an object from rank {src} on {_describe(group)}"
+    what = f"recv of an object from rank {src} on {describe(group)}"
     _point_to_point(what, None, src, lambda: dist.recv_object_list(box, src=src))
     return box[0]
 
 
+# ------------------------------------------------------------------ coalesced
+def average_gradients(params: Iterable[nn.Parameter], group: Any) -> None:
+    """Average ``.grad`` over ``group`` after backward, in one flat all-reduce per dtype.
+
+    For loops that cannot use DDP's overlapping hooks (e.g. a pipeline, whose microbatches
+    run their own backward passes): correct, but without overlap.
+    """
+    world = dist.get_world_size(group)
+    grads = [p.grad for p in params if p.grad is not None]
+    if world > 1:
+        _coalesced(grads, lambda flat: all_reduce(flat.div_(world), group))
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:
+    """Broadcast many tensors as one flat buffer per dtype (one collective instead of hundreds)."""
+    _coalesced(tensors, lambda flat: broadcast(flat, src, group))
+
+
+@torch.no_grad()
+def _coalesced(tensors: Sequence[torch.Tensor], collective: Any) -> None:
+    """Run an in-place ``collective`` on one flat copy of ``tensors`` per (dtype, device)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            groups.setdefault((t.dtype, t.device), []).append(t)
+    for ts in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        collective(flat)
+        offset = 0
+        for t in ts:
+            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def timeout() -> _dt.timedelta:
     """The collective timeout `plait.init` was given (for every group plait creates)."""
-    from plait.env import collective_timeout_s
-
-    return _dt.timedelta(seconds=collective_timeout_s())
-
-
-# The autograd-aware tensor-parallel operators live in plait.comm_tp, built on the collectives
-# above; they are re-exported here, so `comm.copy_to_tp(...)` and friends keep working.
-from plait.comm_tp import (  # noqa: E402, F401 (re-exported)
-    copy_to_tp,
-    gather_from_sp,
-    gather_from_tp,
-    reduce_from_tp,
-    reduce_scatter_to_sp,
-    scatter_to_tp,
-)
+    return _dt.timedelta(seconds=_settings["timeout_s"])

@@ -16,7 +16,7 @@ tested.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -139,3 +139,25 @@ class DataParallel(nn.Module):
         outputs = parallel_apply(self.module, states, scattered, scattered_kw, self._pool)
         return gather(outputs, self.output_device)
 
+
+    # State: the parameters live once, in ``module``; `plait.full_state_dict` and the checkpoint
+    # protocol (`plait.checkpoint.protocol`) ask it, under its own names (no ``module.`` prefix).
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from plait.state_dict import full_state_dict
+
+        return full_state_dict(self.module)
+
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        from plait.state_dict import load_full_state_dict
+
+        load_full_state_dict(self.module, state)
+
+    def checkpoint_state(self, optimizer: Any) -> dict[str, Any]:
+        from plait.checkpoint.protocol import state_dict
+
+        return state_dict(self.module, optimizer)
+
+    def load_checkpoint_state(self, state: dict[str, Any], optimizer: Any) -> None:
+        from plait.checkpoint.protocol import load_state_dict
+
+        load_state_dict(self.module, optimizer, state)

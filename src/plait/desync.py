@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import FrameType
 
 import torch
 
@@ -132,7 +133,7 @@ def current_label() -> str:
 def call_site() -> str:
     """file:line of the innermost frame outside plait's library and torch: the user's line that
     led here (plait's own applications, such as `plait train`, count as the user's code)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
         library = path.startswith((_TORCH_DIR, _STDLIB_DIR)) or (

@@ -12,19 +12,26 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime as _dt
+import gc
 import logging
 import os
 import random
 import re
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from plait import comm
+
 __all__ = ["init", "get_logger", "seed_everything", "Launch", "launch_from_env", "device"]
 
 DEFAULT_TIMEOUT_S = 300.0
+_THREAD_JOIN_S = 2.0  # at exit, for each plait thread still running (daemon threads may be blocked)
 _state: dict[str, object] = {}
 
 
@@ -111,8 +118,6 @@ def init(
         return _state["device"]  # type: ignore[return-value]
     if not timeout_s > 0:
         raise ValueError(f"init(timeout_s=...) must be positive, got {timeout_s}")
-    from plait import comm
-
     comm.configure(desync_check=desync_check, run_dir=run_dir)
     launch = launch_from_env()
     use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
@@ -123,7 +128,8 @@ def init(
     else:
         dev = torch.device("cpu")
     timeout = _dt.timedelta(seconds=timeout_s)
-    _state.update(timeout_s=timeout_s, device=dev)  # groups made below take this timeout and device
+    _state.update(timeout_s=timeout_s, device=dev)
+    comm.configure(timeout_s=timeout_s, device=dev)  # groups made below take this timeout and device
     if not dist.is_initialized():
         if launch.source == "single":
             dist.init_process_group(
@@ -153,19 +159,61 @@ def init(
     return dev
 
 
+def mark_failed() -> None:
+    """Note that this process is exiting on an error, so its shutdown skips the exit barrier
+    (a peer may be inside a collective this rank will never join)."""
+    _state["failed"] = True
+
+
 def _shutdown() -> None:
+    """Tear every process group down while the interpreter is still whole (registered by `init`).
+
+    Gloo runs each group's collectives on C++ worker threads that live as long as the group
+    object. A worker frees a finished collective's tensors a moment after the caller saw it
+    complete, and that needs the GIL when Python no longer holds the tensors. If the process is
+    already finalizing (the script ended right after its last collective), Python ends the
+    worker with pthread_exit, whose unwinding through C++ aborts the process: "terminate called
+    without an active exception", after the rank had finished. `dist.destroy_process_group`
+    alone does not stop those threads while a `Mesh` or a wrapper still holds its groups.
+    So, at exit, unless this process is failing (its peers may be inside a collective it will
+    never join):
+
+    1. a barrier on the default group, then on every Gloo group this rank belongs to, in
+       creation order (the same on every rank, so they cannot deadlock): no rank destroys a
+       group a peer is still using, a Gloo barrier first waits for the work still in flight on
+       its group, and the round trips give the workers time, with the GIL free, to release the
+       tensors of their last collectives;
+    2. the groups plait created, newest first, then the default group with whatever is left;
+       groups nothing refers to any more are freed, their threads joined;
+    3. the threads plait started that are still alive, joined.
+    """
     if dist.is_initialized():
+        groups = comm.created_groups()
+        failed = bool(_state.get("failed")) or getattr(sys, "last_value", None) is not None
+        if not failed:
+            try:
+                # Plain torch barriers: comm's desync checks would talk on the groups being closed.
+                dist.barrier()
+                for pg in groups:  # NCCL groups: a barrier would build communicators never used
+                    if dist.get_backend(pg) == "gloo" and dist.get_world_size(pg) > 1:
+                        dist.barrier(group=pg)
+            except Exception as e:  # a peer died: tear down anyway, without waiting for it
+                logging.getLogger("plait.env").warning("exit barrier failed (%s); closing anyway", e)
+        for pg in reversed(groups):
+            with contextlib.suppress(ValueError):  # destroyed already, e.g. by the user
+                dist.destroy_process_group(pg)
         dist.destroy_process_group()
+        del groups
+        gc.collect()
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and t.name.startswith("plait-"):
+            t.join(timeout=_THREAD_JOIN_S)
     _state.clear()
 
 
 def device() -> torch.device:
     """The device `init()` chose (cpu when `init()` has not run)."""
     return _state.get("device", torch.device("cpu"))  # type: ignore[return-value]
-
-
-def collective_timeout_s() -> float:
-    return float(_state.get("timeout_s", DEFAULT_TIMEOUT_S))  # type: ignore[arg-type]
 
 
 class _RankFilter(logging.Filter):

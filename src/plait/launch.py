@@ -32,7 +32,13 @@ def set_rank_env(rank: int, world_size: int, port: int, threads: int | None = No
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int | None,
            args: tuple[Any, ...]) -> None:
     set_rank_env(rank, world_size, port, threads)
-    fn(*args)
+    try:
+        fn(*args)
+    except BaseException:
+        from plait.env import mark_failed
+
+        mark_failed()  # its peers may be mid-collective: exit without the exit barrier
+        raise
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (),

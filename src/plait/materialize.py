@@ -73,7 +73,7 @@ def full_values(mod: nn.Module, name: str, seed: int) -> dict[str, torch.Tensor]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, name))
             with torch.no_grad():
-                type(mod).reset_parameters(shell)
+                getattr(type(mod), "reset_parameters")(shell)  # noqa: B009 (not every Module has it)
     out = {k: p.detach() for k, p in shell._parameters.items() if p is not None}
     out.update({k: b for k, b in shell._buffers.items() if b is not None})
     return out
@@ -91,9 +91,10 @@ def init_weights(module: nn.Module, seed: int = 0) -> nn.Module:
     seen: set[int] = set()
     for name, mod in owner_modules(module):
         for key, value in full_values(mod, name, seed).items():
-            target = mod._parameters.get(key)
+            target: torch.Tensor | None = mod._parameters.get(key)
             if target is None:
                 target = mod._buffers[key]
+            assert target is not None
             if id(target) in seen:
                 continue
             seen.add(id(target))

@@ -1,18 +1,23 @@
-"""Composition: one function that applies the strategies in one fixed order.
+"""Composition: one function that applies the strategies in one fixed order, for every layout.
 
-    model = plait.parallelize(model, mesh, plait.ParallelPlan(tp=plait.gpt_plan(cfg), data="ddp"))
+    model = plait.parallelize(model, mesh, plait.ParallelPlan(tp=plait.gpt_plan(cfg), data="fsdp"))
+    pipe = plait.parallelize(model, plait.Mesh(pp=2, fsdp=2, tp=2),
+                             plait.ParallelPlan(tp=plait.gpt_plan(cfg), data="fsdp", pp_microbatches=8))
 
-Order, and why it is fixed:
+The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to every stage):
 
-1. **Pipeline** (``pp`` axis) splits the model into stages first, so that every later step
-   only ever sees this rank's layers. It returns a `Pipeline` (a schedule runner) rather than
-   a module, so tensor parallelism is applied by `plait.pipeline(..., tp_plan=...)` to each
-   rank's stages (pp x tp), and data parallelism by averaging the pipeline's gradients over
-   ``dp`` (as `plait train` does).
-2. **Tensor parallel** (``tp`` axis) shards single layers next. It must come before the data
+0. **Pipeline split** (``pp`` axis, when the mesh has pp > 1): the model is cut into stages
+   first, so that every later step only ever sees this rank's layers; steps 1-3 then apply to
+   each of this rank's stages (`plait.pipeline`, which runs them). The result is a `Pipeline`,
+   trained with ``step(inputs, targets)`` instead of a forward call.
+1. **Tensor parallel** (``tp`` axis) shards single layers next. It must come before the data
    axes: DDP and FSDP then treat each rank's tensor-parallel shards as ordinary parameters,
    and the data-parallel groups (which differ only in the ``dp``/``fsdp`` coordinate) hold
-   shards of identical shape.
+   shards of identical shape. In a pipeline, one call covers all of this rank's stages (ties
+   inside the rank stay ties).
+2. **Activation checkpointing** belongs here (not implemented yet): after tensor parallelism,
+   whose collectives the recomputed forward must repeat, and before data parallelism, whose
+   FSDP units gather parameters around the (recomputed) forwards they wrap.
 3. **Data parallel** last, on the ``dp`` axis (DDP) or the ``fsdp`` axis with optional ``dp``
    replication (FSDP / HSDP): it only needs the final local parameters. FSDP over tensor
    parallelism (2-D fsdp x tp, or 3-D dp x fsdp x tp) flattens and shards each rank's tp
@@ -20,32 +25,54 @@ Order, and why it is fixed:
    of each split layer, replicated norms in full), which FSDP then cuts down to its slice.
    Gradient hooks TP put on parameters (sequence parallelism) move to FSDP's leaves, and
    `plait.clip_grad_norm_` counts tp-sharded gradients across tp and replicated ones once.
+   In a pipeline each stage is its own DDP or FSDP module (torchtitan's layout): gradients
+   accumulate over the step's microbatches and each stage's last backward of the step reduces
+   them (all-reduce, or reduce-scatter for ZeRO-2/3) while it runs; see `plait.pipeline.runtime`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
-from plait.ddp import DistributedDataParallel
+from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
-from plait.fsdp import FullyShardedDataParallel
+from plait.fsdp.wrapper import FullyShardedDataParallel
 from plait.materialize import init_weights, is_meta
 from plait.mesh import Mesh
-from plait.tensor_parallel import tensor_parallel
-from plait.tp_styles import Style
+from plait.names import matches
+from plait.pipeline.api import Pipeline
+from plait.pipeline.arguments import P2P_MODES
+from plait.pipeline.generators import SCHEDULES
+from plait.pipeline.schedules import Schedule
+from plait.tp.apply import tensor_parallel
+from plait.tp.styles import Style
 
-__all__ = ["ParallelPlan", "parallelize"]
+__all__ = ["ParallelPlan", "parallelize", "ORDER"]
 
 DATA_STRATEGIES = ("ddp", "fsdp", "none")
+ORDER = ("pipeline split", "tensor parallel", "activation checkpointing (not implemented yet)",
+         "data parallel (DDP or FSDP)")
+# Pipeline options and their defaults: read only when the mesh has pp > 1.
+PIPELINE_DEFAULTS: dict[str, Any] = {"pp_split": "auto", "pp_schedule": "1f1b", "pp_microbatches": 4,
+                                     "pp_chunks": 1, "loss_fn": None, "p2p": "auto"}
+ZERO3_SPLIT_BACKWARD = (
+    "ZeRO-3 frees each stage's gathered parameters when a backward pass ends, so the deferred W, "
+    "which runs later from the saved graph, could read freed parameters (any weight gradient that "
+    "depends on the weight itself); use zero_stage=2 (parameters stay gathered) or data='ddp', or a "
+    "schedule without W: 'gpipe', '1f1b' or 'interleaved'")
 
 
 @dataclass
 class ParallelPlan:
-    """What to apply on each mesh axis (the ``pp`` axis is `plait.pipeline`'s)."""
+    """What to apply on each mesh axis. The ``pp_*`` fields, ``loss_fn`` and ``p2p`` are
+    `plait.pipeline`'s ``split``, ``schedule``, ``microbatches``, ``chunks``, ``loss_fn`` and
+    ``p2p``, read when the mesh has pp > 1."""
 
     tp: Mapping[str, Style] | None = None  # module-name pattern -> style; None: no tensor parallel
     sequence_parallel: bool = False
@@ -58,32 +85,202 @@ class ParallelPlan:
     fsdp_units: Sequence[type | str] | None = None
     ddp_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0  # init seed for modules still on the meta device
+    pp_split: str | Sequence[str] = "auto"  # "auto" or the segment names that start stages 1..
+    pp_schedule: str | Schedule | Sequence[Sequence[Any]] = "1f1b"
+    pp_microbatches: int = 4
+    pp_chunks: int = 1  # stages per pp rank (interleaved schedules)
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None  # (last stage output, targets) -> scalar
+    p2p: str = "auto"
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> ParallelPlan:
+        """Raise on a plan that names an option its data strategy would ignore, or a malformed
+        pipeline option; return ``self``."""
         if self.data not in DATA_STRATEGIES:
             raise ValueError(f"ParallelPlan(data=...) must be one of {DATA_STRATEGIES}, got {self.data!r}")
+        # Options only FSDP reads: under DDP or no data parallelism they would change nothing,
+        # so a run asked for bf16 or offloading would silently train in fp32 on the device.
+        fsdp_only = {"zero_stage": self.zero_stage != 3, "mixed_precision": self.mixed_precision is not None,
+                     "offload": self.offload, "reshard_after_forward": not self.reshard_after_forward,
+                     "backward_prefetch": not self.backward_prefetch,
+                     "fsdp_units": self.fsdp_units is not None}
+        given = [f"{k}={getattr(self, k)!r}" for k, on in fsdp_only.items() if on]
+        if self.data != "fsdp" and given:
+            raise ValueError(f"ParallelPlan({', '.join(given)}): FSDP options, read only with data='fsdp' "
+                             f"(FSDP / HSDP); data={self.data!r} would ignore them: use data='fsdp' or leave "
+                             "them unset")
+        if self.data != "ddp" and self.ddp_options:
+            raise ValueError(f"ParallelPlan(ddp_options={self.ddp_options!r}) applies to data='ddp'; "
+                             f"got data={self.data!r}")
+        _check_pipeline_fields(self)
+        return self
+
+    def pipeline_options(self) -> dict[str, Any]:
+        """The pipeline fields set to something other than their defaults."""
+        return {k: getattr(self, k) for k, d in PIPELINE_DEFAULTS.items() if getattr(self, k) != d}
 
 
-def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module:
-    """Apply tensor parallelism, then DDP or FSDP, as ``plan`` says; return the model to train."""
-    if not isinstance(plan, ParallelPlan):
-        raise TypeError(f"parallelize(plan=...) expects a plait.ParallelPlan, got {type(plan).__name__}")
-    if mesh.size("tp") > 1 and plan.tp is None:
-        raise ValueError(f"parallelize: {mesh} has tp={mesh.size('tp')} but the plan has no tp styles")
-    if plan.data == "ddp" and mesh.size("fsdp") > 1:
-        raise ValueError(f"parallelize: data='ddp' uses the dp axis, but {mesh} has fsdp="
-                         f"{mesh.size('fsdp')}; use data='fsdp' or put those ranks on dp")
-    if plan.tp is not None:
+def _check_pipeline_fields(plan: ParallelPlan) -> None:
+    for name in ("pp_microbatches", "pp_chunks"):
+        v = getattr(plan, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"ParallelPlan({name}=...) must be an integer >= 1, got {v!r}")
+    if plan.p2p not in P2P_MODES:
+        raise ValueError(f"ParallelPlan(p2p=...) must be one of {P2P_MODES}, got {plan.p2p!r}")
+    if plan.loss_fn is not None and not callable(plan.loss_fn):
+        raise TypeError(f"ParallelPlan(loss_fn=...) must be a callable (output, targets) -> scalar loss, "
+                        f"got {plan.loss_fn!r}")
+    split = plan.pp_split
+    names_ok = (isinstance(split, Sequence) and not isinstance(split, str)
+                and all(isinstance(n, str) for n in split))
+    if split != "auto" and not names_ok:
+        raise ValueError(f"ParallelPlan(pp_split=...) must be 'auto' or a list of segment names starting "
+                         f"stages 1.. (e.g. ['layers.4']), got {split!r}")
+    sched = plan.pp_schedule
+    if sched not in SCHEDULES if isinstance(sched, str) else not isinstance(sched, (Schedule, Sequence)):
+        raise ValueError(f"ParallelPlan(pp_schedule=...) must be one of {SCHEDULES}, a plait Schedule or "
+                         f"per-rank action lists, got {sched!r}")
+
+
+def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module | Pipeline:
+    """Apply the plan in `ORDER`: with pp > 1 a `Pipeline` of this rank's stages (each tensor
+    parallel, then DDP or FSDP), else the model with tensor parallelism, then DDP or FSDP.
+
+    Every argument is checked before the first collective, so a bad plan fails on every rank
+    with the same error instead of leaving some ranks waiting.
+    """
+    _check(module, mesh, plan)
+    if mesh.size("pp") > 1:  # 0. split; the pipeline applies 1-3 to each of this rank's stages
+        return Pipeline(module, mesh, split=plan.pp_split, schedule=plan.pp_schedule,
+                        microbatches=plan.pp_microbatches, loss_fn=plan.loss_fn, chunks=plan.pp_chunks,
+                        seed=plan.seed, device=device(), tp_plan=plan.tp,
+                        sequence_parallel=plan.sequence_parallel, p2p=plan.p2p,
+                        stage_wrapper=_stage_wrapper(module, mesh, plan))
+    if plan.tp is not None:  # 1. tensor parallel
         module = tensor_parallel(module, mesh, plan.tp, sequence_parallel=plan.sequence_parallel,
                                  seed=plan.seed, strict=False)
-    if plan.data == "fsdp":
-        return FullyShardedDataParallel(
-            module, mesh, plan.zero_stage, units=plan.fsdp_units,
-            reshard_after_forward=plan.reshard_after_forward, backward_prefetch=plan.backward_prefetch,
-            mixed_precision=plan.mixed_precision,
-            offload=plan.offload, seed=plan.seed)
+    # 2. activation checkpointing: not implemented yet (see ORDER).
+    if plan.data == "fsdp":  # 3. data parallel
+        return FullyShardedDataParallel(module, mesh, **_fsdp_options(plan, plan.fsdp_units))
     if is_meta(module):  # DDP keeps full replicas: materialize with the same per-module init
         module = init_weights(module.to_empty(device=device()), plan.seed)
     if plan.data == "ddp" and mesh.size("dp") > 1:
         return DistributedDataParallel(module, mesh, **plan.ddp_options)
     return module
+
+
+def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"parallelize(plan=...) expects a plait.ParallelPlan, got {type(plan).__name__}")
+    plan.validate()  # again: its fields may have been changed since it was made
+    if mesh.size("tp") > 1 and plan.tp is None:
+        raise ValueError(f"parallelize: {mesh} has tp={mesh.size('tp')} but the plan has no tp styles")
+    if plan.data == "ddp" and mesh.size("fsdp") > 1:
+        raise ValueError(f"parallelize: data='ddp' uses the dp axis, but {mesh} has fsdp="
+                         f"{mesh.size('fsdp')}; use data='fsdp' or put those ranks on dp")
+    if plan.fsdp_units is not None:  # against the whole model: each stage holds only some units
+        _check_units(module, plan.fsdp_units)
+    if mesh.size("pp") == 1:
+        given = plan.pipeline_options()
+        if given:
+            listed = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            raise ValueError(f"ParallelPlan({listed}): pipeline options, read only when the mesh has pp > 1; "
+                             f"{mesh} has pp=1: leave them unset or add a pp axis")
+    elif plan.ddp_options.get("find_unused_parameters"):
+        raise ValueError("ParallelPlan(ddp_options={'find_unused_parameters': True}) cannot be used with a "
+                         "pipeline: DDP walks a forward's graph for unused parameters, but a stage's "
+                         "microbatches run several forwards before the backward that reduces; every "
+                         "parameter of a stage must get a gradient")
+    elif plan.ddp_options.get("broadcast_buffers"):
+        raise ValueError("ParallelPlan(ddp_options={'broadcast_buffers': True}) cannot be used with a "
+                         "pipeline: the broadcast writes the buffers in place before every forward, while "
+                         "earlier microbatches' graphs still hold them for their backward; pipeline stages "
+                         "get their buffers broadcast once, when wrapped")
+
+
+def _check_units(module: nn.Module, units: Sequence[type | str]) -> None:
+    names = [n for n, _ in module.named_modules() if n]
+    for u in units:
+        if isinstance(u, str) and not any(matches(u, n) for n in names):
+            raise ValueError(f"ParallelPlan(fsdp_units=...): {u!r} matches no submodule of "
+                             f"{type(module).__name__}")
+
+
+def _fsdp_options(plan: ParallelPlan, units: Sequence[type | str] | None) -> dict[str, Any]:
+    return dict(zero_stage=plan.zero_stage, units=units, reshard_after_forward=plan.reshard_after_forward,
+                backward_prefetch=plan.backward_prefetch, mixed_precision=plan.mixed_precision,
+                offload=plan.offload, seed=plan.seed)
+
+
+def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Any:
+    """Step 3 for pipeline stages: what `Pipeline` wraps each stage in (None: no data parallelism)."""
+    if plan.data == "fsdp":
+        return _FSDPStages(mesh, plan, _list_children(module))
+    if plan.data == "ddp" and mesh.size("dp") > 1:
+        return _DDPStages(mesh, plan.ddp_options)
+    return None
+
+
+def _list_children(module: nn.Module) -> set[str]:
+    """Qualified names of every child of an ``nn.ModuleList`` (FSDP's default units), in the whole
+    model: a stage's tree has plain containers where the model had lists."""
+    return {f"{name}.{c}" if name else c for name, mod in module.named_modules()
+            if isinstance(mod, nn.ModuleList) for c, _ in mod.named_children()}
+
+
+@dataclass
+class _DDPStages:
+    """Each stage a `DistributedDataParallel` over dp. Forwards never arm DDP's reduction (they run
+    in ``no_sync``); the stage's last backward of the step is armed just before it runs."""
+
+    mesh: Mesh
+    options: dict[str, Any]
+    materializes: bool = False
+    keeps_parameters: bool = True
+    split_backward_refusal: str | None = None
+
+    def wrap(self, stage: nn.Module) -> nn.Module:
+        # Buffers are broadcast once, here; not before every forward (see _check).
+        return DistributedDataParallel(stage, self.mesh, **{"broadcast_buffers": False, **self.options})
+
+    def leaves(self, wrapped: nn.Module) -> list[torch.Tensor]:
+        return [p for p in wrapped.module.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def grad_sync(self, wrapped: nn.Module, reduce: bool) -> Iterator[None]:
+        if reduce:
+            wrapped.prepare_for_backward()
+            yield
+        else:
+            with wrapped.no_sync():
+                yield
+
+
+class _FSDPStages:
+    """Each stage a `FullyShardedDataParallel` over fsdp (hybrid with dp), sharding units as FSDP
+    would choose them in the whole model; its hooks reduce only outside ``no_sync``."""
+
+    materializes = True
+    keeps_parameters = False
+
+    def __init__(self, mesh: Mesh, plan: ParallelPlan, listed: set[str]) -> None:
+        self.mesh, self.plan, self.listed = mesh, plan, listed
+        self.split_backward_refusal = ZERO3_SPLIT_BACKWARD if plan.zero_stage == 3 else None
+
+    def wrap(self, stage: nn.Module) -> nn.Module:
+        mods = [(n, m) for n, m in stage.named_modules() if n]
+        if self.plan.fsdp_units is None:
+            units: list[type | str] = [n for n, _ in mods if n in self.listed]
+        else:  # the entries that match in this stage (each matches somewhere in the model: checked)
+            units = [u for u in self.plan.fsdp_units if any(
+                matches(u, n) if isinstance(u, str) else isinstance(m, u) for n, m in mods)]
+        return FullyShardedDataParallel(stage, self.mesh, **_fsdp_options(self.plan, units))
+
+    def leaves(self, wrapped: nn.Module) -> list[torch.Tensor]:
+        return [leaf for unit in wrapped.units for flat in unit.flats if flat.requires_grad
+                for leaf in flat.leaves]
+
+    def grad_sync(self, wrapped: nn.Module, reduce: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if reduce else wrapped.no_sync()

@@ -1,28 +1,80 @@
 """`plait run`: launch a script on one or many machines (a thin wrapper of torchrun).
 
-Every flag of ``torch.distributed.run`` passes through unchanged (``--nproc-per-node``,
+Every flag of ``torch.distributed.run`` may come before the script (``--nproc-per-node``,
 ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``, ``--rdzv-backend``, ``--max-restarts``,
-...), so a script that calls ``plait.init()`` runs the same way on a laptop and on a cluster::
+...), spelled in full; everything after the script (or after ``-m module``) goes to the script
+untouched, so a script that calls ``plait.init()`` runs the same way on a laptop and on a
+cluster::
 
     plait run --nproc-per-node 4 train.py --my-flag           # one machine, 4 ranks
+    plait run --nproc-per-node 2 -m plait.cli train --nproc 2  # a module, its own flags
     plait run --nnodes 2 --node-rank 0 --nproc-per-node 8 \\
         --rdzv-backend c10d --rdzv-endpoint head:29500 train.py  # on each of 2 machines
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+
+class LaunchError(ValueError):
+    """The launcher's own part of the command line is wrong (before the script)."""
+
+
+def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], str, list[str]]:
+    """Split ``argv`` into the launcher's options, the script (or module) and the script's args.
+
+    torchrun's own parser sees the whole line and lets argparse abbreviate, so a script flag
+    such as ``--nproc`` is taken for an ambiguous ``--nproc-per-node`` and the launch fails.
+    Here only the options before the script are parsed; the script's arguments never reach
+    the launcher's parser. ``--`` may end the launcher's options explicitly.
+    """
+    # The option strings and whether each takes a value, from torchrun's own parser.
+    takes_value = {opt: action.nargs != 0 for action in parser._actions for opt in action.option_strings}
+    own: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            i += 1
+            break
+        if not arg.startswith("-") or arg == "-":
+            break
+        name = arg.split("=", 1)[0]
+        if name not in takes_value:
+            raise LaunchError(f"plait run: unknown launcher option {arg!r} before the script (options of "
+                              "torch.distributed.run, spelled in full, go before the script; the script's "
+                              "own go after it)")
+        width = 2 if takes_value[name] and "=" not in arg else 1
+        own += argv[i:i + width]
+        i += width
+    if i >= len(argv):
+        raise LaunchError("plait run: no script given (expected e.g. `plait run --nproc-per-node 2 train.py` "
+                          "or `plait run --nproc-per-node 2 -m package.module`)")
+    return own, argv[i], argv[i + 1:]
 
 
 def cli_main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.run import get_args_parser, run
 
-    if not any(not a.startswith("-") and (a.endswith(".py") or a == "-m") for a in argv) and "-m" not in argv:
-        print("plait run: no script given (expected e.g. `plait run --nproc-per-node 2 train.py`)",
-              file=sys.stderr)
+    parser = get_args_parser()
+    parser.prog = "plait run"
+    parser.allow_abbrev = False  # the launcher's options are spelled in full, as split_argv reads them
+    try:
+        own, script, script_args = split_argv(argv, parser)
+    except LaunchError as e:
+        print(e, file=sys.stderr)
         return 2
-    torchrun_main(argv)
+    args = parser.parse_args([*own, script])
+    args.training_script_args = script_args  # exactly as given, never parsed here
+    try:
+        record(run)(args)  # torchrun's error files, as its own entry point writes them
+    except ChildFailedError as e:
+        print(e.format_msg(), file=sys.stderr)
+        return 1
     return 0

@@ -18,6 +18,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ def _plait_library_caller() -> str | None:
     import plait
 
     root = os.path.dirname(os.path.abspath(plait.__file__))
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(os.path.dirname(torch.__file__)):
         frame = frame.f_back
     if frame is None:
@@ -109,6 +110,10 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
             comm.reset_stats()
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException as e:  # report everything, keep serving
+            from plait.env import mark_failed
+
+            # Its peers may be inside a collective it left: at exit, skip the goodbye barriers.
+            mark_failed()
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 

@@ -95,6 +95,9 @@ class Embedding(nn.Embedding):
 class Rotary(nn.Module):
     """Rotary position embedding tables (non-persistent buffers, rebuilt by reset)."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, seq_len: int, base: float) -> None:
         super().__init__()
         self.head_dim, self.seq_len, self.base = head_dim, seq_len, base

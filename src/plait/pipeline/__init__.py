@@ -1,5 +1,6 @@
 """Pipeline parallelism: stages split by module names, schedules as data, a P2P executor."""
 
+from plait.pipeline.actions import Action, Kind, Slot
 from plait.pipeline.api import Pipeline, pipeline
 from plait.pipeline.generators import (
     SCHEDULES,
@@ -10,7 +11,7 @@ from plait.pipeline.generators import (
     with_comms,
     zb_h1,
 )
-from plait.pipeline.schedules import Action, Kind, Schedule, ScheduleError, Slot
+from plait.pipeline.schedules import Schedule, ScheduleError
 
 __all__ = ["pipeline", "Pipeline", "Schedule", "ScheduleError", "Action", "Kind", "Slot", "SCHEDULES",
            "make_schedule", "with_comms", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1"]

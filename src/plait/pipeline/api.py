@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -12,10 +13,11 @@ from torch import nn
 from plait import comm
 from plait._torch_compat import map_tensors
 from plait.materialize import is_meta
+from plait.pipeline.actions import Kind, Slot
+from plait.pipeline.arguments import CustomSchedule, check_tp, resolve_p2p, resolve_schedule, split_batch
 from plait.pipeline.directed import check_directed, direction_groups
-from plait.pipeline.generators import make_schedule, with_comms
-from plait.pipeline.runtime import Executor, as_tuple, busy_fraction
-from plait.pipeline.schedules import COMM, Action, Schedule, ScheduleError, Slot
+from plait.pipeline.runtime import Executor, busy_fraction
+from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import (
     Stage,
     check_chain,
@@ -26,15 +28,13 @@ from plait.pipeline.split import (
     segments,
 )
 from plait.pipeline.ties import find_ties, first_owners, sync_grads, tie_groups
-from plait.tensor_parallel import assign_styles, loss_fn_for, tensor_parallel
-from plait.tp_styles import VocabParallelOutput
+from plait.pipeline.wrapping import StageWrapper, check_wrappable
+from plait.tp.apply import loss_fn_for, mark_part, tensor_parallel
 
 if TYPE_CHECKING:
     from plait.clip import GradParts
 
 __all__ = ["Pipeline", "pipeline"]
-
-CustomSchedule = Schedule | Sequence[Sequence[Action]]
 
 
 class Pipeline:
@@ -50,22 +50,28 @@ class Pipeline:
     copy per rank, initialised from its first owner; `step` sums the copies' gradients.
 
     With ``tp_plan`` (pp x tp), this rank's stages are tensor-parallel over ``mesh.group('tp')``:
-    see `pipeline`. ``tp_module`` is then the `plait.tensor_parallel` module holding this rank's
-    stage modules under their original names (``tp_info``/``loss_fn_for``/`plait.tp_state` accept
+    see `pipeline`. ``tp_module`` is then the `plait.tp` module holding this rank's
+    stage modules under their original names (``tp_info``/``loss_fn_for``/`plait.tp.state` accept
     it), else None.
+
+    With ``stage_wrapper`` (handed in by `plait.parallelize`), each stage is then wrapped for data
+    parallelism (DDP or FSDP): the stages' gradients accumulate over the microbatches and each
+    stage's last backward of the step reduces them, overlapping with it. ``stages`` holds the
+    wrapped modules.
     """
 
     def __init__(self, module: nn.Module, mesh: Any, *, split: str | Sequence[str] = "auto",
                  schedule: str | CustomSchedule = "1f1b", microbatches: int,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, chunks: int = 1, seed: int = 0,
                  device: torch.device | str | None = None, tp_plan: Mapping[str, Any] | None = None,
-                 sequence_parallel: bool = False, p2p: str = "auto") -> None:
+                 sequence_parallel: bool = False, p2p: str = "auto",
+                 stage_wrapper: StageWrapper | None = None) -> None:
         # Every check below runs before the first collective, so bad input never hangs a rank.
         if not isinstance(module, nn.Module):
             raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
         if not (hasattr(mesh, "size") and hasattr(mesh, "group_ranks")):
             raise TypeError(f"pipeline: mesh must be a plait.Mesh, got {type(mesh).__name__}")
-        _check_tp(module, mesh, tp_plan, loss_fn)
+        check_tp(module, mesh, tp_plan, loss_fn)
         if sequence_parallel and tp_plan is None:
             raise ValueError("pipeline: sequence_parallel=True needs a tp_plan (it splits the sequence "
                              "over the tp axis inside tensor-parallel stages)")
@@ -74,12 +80,16 @@ class Pipeline:
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"pipeline: microbatches must be a positive integer, got {microbatches!r}")
         p = mesh.size("pp")
-        self.sched = _resolve_schedule(schedule, p, microbatches, chunks)
+        self.sched = resolve_schedule(schedule, p, microbatches, chunks)
         self.microbatches, self.loss_fn = microbatches, loss_fn
         backend = torch.distributed.get_backend()
-        directed = _resolve_p2p(p2p, backend)
+        directed = resolve_p2p(p2p, backend)
         if directed:  # before any collective: NCCL matches a direction's messages by order
             check_directed(self.sched)
+        refusal = stage_wrapper.split_backward_refusal if stage_wrapper is not None else None
+        if refusal and any(a.kind is Kind.W for row in self.sched.actions for a in row):
+            raise ValueError(f"pipeline: schedule {self.sched.name!r} splits backward into B and W; "
+                             f"{refusal}")
         self.rank = mesh.rank("pp")
         self.group = mesh.group("pp")
         self.pp_ranks = mesh.group_ranks("pp")
@@ -92,60 +102,93 @@ class Pipeline:
             raise ValueError(f"pipeline: tp_plan with weights shared across pp ranks ({shared}) is not "
                              "supported; untie them (e.g. GPTConfig(tie_embeddings=False)) or put "
                              "their users on one pp rank with split=")
-        owners = first_owners(module)
         mine = self.sched.rank_stages(self.rank)
-        meta = is_meta(module)
+        check_wrappable(stage_wrapper, {s: [p for i in plan[s] for p in segs[i][1].parameters()]
+                                        for s in mine}, ties)
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                       else torch.device("cpu"))
         self.device = torch.device(device)
-        # Structure check at the first step, then dropped. Tensor parallelism changes this rank's
-        # modules in place (and their forwards communicate), so the check then runs on a copy of
-        # the model as given.
-        self._skeleton: nn.Module | None = module if tp_plan is None else meta_copy(module)
+        # Structure check at the first step, then dropped. Tensor parallelism and FSDP change this
+        # rank's modules in place (and their forwards communicate), so the check then runs on a
+        # copy of the model as given.
+        self._skeleton: nn.Module | None = (module if tp_plan is None and stage_wrapper is None
+                                            else meta_copy(module))
         self._segs = segs
-        my_segs = [segs[i] for s in mine for i in plan[s]]
         self.tp_module: nn.Module | None = None
+        self._inner = {s: Stage(s, [segs[i] for i in plan[s]]) for s in mine}
+        self.loss_fn = loss_fn = self._parallelize_stages(module, mesh, tp_plan, sequence_parallel, seed,
+                                                          loss_fn, stage_wrapper)
+        # Copies of weights shared with another pp rank, with the group that sums their gradients.
+        groups = tie_groups(ties, mesh)
+        held = {n: p for s in self._inner.values() for n, p in s.qualified_parameters()}
+        self._tied = [(next(held[n] for n in tie.names if n in held), g)
+                      for tie, g in zip(ties, groups) if g is not None]
+        # Each name of a weight tied across pp ranks -> its first owner's (one optimizer state).
+        self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
+        self._my_segs = [seg for s in mine for seg in self._inner[s].segments]
+        self._wrapper = stage_wrapper
+        # W's pulled into waits (a helper thread watches the receives): on Gloo only, where a
+        # receive's wait() returns when the data is there (NCCL's returns at once, ordering streams),
+        # and not when W communicates (sequence parallelism; data parallelism, whose collectives
+        # would then come in another order on each replica), which would desynchronize ranks.
+        self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
+                             self.device, links=direction_groups(self.sched, mesh) if directed else None,
+                             fill_w=not sequence_parallel and backend == "gloo" and stage_wrapper is None,
+                             **self._wrapped_stage_hooks())
+        self._fwd_sched = self.sched.forward_part().validate()
+        self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
+        self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
+
+    def _parallelize_stages(self, module: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None,
+                            sequence_parallel: bool, seed: int, loss_fn: Any,
+                            wrapper: StageWrapper | None) -> Any:
+        """This rank's stages, in order: tensor parallelism, materialization, data parallelism
+        (`plait.parallelize` documents the order); returns the loss function to use."""
+        my_segs = [seg for s in sorted(self._inner) for seg in self._inner[s].segments]
         if tp_plan is not None:
             # All of this rank's stages in one tensor_parallel call (one TPInfo, ties inside the rank
             # kept), under the original names: plan patterns match and a meta module gets its init
             # values from full_values under its own name, one module at a time, keeping its shard.
             self.tp_module = tensor_parallel(named_view(my_segs), mesh, tp_plan,
-                                             sequence_parallel=sequence_parallel,
-                                             seed=seed, strict=False)
+                                             sequence_parallel=sequence_parallel, seed=seed, strict=False)
             if loss_fn is None:
                 loss_fn = loss_fn_for(self.tp_module)
-            self.loss_fn = loss_fn
-        elif meta:  # all of this rank's stages at once, so ties between them stay ties
-            materialize_segments(my_segs, seed, self.device, owners)
-        self.stages = {s: Stage(s, [segs[i] for i in plan[s]]).to(self.device) for s in mine}
-        # Copies of weights shared with another pp rank, with the group that sums their gradients.
-        groups = tie_groups(ties, mesh)
-        held = {n: p for s in self.stages.values() for n, p in s.qualified_parameters()}
-        self._tied = [(next(held[n] for n in tie.names if n in held), g)
-                      for tie, g in zip(ties, groups) if g is not None]
-        # Each name of a weight tied across pp ranks -> its first owner's (one optimizer state).
-        self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
-        self._my_segs = [(n, m) for s in mine for n, m in zip(self.stages[s].names, self.stages[s].segs)]
-        # W's pulled into waits (a helper thread watches the receives): on Gloo only, where a
-        # receive's wait() returns when the data is there (NCCL's returns at once, ordering streams),
-        # and not when W communicates (sequence parallelism), which would desynchronize tp ranks.
-        self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
-                             self.device, links=direction_groups(self.sched, mesh) if directed else None,
-                             fill_w=not sequence_parallel and backend == "gloo")
-        self._fwd_sched = self.sched.forward_part().validate()
-        self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
-        self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
+        elif is_meta(module) and not (wrapper is not None and wrapper.materializes):
+            # All of this rank's stages at once, so ties between them stay ties.
+            materialize_segments(my_segs, seed, self.device, first_owners(module))
+        for st in self._inner.values():
+            if self.tp_module is not None:
+                mark_part(st, self.tp_info)  # so that a wrapper of the stage sees its tp shards
+            if not is_meta(st):  # a wrapper that materializes places the stage itself
+                st.to(self.device)
+        self.stages: dict[int, nn.Module] = dict(self._inner)
+        # Each stage's state-dict keys (original names) before a wrapper may replace its tensors.
+        self._state_keys = {s: set(st.state_dict(keep_vars=True)) for s, st in self._inner.items()}
+        if wrapper is not None:  # data parallelism last, on each stage's final parameters
+            self.stages = {s: wrapper.wrap(st) for s, st in sorted(self._inner.items())}
+        return loss_fn
+
+    def _wrapped_stage_hooks(self) -> dict[str, Any]:
+        """The executor's view of the stage wrapper: each stage's autograd leaves, and the context
+        its actions run in (local accumulation, or the reducing last backward)."""
+        w = self._wrapper
+        if w is None:
+            return {}
+        return {"params": {s: w.leaves(m) for s, m in self.stages.items()},
+                "grad_sync": lambda s, reduce: w.grad_sync(self.stages[s], reduce)}
 
     # ------------------------------------------------------------------ parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the original model (tied ones once)."""
+        """What the optimizer steps on this rank, each once: the stages' parameters under their names
+        in the original model, or a wrapper's own (FSDP's flat shards: ``stages.<s>.flat_<u>_<g>``)."""
         seen: set[int] = set()
         for s in sorted(self.stages):
-            for name, prm in self.stages[s].qualified_parameters():
+            original = {id(p): n for n, p in self._inner[s].named_parameters()}
+            for name, prm in self.stages[s].named_parameters():
                 if id(prm) not in seen:
                     seen.add(id(prm))
-                    yield name, prm
+                    yield original.get(id(prm), f"stages.{s}.{name}"), prm
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, prm in self.named_parameters():
@@ -154,23 +197,106 @@ class Pipeline:
     def state_module(self) -> nn.Module:
         """This rank's stages as one module under their names in the original model: its
         ``state_dict()`` has the original keys (checkpoints use it)."""
+        if self._wrapper is not None and not self._wrapper.keeps_parameters:
+            raise ValueError("pipeline: the stages are FSDP-sharded (flat shards, not the model's "
+                             "tensors); state dicts and checkpoints of pipelines with FSDP stages are not "
+                             "supported yet")
         return self.tp_module if self.tp_module is not None else named_view(self._my_segs)
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's stages' state under the original model's names (see `state_module`)."""
+        return self.state_module().state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> Any:
+        return self.state_module().load_state_dict(state, strict=strict)
+
+    # Full state and the checkpoint protocol (`plait.state_dict`, `plait.checkpoint.protocol`).
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state on every rank (a collective over tp and pp): this rank's stages
+        at full size (gathered over tp with a ``tp_plan``), then every pp rank's."""
+        from plait.state_dict import full_state_dict, union_over
+
+        own = self._stages_holding_state()
+        mine = ({k: v for st, _ in own for k, v in st.full_state_dict().items()} if own is not None
+                else full_state_dict(self.state_module()))
+        return union_over(mine, self.group, self.pp_ranks)
+
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load the whole model's full state: each rank takes its own stages' entries (no
+        communication; entries of other ranks' stages are not checked here)."""
+        from plait.state_dict import load_full_state_dict
+
+        own = self._stages_holding_state()
+        if own is not None:
+            for st, keys in own:
+                st.load_full_state_dict({k: state[k] for k in keys})
+            return
+        module = self.state_module()
+        load_full_state_dict(module, {k: v for k, v in state.items() if k in module.state_dict()})
+
+    def checkpoint_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's stages' entries; a weight tied across pp ranks keeps one optimizer state,
+        under its first owner's name (``tied_names``)."""
+        from plait.checkpoint.protocol import module_state
+
+        own = self._stages_holding_state()
+        if own is None:
+            return module_state(self.state_module(), optimizer, self.tied_names)
+        out: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}
+        for st, _ in own:  # each FSDP stage's sharded entries, already under the original names
+            for part, entries in st.checkpoint_state(optimizer).items():
+                out[part].update(entries)
+        return out
+
+    def load_checkpoint_state(self, state: dict[str, Any], optimizer: Any) -> None:
+        from plait.checkpoint.protocol import load_module_state
+
+        own = self._stages_holding_state()
+        if own is None:
+            load_module_state(self.state_module(), optimizer, state, self.tied_names)
+            return
+        for st, keys in own:
+            st.load_checkpoint_state({**state, "model": {k: state["model"][k] for k in keys}}, optimizer)
+
+    def _stages_holding_state(self) -> list[tuple[nn.Module, set[str]]] | None:
+        """(wrapped stage, its state-dict keys) per stage when the wrapper holds the stages' state
+        in its own form (FSDP's flat shards) and answers the state protocols itself; else None."""
+        if self._wrapper is None or self._wrapper.keeps_parameters:
+            return None
+        return [(self.stages[s], self._state_keys[s]) for s in sorted(self.stages)]
+
     def grad_norm_parts(self) -> GradParts:
-        """Stages hold disjoint parameters, so every gradient is summed over pp; tp-sharded ones
-        over tp as well (`plait.clip`). Weights tied across pp ranks count once (their first
-        owner's copy), as in `named_parameters`."""
-        info = self.tp_info
-        sharded = set(info.specs) if info is not None else set()
-        grads = [(n in sharded, p.grad) for n, p in self.named_parameters() if p.grad is not None]
-        if info is None or info.size == 1:
-            return {(self.group,): [g for _, g in grads]}
-        return {(self.group, info.group): [g for s, g in grads if s],
-                (self.group,): [g for s, g in grads if not s]}
+        """Each stage's parts as its wrapper (or tensor parallelism) describes them, all disjoint over
+        pp as well, since stages hold disjoint parameters (`plait.clip`). A weight tied across pp
+        ranks counts once: the copies that are not its first owner's are left out."""
+        from plait.clip import grad_norm_parts
+
+        firsts = set(self.tied_names.values())
+        names: dict[int, tuple[nn.Parameter, list[str]]] = {}
+        for st in self._inner.values():
+            for n, p in st.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), (p, []))[1].append(n)
+        copies = {id(p.grad) for p, ns in names.values() if p.grad is not None
+                  and any(n in self.tied_names for n in ns) and not any(n in firsts for n in ns)}
+        parts: GradParts = {}
+        for s in sorted(self.stages):
+            for key, grads in grad_norm_parts(self.stages[s]).items():
+                parts.setdefault((self.group, *key), []).extend(g for g in grads if id(g) not in copies)
+        return parts
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Steps inside accumulate gradients without the data-parallel reduction; the first step
+        after the block reduces everything accumulated (like DDP's and FSDP's ``no_sync``)."""
+        old, self.exec.reduce_grads = self.exec.reduce_grads, False
+        try:
+            yield
+        finally:
+            self.exec.reduce_grads = old
 
     @property
     def tp_info(self) -> Any:
-        """The `plait.tensor_parallel.TPInfo` of this rank's stages (None without ``tp_plan``)."""
+        """The `plait.tp.TPInfo` of this rank's stages (None without ``tp_plan``)."""
         return None if self.tp_module is None else self.tp_module._plait_tp
 
     @property
@@ -206,11 +332,11 @@ class Pipeline:
 
     def _step(self, sched: Schedule, inputs: Any, targets: Any, train: bool) -> Any:
         m, S = self.microbatches, self.sched.stages
-        mb_in = _chunk(inputs, m, "inputs")
+        mb_in = split_batch(inputs, m, "inputs")
         holds_last = (S - 1) in self.stages
         if targets is None and holds_last and train:
             raise ValueError("pipeline.step: targets are required on the rank holding the last stage")
-        mb_tg = None if targets is None else _chunk(targets, m, "targets")
+        mb_tg = None if targets is None else split_batch(targets, m, "targets")
         if self._skeleton is not None:
             check_chain(self._skeleton, self._segs, mb_in[0])
             self._skeleton = None
@@ -244,78 +370,6 @@ class Pipeline:
         self.bubble_fraction = 1.0 - busy_fraction(self.exec.timeline, step_time)
 
 
-def _check_tp(module: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None, loss_fn: Any) -> None:
-    """Check the tensor-parallel arguments and the loss against the plan (no collective)."""
-    tp = mesh.size("tp")
-    if tp_plan is None:
-        if tp > 1:
-            raise ValueError(f"pipeline: the mesh has tp={tp} but no tp_plan was given; pass "
-                             "tp_plan=plait.gpt_plan(cfg) (or a plan for your model) to shard the stages")
-        if loss_fn is None:
-            raise TypeError("pipeline: loss_fn is required: a callable (last stage output, targets) "
-                            "-> scalar")
-        return
-    # Against the whole model, so a typo in a pattern is still an error although each rank's
-    # stages hold only some of the matched modules.
-    assigned = assign_styles(module, tp_plan, strict=True)
-    sharded = any(isinstance(s, VocabParallelOutput) and not s.gather_output for s in assigned.values())
-    if sharded and loss_fn is not None:
-        raise ValueError("pipeline: tp_plan leaves the logits split by vocabulary (VocabParallelOutput("
-                         "gather_output=False)), so the loss must be the vocab-parallel cross-entropy: leave "
-                         "loss_fn unset (the pipeline then uses it), or gather the logits; got "
-                         f"loss_fn={loss_fn!r}")
-
-
-def _chunk(x: Any, m: int, what: str) -> list:
-    if x is None:
-        raise ValueError(f"pipeline: {what} must be given (a tensor or tuple of tensors), got None")
-    ts = as_tuple(x, what)
-    n = ts[0].shape[0] if ts[0].dim() else 0
-    for t in ts:
-        if t.dim() == 0 or t.shape[0] != n:
-            raise ValueError(f"pipeline: every tensor of {what} needs the batch as dim 0 of one size; got "
-                             f"shapes {[tuple(u.shape) for u in ts]}")
-    if n % m:
-        raise ValueError(f"pipeline: {what} batch size {n} is not divisible by microbatches={m}")
-    parts = [t.chunk(m) for t in ts]
-    out = [tuple(p[i] for p in parts) for i in range(m)]
-    return out if isinstance(x, tuple) or what == "inputs" else [o[0] for o in out]
-
-
-P2P_MODES = ("auto", "tagged", "directed")
-
-
-def _resolve_p2p(p2p: str, backend: str) -> bool:
-    """Whether to send on one group per direction (see `plait.pipeline.directed`)."""
-    if p2p not in P2P_MODES:
-        raise ValueError(f"pipeline: p2p must be one of {P2P_MODES}, got {p2p!r}")
-    if p2p == "tagged" and backend != "gloo":
-        raise ValueError(f"pipeline: p2p='tagged' matches messages by tag, which only Gloo does; this "
-                         f"process group uses {backend!r}: use p2p='directed' (or 'auto')")
-    return p2p == "directed" or (p2p == "auto" and backend != "gloo")
-
-
-def _resolve_schedule(schedule: Any, p: int, m: int, chunks: int) -> Schedule:
-    if isinstance(schedule, str):
-        return make_schedule(schedule, p, m, chunks)
-    if isinstance(schedule, Schedule):
-        sched = schedule
-    elif isinstance(schedule, Sequence):
-        rows = [list(r) for r in schedule]
-        stages = 1 + max((a.stage for r in rows for a in r if isinstance(a, Action)), default=0)
-        stages = max(p, -(-stages // p) * p)
-        has_comm = any(isinstance(a, Action) and a.kind in COMM for r in rows for a in r)
-        sched = (Schedule("custom", p, stages, m, tuple(tuple(r) for r in rows)) if has_comm
-                 else with_comms("custom", p, stages, m, rows))
-    else:
-        raise TypeError(f"pipeline: schedule must be a name, a Schedule or per-rank lists of Actions, "
-                        f"got {type(schedule).__name__}")
-    if sched.ranks != p or sched.microbatches != m:
-        raise ScheduleError(f"pipeline: the schedule is for ranks={sched.ranks}, microbatches="
-                            f"{sched.microbatches}, but pp={p} and microbatches={m}")
-    return sched.validate()
-
-
 def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
              schedule: str | CustomSchedule = "1f1b", microbatches: int = 4,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, chunks: int = 1,
@@ -329,7 +383,7 @@ def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
     ``"zb-h1"``, a `Schedule` or per-rank action lists; ``chunks``: stages per rank; ``seed``:
     the `plait.init_weights` seed used to materialize a meta-device model.
 
-    ``tp_plan`` (pp x tp, Megatron's layout): a `plait.tensor_parallel` plan, e.g.
+    ``tp_plan`` (pp x tp, Megatron's layout): a `plait.tp` plan, e.g.
     ``plait.gpt_plan(cfg)``. The model is split into stages first, then each rank's stages are
     tensor-parallel over ``mesh.group('tp')``, with the plan's patterns matched against the
     original names (``layers.*.attn.q_proj``). A meta-device model is materialized by tensor
@@ -352,6 +406,9 @@ def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
     matched by order, as NCCL needs (`plait.pipeline.directed`; a schedule whose receives come
     in another order than its sends is refused first). ``"auto"``: tagged on Gloo, directed on
     other backends.
+
+    Data parallelism across pipelines (each stage its own DDP or FSDP module, reducing in its
+    last backward of the step): build the pipeline with `plait.parallelize` instead.
     """
     return Pipeline(module, mesh, split=split, schedule=schedule, microbatches=microbatches,
                     loss_fn=loss_fn, chunks=chunks, seed=seed, device=device, tp_plan=tp_plan,

@@ -10,9 +10,15 @@ run the weight gradients later, in what would otherwise be pipeline bubbles. Wit
   computation (nodes compute only the outputs a requested gradient needs); a pre-hook on each
   cut node keeps the gradient flowing into it.
 * **W.** For each cut node, autograd restarts from that node with the saved gradient and is asked
-  for the parameters reachable off the input path from it only, so nothing of B is recomputed.
+  only for the gradients it sends off the input path (its edges towards parameters), so nothing
+  of B is recomputed. Then one backward pass from all those edges accumulates every parameter's
+  ``.grad`` at once.
 
 The result equals a plain ``backward`` (each parameter's gradient is summed over its cut nodes).
+Accumulating in a single pass, rather than one per cut node, matters to data parallelism: each
+parameter's post-accumulate hook fires exactly once, and everything the pass accumulates is done
+when it ends, as after a plain ``backward``, so DDP's bucket all-reduces and FSDP's
+reduce-scatters started by those hooks run during W and are complete when it returns.
 """
 
 from __future__ import annotations
@@ -53,39 +59,79 @@ def _classify(roots: Sequence[Node], inputs: set[Node], params: set[Node]
     return flags, kids
 
 
-class WeightGrad:
-    """The deferred W half of one stage-microbatch backward; `run()` accumulates into ``.grad``."""
+Cut = tuple[Node, tuple, list[GradientEdge]]  # node, gradients B saw flowing into it, its off-path edges
 
-    def __init__(self, work: list[tuple[list[GradientEdge | torch.Tensor], list[torch.Tensor],
-                                        list[torch.nn.Parameter]]]) -> None:
-        self._work = work
+
+class WeightGrad:
+    """The deferred W half of one stage-microbatch backward; `run()` accumulates into ``.grad``.
+
+    ``cuts``: each cut node with the gradients B saw flowing into it and its edges off the input
+    path; ``roots``/``grads``: edges whose whole subgraph is off the input path (outputs that
+    depend on no stage input), run from as they are.
+    """
+
+    def __init__(self, cuts: list[Cut], roots: list[GradientEdge], grads: list[torch.Tensor | None],
+                 params: list[torch.Tensor]) -> None:
+        self._cuts, self._roots, self._grads, self._params = cuts, roots, grads, params
 
     def run(self) -> None:
-        for outs, grads, params in self._work:
-            got = torch.autograd.grad(outs, params, grads, retain_graph=True, allow_unused=True)
-            for p, g in zip(params, got):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
-        self._work = []  # drops the saved gradients and, with them, the graph
+        roots, grads = list(self._roots), list(self._grads)
+        for node, into, off_path in self._cuts:
+            for edge, g in _off_path_grads(node, into, off_path):
+                roots.append(edge)
+                grads.append(g)
+        if roots and self._params:
+            # One pass over the off-path subgraphs (they never reach the input path, so nothing is
+            # counted twice; shared nodes sum their inputs first): every parameter accumulates once.
+            torch.autograd.backward(roots, grads, inputs=self._params)
+        self._cuts, self._roots, self._grads = [], [], []  # drops the saved gradients and the graph
+
+
+def _off_path_grads(node: Node, into: tuple, off_path: list[GradientEdge]
+                    ) -> list[tuple[GradientEdge, torch.Tensor]]:
+    """The gradients a cut node sends along its off-path edges.
+
+    Asked for those edges, autograd runs only the cut node, skips its input-path output (B's work)
+    and stops there. An edge straight into a parameter's accumulator is the exception: capturing
+    there would apply the parameter's gradient hooks (tensor parallelism's sum over tp), and the
+    accumulating pass would apply them again. For those the node is called directly, which
+    recomputes its input-path output too (cheap for the elementwise ops that use a weight
+    directly, such as a norm's scale).
+    """
+    direct = [e for e in off_path if hasattr(e.node, "variable")]  # AccumulateGrad nodes
+    later = [e for e in off_path if not hasattr(e.node, "variable")]
+    out: list[tuple[GradientEdge, torch.Tensor]] = []
+    if later:
+        edges = [GradientEdge(node, k) for k, g in enumerate(into) if g is not None]
+        got = torch.autograd.grad(edges, later, [g for g in into if g is not None], retain_graph=True,
+                                  allow_unused=True)
+        out += [(e, g) for e, g in zip(later, got) if g is not None]
+    if direct:
+        wanted = set(direct)
+        raw = node(*into)
+        raw = raw if isinstance(raw, tuple) else (raw,)
+        for (child, nr), g in zip(node.next_functions, raw):
+            edge = GradientEdge(child, nr)
+            if edge in wanted and g is not None:
+                var = child.variable  # the engine would sum a broadcast gradient to the leaf's shape
+                out.append((edge, g.sum_to_size(var.shape).to(var.dtype)))
+                wanted.discard(edge)
+    return out
 
 
 def backward_input(
     outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-    inputs: Sequence[torch.Tensor], params: Sequence[torch.nn.Parameter],
+    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightGrad]:
-    """Run B: return the gradients of ``inputs`` and the pending W for ``params``."""
+    """Run B: return the gradients of ``inputs`` and the pending W for ``params`` (autograd leaves)."""
     params = [p for p in params if p.requires_grad]
-    roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
     if not inputs:  # first stage: nothing to send upstream, the whole backward is W
-        return [], WeightGrad([(list(outputs), list(grads), params)])  # type: ignore[list-item]
+        live = [(get_gradient_edge(o), g) for o, g in zip(outputs, grads) if o.grad_fn is not None]
+        return [], WeightGrad([], [e for e, _ in live], [g for _, g in live], params)
+    roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
     in_nodes = {get_gradient_edge(x).node for x in inputs}
-    acc = {get_gradient_edge(p).node: p for p in params}
-    flags, kids = _classify(roots, in_nodes, set(acc))
-    on_path = {n for n, f in flags.items() if f & IN}
+    acc = {get_gradient_edge(p).node for p in params}
+    flags, kids = _classify(roots, in_nodes, acc)
     # In graph order, not set order (which follows object addresses): W runs the cuts in this
     # order, and the gradient hooks it fires may communicate (sequence parallelism sums norm
     # weights over tp), so every rank must visit them in the same order.
@@ -98,33 +144,16 @@ def backward_input(
     finally:
         for h in hooks:
             h.remove()
-    work: list = []
+    work: list[Cut] = []
     for n in cuts:
         gs = saved.get(n)
-        if gs is None:
+        if gs is None or all(g is None for g in gs):
             continue
-        mine = _params_off_path(n, on_path, acc, kids)
-        outs = [GradientEdge(n, k) for k, g in enumerate(gs) if g is not None]
-        if mine and outs:
-            work.append((outs, [g for g in gs if g is not None], mine))
+        off = list(dict.fromkeys(GradientEdge(c, i) for c, i in n.next_functions
+                                 if c is not None and flags.get(c) == PARAM))
+        if off:
+            work.append((n, tuple(gs), off))
     # Outputs that do not depend on any input carry their weight gradients entirely in W.
-    free = [(o, g) for o, g in zip(outputs, grads) if o.grad_fn is not None and o.grad_fn not in on_path]
-    if free:
-        work.append(([o for o, _ in free], [g for _, g in free], params))
-    return list(got), WeightGrad(work)
-
-
-def _params_off_path(node: Node, on_path: set[Node], acc: dict[Node, torch.nn.Parameter],
-                     kids: dict[Node, list[Node]]) -> list:
-    seen: set[Node] = set()
-    stack = [c for c in kids[node] if c not in on_path]
-    found: dict[int, torch.nn.Parameter] = {}
-    while stack:
-        c = stack.pop()
-        if c in seen:
-            continue
-        seen.add(c)
-        if c in acc:
-            found[id(acc[c])] = acc[c]
-        stack.extend(k for k in kids.get(c, ()) if k not in on_path)
-    return list(found.values())
+    free = [(get_gradient_edge(o), g) for o, g in zip(outputs, grads)
+            if o.grad_fn is not None and not flags.get(o.grad_fn, 0) & IN]
+    return list(got), WeightGrad(work, [e for e, _ in free], [g for _, g in free], params)

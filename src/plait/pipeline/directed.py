@@ -22,7 +22,8 @@ from typing import Any
 import torch.distributed as dist
 
 from plait import comm
-from plait.pipeline.schedules import Kind, Schedule, ScheduleError
+from plait.pipeline.actions import Kind
+from plait.pipeline.schedules import Schedule, ScheduleError
 
 __all__ = ["directions", "check_directed", "direction_groups"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from plait.pipeline.schedules import Kind, Slot
+from plait.pipeline.actions import Kind, Slot
 
 if TYPE_CHECKING:
-    from plait.pipeline.schedules import Schedule
+    from plait.pipeline.schedules import Costs, Schedule
 
 __all__ = ["render_text", "draw_png"]
 
@@ -22,7 +22,7 @@ def _label(slot: Slot, chunks: int, ranks: int) -> str:
     return f"{kind}{a.mb}{chunk}"
 
 
-def render_text(sched: Schedule, costs: Mapping[Kind, float] | None = None) -> str:
+def render_text(sched: Schedule, costs: Costs | None = None) -> str:
     """One line per rank, one cell per time unit of the unit-cost plan (BW spans two cells).
 
     Cells read ``F3`` (forward of microbatch 3), ``B3``, ``W3``; with several chunks per rank a

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from plait.pipeline.schedules import BACKWARD, Action, Kind, Schedule, ScheduleError
+from plait.pipeline.actions import BACKWARD, Action, Kind
+from plait.pipeline.schedules import Schedule, ScheduleError
 
 __all__ = ["SCHEDULES", "make_schedule", "with_comms", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1"]
 

@@ -11,26 +11,37 @@ each message on a process group of its own direction (one per ordered pair of ne
 ranks, see `plait.pipeline.directed`): NCCL ignores tags and runs a communicator's operations
 in order on one stream, so with one communicator per direction a receive is matched by order
 alone, and traffic in the two directions never queues behind each other.
+
+Data parallelism of wrapped stages (DDP or FSDP, handed in by `plait.parallelize`): gradients
+accumulate locally over the step's microbatches, and only each stage's last accumulating
+backward of the step (its m-th BW, or with split backward its m-th W, counted as they run)
+reduces them, so the all-reduces or reduce-scatters its hooks start overlap that backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 
 from plait import comm
+from plait.pipeline.actions import Action, Kind, Slot
 from plait.pipeline.backward_split import WeightGrad, backward_input
-from plait.pipeline.schedules import Action, Kind, Schedule, Slot
-from plait.pipeline.split import Stage
+from plait.pipeline.schedules import Schedule
 
 __all__ = ["Executor", "as_tuple", "describe", "busy_fraction"]
 
 Meta = list[tuple[tuple[int, ...], torch.dtype, bool]]  # per carried tensor: shape, dtype, needs grad
+Key = tuple[int, int]  # (stage, microbatch)
+# (stage, reduce) -> the context a stage's action runs in: reduce=True for the stage's last
+# accumulating backward of the step, False for everything else (gradients accumulate locally).
+GradSync = Callable[[int, bool], AbstractContextManager[None]]
 
 
 def as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -49,19 +60,32 @@ def describe(xs: Sequence[torch.Tensor]) -> Meta:
 class Executor:
     """Runs schedules for the stages this rank holds. Owned by `plait.pipeline.Pipeline`."""
 
-    def __init__(self, schedule: Schedule, stages: dict[int, Stage], rank: int, pp_ranks: list[int],
+    def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], rank: int, pp_ranks: list[int],
                  group: Any, loss_fn: Callable[..., torch.Tensor], device: torch.device,
-                 links: dict[tuple[int, int], Any] | None = None, fill_w: bool = True) -> None:
+                 links: dict[tuple[int, int], Any] | None = None, fill_w: bool = True,
+                 params: dict[int, list[torch.Tensor]] | None = None,
+                 grad_sync: GradSync | None = None) -> None:
         self.sched, self.stages, self.rank, self.fill_w = schedule, stages, rank, fill_w
         # (sender, receiver) global ranks -> the process group carrying that direction; None:
         # every message on the default group, told apart by tag.
         self.links = links
         self.pp_ranks, self.group, self.loss_fn, self.device = pp_ranks, group, loss_fn, device
+        # Per stage, the autograd leaves its forward uses (a wrapper's, e.g. FSDP's unsharded views).
+        self.params = params if params is not None else {
+            s: [p for p in st.parameters() if p.requires_grad] for s, st in stages.items()}
+        self.grad_sync = grad_sync
+        self.reduce_grads = True  # False: no backward of a step reduces (the pipeline's no_sync)
         # signature -> {stage: input metadata, -1 - stage: output metadata}
         self.in_meta: dict[Any, dict[int, Meta]] = {}
         self.timeline: list[Slot] = []
         self.t0 = 0.0  # perf_counter() when the last step started
         self.step_time = 0.0  # seconds from t0 until this rank's actions (and sends) finished
+
+    def sync(self, stage: int, reduce: bool) -> AbstractContextManager[None]:
+        """The context of one action on ``stage`` (see `GradSync`); nothing for unwrapped stages."""
+        if self.grad_sync is None:
+            return contextlib.nullcontext()
+        return self.grad_sync(stage, reduce and self.reduce_grads)
 
     # ------------------------------------------------------------------ metadata pass
     def exchange_meta(self, key: Any, example: tuple[torch.Tensor, ...]) -> dict[int, Meta]:
@@ -88,7 +112,7 @@ class Executor:
                 metas[s] = meta  # type: ignore[assignment]
                 if s == S - 1:
                     continue
-                with torch.enable_grad():
+                with torch.enable_grad(), self.sync(s, False):
                     out = as_tuple(self.stages[s](*x), f"the output of stage {s}")
                 local = describe(out)
                 metas[-1 - s] = local  # output metadata under a negative key: -1 - stage
@@ -111,109 +135,11 @@ class Executor:
     def run(self, sched: Schedule, metas: dict[int, Meta], mb_inputs: list[tuple[torch.Tensor, ...]],
             mb_targets: list[Any] | None, train: bool) -> tuple[torch.Tensor | None, list[Any]]:
         """Execute this rank's actions; return (sum of microbatch losses or None, last-stage outputs)."""
-        S, m = sched.stages, sched.microbatches
-        self.t0 = t0 = time.perf_counter()
-        timeline: list[Slot] = []
-        row = sched.actions[self.rank]
-        recvs: dict[tuple[Kind, int, int], tuple[list[torch.Tensor], list[comm.Handle]]] = {}
-        for a in row:  # post every receive now, in list order; waiting happens at the action
-            if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                bufs, src, tag = self._recv_into(a, metas)
-                via = self._link(src, self.pp_ranks[self.rank])
-                recvs[(a.kind, a.stage, a.mb)] = (
-                    bufs, [comm.irecv(b, src, self.group, tag + i, via) for i, b in enumerate(bufs)])
-        # With W's in the plan, a helper thread waits for the receives so that this thread can see
-        # whether one has arrived and run a pending W instead of idling (see schedules.py).
-        w_order = [(a.stage, a.mb) for a in row if a.kind is Kind.W]
-        arrivals = _Arrivals(recvs) if w_order and self.fill_w else None
-        pulled: set[tuple[int, int]] = set()
-        acts_in: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage inputs (leaves)
-        acts_out: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # stage outputs (graph roots)
-        grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradients w.r.t. stage outputs
-        grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}  # gradients w.r.t. stage inputs
-        pending_w: dict[tuple[int, int], WeightGrad] = {}
-        to_send: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # activations awaiting SEND_F
-        sends: list[tuple[comm.Handle, torch.Tensor]] = []
-        loss_sum: torch.Tensor | None = None
-        outputs: list[Any] = []
-        for a in row:
-            key = (a.stage, a.mb)
-            if arrivals is not None and a.kind in (Kind.RECV_F, Kind.RECV_B):
-                while not arrivals.arrived((a.kind, a.stage, a.mb)):
-                    early = next((k for k in w_order if k in pending_w), None)
-                    if early is None:
-                        break
-                    start = time.perf_counter()
-                    pending_w.pop(early).run()
-                    pulled.add(early)
-                    timeline.append(Slot(Action(Kind.W, *early), start - t0, time.perf_counter() - t0))
-            elif a.kind is Kind.W and key in pulled:
-                continue
-            start = time.perf_counter()
-            if a.kind is Kind.F:
-                if a.stage == 0:
-                    x = mb_inputs[a.mb]
-                else:
-                    x = tuple(t.requires_grad_(rg and train)
-                              for t, (_, _, rg) in zip(acts_in.pop(key), metas[a.stage]))
-                with torch.set_grad_enabled(train):
-                    out = self.stages[a.stage](*x)
-                if a.stage == S - 1:
-                    if mb_targets is not None:
-                        loss = self.loss_fn(out, mb_targets[a.mb])
-                        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-                        out = loss / m  # mean over microbatches = the full batch's mean loss
-                    else:
-                        outputs.append(out)
-                out_t = as_tuple(out, f"the output of stage {a.stage}")
-                if train:
-                    acts_in[key] = x
-                    acts_out[key] = out_t
-                if a.stage < S - 1:
-                    handoff = tuple(t.detach() for t in out_t)
-                    if self.sched.stage_rank(a.stage + 1) == self.rank:
-                        acts_in[(a.stage + 1, a.mb)] = handoff
-                    else:
-                        to_send[key] = handoff
-            elif a.kind is Kind.SEND_F:
-                sends += self._send(to_send.pop(key), *self._send_to(a))
-            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
-                bufs, hs = recvs.pop((a.kind, a.stage, a.mb))
-                if arrivals is not None:
-                    arrivals.wait((a.kind, a.stage, a.mb))
-                else:
-                    for h in hs:
-                        h.wait()
-                if a.kind is Kind.RECV_F:
-                    acts_in[key] = tuple(bufs)
-                else:
-                    grads_out[key] = bufs
-            elif a.kind in (Kind.BW, Kind.B):
-                ins = [t for t in acts_in.pop(key) if t.requires_grad]
-                outs = [t for t in acts_out.pop(key) if t.requires_grad]
-                g = grads_out.pop(key, None) if a.stage < S - 1 else [None] * len(outs)
-                if a.kind is Kind.BW:
-                    torch.autograd.backward(outs, g, inputs=[*ins, *self._params(a.stage)] or None)
-                    gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
-                else:
-                    got, pending_w[key] = backward_input(outs, g, ins, self._params(a.stage))
-                    gin = [t if t is not None else torch.zeros_like(x) for t, x in zip(got, ins)]
-                if a.stage > 0:
-                    if self.sched.stage_rank(a.stage - 1) == self.rank:
-                        grads_out[(a.stage - 1, a.mb)] = gin
-                    else:
-                        grads_in[key] = gin
-            elif a.kind is Kind.W:
-                pending_w.pop(key).run()
-            elif a.kind is Kind.SEND_B:
-                sends += self._send(grads_in.pop(key), *self._send_to(a))
-            timeline.append(Slot(a, start - t0, time.perf_counter() - t0))
-        for h, _ in sends:
-            h.wait()
-        if arrivals is not None:
-            arrivals.join()
-        self.timeline, self.step_time = timeline, time.perf_counter() - t0
-        return loss_sum, outputs
+        self.t0 = time.perf_counter()
+        step = _Step(self, sched, metas, mb_inputs, mb_targets, train)
+        step.run()
+        self.timeline, self.step_time = step.timeline, time.perf_counter() - self.t0
+        return step.loss_sum, step.outputs
 
     def _recv_into(self, a: Action, metas: dict[int, Meta]) -> tuple[list[torch.Tensor], int, int]:
         """Buffers for receive ``a`` (activations, or the gradients of outputs that need one),
@@ -241,8 +167,155 @@ class Executor:
         via = self._link(self.pp_ranks[self.rank], dst)
         return [(comm.isend(b, dst, self.group, tag + i, via), b) for i, b in enumerate(bufs)]
 
-    def _params(self, stage: int) -> list[nn.Parameter]:
-        return [p for p in self.stages[stage].parameters() if p.requires_grad]
+
+
+class _Step:
+    """One step's state on this rank: what each action leaves for the next ones.
+
+    Keys are (stage, microbatch). Receives are all posted at the start; a helper thread waits
+    for them when W's may fill the waits (see `plait.pipeline.schedules`).
+    """
+
+    def __init__(self, ex: Executor, sched: Schedule, metas: dict[int, Meta],
+                 mb_inputs: list[tuple[torch.Tensor, ...]], mb_targets: list[Any] | None,
+                 train: bool) -> None:
+        self.ex, self.sched, self.metas, self.train = ex, sched, metas, train
+        self.mb_inputs, self.mb_targets = mb_inputs, mb_targets
+        self.row = sched.actions[ex.rank]
+        self.timeline: list[Slot] = []
+        self.recvs: dict[tuple[Kind, int, int], tuple[list[torch.Tensor], list[comm.Handle]]] = {}
+        self.acts_in: dict[Key, tuple[torch.Tensor, ...]] = {}  # stage inputs (leaves)
+        self.acts_out: dict[Key, tuple[torch.Tensor, ...]] = {}  # stage outputs (graph roots)
+        self.grads_out: dict[Key, list[torch.Tensor]] = {}  # gradients w.r.t. stage outputs
+        self.grads_in: dict[Key, list[torch.Tensor]] = {}  # gradients w.r.t. stage inputs
+        self.pending_w: dict[Key, WeightGrad] = {}
+        self.pulled: set[Key] = set()  # W's run early, while waiting for a receive
+        self.to_send: dict[Key, tuple[torch.Tensor, ...]] = {}  # activations awaiting SEND_F
+        self.sends: list[tuple[comm.Handle, torch.Tensor]] = []
+        self.accumulated = dict.fromkeys(ex.stages, 0)  # BW's / W's run per stage this step
+        self.loss_sum: torch.Tensor | None = None
+        self.outputs: list[Any] = []
+        self.w_order = [(a.stage, a.mb) for a in self.row if a.kind is Kind.W]
+
+    def run(self) -> None:
+        for a in self.row:  # post every receive now, in list order; waiting happens at the action
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                self._post_recv(a)
+        # With W's in the plan, a helper thread waits for the receives so that this thread can see
+        # whether one has arrived and run a pending W instead of idling (see schedules.py).
+        arrivals = _Arrivals(self.recvs) if self.w_order and self.ex.fill_w else None
+        handlers = {Kind.F: self._forward, Kind.SEND_F: self._send, Kind.SEND_B: self._send,
+                    Kind.RECV_F: lambda a: self._recv(a, arrivals),
+                    Kind.RECV_B: lambda a: self._recv(a, arrivals),
+                    Kind.BW: self._backward, Kind.B: self._backward, Kind.W: self._weight}
+        for a in self.row:
+            if arrivals is not None and a.kind in (Kind.RECV_F, Kind.RECV_B):
+                self._fill_wait(arrivals, (a.kind, a.stage, a.mb))
+            elif a.kind is Kind.W and (a.stage, a.mb) in self.pulled:
+                continue
+            start = time.perf_counter()
+            handlers[a.kind](a)
+            self.timeline.append(Slot(a, start - self.ex.t0, time.perf_counter() - self.ex.t0))
+        for h, _ in self.sends:
+            h.wait()
+        if arrivals is not None:
+            arrivals.join()
+
+    def _post_recv(self, a: Action) -> None:
+        ex = self.ex
+        bufs, src, tag = ex._recv_into(a, self.metas)
+        via = ex._link(src, ex.pp_ranks[ex.rank])
+        self.recvs[(a.kind, a.stage, a.mb)] = (
+            bufs, [comm.irecv(b, src, ex.group, tag + i, via) for i, b in enumerate(bufs)])
+
+    def _fill_wait(self, arrivals: _Arrivals, key: tuple[Kind, int, int]) -> None:
+        """Run pending W's, oldest first, until the receive ``key`` has arrived."""
+        while not arrivals.arrived(key):
+            early = next((k for k in self.w_order if k in self.pending_w), None)
+            if early is None:
+                return
+            start = time.perf_counter()
+            self._run_w(early)
+            self.pulled.add(early)
+            self.timeline.append(Slot(Action(Kind.W, *early), start - self.ex.t0,
+                                      time.perf_counter() - self.ex.t0))
+
+    def _forward(self, a: Action) -> None:
+        key, S, ex = (a.stage, a.mb), self.sched.stages, self.ex
+        if a.stage == 0:
+            x = self.mb_inputs[a.mb]
+        else:
+            x = tuple(t.requires_grad_(rg and self.train)
+                      for t, (_, _, rg) in zip(self.acts_in.pop(key), self.metas[a.stage]))
+        with torch.set_grad_enabled(self.train), ex.sync(a.stage, False):
+            out = ex.stages[a.stage](*x)
+        if a.stage == S - 1:
+            if self.mb_targets is not None:
+                loss = ex.loss_fn(out, self.mb_targets[a.mb])
+                self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+                out = loss / self.sched.microbatches  # mean over microbatches: the batch's mean loss
+            else:
+                self.outputs.append(out)
+        out_t = as_tuple(out, f"the output of stage {a.stage}")
+        if self.train:
+            self.acts_in[key] = x
+            self.acts_out[key] = out_t
+        if a.stage < S - 1:
+            handoff = tuple(t.detach() for t in out_t)
+            if self.sched.stage_rank(a.stage + 1) == ex.rank:
+                self.acts_in[(a.stage + 1, a.mb)] = handoff
+            else:
+                self.to_send[key] = handoff
+
+    def _send(self, a: Action) -> None:
+        key = (a.stage, a.mb)
+        data = self.to_send.pop(key) if a.kind is Kind.SEND_F else self.grads_in.pop(key)
+        self.sends += self.ex._send(data, *self.ex._send_to(a))
+
+    def _recv(self, a: Action, arrivals: _Arrivals | None) -> None:
+        bufs, hs = self.recvs.pop((a.kind, a.stage, a.mb))
+        if arrivals is not None:
+            arrivals.wait((a.kind, a.stage, a.mb))
+        else:
+            for h in hs:
+                h.wait()
+        if a.kind is Kind.RECV_F:
+            self.acts_in[(a.stage, a.mb)] = tuple(bufs)
+        else:
+            self.grads_out[(a.stage, a.mb)] = bufs
+
+    def _backward(self, a: Action) -> None:
+        """BW (input and weight gradients) or B (input gradients only, W deferred)."""
+        key, ex = (a.stage, a.mb), self.ex
+        ins = [t for t in self.acts_in.pop(key) if t.requires_grad]
+        outs = [t for t in self.acts_out.pop(key) if t.requires_grad]
+        g = self.grads_out.pop(key, None) if a.stage < self.sched.stages - 1 else [None] * len(outs)
+        if a.kind is Kind.BW:
+            with ex.sync(a.stage, self._accumulates(a.stage)):
+                torch.autograd.backward(outs, g, inputs=[*ins, *ex.params[a.stage]] or None)
+            gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]
+        else:  # B accumulates no parameter gradient: never the reducing backward
+            with ex.sync(a.stage, False):
+                got, self.pending_w[key] = backward_input(outs, g, ins, ex.params[a.stage])
+            gin = [t if t is not None else torch.zeros_like(x) for t, x in zip(got, ins)]
+        if a.stage > 0:
+            if self.sched.stage_rank(a.stage - 1) == ex.rank:
+                self.grads_out[(a.stage - 1, a.mb)] = gin
+            else:
+                self.grads_in[key] = gin
+
+    def _weight(self, a: Action) -> None:
+        self._run_w((a.stage, a.mb))
+
+    def _run_w(self, key: Key) -> None:
+        with self.ex.sync(key[0], self._accumulates(key[0])):
+            self.pending_w.pop(key).run()
+
+    def _accumulates(self, stage: int) -> bool:
+        """Count one accumulating backward of ``stage``; True for its last of the step, whichever
+        microbatch that is (pulled W's change the order)."""
+        self.accumulated[stage] += 1
+        return self.accumulated[stage] == self.sched.microbatches
 
 
 class _Arrivals:

@@ -31,49 +31,12 @@ or backward.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Kind", "Action", "Schedule", "ScheduleError", "Slot", "BACKWARD", "COMM"]
+from plait.pipeline.actions import BACKWARD, Action, Kind, Slot
 
-
-class Kind(enum.Enum):
-    F = "F"
-    B = "B"
-    W = "W"
-    BW = "BW"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-
-    @property
-    def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B, Kind.W, Kind.BW)
-
-
-BACKWARD = (Kind.B, Kind.BW)
-COMM = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: Kind
-    stage: int
-    mb: int
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}(stage={self.stage}, mb={self.mb})"
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One action placed in time by `Schedule.simulate` (or measured by the runtime)."""
-
-    action: Action
-    start: float
-    end: float
+__all__ = ["Schedule", "ScheduleError", "DEFAULT_COSTS"]
 
 
 class ScheduleError(ValueError):

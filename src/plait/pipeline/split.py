@@ -146,6 +146,11 @@ def named_view(segs: Sequence[Segment]) -> nn.Module:
     names match a pipeline stage's modules. The view is never called.
     """
     root = nn.Module()
+    _place(root, segs)
+    return root
+
+
+def _place(root: nn.Module, segs: Sequence[Segment]) -> None:
     for name, mod in segs:
         parent = root
         *path, last = name.split(".")
@@ -154,7 +159,6 @@ def named_view(segs: Sequence[Segment]) -> nn.Module:
                 parent.add_module(part, nn.Module())
             parent = parent._modules[part]  # type: ignore[assignment]
         parent.add_module(last, mod)
-    return root
 
 
 def check_chain(module: nn.Module, segs: Sequence[Segment], example: Any) -> None:
@@ -221,21 +225,32 @@ def materialize_segments(segs: Sequence[Segment], seed: int, device: torch.devic
 
 
 class Stage(nn.Module):
-    """Consecutive segments run as a chain (segment modules are shared with the user's model)."""
+    """Consecutive segments run as a chain (segment modules are shared with the user's model).
+
+    The segments are registered under their names in the original model (``layers.3``), so the
+    stage's parameter names are the model's: whatever wraps a stage (tensor parallelism's plan
+    patterns, FSDP's units and state dicts, per-module initialisation) sees the original names.
+    """
 
     def __init__(self, index: int, segs: Sequence[Segment]) -> None:
         super().__init__()
-        self.index = index
-        self.names = [n for n, _ in segs]
-        self.segs = nn.ModuleList(m for _, m in segs)
+        # Attribute names a model's children are unlikely to have: the children live beside them.
+        self.stage_index = index
+        self.segment_names = [n for n, _ in segs]
+        self._chain = tuple(m for _, m in segs)  # a tuple: not registered a second time
+        _place(self, segs)
 
     def forward(self, *x: Any) -> Any:
         out: Any = x if len(x) > 1 else x[0]
-        for seg in self.segs:
+        for seg in self._chain:
             out = seg(*out) if isinstance(out, tuple) else seg(out)
         return out
 
+    @property
+    def segments(self) -> list[Segment]:
+        """(name in the original model, module) of each segment, in chain order."""
+        return list(zip(self.segment_names, self._chain))
+
     def qualified_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name in the original model, parameter) for this stage, tied ones once."""
-        return [(f"{n}.{k}" if k else n, p) for n, m in zip(self.names, self.segs)
-                for k, p in m.named_parameters()]
+        return list(self.named_parameters())

@@ -162,11 +162,15 @@ class FlatParam:
 
     def reshard(self) -> None:
         """Free the gathered parameters (ZeRO-3); the shard stays."""
-        if self.cfg.stage < 3 or not self.gathered:
+        if self.cfg.stage < 3:
             return
-        if self._handle is not None:  # a prefetch nobody used: let it land before freeing
+        if self._handle is not None:
+            # A prefetch nobody used: let it land before freeing. Also when not gathered yet, or it
+            # would stay pending and be taken for current values after the optimizer step.
             self._handle.wait()
             self._handle, self._src = None, None
+        elif not self.gathered:
+            return
         self.buf.untyped_storage().resize_(0)
         self.gathered = False
 

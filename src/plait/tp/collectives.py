@@ -1,6 +1,5 @@
 """Autograd-aware tensor-parallel operators (Megatron-LM, Shoeybi et al. 2019, sec. 3;
-sequence parallelism: Korthikanti et al. 2022, sec. 4.2), built on `plait.comm`'s collectives
-and re-exported by it.
+sequence parallelism: Korthikanti et al. 2022, sec. 4.2), built on `plait.comm`'s collectives.
 
 Each operator's docstring says what moves in forward and backward; each is the identity when
 the group has one rank.
@@ -11,22 +10,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from plait.comm import _describe, _n, all_gather_into, all_reduce, reduce_scatter_into
+from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
            "reduce_scatter_to_sp"]
 
 
 def _split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    n, r = _n(group), dist.get_rank(group)
+    n, r = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[-1] % n:
         raise ValueError(f"splitting the last dim ({x.shape[-1]}) of a {tuple(x.shape)} tensor across the "
-                         f"{n} ranks of {_describe(group)}: it is not divisible")
+                         f"{n} ranks of {describe(group)}: it is not divisible")
     return x.chunk(n, dim=-1)[r].contiguous()
 
 
 def _gather_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    n = _n(group)
+    n = dist.get_world_size(group)
     if n == 1:
         return x
     moved = x.movedim(dim, 0).contiguous()
@@ -36,13 +35,13 @@ def _gather_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
 
 
 def _reduce_scatter_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    n = _n(group)
+    n = dist.get_world_size(group)
     if n == 1:
         return x
     moved = x.movedim(dim, 0).contiguous()
     if moved.shape[0] % n:
         raise ValueError(f"reduce-scatter along dim {dim}: size {moved.shape[0]} is not divisible "
-                         f"by the {n} ranks of {_describe(group)}")
+                         f"by the {n} ranks of {describe(group)}")
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_into(out, moved, group)
     return out.movedim(0, dim)
@@ -136,7 +135,7 @@ def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     Sits before a column-parallel layer whose input is replicated: each rank computes a
     partial input gradient from its column shard, and the full gradient is their sum.
     """
-    return x if _n(group) == 1 else _CopyToTP.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _CopyToTP.apply(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -144,26 +143,26 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
     Sits after a row-parallel layer: each rank holds a partial sum of the output.
     """
-    return x if _n(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward all-gather along the last dim; backward keeps this rank's slice of the gradient."""
-    return x if _n(group) == 1 else _GatherLast.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _GatherLast.apply(x, group)
 
 
 def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward keeps this rank's slice of the last dim; backward all-gathers the gradient."""
-    return x if _n(group) == 1 else _ScatterLast.apply(x, group)
+    return x if dist.get_world_size(group) == 1 else _ScatterLast.apply(x, group)
 
 
 def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel *g-bar*: forward all-gather along the sequence dim; backward
     reduce-scatter of the gradient (each rank's partial gradient is summed, then split)."""
-    return x if _n(group) == 1 else _GatherSeq.apply(x, group, dim)
+    return x if dist.get_world_size(group) == 1 else _GatherSeq.apply(x, group, dim)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel *g*: forward reduce-scatter of partial sums along the sequence dim;
     backward all-gather of the gradient."""
-    return x if _n(group) == 1 else _ReduceScatterSeq.apply(x, group, dim)
+    return x if dist.get_world_size(group) == 1 else _ReduceScatterSeq.apply(x, group, dim)

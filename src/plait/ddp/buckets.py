@@ -1,20 +1,15 @@
-"""Helpers of `plait.ddp` that need no DDP state: bucket planning, coalesced collectives,
-and finding the parameters a forward's output can reach."""
+"""Helpers of `plait.ddp` that need no DDP state: bucket planning and finding the parameters
+a forward's output can reach."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from plait import comm
 from plait._torch_compat import tensors_in
 
-__all__ = ["plan_buckets", "average_gradients", "broadcast_coalesced", "params_reached_by"]
+__all__ = ["plan_buckets", "params_reached_by"]
 
 SMALL_BUCKET_BYTES = 2**20  # first and last buckets: see plan_buckets
 
@@ -49,41 +44,6 @@ def plan_buckets(sizes: list[int], cap: int, small: int = SMALL_BUCKET_BYTES) ->
     return head + buckets[1:]
 
 
-def average_gradients(params: Iterable[nn.Parameter], group: Any) -> None:
-    """Average ``.grad`` over ``group`` after backward, in one flat all-reduce per dtype.
-
-    For loops that cannot use DDP's overlapping hooks (e.g. a pipeline, whose microbatches
-    run their own backward passes): correct, but without overlap.
-    """
-    world = dist.get_world_size(group)
-    grads = [p.grad for p in params if p.grad is not None]
-    if world > 1:
-        _coalesced(grads, lambda flat: comm.all_reduce(flat.div_(world), group))
-
-
-def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Any) -> None:
-    """Broadcast many tensors as one flat buffer per dtype (one collective instead of hundreds)."""
-    _coalesced(tensors, lambda flat: comm.broadcast(flat, src, group))
-
-
-@torch.no_grad()
-def _coalesced(tensors: list[torch.Tensor], collective: Any) -> None:
-    """Run an in-place ``collective`` on one flat copy of ``tensors`` per (dtype, device)."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    seen: set[int] = set()
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            groups.setdefault((t.dtype, t.device), []).append(t)
-    for ts in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        collective(flat)
-        offset = 0
-        for t in ts:
-            t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-
-
 def params_reached_by(out: Any) -> set[int]:
     """Ids of the leaf tensors (parameters) that backward from ``out`` would reach."""
     roots = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None]
@@ -98,5 +58,5 @@ def params_reached_by(out: Any) -> set[int]:
         var = getattr(node, "variable", None)
         if var is not None:
             reached.add(id(var))
-        stack.extend(nxt for nxt, _ in node.next_functions)
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
     return reached

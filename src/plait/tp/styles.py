@@ -1,7 +1,7 @@
 """Tensor-parallel styles: how one module is split over the ``tp`` group and where it talks.
 
 A style is a small frozen dataclass used as a value in a plan (module-name pattern -> style).
-`plait.tensor_parallel` asks each style three things, in this order:
+`plait.tp.apply` asks each style three things, in this order:
 
 1. ``validate``: can this module be split this way? Raises ``ValueError`` naming the module,
    the style and the numbers, before any parameter is touched or any collective runs.
@@ -29,6 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait import comm
+from plait.tp.collectives import (
+    copy_to_tp,
+    gather_from_sp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_to_tp,
+)
 
 __all__ = [
     "ShardSpec", "TPContext", "RNGFork", "SequenceShardGrads", "Style", "ColwiseParallel", "RowwiseParallel",
@@ -37,6 +45,19 @@ __all__ = [
 
 
 # ------------------------------------------------------------------ shards
+def _size(mod: nn.Module, attr: str) -> int:
+    """A layer's size attribute (``out_features``, ``num_embeddings``...), checked to be an int."""
+    value = getattr(mod, attr)
+    if not isinstance(value, int):
+        raise TypeError(f"{type(mod).__name__}.{attr} is {value!r}, not a size")
+    return value
+
+
+def _set_size(mod: nn.Module, attr: str, value: int) -> None:
+    """Record a layer's local size (what its forward and repr see after sharding)."""
+    setattr(mod, attr, value)
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """Rank ``rank`` holds rows ``[start, start + local)`` of dim ``dim`` of a tensor whose full
@@ -135,7 +156,8 @@ class SequenceShardGrads:
         # Also listed on the parameter, so FSDP (which replaces it) registers it on its leaf.
         hooks = getattr(p, "_plait_grad_hooks", None)
         if hooks is None:
-            hooks = p._plait_grad_hooks = []
+            hooks = []
+            p._plait_grad_hooks = hooks  # type: ignore[attr-defined]
         hooks.append(self._sum)
 
     def _sum(self, grad: torch.Tensor) -> torch.Tensor:
@@ -171,15 +193,15 @@ def _reduce_out(y: torch.Tensor, ctx: TPContext, where: str) -> torch.Tensor:
     """g: sum the partial outputs of the tp ranks (reduce-scatter along the sequence under SP)."""
     if ctx.sequence_parallel:
         _check_seq(y, ctx, where)
-        return comm.reduce_scatter_to_sp(y, ctx.group, dim=1)
-    return comm.reduce_from_tp(y, ctx.group)
+        return reduce_scatter_to_sp(y, ctx.group, dim=1)
+    return reduce_from_tp(y, ctx.group)
 
 
 def _enter_parallel(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     """f: a replicated (or, under SP, sequence-sharded) activation enters a tp-sharded region."""
     if ctx.sequence_parallel:
-        return comm.gather_from_sp(x, ctx.group, dim=1)
-    return comm.copy_to_tp(x, ctx.group)
+        return gather_from_sp(x, ctx.group, dim=1)
+    return copy_to_tp(x, ctx.group)
 
 
 def _first_tensor_pre_hook(fn: Callable[[torch.Tensor], torch.Tensor], name: str):
@@ -253,21 +275,21 @@ class ColwiseParallel(Style):
         self._check_size(mod, name, ctx)
 
     def _check_size(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        _divisible(name, self, self.what, mod.out_features, self.unit, ctx)
+        _divisible(name, self, self.what, _size(mod, "out_features"), self.unit, ctx)
 
     def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
-        spec = make_spec(0, mod.out_features, ctx.size, ctx.rank, self.unit)
+        spec = make_spec(0, _size(mod, "out_features"), ctx.size, ctx.rank, self.unit)
         return {"weight": spec, **({"bias": spec} if mod.bias is not None else {})}
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        full = mod.out_features
-        mod.out_features = self.shard_specs(mod, ctx)["weight"].local
+        full = _size(mod, "out_features")
+        _set_size(mod, "out_features", self.shard_specs(mod, ctx)["weight"].local)
         if self.input_comm:
             mod.register_forward_pre_hook(_first_tensor_pre_hook(partial(_enter_parallel, ctx=ctx), name))
         if self.gather_output:
             def gather(_m: nn.Module, _a: Any, y: torch.Tensor) -> torch.Tensor:
                 # Padding (vocabulary styles) is dropped after the gather.
-                return comm.gather_from_tp(y, ctx.group).narrow(-1, 0, full)
+                return gather_from_tp(y, ctx.group).narrow(-1, 0, full)
 
             mod.register_forward_hook(gather)
 
@@ -309,24 +331,25 @@ class RowwiseParallel(Style):
         if self.input_is_parallel and not _in_region(name, ctx):
             raise ValueError(f"plan: {self!r} on {name!r} expects a sharded input, which only exists "
                              "inside a ParallelRegion, but none encloses it (or use input_is_parallel=False)")
-        _divisible(name, self, self.what, mod.in_features, self.unit, ctx)
+        _divisible(name, self, self.what, _size(mod, "in_features"), self.unit, ctx)
 
     def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
-        return {"weight": make_spec(1, mod.in_features, ctx.size, ctx.rank, self.unit)}
+        return {"weight": make_spec(1, _size(mod, "in_features"), ctx.size, ctx.rank, self.unit)}
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        mod.in_features = self.shard_specs(mod, ctx)["weight"].local
+        _set_size(mod, "in_features", self.shard_specs(mod, ctx)["weight"].local)
         scatter = not self.input_is_parallel
 
         def forward(self_: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             if scatter:
-                x = comm.scatter_to_tp(x, ctx.group)
+                x = scatter_to_tp(x, ctx.group)
             y = _reduce_out(F.linear(x, self_.weight), ctx, name)
             return y if self_.bias is None else y + self_.bias
 
         mod.forward = types.MethodType(forward, mod)
-        if ctx.sequence_parallel and mod.bias is not None:
-            ctx.seq_grads.watch(mod.bias)
+        bias = mod.bias
+        if ctx.sequence_parallel and isinstance(bias, nn.Parameter):
+            ctx.seq_grads.watch(bias)
 
 
 @dataclass(frozen=True)
@@ -349,11 +372,11 @@ class VocabParallelEmbedding(Style):
                              f"{unsupported or 'sparse/scale_grad_by_freq'} set")
 
     def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
-        return {"weight": make_spec(0, mod.num_embeddings, ctx.size, ctx.rank)}
+        return {"weight": make_spec(0, _size(mod, "num_embeddings"), ctx.size, ctx.rank)}
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         spec = self.shard_specs(mod, ctx)["weight"]
-        mod.num_embeddings = spec.local
+        _set_size(mod, "num_embeddings", spec.local)
 
         def forward(self_: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
             foreign = (ids < spec.start) | (ids >= spec.start + spec.valid)

@@ -1,7 +1,9 @@
-"""What a training loop needs around a tensor-parallel model: gradient clipping that sees the
-whole model, and full (unsharded) state dicts for checkpoints that load at any tp size.
+"""The state of a tensor-parallel model: full (unsharded) state dicts, and checkpoint entries
+(DTensors of the full tensors) that load at any tp size. `plait.full_state_dict` and
+`plait.checkpoint`'s default path call these for a tensor-parallel module; FSDP over tp calls
+`gather_full`, `checkpoint_entry` and `restore_entry` per flat slot.
 
-Both read the shard layout that `plait.tensor_parallel` records (`tp_info(model).specs`);
+All read the shard layout that `plait.tp.apply` records (`tp_info(model).specs`);
 parameters without a spec are replicated on every tp rank.
 """
 
@@ -15,10 +17,10 @@ from torch import nn
 
 from plait import comm
 from plait.dtensors import contiguous_stride, mesh_of
-from plait.tensor_parallel import tp_info, tp_module
-from plait.tp_styles import ShardSpec
+from plait.tp.apply import tp_info, tp_module
+from plait.tp.styles import ShardSpec
 
-__all__ = ["full_state_dict", "load_full_state_dict",
+__all__ = ["full_state_dict", "load_full_state_dict", "gather_full",
            "checkpoint_entry", "restore_entry"]
 
 
@@ -37,14 +39,24 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in model.state_dict().items():
         spec = info.specs.get(name) if info is not None else None
-        if spec is None:
-            out[name] = t.detach().clone()
-            continue
-        moved = t.detach().movedim(spec.dim, 0).contiguous()
-        buf = moved.new_empty((info.size * moved.shape[0], *moved.shape[1:]))
-        comm.all_gather_into(buf, moved, info.group)
-        out[name] = buf[: spec.full].movedim(0, spec.dim).contiguous()
+        out[name] = t.detach().clone() if spec is None else gather_full(t, spec, info)
     return out
+
+
+@torch.no_grad()
+def gather_full(t: torch.Tensor, spec: ShardSpec | None, info: Any) -> torch.Tensor:
+    """The full tensor of which ``t`` is this rank's shard, on every tp rank (one all-gather over
+    ``info.group``); ``t`` itself when replicated (``spec`` None).
+
+    Rank r's rows start at ``r * spec.local``, so the shards concatenated in rank order are the
+    full tensor followed by the padding of an uneven (vocabulary) split, which is cut off.
+    """
+    if spec is None:
+        return t.detach()
+    moved = t.detach().movedim(spec.dim, 0).contiguous()
+    buf = moved.new_empty((info.size * moved.shape[0], *moved.shape[1:]))
+    comm.all_gather_into(buf, moved, info.group)
+    return buf[: spec.full].movedim(0, spec.dim).contiguous()
 
 
 @torch.no_grad()
@@ -78,15 +90,15 @@ def _check_not_fsdp(model: nn.Module, what: str) -> None:
     module would silently hold buffers only."""
     info = tp_info(model)
     if info is not None and info.specs and not set(info.specs) & set(model.state_dict()):
-        raise ValueError(f"tp_state.{what}: this tensor-parallel model is wrapped by FSDP, which holds "
-                         "its parameters; state dicts of FSDP with tensor parallelism are not supported yet")
+        raise ValueError(f"plait.tp.state.{what}: this tensor-parallel model is wrapped by FSDP, which "
+                         f"holds its parameters: call plait.{what}(model) on the FSDP wrapper")
 
 
 # ------------------------------------------------------------------ checkpoint entries
 def _chunk_rows(spec: ShardSpec, size: int) -> bool:
     """Whether every rank's valid rows are exactly its ``torch.chunk`` part (DTensor's Shard).
 
-    True for every layout `plait.tensor_parallel` makes today: even splits, and vocabulary
+    True for every layout `plait.tp.apply` makes today: even splits, and vocabulary
     splits padded at the end in single rows.
     """
     per = -(-spec.full // size)

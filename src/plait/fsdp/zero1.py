@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.ddp_helpers import broadcast_coalesced
+from plait.comm import broadcast_coalesced
 
 __all__ = ["ZeroRedundancyOptimizer", "partition"]
 

@@ -18,7 +18,7 @@ parallelism on the other axes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +27,8 @@ from torch import nn
 
 from plait import comm
 from plait._torch_compat import queue_end_of_backward
-from plait.ddp_helpers import (
-    average_gradients,
-    broadcast_coalesced,
-    params_reached_by,
-    plan_buckets,
-)
+from plait.comm import average_gradients, broadcast_coalesced
+from plait.ddp.buckets import params_reached_by, plan_buckets
 from plait.mesh import Mesh
 
 if TYPE_CHECKING:
@@ -301,6 +297,46 @@ class DistributedDataParallel(nn.Module):
         from plait.clip import grad_norm_parts
 
         return grad_norm_parts(self.module)
+
+    # State: every replica holds the whole module, so its state is the module's, under the
+    # module's own names (no ``module.`` prefix): `plait.full_state_dict` and the checkpoint
+    # protocol (`plait.checkpoint.protocol`) ask the wrapped module.
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from plait.state_dict import full_state_dict
+
+        return full_state_dict(self.module)
+
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        from plait.state_dict import load_full_state_dict
+
+        load_full_state_dict(self.module, state)
+
+    def checkpoint_state(self, optimizer: Any) -> dict[str, Any]:
+        from plait.checkpoint.protocol import state_dict
+
+        return state_dict(self.module, optimizer)
+
+    def load_checkpoint_state(self, state: dict[str, Any], optimizer: Any) -> None:
+        from plait.checkpoint.protocol import load_state_dict
+
+        load_state_dict(self.module, optimizer, state)
+
+    def prepare_for_backward(self) -> None:
+        """Reduce the gradients of the next backward, whatever the forwards before it decided.
+
+        A forward decides whether its backward communicates (outside `no_sync`); a pipeline runs
+        the forwards of several microbatches before their backwards, in the order its schedule
+        says, so only it knows which backward is a stage's last of the step. It runs every
+        forward in `no_sync` and calls this just before that backward (torch's DDP reducer has a
+        method of the same name for the same reason). Not with ``find_unused_parameters``, which
+        needs the forward's outputs.
+        """
+        if self.find_unused_parameters:
+            raise ValueError("DistributedDataParallel.prepare_for_backward: not available with "
+                             "find_unused_parameters=True (unused parameters are found from a forward)")
+        if self._buckets:
+            self._start_step()
+            self._sync_this_backward = True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

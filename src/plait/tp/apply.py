@@ -7,7 +7,7 @@
     loss_fn = plait.loss_fn_for(model)        # vocab-parallel cross-entropy, or lm_loss
     loss = loss_fn(model(idx), targets)
 
-A plan maps module-name patterns to styles (`plait.tp_styles`). Patterns follow
+A plan maps module-name patterns to styles (`plait.tp.styles`). Patterns follow
 `plait.names.matches`: ``*`` stands for one name segment (``layers.*.attn`` matches
 ``layers.3.attn``, not ``layers.3.x.attn``), with the usual `fnmatch` rules inside a segment.
 
@@ -25,7 +25,8 @@ along the sequence, and norms and dropouts run on sequence shards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -38,22 +39,17 @@ from plait.env import device as _device
 from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
 from plait.names import matches
-from plait.tp_loss import vocab_parallel_cross_entropy
-from plait.tp_styles import (
-    ColwiseParallel,
-    ParallelRegion,
+from plait.tp.loss import vocab_parallel_cross_entropy
+from plait.tp.styles import (
     RNGFork,
-    RowwiseParallel,
-    SequenceParallel,
     SequenceShardGrads,
     ShardSpec,
     Style,
     TPContext,
-    VocabParallelEmbedding,
     VocabParallelOutput,
 )
 
-__all__ = ["tensor_parallel", "gpt_plan", "loss_fn_for", "tp_info", "tp_module", "TPInfo"]
+__all__ = ["tensor_parallel", "assign_styles", "loss_fn_for", "tp_info", "tp_module", "mark_part", "TPInfo"]
 
 Plan = Mapping[str, Style]
 
@@ -95,7 +91,7 @@ def tensor_parallel(
         if not isinstance(pattern, str) or not isinstance(style, Style):
             raise TypeError(f"tensor_parallel(plan=...): entry {pattern!r}: {style!r} is not "
                             "'pattern (str)': Style (e.g. ColwiseParallel())")
-    if getattr(module, "_plait_tp", None) is not None:
+    if getattr(module, _INFO_ATTR, None) is not None:
         raise ValueError("tensor_parallel: this module is already tensor-parallel")
 
     n, r = mesh.size("tp"), mesh.rank("tp")
@@ -118,15 +114,15 @@ def tensor_parallel(
         style.install(modules[name], name, ctx)
     _sync_default_rng(mesh, dev)
 
-    module._plait_tp = TPInfo(
+    _attach(module, TPInfo(
         group=ctx.group, size=n, rank=r, sequence_parallel=ctx.sequence_parallel,
         specs=named_specs, styles=dict(ctx.assigned), vocab_size=vocab_size,
-    )
+    ))
     return module
 
 
 def _head_vocab(specs: dict[int, ShardSpec], modules: dict[str, nn.Module],
-                heads: list[tuple[str, Style]]) -> int | None:
+                heads: Sequence[tuple[str, Style]]) -> int | None:
     """The full vocabulary of the one lm_head whose logits stay sharded (None: none do)."""
     if len(heads) > 1:
         raise ValueError(f"plan: at most one VocabParallelOutput may leave its logits sharded, got "
@@ -134,22 +130,39 @@ def _head_vocab(specs: dict[int, ShardSpec], modules: dict[str, nn.Module],
     return specs[id(modules[heads[0][0]].weight)].full if heads else None
 
 
+_INFO_ATTR = "_plait_tp"  # where a tensor-parallel module carries its TPInfo
+
+
+def _attach(module: nn.Module, info: TPInfo) -> None:
+    setattr(module, _INFO_ATTR, info)
+
+
 def tp_info(model: nn.Module) -> TPInfo | None:
     """The `TPInfo` of a tensor-parallel model (looking through ``.module`` wrappers), else None."""
     found = tp_module(model)
-    return None if found is None else found._plait_tp
+    return None if found is None else getattr(found, _INFO_ATTR)
 
 
 def tp_module(model: nn.Module) -> nn.Module | None:
     """The tensor-parallel module itself, inside ``.module`` wrappers such as DDP (else None).
     Parameter names in `TPInfo.specs` are relative to it."""
     for _ in range(8):
-        if getattr(model, "_plait_tp", None) is not None:
+        if getattr(model, _INFO_ATTR, None) is not None:
             return model
-        model = getattr(model, "module", None)
-        if model is None:
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
             return None
+        model = inner
     return None
+
+
+def mark_part(part: nn.Module, info: TPInfo) -> None:
+    """Make ``part``, a piece of a tensor-parallel model holding some of its modules under the same
+    names (a pipeline stage), tensor-parallel in its own right: `tp_info` of the part is ``info``
+    limited to the part's parameters, so strategies wrapping the part (FSDP's gradient norm and
+    state dicts) see which of its tensors are tp shards."""
+    names = {n for n, _ in _named_params(part)}
+    _attach(part, dataclasses.replace(info, specs={n: s for n, s in info.specs.items() if n in names}))
 
 
 def loss_fn_for(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -161,37 +174,6 @@ def loss_fn_for(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torc
     if info is None or info.vocab_size is None:
         return lm_loss
     return partial(vocab_parallel_cross_entropy, group=info.group, vocab_size=info.vocab_size)
-
-
-def gpt_plan(cfg: object, *, loss_parallel: bool = True) -> dict[str, Style]:
-    """The Megatron plan for `plait.models.gpt.GPT` (pass its `GPTConfig` or the model).
-
-    Attention is split by heads (q/k/v by output, o by input, in units of ``head_dim`` so a
-    head never straddles ranks), the MLP by hidden units, embedding and lm_head by vocabulary.
-    ``loss_parallel=False`` gathers the logits instead (then the plain `lm_loss` applies).
-    """
-    cfg = getattr(cfg, "cfg", cfg)
-    hd = getattr(cfg, "head_dim", None)
-    if not isinstance(hd, int):
-        raise TypeError(f"gpt_plan(cfg=...) expects a GPTConfig or a GPT, got {type(cfg).__name__}")
-    return {
-        "tok_emb": VocabParallelEmbedding(),
-        "drop": SequenceParallel(),
-        "layers.*.attn_norm": SequenceParallel(),
-        "layers.*.attn": ParallelRegion(),
-        "layers.*.attn.q_proj": ColwiseParallel(input_comm=False, unit=hd, what="attention heads"),
-        "layers.*.attn.k_proj": ColwiseParallel(input_comm=False, unit=hd, what="KV heads"),
-        "layers.*.attn.v_proj": ColwiseParallel(input_comm=False, unit=hd, what="KV heads"),
-        "layers.*.attn.o_proj": RowwiseParallel(unit=hd, what="attention heads"),
-        "layers.*.drop": SequenceParallel(),
-        "layers.*.mlp_norm": SequenceParallel(),
-        "layers.*.mlp": ParallelRegion(),
-        "layers.*.mlp.gate_proj": ColwiseParallel(input_comm=False),
-        "layers.*.mlp.up_proj": ColwiseParallel(input_comm=False),
-        "layers.*.mlp.down_proj": RowwiseParallel(),
-        "norm": SequenceParallel(),
-        "lm_head": VocabParallelOutput(gather_output=not loss_parallel),
-    }
 
 
 def assign_styles(module: nn.Module, plan: Plan, strict: bool) -> dict[str, Style]:

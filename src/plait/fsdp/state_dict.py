@@ -1,8 +1,10 @@
 """State dicts for plait's FSDP: a full one for export, a sharded one for checkpoints.
 
 * **Full**: every original parameter gathered (one flat group at a time, over the fsdp axis)
-  and copied to CPU under its original name; persistent buffers as they are. Loading slices
-  each tensor back into this rank's shard.
+  and copied to CPU under its original name; persistent buffers as they are. Over tensor
+  parallelism each tp-sharded tensor is then gathered over tp as well, so the result is the
+  original model's full tensors there too. Loading slices each tensor back into this rank's
+  shard (its tp shard first, over tensor parallelism).
 * **Sharded**: each original parameter as a DTensor ``Shard(0)`` over the fsdp axis (dim-0
   chunks, the last ones possibly short or empty), so `torch.distributed.checkpoint` can save
   it and load it at a different number of ranks. Optimizer state that has the shape of a
@@ -18,16 +20,16 @@ so a rank briefly holds one unit, never the model.
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from plait import comm
+from plait.checkpoint.protocol import state_layout
 from plait.dtensors import contiguous_stride, mesh_of
-from plait.fsdp_flat import FlatParam
+from plait.fsdp.flat import FlatParam
+from plait.tp.state import checkpoint_entry, gather_full, restore_entry
 
 __all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict"]
 
@@ -53,12 +55,18 @@ def _scatter_flat(flat: FlatParam, full: torch.Tensor, dest: torch.Tensor) -> No
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer at full size on CPU, the same on every rank: one all-gather per
+    flat group over fsdp, then, over tensor parallelism, one per tp-sharded slot over tp (the slot
+    holds this rank's tp shard; `plait.tp.state.gather_full` drops uneven splits' padding)."""
     out: dict[str, torch.Tensor] = {}
     for flat in _flats(model):
-        full = _gather_flat(flat, flat.shard).cpu()
+        full = _gather_flat(flat, flat.shard)
         for s in flat.slots:
-            value = full[s.offset : s.offset + s.numel].view(s.shape).clone()
-            for name in (s.fqn, *s.aliases):
+            value = full[s.offset : s.offset + s.numel].view(s.shape)
+            if model.tp is not None:
+                value = gather_full(value, model.tp.specs.get(s.fqn), model.tp)
+            value = value.to("cpu", copy=True)
+            for name in (s.fqn, *s.aliases):  # a tied weight under each of its names, as in state_dict()
                 out[name] = value
     for name, b in model.module.state_dict().items():  # only buffers remain registered
         out[name] = b.detach().cpu().clone()
@@ -74,19 +82,32 @@ def _check_keys(model, state: dict, expected: set[str], what: str) -> None:
 
 @torch.no_grad()
 def load_full_state_dict(model, state: dict[str, torch.Tensor]) -> None:
+    """Load full tensors (as `full_state_dict` returns them): each rank keeps its slice. No
+    communication: every rank holds the whole ``state``."""
     names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
     buffers = dict(model.module.state_dict())
     _check_keys(model, state, names | set(buffers), "load_full_state_dict")
     for flat in _flats(model):
         full = torch.zeros(flat.padded, dtype=flat.shard.dtype)
         for s in flat.slots:
-            if tuple(state[s.fqn].shape) != tuple(s.shape):
-                raise ValueError(f"load_full_state_dict: {s.fqn} has shape {tuple(state[s.fqn].shape)}, "
-                                 f"the model expects {tuple(s.shape)}")
-            full[s.offset : s.offset + s.numel] = state[s.fqn].reshape(-1)
+            value = _local_value(model, s.fqn, state[s.fqn], s.shape)
+            full[s.offset : s.offset + s.numel] = value.reshape(-1)
         _scatter_flat(flat, full, flat.shard.detach())
     for name, b in buffers.items():
         b.copy_(state[name])
+
+
+def _local_value(model, name: str, value: torch.Tensor, local: torch.Size) -> torch.Tensor:
+    """This rank's part of the full ``value`` before FSDP's cut: its tp shard (zero-padded like
+    the slot) over tensor parallelism, else ``value`` itself; checked against the full shape."""
+    spec = model.tp.specs.get(name) if model.tp is not None else None
+    want = list(local)
+    if spec is not None:
+        want[spec.dim] = spec.full
+    if list(value.shape) != want:
+        raise ValueError(f"load_full_state_dict: {name} has shape {tuple(value.shape)}, "
+                         f"the model expects {tuple(want)}")
+    return spec.take(value) if spec is not None else value
 
 
 # ---------------------------------------------------------------- sharded (DTensor) form
@@ -135,31 +156,16 @@ def _from_dtensors(flat: FlatParam, tensors: list[torch.Tensor], dest: torch.Ten
     _scatter_flat(flat, full.to(dest.device), dest)
 
 
-def _state_layout(optimizer: torch.optim.Optimizer) -> dict[str, str]:
-    """Which optimizer state keys are per-element ("elem") and which scalar, found by stepping a
-    throwaway copy of the optimizer on a two-element parameter."""
-    dummy = nn.Parameter(torch.zeros(2))
-    dummy.grad = torch.zeros(2)
-    cls = getattr(optimizer, "optimizer_class", type(optimizer))  # the class a ZeRO wrapper runs
-    accepted = inspect.signature(cls.__init__).parameters
-    probe = cls([dummy], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-    probe.step()
-    return {k: "elem" if torch.is_tensor(v) and v.shape == dummy.shape else "scalar"
-            for k, v in probe.state[dummy].items()}
-
-
 def _to_entries(model, flat: FlatParam, value: torch.Tensor) -> list[torch.Tensor]:
     """Checkpoint entries of a shard-shaped ``value``, one per slot.
 
     Without tensor parallelism: ``Shard(0)`` DTensors over the fsdp axis. With it, a slot is a
     tp shard of the original parameter: the flat vector is gathered over fsdp (one unit at a
-    time) and each slot becomes `plait.tp_state.checkpoint_entry` of its tp shard, a DTensor
+    time) and each slot becomes `plait.tp.state.checkpoint_entry` of its tp shard, a DTensor
     over tp that every fsdp rank of the tp coordinate writes alike (stored once).
     """
     if model.tp is None:
         return _to_dtensors(model, flat, value)
-    from plait.tp_state import checkpoint_entry
-
     full = _gather_flat(flat, value)
     return [checkpoint_entry(full[s.offset : s.offset + s.numel].view(s.shape), model.tp.specs.get(s.fqn),
                              model.tp, s.fqn) for s in flat.slots]
@@ -170,8 +176,6 @@ def _from_entries(model, flat: FlatParam, values: list[torch.Tensor], dest: torc
     if model.tp is None:
         _from_dtensors(flat, values, dest)
         return
-    from plait.tp_state import restore_entry
-
     full = torch.zeros(flat.padded, dtype=dest.dtype, device=dest.device)
     for s, v in zip(flat.slots, values, strict=True):
         restore_entry(full[s.offset : s.offset + s.numel].view(s.shape), v, model.tp.specs.get(s.fqn))
@@ -186,7 +190,7 @@ def sharded_state_dict(model, optimizer: torch.optim.Optimizer | None = None) ->
     """
     model_sd: dict[str, torch.Tensor] = {}
     optim_sd: dict[str, torch.Tensor] = {}
-    layout = _state_layout(optimizer) if optimizer is not None else {}
+    layout = state_layout(optimizer) if optimizer is not None else {}
     for flat in _flats(model):
         for s, dt in zip(flat.slots, _to_entries(model, flat, flat.shard), strict=True):
             for name in (s.fqn, *s.aliases):  # a tied weight under each of its names, as in state_dict()
@@ -215,7 +219,7 @@ def load_sharded_state_dict(model, state: dict, optimizer: torch.optim.Optimizer
     names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
     buffers = dict(model.module.state_dict())
     _check_keys(model, model_sd, names | set(buffers), "load_sharded_state_dict")
-    layout = _state_layout(optimizer) if optimizer is not None else {}
+    layout = state_layout(optimizer) if optimizer is not None else {}
     for flat in _flats(model):
         _from_entries(model, flat, [model_sd[s.fqn] for s in flat.slots], flat.shard.detach())
         if optimizer is None or not flat.requires_grad:

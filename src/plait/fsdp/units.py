@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from plait.fsdp_flat import GRAD_HOOKS_ATTR, FlatParam, ShardCfg, Slot
+from plait.fsdp.flat import GRAD_HOOKS_ATTR, FlatParam, ShardCfg, Slot
 from plait.materialize import Keep, materialize
 from plait.names import matches
 

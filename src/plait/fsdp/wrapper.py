@@ -21,15 +21,16 @@ earlier units; ``False`` waits for each unit's reduction before gathering the ne
 backward holds one gathered unit at a time (lowest peak memory; on CPU, where Gloo's
 collectives share the cores with the compute, the lost overlap costs only a few percent).
 Either way a unit's gradients are moved into its gathered buffer as they arrive (see
-`plait.fsdp_flat`), never held twice.
+`plait.fsdp.flat`), never held twice.
 
 The training loop stays plain PyTorch: build any optimizer on ``model.parameters()`` *after*
 wrapping (those are this rank's flat shards), call ``loss.backward()``, ``opt.step()``.
 
 State: `full_state_dict` (gathered, CPU, original names) for export; `sharded_state_dict`
 (per-parameter ``Shard(0)`` DTensors, optionally with the optimizer's state) for
-`torch.distributed.checkpoint`, loadable at another world size. ``state_dict()`` itself is
-nn.Module's: the flat shards under ``flat_<unit>_<group>`` plus buffers.
+`torch.distributed.checkpoint`, loadable at another world size, and `plait.checkpoint`'s
+protocol (``checkpoint_state``). ``state_dict()`` itself is nn.Module's: the flat shards under
+``flat_<unit>_<group>`` plus buffers.
 
 Not covered yet: activation checkpointing inside a unit (its recomputed forward would re-enter
 the unit hooks), and parameters used on some ranks but not others in the same step (every
@@ -53,10 +54,10 @@ from torch import nn
 
 from plait._torch_compat import queue_end_of_backward
 from plait.env import device as default_device
-from plait.fsdp_flat import FlatParam, ShardCfg
-from plait.fsdp_units import Unit, build_units, check_no_optimizer
+from plait.fsdp.flat import FlatParam, ShardCfg
+from plait.fsdp.units import Unit, build_units, check_no_optimizer
 from plait.mesh import Mesh
-from plait.tensor_parallel import TPInfo, tp_info
+from plait.tp.apply import TPInfo, tp_info
 
 if TYPE_CHECKING:
     from plait.clip import GradParts
@@ -156,7 +157,7 @@ class FullyShardedDataParallel(nn.Module):
             param_dtype=self.mp.param_dtype if self.mp else None,
             reduce_dtype=self.mp.reduce_dtype if self.mp else None, offload=offload)
         self.backward_prefetch = backward_prefetch
-        # A tensor-parallel module (plait.tensor_parallel, applied first): its tp shards are this
+        # A tensor-parallel module (plait.tp, applied first): its tp shards are this
         # wrapper's parameters like any other; only the gradient norm needs the tp layout.
         self.tp: TPInfo | None = tp_info(module)
         self.units: list[Unit] = build_units(module, units, self.cfg, seed)
@@ -181,6 +182,7 @@ class FullyShardedDataParallel(nn.Module):
         self._sync = True
         self._backward_queued = False
         self._inflight: list[FlatParam] = []  # reductions issued and not yet awaited
+        self._reduced: set[int] = set()  # ids of flats whose reduction this backward has issued
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -248,15 +250,26 @@ class FullyShardedDataParallel(nn.Module):
         unit.gather()
         prev = unit.position - 1
         if self.backward_prefetch and self.zero_stage == 3 and 0 <= prev < len(self._order):
-            self._order[prev].prefetch()  # the unit that backward reaches next
+            nxt = self._order[prev]  # the unit that backward reaches next
+            # Unless its gradients are already reduced (a pipeline's last stage: norm and head, the
+            # root's only parameters, finish first): gathering it again would be wasted.
+            if not all(id(f) in self._reduced for f in nxt.flats):
+                nxt.prefetch()
 
     def _make_post_backward(self, flat: FlatParam, i: int):
         def hook(_leaf: torch.Tensor) -> None:
+            if not self._backward_queued:
+                # A backward that entered no unit through its outputs (a pipeline's deferred
+                # weight-gradient pass starts inside the stage): reductions are still awaited
+                # when it ends.
+                self._backward_queued = True
+                queue_end_of_backward(self._end_backward)
             if not self._sync:
                 return  # no_sync: unsharded gradients keep accumulating on the leaves
             if not flat.grad_ready(i):
                 return  # the unit's other parameters have not reported yet
             flat.start_reduce()  # overlaps with the rest of backward
+            self._reduced.add(id(flat))
             if self.zero_stage == 3:
                 flat.reshard()
             # Keep one reduction in flight: an issued reduce-scatter holds its full-size input
@@ -270,6 +283,7 @@ class FullyShardedDataParallel(nn.Module):
     def _end_backward(self) -> None:
         self._backward_queued = False
         self._inflight.clear()
+        self._reduced.clear()
         for unit in self.units:
             for flat in unit.flats:
                 if self._sync and flat.requires_grad and flat.pending is None:
@@ -316,37 +330,37 @@ class FullyShardedDataParallel(nn.Module):
         return {(self.cfg.group, self.tp.group): sharded, (self.cfg.group,): replicated}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter and persistent buffer gathered in full, on CPU, original names."""
-        from plait.fsdp_state_dict import full_state_dict
+        """Every parameter and persistent buffer gathered in full, on CPU, under the original names,
+        the same on every rank (over tensor parallelism, tp shards are gathered over tp too)."""
+        from plait.fsdp.state_dict import full_state_dict
 
-        self._no_tp_state("full_state_dict")
         return full_state_dict(self)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        from plait.fsdp_state_dict import load_full_state_dict
+        """Load full tensors (original names and shapes): each rank keeps its shard. No communication."""
+        from plait.fsdp.state_dict import load_full_state_dict
 
-        self._no_tp_state("load_full_state_dict")
         load_full_state_dict(self, state)
 
     def sharded_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Parameters (and optimizer state) as DTensors of the original model's tensors, for
         torch.distributed.checkpoint: Shard(0) over fsdp, or, over tensor parallelism, each tp
-        shard over tp (see `plait.fsdp_state_dict`)."""
-        from plait.fsdp_state_dict import sharded_state_dict
+        shard over tp (see `plait.fsdp.state_dict`)."""
+        from plait.fsdp.state_dict import sharded_state_dict
 
         return sharded_state_dict(self, optimizer)
 
     def load_sharded_state_dict(self, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
-        from plait.fsdp_state_dict import load_sharded_state_dict
+        from plait.fsdp.state_dict import load_sharded_state_dict
 
         load_sharded_state_dict(self, state, optimizer)
 
-    def _no_tp_state(self, what: str) -> None:
-        # The flat shards hold tp shards: names and shapes would describe neither the full
-        # model nor a layout another tp size could load.
-        if self.tp is not None:
-            raise ValueError(f"FullyShardedDataParallel.{what}: full state dicts of a model that is also "
-                             "tensor-parallel are not supported yet; plait.checkpoint (sharded) is")
+    # The checkpoint protocol (`plait.checkpoint.protocol`): the sharded state dict is the entry.
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return self.sharded_state_dict(optimizer)
+
+    def load_checkpoint_state(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
+        self.load_sharded_state_dict(state, optimizer)
 
     def offload_bytes(self) -> dict[str, int]:
         """Bytes copied host->device and device->host by CPU offload since wrapping."""

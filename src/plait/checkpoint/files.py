@@ -1,0 +1,266 @@
+"""Writing and reading checkpoint folders: DCP's files, then ``plait.json`` last.
+
+Each rank hashes the files it wrote itself (no rank needs to see another's disk to write its
+share); rank 0 gathers the lists and writes ``plait.json`` through a temporary file and
+``os.replace``, so a folder whose ``plait.json`` parses holds a finished save. `save` can prune
+older ``step_*`` folders and write in the background (``async_save``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from plait import comm
+from plait.checkpoint.integrity import (
+    DCP_METADATA,
+    FORMAT,
+    META,
+    CorruptCheckpoint,
+    SafeReader,
+    file_record,
+    identity_differences,
+    read_dcp_metadata,
+    read_meta,
+    verify,
+)
+from plait.checkpoint.protocol import Checkpointable, load_state_dict, state_dict
+from plait.env import get_logger
+
+__all__ = ["save", "load", "latest", "prune", "SaveHandle", "step_folders", "distributed", "rank", "version"]
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if distributed() else 0
+
+
+def version() -> str:
+    from plait import __version__
+
+    return __version__
+
+
+class _RecordingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, remembering which files this rank wrote so that it hashes them itself."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.written: list[str] = []
+
+    def write_data(self, plan: Any, planner: Any) -> torch.futures.Future:
+        future = super().write_data(plan, planner)  # the files are complete when it returns
+        self.written = sorted({r.storage_data.relative_path for r in future.wait()})
+        return future
+
+
+class SaveHandle:
+    """A checkpoint being written. `wait()` returns its folder once ``plait.json`` is in place
+    for every rank, and re-raises whatever failed in the background."""
+
+    def __init__(self, path: Path, future: Future | None = None) -> None:
+        self.path, self._future = path, future
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self) -> Path:
+        if self._future is not None:
+            self._future.result()
+        return self.path
+
+
+@dataclass
+class _Background:
+    """This process's background saves: their Gloo group and the one in flight."""
+
+    world: Any
+    group: dist.ProcessGroup | None = None
+    pending: SaveHandle | None = None
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="plait-checkpoint"))
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """A CPU group of every rank for the background writer's collectives.
+
+        The training loop keeps running collectives on its own groups meanwhile; on a group of
+        their own the two streams of collectives cannot interleave (and with NCCL, DCP's
+        background collectives need a CPU backend anyway). Made by every rank at its first
+        background save, which every rank reaches at the same step.
+        """
+        if self.group is None and distributed():
+            ranks = list(range(dist.get_world_size()))
+            self.group = dist.new_group(ranks, timeout=comm.timeout(), backend="gloo")
+            comm.register_group(self.group, "checkpoint", ranks)
+        return self.group
+
+
+_BACKGROUND: dict[int, _Background] = {}  # by default group: a re-initialised job starts afresh
+
+
+def _background() -> _Background:
+    world = dist.group.WORLD if distributed() else None
+    bg = _BACKGROUND.get(id(world))
+    if bg is None or bg.world is not world:
+        bg = _BACKGROUND[id(world)] = _Background(world)
+    return bg
+
+
+def save(directory: str | Path, model: Checkpointable | nn.Module, optimizer: Any, meta: dict[str, Any], *,
+         keep: int | None = None, async_save: bool = False) -> SaveHandle:
+    """Write a checkpoint (a collective: every rank calls it) and, last, its ``plait.json``.
+
+    ``model`` is any layout `plait.checkpoint.state_dict` takes. ``meta`` (JSON) goes into
+    ``plait.json`` with the file checksums and plait's version. ``keep``: once this checkpoint is
+    complete, rank 0 deletes the ``step_*`` folders beside it beyond the ``keep`` newest (never
+    this one). ``async_save``: return once this rank's state is copied to CPU memory; DCP writes
+    it in the background and the returned handle's `wait` waits for the end. Every save first
+    waits for the previous one, so at most one is in flight.
+    """
+    path = Path(directory)
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 (the number of newest checkpoints kept), got {keep}")
+    bg = _background()
+    bg.wait()
+    if rank() == 0:  # rewriting a folder: it is not a finished checkpoint meanwhile
+        for stale in (META, DCP_METADATA):
+            (path / stale).unlink(missing_ok=True)
+    writer = _RecordingWriter(path)
+    state = state_dict(model, optimizer)
+    if not async_save:
+        dcp.save(state, storage_writer=writer)
+        return SaveHandle(_finish(path, writer, meta, keep, None))
+    group = bg.checkpoint_group()
+    written = dcp.async_save(state, storage_writer=writer, process_group=group)
+    upload: Any = getattr(written, "upload_completion", written)  # newer torch may return two futures
+    bg.pending = SaveHandle(path, bg.executor.submit(_finish_after, upload, path, writer, meta, keep, group))
+    return bg.pending
+
+
+def _finish_after(upload: Future, path: Path, writer: _RecordingWriter, meta: dict[str, Any],
+                  keep: int | None, group: dist.ProcessGroup | None) -> Path:
+    upload.result()
+    return _finish(path, writer, meta, keep, group)
+
+
+def _finish(path: Path, writer: _RecordingWriter, meta: dict[str, Any], keep: int | None,
+            group: dist.ProcessGroup | None) -> Path:
+    """Once DCP returned on every rank (so every data file and ``.metadata`` is written): hash,
+    gather the lists on rank 0, write ``plait.json``, prune, and let every rank know."""
+    mine = {name: file_record(path / name) for name in writer.written}
+    if rank() == 0:  # DCP's coordinator wrote .metadata before any rank's save returned
+        mine[DCP_METADATA] = file_record(path / DCP_METADATA)
+    parts = comm.all_gather_object(mine, group) if distributed() else [mine]
+    if rank() == 0:
+        files = {name: record for part in parts for name, record in part.items()}
+        _write_meta(path, {**meta, "format": FORMAT, "plait_version": version(), "files": files})
+        for stale in path.glob("*.distcp"):  # left by an earlier save into this folder
+            if stale.name not in files:
+                stale.unlink()
+        if keep is not None:
+            prune(path.parent, keep, newest=path, identity=meta.get("identity"))
+    if distributed():
+        comm.barrier(group)
+    return path
+
+
+def _write_meta(path: Path, meta: dict[str, Any]) -> None:
+    """Write ``plait.json`` so that it is either absent or whole: a crash never leaves half of it."""
+    tmp = path / f"{META}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / META)
+
+
+def step_folders(root: str | Path) -> list[Path]:
+    """The ``step_N`` folders under ``root``, oldest (smallest N) first."""
+    found = [(int(p.name[5:]), p) for p in Path(root).glob("step_*") if p.name[5:].isdigit() and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def prune(root: str | Path, keep: int, newest: Path | None = None,
+          identity: dict[str, Any] | None = None) -> list[Path]:
+    """Delete the ``step_*`` folders under ``root`` beyond the ``keep`` newest, never ``newest``.
+
+    Rank 0's job, after a save is complete. With ``identity``, finished checkpoints of another
+    run (another identity in their ``plait.json``) are neither counted nor deleted: pruning
+    never throws away someone else's work. Each folder loses its ``plait.json`` first, so one
+    whose deletion is interrupted reads as unfinished, not as a checkpoint.
+    """
+    folders = [p for p in step_folders(root) if identity is None or _same_run(p, identity)]
+    doomed = [p for p in folders[:max(0, len(folders) - keep)]
+              if newest is None or p.resolve() != Path(newest).resolve()]
+    for p in doomed:
+        (p / META).unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def _same_run(folder: Path, identity: dict[str, Any]) -> bool:
+    """Whether ``folder`` may be pruned as this run's: its ``plait.json`` names the same run, or
+    is missing or unreadable (an unfinished or broken save, which holds nothing to resume)."""
+    try:
+        saved = json.loads((folder / META).read_text()).get("identity")
+    except (OSError, ValueError, AttributeError):
+        return True
+    return not identity_differences(identity, saved or {})
+
+
+def load(directory: str | Path, model: Checkpointable | nn.Module, optimizer: Any, *,
+         check: bool = True) -> dict[str, Any]:
+    """Load a checkpoint written by `save`, on any number of ranks and layout; return its metadata.
+
+    With ``check``, every rank first runs `verify` when ``plait.json`` lists checksums (pass
+    ``check=False`` after `choose`, which verified on rank 0). A ``plait.json`` without a file
+    list (written by hand beside a plain DCP checkpoint) loads unverified, with a warning. The
+    DCP metadata is always read through `SafeReader`, whatever ``check`` says.
+    """
+    path = Path(directory)
+    if not (path / META).exists():
+        raise FileNotFoundError(f"no plait checkpoint at {path} (missing {META})")
+    if check:
+        try:
+            meta = json.loads((path / META).read_text())
+        except ValueError as e:
+            raise CorruptCheckpoint(path, f"{META} does not parse ({e})") from e
+        if isinstance(meta, dict) and "files" not in meta:
+            get_logger("plait.checkpoint").warning("%s lists no checksums: loading unverified", path / META)
+        else:
+            verify(path)
+    read_dcp_metadata(path / DCP_METADATA)  # refuses a crafted file here, with its own error
+    template = state_dict(model, optimizer)
+    dcp.load(template, storage_reader=SafeReader(path))
+    load_state_dict(model, optimizer, template)
+    return json.loads((path / META).read_text())
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The newest ``step_*`` checkpoint under ``directory`` whose save finished (its checksums are
+    not read: `choose` does that)."""
+    for path in reversed(step_folders(directory)):
+        try:
+            read_meta(path)
+        except CorruptCheckpoint:
+            continue
+        return path
+    return None

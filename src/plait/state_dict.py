@@ -1,0 +1,81 @@
+"""Full state dicts in every layout: the whole model, under its original names.
+
+`full_state_dict(model)` returns what ``model.state_dict()`` of the unwrapped single-process
+model would: every parameter and persistent buffer at its full shape, under the names that
+model gives them (a tied weight under each of its names), as CPU tensors, the same on every
+rank. It is a collective: every rank of the model's groups calls it. `load_full_state_dict`
+loads such a dict (or a single-process model's own) into any layout.
+
+A wrapper that holds the state in its own way supplies it with two methods,
+``full_state_dict()`` and ``load_full_state_dict(state)``: FSDP gathers its flat shards (and,
+over tensor parallelism, the tp shards), a pipeline gathers its stages across pp (`union_over`),
+DDP and DataParallel ask their module. Any other module takes the default path: a
+tensor-parallel module's shards are gathered over tp (`plait.tp.state`), a plain module's
+state dict is copied. The checkpoint protocol (`plait.checkpoint.protocol`) has the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.tp import state as tp_state
+from plait.tp.apply import tp_module
+
+__all__ = ["full_state_dict", "load_full_state_dict", "union_over"]
+
+
+def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
+    """The full state of ``model`` in any layout, on CPU, identical on every rank (a collective)."""
+    own = getattr(model, "full_state_dict", None)
+    if own is not None:
+        state = own()
+    elif tp_module(model) is not None:
+        state = tp_state.full_state_dict(model)
+    else:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    moved: dict[int, torch.Tensor] = {}  # a tensor listed under two names (tied) moves once
+    return {k: moved.setdefault(id(v), v.cpu()) for k, v in state.items()}
+
+
+def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, torch.Tensor]) -> None:
+    """Load full tensors under the original names into ``model`` in any layout: each rank takes
+    its own part, without communication (every rank passes the whole ``state``)."""
+    own = getattr(model, "load_full_state_dict", None)
+    if own is not None:
+        own(state)
+    elif tp_module(model) is not None:
+        tp_state.load_full_state_dict(model, state)
+    else:
+        model.load_state_dict(state)
+
+
+@torch.no_grad()
+def union_over(state: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None,
+               ranks: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Every rank's ``state`` entries, on every rank of ``group`` (global ``ranks``), on CPU.
+
+    For state that ranks hold disjoint parts of (pipeline stages). One all_gather_object of the
+    names, shapes and dtypes, then one coalesced broadcast per rank and dtype from that rank, so
+    the tensors travel as tensors, never pickled. A name two ranks hold gets the later rank's
+    value (the copies of a weight tied across ranks are equal).
+    """
+    if len(ranks) == 1:
+        return {k: v.detach().cpu() for k, v in state.items()}
+    me = ranks.index(dist.get_rank())
+    layouts = comm.all_gather_object({k: (tuple(v.shape), v.dtype) for k, v in state.items()}, group)
+    dev = comm.device_of(group)
+    out: dict[str, torch.Tensor] = {}
+    for r, (src, layout) in enumerate(zip(ranks, layouts, strict=True)):
+        if r == me:  # own copies: a tensor listed twice must not be sent once (receivers expect two)
+            bufs = {k: state[k].detach().to(dev, copy=True) for k in layout}
+        else:
+            bufs = {k: torch.empty(shape, dtype=dtype, device=dev) for k, (shape, dtype) in layout.items()}
+        comm.broadcast_coalesced(list(bufs.values()), src, group)
+        out.update({k: t.cpu() for k, t in bufs.items()})
+    return out

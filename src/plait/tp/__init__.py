@@ -1,0 +1,17 @@
+"""Tensor and sequence parallelism (Megatron-LM), applied to unmodified models by a plan."""
+
+from plait.tp.apply import TPInfo, assign_styles, loss_fn_for, tensor_parallel, tp_info, tp_module
+from plait.tp.loss import vocab_parallel_cross_entropy
+from plait.tp.styles import (
+    ColwiseParallel,
+    ParallelRegion,
+    RowwiseParallel,
+    SequenceParallel,
+    Style,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+)
+
+__all__ = ["tensor_parallel", "assign_styles", "loss_fn_for", "tp_info", "tp_module", "TPInfo",
+           "vocab_parallel_cross_entropy", "Style", "ColwiseParallel", "RowwiseParallel",
+           "VocabParallelEmbedding", "VocabParallelOutput", "SequenceParallel", "ParallelRegion"]

@@ -1,0 +1,141 @@
+"""`plait train` refuses every flag it would ignore or that cannot work, before any process starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+import plait
+from plait.train import TrainConfig, parse_args
+
+BAD = [
+    # FSDP-only options under other strategies: they would change nothing.
+    (dict(strategy="ddp", mixed_precision="bf16"), "--mixed-precision bf16 applies to --strategy fsdp"),
+    (dict(strategy="ddp", offload=True), "--offload applies to --strategy fsdp"),
+    (dict(strategy="ddp", nproc=4, tp=2, mixed_precision="fp16"), "--mixed-precision fp16 applies"),
+    (dict(strategy="dp", nproc=2, offload=True), "--strategy dp would ignore it"),
+    (dict(strategy="none", nproc=1, mixed_precision="bf16"), "--strategy none would ignore it"),
+    (dict(strategy="ddp", zero_stage=1), "--zero-stage 1 applies to --strategy fsdp"),
+    (dict(strategy="ddp", reshard_after_forward=False), "--no-reshard-after-forward applies"),
+    (dict(strategy="ddp", backward_prefetch=False), "--no-backward-prefetch applies"),
+    # Numbers out of range.
+    (dict(grad_clip=-1.0), r"--grad-clip -1.0: must be a finite number >= 0 \(0: no clipping\)"),
+    (dict(grad_clip=float("nan")), "--grad-clip nan"),
+    (dict(lr=float("inf")), "--lr inf: must be a finite number > 0"),
+    (dict(lr=0.0), "--lr 0.0"),
+    (dict(lr=-1e-3), "--lr -0.001"),
+    (dict(min_lr_ratio=1.5), r"--min-lr-ratio 1.5: must be a number in \[0, 1\]"),
+    (dict(min_lr_ratio=float("nan")), "--min-lr-ratio nan"),
+    (dict(weight_decay=-0.1), "--weight-decay -0.1"),
+    (dict(weight_decay=float("inf")), "--weight-decay inf"),
+    (dict(eval_every=-1), "--eval-every -1: must be an integer >= 0"),
+    (dict(save_every=-5), "--save-every -5"),
+    (dict(seq_len=0), "--seq-len 0: must be an integer >= 1"),
+    (dict(seq_len=-8), "--seq-len -8"),
+    (dict(max_bytes=0), "--max-bytes 0: must be an integer >= 1024"),
+    (dict(seed=-1), r"--seed -1: must be an integer in \[0, 2\*\*32\)"),
+    (dict(steps=0), "--steps 0: must be an integer >= 1"),
+    (dict(microbatches=0), "--microbatches 0"),
+    (dict(keep=0), "--keep must be >= 1"),
+    (dict(warmup=-1), "--warmup must be in"),
+    # Model against layout.
+    (dict(strategy="ddp", nproc=3, tp=3, batch_size=3), r"--tp 3: .*4 attention heads.*one of \[1, 2, 4\]"),
+    (dict(model="small", strategy="fsdp", nproc=3, tp=3, batch_size=3), "--tp 3"),
+    (dict(strategy="ddp", nproc=2, tp=2, sequence_parallel=True, seq_len=33),
+     "sequence length 33 .* must be divisible by it"),
+    (dict(strategy="ddp", nproc=8, pp=8, batch_size=32), "--pp 8 x --chunks 1 = 8 pipeline stages, but the "
+     "tiny model has only 6 segments"),
+    (dict(strategy="ddp", nproc=4, pp=4, chunks=2, schedule="interleaved", batch_size=16),
+     "8 pipeline stages, but the tiny model has only 6"),
+    (dict(strategy="ddp", nproc=6, pp=6, batch_size=24), "leaves pipeline rank 1 with only drop"),
+    (dict(strategy="ddp", nproc=2, pp=2, schedule="1f1b", chunks=2, batch_size=8),
+     "--schedule 1f1b with --pp 2 .* runs one stage per rank"),
+    (dict(strategy="ddp", nproc=2, pp=2, schedule="interleaved", chunks=2, microbatches=3, batch_size=6),
+     "--schedule interleaved .* multiple of pp"),
+    (dict(strategy="ddp", nproc=4, pp=4, schedule="interleaved", microbatches=2, batch_size=8),
+     "--schedule interleaved .*at least as many microbatches"),
+    (dict(schedule="round-robin"), "--schedule must be one of"),
+    (dict(chunks=2), "--chunks 2 sets pipeline stages per rank: it needs --pp 2"),
+    (dict(seq_len=10**6), "--seq-len 1000000: .*held-out 5%"),
+    (dict(max_bytes=2000, seq_len=200), "--seq-len 200"),
+    # Paths.
+    (dict(data="/no/such/corpus"), "--data /no/such/corpus: no such file or folder"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", BAD, ids=[m.split(":")[0][:40] for _, m in BAD])
+def test_bad_value_is_refused_with_its_flag(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_paths_the_run_writes_are_checked(tmp_path):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="--save-dir .*is an existing file"):
+        TrainConfig(save_dir=str(afile))
+    with pytest.raises(ValueError, match="--metrics .*file, so the folders above m.jsonl cannot be created"):
+        TrainConfig(metrics=str(afile / "sub" / "m.jsonl"))
+    with pytest.raises(ValueError, match="--metrics .*is a folder"):
+        TrainConfig(metrics=str(tmp_path))
+    with pytest.raises(ValueError, match="--save-dir .*file, so the folders"):
+        TrainConfig(save_dir=str(afile / "ckpt"))
+    small = tmp_path / "small.txt"
+    small.write_text("tiny")
+    with pytest.raises(ValueError, match="--data .*holds 4 bytes"):
+        TrainConfig(data=str(small))
+    TrainConfig(save_dir=str(tmp_path / "new" / "ckpt"), metrics=str(tmp_path / "new" / "m.jsonl"))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(grad_clip=0.0),  # no clipping
+    dict(strategy="fsdp", nproc=2, mixed_precision="bf16", offload=True, zero_stage=2),
+    dict(strategy="ddp", nproc=2, pp=2, schedule="interleaved", chunks=2, microbatches=4, batch_size=8),
+    dict(strategy="ddp", nproc=2, pp=2, schedule="zb-h1", batch_size=8),
+    dict(strategy="ddp", nproc=4, tp=4, sequence_parallel=True),
+    dict(model="25m", strategy="fsdp", nproc=8, tp=8, batch_size=8),
+])
+def test_good_layouts_pass(kwargs):
+    TrainConfig(**kwargs)
+
+
+def test_parallel_plan_refuses_fsdp_options_without_fsdp():
+    with pytest.raises(ValueError, match=r"ParallelPlan\(mixed_precision='bf16'\): FSDP options.*data='ddp'"):
+        plait.ParallelPlan(data="ddp", mixed_precision="bf16")
+    with pytest.raises(ValueError, match="offload=True"):
+        plait.ParallelPlan(data="none", offload=True)
+    with pytest.raises(ValueError, match="ddp_options"):
+        plait.ParallelPlan(data="fsdp", ddp_options={"bucket_cap_mb": 1})
+    plan = plait.ParallelPlan(data="fsdp", mixed_precision="bf16", offload=True)
+    plan.data = "ddp"  # changed after construction: parallelize checks again, before any collective
+    with pytest.raises(ValueError, match="FSDP options"):
+        plait.parallelize(None, None, plan)  # type: ignore[arg-type]
+
+
+def test_schedule_choices_on_the_command_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--schedule", "round-robin"])
+    assert "invalid choice: 'round-robin'" in capsys.readouterr().err
+    assert parse_args(["--schedule", "zb-h1", "--pp", "2", "--batch-size", "8"]).schedule == "zb-h1"
+
+
+def test_cli_refuses_in_the_parent_before_spawning(tmp_path):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    cases = [
+        (["--strategy", "ddp", "--mixed-precision", "bf16"], "--mixed-precision bf16 applies to --strategy"),
+        (["--lr", "inf"], "--lr inf: must be a finite number > 0"),
+        (["--save-dir", str(afile)], "is an existing file"),
+        (["--nproc", "3", "--tp", "3", "--batch-size", "3"], "--tp 3"),
+    ]
+    for args, message in cases:
+        t0 = time.perf_counter()
+        res = subprocess.run([sys.executable, "-m", "plait.cli", "train", *args], capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 2, (args, res.stderr)
+        assert message in res.stderr, (args, res.stderr)
+        assert "[rank" not in res.stderr  # no rank ever started (rank log lines start so)
+        assert time.perf_counter() - t0 < 60

@@ -1,0 +1,284 @@
+"""Pipelines with data parallelism per stage, built by `plait.parallelize`, against one process.
+
+torchtitan's layout: the model is split into stages and each stage is its own FSDP module over
+the fsdp axis (ZeRO-2 or ZeRO-3; hybrid with dp), or its own DDP module over dp. Gradients
+accumulate over the microbatches and each stage's last backward of the step reduces them.
+
+Every rank also runs the single-process oracle on the whole global batch (each pipeline replica
+gets its slice), so each comparison is local: the piece of each parameter this rank's FSDP shard
+(or DDP replica) holds against the same piece of the oracle's. Losses, clipped gradients at the
+first step and parameters after a few default AdamW steps are compared.
+
+Tolerances: float64 where the layout allows (no tensor parallelism), so only summation order
+differs: rtol=1e-9, atol=1e-12. The loss a pipeline returns and `plait.clip_grad_norm_`'s norm
+are float32 (rtol=1e-6 for them); a float32 clipping factor would cap the rest at that too, so in
+float64 the norm is measured and compared, and clipping itself is left to the float32 case.
+With tensor parallelism the vocab-parallel cross-entropy computes in float32: fp32 tolerances and
+AdamW eps as in test_fsdp_tp.py (rtol=1e-5, atol=1e-6, eps=1e-4). bf16 mixed precision is
+compared with the fp32 oracle at bf16's resolution (losses only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait.testing import cached_mesh
+
+CFG = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+TOL64 = dict(rtol=1e-9, atol=1e-12)
+TOL32 = dict(rtol=1e-5, atol=1e-6)
+LOSS64 = dict(rtol=1e-6, atol=0)  # float32 scalars: the pipeline's loss, the gradient norm
+MAX_NORM = 0.5  # below the oracle's gradient norm (asserted): clipping scales what is compared
+BATCH = 16  # global batch: 4 microbatches per pipeline replica on 2 replicas
+
+
+def loss64(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in the logits' dtype (`lm_loss` computes in float32)."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, CFG["vocab_size"], (BATCH, CFG["seq_len"] + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def _pieces(pipe):
+    """(original name, tensor this rank steps, its slice, slice of the flattened local parameter)."""
+    from plait.fsdp.wrapper import FullyShardedDataParallel
+
+    for stage in pipe.stages.values():
+        if not isinstance(stage, FullyShardedDataParallel):  # DDP: the stage's own parameters
+            for name, p in stage.module.named_parameters():
+                yield name, p, slice(None), slice(None)
+            continue
+        for unit in stage.units:
+            for flat in unit.flats:
+                lo, hi = flat.shard_range()
+                for slot in flat.slots:
+                    a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                    if a < b:
+                        yield (slot.fqn, flat.shard, slice(a - lo, b - lo),
+                               slice(a - slot.offset, b - slot.offset))
+
+
+def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, dtype: torch.dtype = torch.float64,
+            accumulate: bool = False) -> dict:
+    """Train the pipeline next to the oracle; ``accumulate``: two half-batch steps per optimizer
+    step, the first inside ``no_sync``."""
+    import plait
+    from plait import comm
+    from plait.materialize import init_weights
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+
+    fp64 = dtype == torch.float64
+    tol, loss_fn = (TOL64, loss64) if fp64 else (TOL32, lm_loss)
+    adam = {} if fp64 else {"eps": 1e-4}  # see test_fsdp_tp.py: fp32-noise gradients and Adam's eps
+    mesh = cached_mesh(**mesh_kw)
+    cfg = GPTConfig(**CFG)
+    oracle = init_weights(GPT(cfg).to(dtype), seed=3)
+    with torch.device("meta"):  # no rank ever materializes the full model
+        model = GPT(cfg).to(dtype)
+    tp = plait.gpt_plan(cfg) if mesh.size("tp") > 1 else None
+    plan = plait.ParallelPlan(tp=tp, seed=3, pp_microbatches=4 // (1 + accumulate),
+                              loss_fn=None if tp else loss_fn, **plan_kw)
+    pipe = plait.parallelize(model, mesh, plan)
+    specs = pipe.tp_info.specs if tp else {}
+    ref = dict(oracle.named_parameters())
+
+    def check(what: str, get) -> None:
+        for name, t, mine, theirs in _pieces(pipe):
+            full = get(ref[name])
+            want = (specs[name].take(full) if name in specs else full).reshape(-1)[theirs]
+            torch.testing.assert_close(get(t).reshape(-1)[mine], want, **tol,
+                                       msg=lambda m, n=name: f"{what} {n}: {m}")
+
+    check("initial value of", lambda p: p.detach())
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, **adam)
+    oopt = torch.optim.AdamW(oracle.parameters(), lr=1e-3, **adam)
+    r, n = mesh.rank(("dp", "fsdp")), mesh.size(("dp", "fsdp"))
+    losses, reductions = [], []
+    for step in range(steps):
+        x, y = _batch(step)
+        xs, ys = x.chunk(n)[r], y.chunk(n)[r]  # this pipeline replica's slice
+        comm.reset_stats()
+        if accumulate:
+            with pipe.no_sync():
+                first = pipe.step(xs.chunk(2)[0], ys.chunk(2)[0])
+            loss = (first + pipe.step(xs.chunk(2)[1], ys.chunk(2)[1])) / 2
+            for p in pipe.parameters():
+                p.grad.div_(2)  # two mean-loss backwards
+        else:
+            loss = pipe.step(xs, ys)
+        reductions.append({k: v["calls"] for k, v in comm.stats().as_dict().items()
+                           if k.split("@")[0] in ("reduce_scatter", "all_reduce")})
+        loss_fn(oracle(x), y).backward()
+        with torch.no_grad():
+            torch.testing.assert_close(loss.to(dtype), loss_fn(oracle(xs), ys), **(LOSS64 if fp64 else tol))
+        max_norm = math.inf if fp64 else MAX_NORM
+        norm = plait.clip_grad_norm_(pipe, max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(oracle.parameters(), max_norm)
+        assert float(ref_norm) > MAX_NORM
+        torch.testing.assert_close(norm.double(), ref_norm.double(), **(LOSS64 if fp64 else tol))
+        if step == 0:
+            check("gradient of" if fp64 else "clipped gradient of", lambda p: p.grad)
+        opt.step()
+        oopt.step()
+        opt.zero_grad()
+        oopt.zero_grad()
+        losses.append(float(loss))
+    # The collectives first, so a failed check below cannot leave the other ranks waiting.
+    full = plait.full_state_dict(pipe)  # every stage, gathered over fsdp, tp and pp
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.eval_step(xs, ys).to(dtype), loss_fn(oracle(xs), ys),
+                                   **(LOSS64 if fp64 else tol))
+    check(f"after {steps} AdamW steps,", lambda p: p.detach())
+    want = oracle.state_dict()
+    assert set(full) == set(want), set(full) ^ set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(full[k], v, **tol, msg=lambda m, k=k: f"full state {k}: {m}")
+    return {"losses": losses, "reductions": reductions, "coords": mesh.coords,
+            "local": sum(p.numel() for p in pipe.parameters()), "full": oracle.num_parameters()}
+
+
+FSDP_CASES = {
+    "zero2-1f1b": dict(zero_stage=2),
+    "zero3-1f1b": dict(zero_stage=3),
+    "zero2-zb-h1": dict(zero_stage=2, pp_schedule="zb-h1"),  # reduce-scatters in the last W
+    "zero3-interleaved": dict(zero_stage=3, pp_schedule="interleaved", pp_chunks=2),
+    "zero3-offload-no-reshard": dict(zero_stage=3, offload=True, reshard_after_forward=False),
+}
+
+
+@pytest.mark.parametrize("name", list(FSDP_CASES))
+def test_pp2_fsdp2_matches_single_process(pools, name):
+    out = pools[4].run(_parity, dict(pp=2, fsdp=2), dict(data="fsdp", **FSDP_CASES[name]))
+    assert all(o["local"] < o["full"] / 2 for o in out)  # a stage's shard: about a quarter
+    for o in out:  # one reduce-scatter per flat group and step, not one per microbatch
+        per_step = [c.get("reduce_scatter@fsdp", 0) for c in o["reductions"]]
+        chunks = FSDP_CASES[name].get("pp_chunks", 1)
+        assert per_step[0] == per_step[-1] and 0 < per_step[0] <= 2 * 3 * chunks, per_step
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pp2_dp2_ddp_matches_single_process(pools, schedule):
+    out = pools[4].run(_parity, dict(pp=2, dp=2), dict(data="ddp", pp_schedule=schedule))
+    for o in out:  # one bucket all-reduce per stage and step (25 MB buckets hold a tiny stage)
+        assert all(c.get("all_reduce@dp") == 1 for c in o["reductions"]), o["reductions"]
+
+
+def test_pp2_dp2_ddp_accumulates_steps_under_no_sync(pools):
+    out = pools[4].run(_parity, dict(pp=2, dp=2), dict(data="ddp"), 2, torch.float64, True)
+    assert all(c.get("all_reduce@dp") == 1 for o in out for c in o["reductions"])  # the second step only
+
+
+@pytest.mark.parametrize("plan_kw", [
+    dict(zero_stage=3),
+    dict(zero_stage=2, sequence_parallel=True, pp_schedule="zb-h1"),  # tp sums norm grads inside W
+], ids=["zero3", "zero2-sp-zb-h1"])
+def test_pp2_fsdp2_tp2_matches_single_process(pools, plan_kw):
+    # torchtitan's 3-D layout: stages split first, each tensor-parallel, then FSDP over fsdp.
+    pools[8].run(_parity, dict(pp=2, fsdp=2, tp=2), dict(data="fsdp", **plan_kw), 3, torch.float32)
+
+
+def test_pp2_hsdp_dp2_fsdp2_matches_single_process(pools):
+    # Hybrid sharding per stage: reduce-scatter over fsdp, then all-reduce over dp, once per step.
+    out = pools[8].run(_parity, dict(pp=2, dp=2, fsdp=2), dict(data="fsdp", zero_stage=3))
+    for o in out:
+        assert all(c.get("all_reduce@dp") == c.get("reduce_scatter@fsdp") > 0 for c in o["reductions"])
+
+
+def _mixed(mp: str) -> list[float]:
+    import plait
+    from plait.materialize import init_weights
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+
+    mesh = cached_mesh(pp=2, fsdp=2)
+    cfg = GPTConfig(**CFG)
+    oracle = init_weights(GPT(cfg), seed=3)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    pipe = plait.parallelize(model, mesh, plait.ParallelPlan(data="fsdp", zero_stage=3, mixed_precision=mp,
+                                                             seed=3, loss_fn=lm_loss))
+    assert all(p.dtype == torch.float32 for p in pipe.parameters())  # fp32 master shards
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    oopt = torch.optim.AdamW(oracle.parameters(), lr=1e-3)
+    r = mesh.rank("fsdp")
+    gaps = []
+    for step in range(3):
+        x, y = _batch(step)
+        loss = pipe.step(x.chunk(2)[r], y.chunk(2)[r])
+        ref = lm_loss(oracle(x.chunk(2)[r]), y.chunk(2)[r])
+        lm_loss(oracle(x), y).backward()
+        # bf16 keeps 8 bits of mantissa: a relative 2**-8 per rounding, a few roundings deep.
+        torch.testing.assert_close(loss, ref.detach(), rtol=2e-2, atol=0)
+        gaps.append(abs(float(loss) - float(ref)))
+        opt.step()
+        oopt.step()
+        opt.zero_grad()
+        oopt.zero_grad()
+    return gaps
+
+
+def test_pp2_fsdp2_bf16_tracks_single_process(pools):
+    gaps = pools[4].run(_mixed, "bf16")
+    assert max(max(g) for g in gaps) > 1e-5  # the stages did compute in bf16
+
+
+def test_pipeline_fsdp_checkpoint_resumes_in_one_process(pools, oracle, tmp_path):
+    # plait train's pp2 x ZeRO-3 run saves at step 3 (each FSDP stage writes its DTensor shards
+    # under the original names); one process resumes it and continues the same loss curve.
+    import shutil
+
+    from oracle import train_losses
+
+    losses = pools[4].run(train_losses, str(tmp_path), save_dir=str(tmp_path / "all"), save_every=3,
+                          strategy="fsdp", nproc=4, pp=2, zero_stage=3)[0]
+    assert losses == pytest.approx(oracle, rel=1e-4)
+    shutil.copytree(tmp_path / "all" / "step_000003", tmp_path / "only3" / "step_000003")
+    resumed = train_losses(str(tmp_path), save_dir=str(tmp_path / "only3"), resume=True, strategy="none",
+                           nproc=1)
+    assert resumed == pytest.approx(oracle[3:], rel=1e-4)
+
+
+REFUSED = {  # case: (mesh, plan, what the error says)
+    "zero3 zb-h1": (dict(pp=2, fsdp=2), dict(data="fsdp", pp_schedule="zb-h1"),
+                    "splits backward into B and W; ZeRO-3 frees"),
+    "tied": (dict(pp=2, fsdp=2), dict(data="fsdp"), "cannot be FSDP-sharded per stage"),
+    "pp options without pp": (dict(fsdp=4), dict(data="fsdp", pp_microbatches=8),
+                              "pipeline options, read only when the mesh has pp > 1"),
+    "unused": (dict(pp=2, dp=2), dict(data="ddp", ddp_options={"find_unused_parameters": True}),
+               "find_unused_parameters"),
+}
+
+
+def _refused(case: str) -> None:
+    import plait
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+
+    mesh_kw, plan_kw, _ = REFUSED[case]
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**CFG, tie_embeddings=case == "tied"))
+    loss = lm_loss if "pp" in mesh_kw else None
+    plait.parallelize(model, cached_mesh(**mesh_kw), plait.ParallelPlan(loss_fn=loss, **plan_kw))
+
+
+def test_impossible_layouts_fail_before_any_collective(pools):
+    for case, (_, _, text) in REFUSED.items():
+        errors = pools[4].errors(_refused, case)
+        assert len(errors) == 4 and all(text in e for e in errors.values()), (case, errors)
+
+
+@pytest.mark.parametrize("field,value,text", [
+    ("pp_microbatches", 0, "pp_microbatches"), ("pp_chunks", 1.5, "pp_chunks"), ("p2p", "x", "p2p"),
+    ("pp_schedule", "zb", "pp_schedule"), ("pp_split", "layers.1", "pp_split"), ("loss_fn", 3, "loss_fn"),
+])
+def test_plan_names_the_bad_pipeline_field(field, value, text):
+    import plait
+
+    with pytest.raises((ValueError, TypeError), match=text):
+        plait.ParallelPlan(**{field: value})

@@ -1,0 +1,133 @@
+"""`plait.full_state_dict` in every layout equals the single-process model's ``state_dict()``.
+
+Each layout trains a tiny GPT for two AdamW steps on the same global batches as an unsplit
+oracle (every rank runs the oracle too, so each comparison is local); then the full state dict,
+gathered on every rank, must hold the oracle's keys (tied weights under both names) and values.
+Tolerance: fp32, ``rtol=1e-5, atol=1e-6`` as in test_fsdp_tp.py: sharding only reorders sums,
+and atol covers entries near zero. AdamW's ``eps=1e-4`` keeps Adam from amplifying the rounding
+noise of rarely used embedding rows (see test_pipeline_tp.py). Then `plait.load_full_state_dict`
+puts the oracle's *initial* state back and the full state dict must return it exactly.
+
+The vocabulary is 63 wherever tensor parallelism splits it over 2 ranks: shards of 32 rows,
+the last one padded, whose padding must not appear in the full tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.testing import cached_mesh
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+ADAMW = {"lr": 1e-3, "eps": 1e-4, "weight_decay": 0.1}
+TINY = {"seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64}
+STEPS = 2
+
+
+def _batch(step: int, vocab: int, b: int = 8, s: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    w = torch.randint(0, vocab, (b, s + 1), generator=g)
+    return w[:, :-1], w[:, 1:]
+
+
+def _build(layout: str, cfg, mesh, data_parallel: str, zero_stage: int):
+    """(the model in ``layout``, a step function (inputs, targets) -> None that runs backward)."""
+    import plait
+    from plait.models.gpt import GPT, lm_loss
+
+    if layout == "dataparallel":  # one process, two CPU threads
+        net = plait.DataParallel(plait.init_weights(GPT(cfg), seed=3), devices=["cpu", "cpu"])
+        return net, lambda x, y: lm_loss(net(x), y).backward()
+    with torch.device("meta"):  # no rank ever materializes the full model
+        model = GPT(cfg)
+    tp_plan = plait.gpt_plan(cfg) if mesh.size("tp") > 1 else None
+    if mesh.size("pp") > 1:
+        pipe = plait.pipeline(model, mesh, schedule="1f1b", microbatches=2, seed=3, tp_plan=tp_plan,
+                              loss_fn=None if tp_plan else lm_loss)
+        return pipe, pipe.step
+    plan = plait.ParallelPlan(tp=tp_plan, data=data_parallel, seed=3,
+                              **({"zero_stage": zero_stage} if data_parallel == "fsdp" else {}))
+    net = plait.parallelize(model, mesh, plan)
+    loss_fn = plait.loss_fn_for(net)
+    data_rank, data_size = mesh.rank(("dp", "fsdp")), mesh.size(("dp", "fsdp"))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        mine = slice(data_rank * len(x) // data_size, (data_rank + 1) * len(x) // data_size)
+        loss_fn(net(x[mine]), y[mine]).backward()
+
+    return net, step
+
+
+def _full_state_matches(layout: str, mesh_axes: dict, cfg_kw: dict, data_parallel: str = "ddp",
+                        zero_stage: int = 3) -> list[str]:
+    import plait
+    from plait.models.gpt import GPT, GPTConfig, lm_loss
+
+    cfg = GPTConfig(**{**TINY, **cfg_kw})
+    mesh = cached_mesh(**mesh_axes) if mesh_axes else None  # DataParallel runs without a process group
+    oracle = plait.init_weights(GPT(cfg), seed=3)
+    initial = {k: v.clone() for k, v in oracle.state_dict().items()}
+    net, step = _build(layout, cfg, mesh, data_parallel, zero_stage)
+    opt = torch.optim.AdamW(net.parameters(), **ADAMW)
+    opt_ref = torch.optim.AdamW(oracle.parameters(), **ADAMW)
+    for i in range(STEPS):
+        x, y = _batch(i, cfg.vocab_size)
+        step(x, y)
+        lm_loss(oracle(x), y).backward()
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
+    full = plait.full_state_dict(net)
+    plait.load_full_state_dict(net, initial)
+    reloaded = plait.full_state_dict(net)  # the last collective: the checks below are local
+    want = oracle.state_dict()
+    assert set(full) == set(want), set(full) ^ set(want)
+    for name, value in full.items():
+        assert value.device.type == "cpu", name
+        torch.testing.assert_close(value, want[name], **TOL, msg=lambda m, n=name: f"{layout} {n}: {m}")
+        torch.testing.assert_close(reloaded[name], initial[name], rtol=0, atol=0,
+                                   msg=lambda m, n=name: f"{layout} reloaded {n}: {m}")
+    return sorted(full)
+
+
+TIED = {"vocab_size": 64, "tie_embeddings": True}
+UNEVEN = {"vocab_size": 63}
+
+LAYOUTS = [  # (world, layout, mesh axes, GPT config, data strategy, zero stage)
+    (2, "ddp", {"dp": 2}, UNEVEN, "ddp", 3),
+    (2, "zero1", {"fsdp": 2}, TIED, "fsdp", 1),
+    (2, "zero2", {"fsdp": 2}, UNEVEN, "fsdp", 2),
+    (2, "zero3", {"fsdp": 2}, TIED, "fsdp", 3),
+    (4, "hsdp", {"dp": 2, "fsdp": 2}, UNEVEN, "fsdp", 3),
+    (2, "tp", {"tp": 2}, {**UNEVEN, "tie_embeddings": True}, "ddp", 3),
+    (4, "ddp-tp", {"dp": 2, "tp": 2}, UNEVEN, "ddp", 3),
+    (4, "fsdp-tp", {"fsdp": 2, "tp": 2}, {**UNEVEN, "tie_embeddings": True}, "fsdp", 3),
+    (2, "pipeline", {"pp": 2}, TIED, "ddp", 3),  # tok_emb on rank 0 tied to lm_head on rank 1
+    (4, "pipeline-tp", {"pp": 2, "tp": 2}, UNEVEN, "ddp", 3),
+]
+
+
+@pytest.mark.parametrize("world,layout,axes,cfg_kw,data,zero", LAYOUTS, ids=[row[1] for row in LAYOUTS])
+def test_full_state_dict_matches_single_process(pools, world, layout, axes, cfg_kw, data, zero):
+    names = pools[world].run(_full_state_matches, layout, axes, cfg_kw, data, zero)
+    assert all(n == names[0] for n in names)  # every rank holds the whole model
+    if cfg_kw.get("tie_embeddings"):
+        assert {"tok_emb.weight", "lm_head.weight"} <= set(names[0])
+
+
+@pytest.mark.parametrize("layout", ["plain", "dataparallel"])
+def test_full_state_dict_in_one_process(layout):
+    if layout == "plain":
+        import plait
+        from plait.models.gpt import GPT, GPTConfig
+
+        model = plait.init_weights(GPT(GPTConfig(**TINY, **TIED)), seed=3)
+        full = plait.full_state_dict(model)
+        assert full.keys() == model.state_dict().keys()
+        assert all(torch.equal(full[k], v) for k, v in model.state_dict().items())
+        with torch.no_grad():
+            model.norm.weight.add_(1)  # a copy, not a view of the live parameters
+        assert not torch.equal(full["norm.weight"], model.norm.weight)
+        return
+    _full_state_matches("dataparallel", {}, TIED)
