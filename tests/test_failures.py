@@ -261,3 +261,16 @@ def test_the_pool_audit_catches_a_bookkeeping_tensor_made_without_a_device(pool)
     # On CPU it would pass unnoticed; on NCCL the all-reduce of a CPU tensor fails.
     out = pool.run(_unplaced_bookkeeping)
     assert all("made without device= at somewhere.py:1" in m for m in out), out
+
+
+def _async_transposed() -> None:
+    """An asynchronous collective (as DDP's buckets are) is verified when it is waited on."""
+    c = torch.ones(2, 3) if dist.get_rank() == 0 else torch.ones(3, 2)
+    handle = comm.all_reduce(c, cached_mesh(dp=2).group("dp"), async_op=True)
+    assert handle is not None
+    handle.wait()
+
+
+def test_an_asynchronous_collective_is_checked_before_its_result_is_used(pool):
+    errors = pool.errors(_async_transposed)
+    assert all("collective desync" in e and "(2, 3)" in e and "(3, 2)" in e for e in errors.values()), errors

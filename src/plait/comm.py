@@ -240,11 +240,14 @@ def _what(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None) -> s
 class Handle:
     """An in-flight collective. `wait()` blocks and turns failures into `CollectiveError`."""
 
-    def __init__(self, work: dist.Work | None, what: str, on_fail: Callable[[Exception], str] | None = None
-                 ) -> None:
-        self._work, self._what, self._on_fail = work, what, on_fail
+    def __init__(self, work: dist.Work | None, what: str, on_fail: Callable[[Exception], str] | None = None,
+                 check: _PendingCheck | None = None) -> None:
+        self._work, self._what, self._on_fail, self._check = work, what, on_fail, check
 
     def wait(self) -> None:
+        if self._check is not None:  # the desync verdict comes before the result is used
+            check, self._check = self._check, None
+            check.verify()
         if self._work is None:
             return
         try:
@@ -263,12 +266,12 @@ def _run(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None, fn: C
     rec = info.log.add(op, t, detail)
     what = f"{_what(op, t, group)}, call {rec.describe()}"
     on_fail = lambda e: _failure_report(info, rec, e)  # noqa: E731
-    _check(info, rec, on_fail, what)
+    pending = _check(info, rec, on_fail, what, defer=async_op)
     try:
         work = fn()
     except RuntimeError as e:
         raise CollectiveError(f"{what} failed{on_fail(e)}: {e}") from e
-    return Handle(work, what, on_fail) if async_op else None
+    return Handle(work, what, on_fail, pending) if async_op else None
 
 
 def _check_device(op: str, t: torch.Tensor, group: dist.ProcessGroup | None, info: GroupInfo) -> None:
@@ -289,23 +292,54 @@ def _reduce_name(op: dist.ReduceOp.RedOpType) -> str:
     return _REDUCE_NAMES.get(op, str(op))
 
 
-def _check(info: GroupInfo, rec: CallRecord, on_fail: Callable[[Exception], str], what: str) -> None:
-    """Compare this call with the other ranks' before it runs (see `plait.desync`)."""
+@dataclass
+class _PendingCheck:
+    """A fingerprint comparison in flight on the companion group, verified at the data's wait()."""
+
+    info: GroupInfo
+    fp: torch.Tensor
+    work: Any
+    what: str
+    on_fail: Callable[[Exception], str]
+
+    def verify(self) -> None:
+        try:
+            if self.work is not None:
+                self.work.wait()
+        except RuntimeError as e:
+            raise CollectiveError(f"waiting for every rank to reach {self.what} failed{self.on_fail(e)}: "
+                                  f"{e}") from e
+        # max(h) == -max(-h) exactly when every rank's fingerprint is the same.
+        if int(self.fp[0]) != -int(self.fp[1]):
+            raise CollectiveError(_desync_report(self.info))
+
+
+def _check(info: GroupInfo, rec: CallRecord, on_fail: Callable[[Exception], str], what: str,
+           defer: bool) -> _PendingCheck | None:
+    """Compare this call with the other ranks' before it runs (see `plait.desync`).
+
+    A blocking collective is checked before it starts. An asynchronous one (a DDP bucket) is
+    not held up: its check is sent alongside and verified in `Handle.wait`, before the result
+    is used, so a rank that is ahead keeps computing instead of waiting for the slowest rank
+    at every bucket. Returns the pending check for ``defer``.
+    """
     mode = _settings["mode"]
     if mode == "off" or info.checker is None:
-        return
+        return None
     try:
         if mode == "full":
-            mismatch = len({r.key() for r in _gather_records(info, [rec])}) > 1
-        else:
-            # max(h) == -max(-h) exactly when every rank's fingerprint is the same.
-            fp = torch.tensor([info.log.fingerprint, -info.log.fingerprint], dtype=torch.int64)
-            dist.all_reduce(fp, op=ReduceOp.MAX, group=info.checker)
-            mismatch = int(fp[0]) != -int(fp[1])
+            if len({r.key() for r in _gather_records(info, [rec])}) > 1:
+                raise CollectiveError(_desync_report(info))
+            return None
+        fp = torch.tensor([info.log.fingerprint, -info.log.fingerprint], dtype=torch.int64)
+        work = dist.all_reduce(fp, op=ReduceOp.MAX, group=info.checker, async_op=defer)
     except RuntimeError as e:
         raise CollectiveError(f"waiting for every rank to reach {what} failed{on_fail(e)}: {e}") from e
-    if mismatch:
-        raise CollectiveError(_desync_report(info))
+    pending = _PendingCheck(info, fp, work, what, on_fail)
+    if defer:
+        return pending
+    pending.verify()
+    return None
 
 
 def _gather_records(info: GroupInfo, mine: list[CallRecord]) -> list[CallRecord]:

@@ -184,11 +184,16 @@ class RankPool:
 
     def errors(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[int, str]:
         """Run ``fn`` expecting every rank to raise; return each rank's error text."""
+        name = getattr(fn, "__name__", fn)
         try:
             self.run(fn, *args, **kwargs)
         except RankFailure as e:
+            calm = sorted(e.results)
+            if calm:  # an error the other ranks never saw is not "refused on every rank"
+                raise AssertionError(f"{name} was expected to raise on every rank; ranks {calm} returned "
+                                     f"normally:\n{e}") from e
             return e.errors
-        raise AssertionError(f"{getattr(fn, '__name__', fn)} was expected to raise on every rank")
+        raise AssertionError(f"{name} was expected to raise on every rank")
 
     def restart(self) -> None:
         self.close()
