@@ -76,3 +76,18 @@ def test_gqa_and_bad_config():
     assert m(torch.randint(0, 64, (2, 8))).shape == (2, 8, 64)
     with pytest.raises(ValueError, match="not divisible by n_heads"):
         GPTConfig(d_model=30, n_heads=4)
+
+
+def test_parallelize_materializes_a_tied_meta_model_without_untying_it():
+    import plait
+    from plait.models.gpt import GPT, GPTConfig
+
+    plait.init()  # one process
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, tie_embeddings=True)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model = plait.parallelize(model, plait.Mesh(dp=1), plait.ParallelPlan(data="none"))
+    assert model.tok_emb.weight is model.lm_head.weight  # one tensor, as in the single-process model
+    want = plait.init_weights(GPT(cfg), 0).state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=0)

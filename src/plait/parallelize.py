@@ -43,7 +43,7 @@ from torch import nn
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
 from plait.fsdp.wrapper import FullyShardedDataParallel
-from plait.materialize import init_weights, is_meta
+from plait.materialize import is_meta, materialize
 from plait.mesh import Mesh
 from plait.names import matches
 from plait.pipeline.api import Pipeline
@@ -165,7 +165,10 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     if plan.data == "fsdp":  # 3. data parallel
         return FullyShardedDataParallel(module, mesh, **_fsdp_options(plan, plan.fsdp_units))
     if is_meta(module):  # DDP keeps full replicas: materialize with the same per-module init
-        module = init_weights(module.to_empty(device=device()), plan.seed)
+        # Not to_empty() + init_weights: to_empty makes a new tensor per module, untying tied
+        # weights (an embedding shared with the LM head would train as two).
+        dev = device()
+        materialize(module, plan.seed, lambda _name, _attr, full, _t: full.to(dev))
     if plan.data == "ddp" and mesh.size("dp") > 1:
         return DistributedDataParallel(module, mesh, **plan.ddp_options)
     return module
