@@ -16,7 +16,7 @@ tested.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 from plait._torch_compat import tree_flatten, tree_unflatten
+from plait.wrapped_state import WrappedModuleState
 
 __all__ = ["DataParallel", "scatter", "gather", "replicate_state", "parallel_apply"]
 
@@ -101,7 +102,7 @@ def parallel_apply(module: nn.Module, states: list[dict[str, torch.Tensor]], inp
     return list(pool.map(run, range(len(states))))
 
 
-class DataParallel(nn.Module):
+class DataParallel(WrappedModuleState, nn.Module):
     """Replicate ``module`` on ``devices`` and split each batch along dim 0 across them.
 
     Args:
@@ -138,26 +139,3 @@ class DataParallel(nn.Module):
         states = replicate_state(self.module, self.devices)
         outputs = parallel_apply(self.module, states, scattered, scattered_kw, self._pool)
         return gather(outputs, self.output_device)
-
-
-    # State: the parameters live once, in ``module``; `plait.full_state_dict` and the checkpoint
-    # protocol (`plait.checkpoint.protocol`) ask it, under its own names (no ``module.`` prefix).
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from plait.state_dict import full_state_dict
-
-        return full_state_dict(self.module)
-
-    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        from plait.state_dict import load_full_state_dict
-
-        load_full_state_dict(self.module, state)
-
-    def checkpoint_state(self, optimizer: Any) -> dict[str, Any]:
-        from plait.checkpoint.protocol import state_dict
-
-        return state_dict(self.module, optimizer)
-
-    def load_checkpoint_state(self, state: dict[str, Any], optimizer: Any) -> None:
-        from plait.checkpoint.protocol import load_state_dict
-
-        load_state_dict(self.module, optimizer, state)

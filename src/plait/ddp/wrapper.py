@@ -18,7 +18,7 @@ parallelism on the other axes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from plait._torch_compat import queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import params_reached_by, plan_buckets
 from plait.mesh import Mesh
+from plait.wrapped_state import WrappedModuleState
 
 if TYPE_CHECKING:
     from plait.clip import GradParts
@@ -54,7 +55,7 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(WrappedModuleState, nn.Module):
     """Data parallelism across the ``dp`` axis of ``mesh`` (``mesh=None``: every rank is dp).
 
     Args:
@@ -297,29 +298,6 @@ class DistributedDataParallel(nn.Module):
         from plait.clip import grad_norm_parts
 
         return grad_norm_parts(self.module)
-
-    # State: every replica holds the whole module, so its state is the module's, under the
-    # module's own names (no ``module.`` prefix): `plait.full_state_dict` and the checkpoint
-    # protocol (`plait.checkpoint.protocol`) ask the wrapped module.
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from plait.state_dict import full_state_dict
-
-        return full_state_dict(self.module)
-
-    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        from plait.state_dict import load_full_state_dict
-
-        load_full_state_dict(self.module, state)
-
-    def checkpoint_state(self, optimizer: Any) -> dict[str, Any]:
-        from plait.checkpoint.protocol import state_dict
-
-        return state_dict(self.module, optimizer)
-
-    def load_checkpoint_state(self, state: dict[str, Any], optimizer: Any) -> None:
-        from plait.checkpoint.protocol import load_state_dict
-
-        load_state_dict(self.module, optimizer, state)
 
     def prepare_for_backward(self) -> None:
         """Reduce the gradients of the next backward, whatever the forwards before it decided.
