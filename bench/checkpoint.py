@@ -30,8 +30,8 @@ def _training_step(preset: str, seq: int, batch: int):
     import torch.distributed as dist
 
     import plait
+    from plait.app.train import TrainConfig, build_model
     from plait.tp.apply import loss_fn_for
-    from plait.train import TrainConfig, build_model
 
     cfg = TrainConfig(model=preset, strategy="ddp", nproc=dist.get_world_size(), seq_len=seq,
                       batch_size=batch, steps=2, warmup=0, progress=False)

@@ -163,7 +163,7 @@ def _two_ranks(cpu: bool, cuda_index: int, out: str) -> None:
 def check_two_ranks_one_device(dev: torch.device, ref: list[float]) -> str:
     import tempfile
 
-    from plait.launch import spawn
+    from plait.app.launch import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "losses")

@@ -51,6 +51,6 @@ TRAIN_BASE = dict(model="tiny", steps=6, warmup=1, batch_size=8, seq_len=32, eva
 
 def train_losses(tmp: str, **layout) -> list[float]:
     """Per-step losses of `plait train`'s loop on a short run (picklable for rank pools)."""
-    from plait.train import TrainConfig, train
+    from plait.app.train import TrainConfig, train
 
     return train(TrainConfig(**TRAIN_BASE, metrics=f"{tmp}/m.jsonl", **layout))["losses"]

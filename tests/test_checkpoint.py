@@ -7,7 +7,7 @@ import shutil
 import pytest
 from oracle import train_losses
 
-from plait.train import TrainConfig
+from plait.app.train import TrainConfig
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from oracle import TRAIN_BASE
 
 from plait import checkpoint
-from plait.train import TrainConfig
+from plait.app.train import TrainConfig
 
 RUN = {**TRAIN_BASE, "save_every": 3}  # 6 steps, saved at steps 3 and 6
 TWO_RANKS = dict(strategy="ddp", nproc=2)
@@ -35,7 +35,7 @@ class _Collect(logging.Handler):
 def run(tmp: str, **overrides) -> dict:
     """`plait train`'s loop (on each rank of a pool, or here); its losses and the warnings of
     `plait.checkpoint` (rank 0 emits them)."""
-    from plait.train import train
+    from plait.app.train import train
 
     collect = _Collect()
     logger = logging.getLogger("plait.checkpoint")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import plait
-from plait.data import BatchSampler, load_corpus
+from plait.app.data import BatchSampler, load_corpus
 from plait.materialize import full_values, owner_modules
 from plait.models.gpt import GPT, PRESETS, GPTConfig
 

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from plait.launch import free_port
+from plait.env import free_port
 
 LAUNCHES = 20
 AT_ONCE = 2  # launches running side by side (each is 2 processes)

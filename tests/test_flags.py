@@ -9,7 +9,7 @@ import time
 import pytest
 
 import plait
-from plait.train import TrainConfig, parse_args
+from plait.app.train import TrainConfig, parse_args
 
 BAD = [
     # FSDP-only options under other strategies: they would change nothing.
@@ -133,7 +133,7 @@ def test_cli_refuses_in_the_parent_before_spawning(tmp_path):
     ]
     for args, message in cases:
         t0 = time.perf_counter()
-        res = subprocess.run([sys.executable, "-m", "plait.cli", "train", *args], capture_output=True,
+        res = subprocess.run([sys.executable, "-m", "plait", "train", *args], capture_output=True,
                              text=True, timeout=120)
         assert res.returncode == 2, (args, res.stderr)
         assert message in res.stderr, (args, res.stderr)

@@ -73,3 +73,10 @@ def test_no_private_names_imported_across_modules():
     bad = [f"{m} imports {t}.{n}" for m, deps in _imports(_modules()).items() for t, n in deps
            if n.startswith("_") and not n.startswith("__") and t != m]
     assert not bad, bad
+
+
+def test_the_library_never_imports_the_application():
+    """`plait.app` (train, data, cli, run, launch) is built on the library, not the reverse."""
+    bad = sorted(f"{m} imports {t}" for m, deps in _imports(_modules()).items() for t, _ in deps
+                 if not m.startswith("plait.app") and m != "plait.__main__" and t.startswith("plait.app"))
+    assert not bad, bad

@@ -9,12 +9,12 @@ import textwrap
 
 import pytest
 
-from plait.launch import free_port
-from plait.train import TrainConfig, lr_at
+from plait.app.train import TrainConfig, lr_at
+from plait.env import free_port
 
 
 def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plait.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "plait", *args], capture_output=True, text=True,
                           timeout=300, **kw)
 
 
@@ -53,7 +53,7 @@ def test_plait_run_launches_a_user_script(tmp_path):
 def test_plait_run_passes_the_script_its_own_flags(tmp_path):
     # --nproc after the module is plait train's flag, not an abbreviation of --nproc-per-node.
     metrics = tmp_path / "m.jsonl"
-    res = _run(["run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "plait.cli",
+    res = _run(["run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "plait",
                 "train", "--nproc", "2", "--steps", "3", "--model", "tiny", "--batch-size", "8",
                 "--max-bytes", "200000", "--eval-every", "0", "--no-progress", "--warmup", "1",
                 "--metrics", str(metrics)])
@@ -66,7 +66,7 @@ def test_plait_run_passes_the_script_its_own_flags(tmp_path):
 def test_plait_run_splits_the_command_line_at_the_script():
     from torch.distributed.run import get_args_parser
 
-    from plait.run import LaunchError, split_argv
+    from plait.app.run import LaunchError, split_argv
 
     parser = get_args_parser()
     argv = ["--nproc-per-node", "2", "-m", "pkg.mod", "--nproc", "2", "--nnodes", "9"]
@@ -89,7 +89,7 @@ def test_plait_run_without_a_script_is_a_usage_error():
 def test_grad_clip_zero_means_no_clipping(tmp_path):
     script = textwrap.dedent(f"""
         import json
-        from plait.train import TrainConfig, train
+        from plait.app.train import TrainConfig, train
         out = {{}}
         for clip in (0.0, 1e9, 0.5):
             cfg = TrainConfig(strategy="none", nproc=1, grad_clip=clip, steps=4, warmup=1, batch_size=8,

@@ -19,6 +19,7 @@ import logging
 import os
 import random
 import re
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ import torch.distributed as dist
 
 from plait import comm
 
-__all__ = ["init", "get_logger", "seed_everything", "Launch", "launch_from_env", "device"]
+__all__ = ["init", "get_logger", "seed_everything", "Launch", "launch_from_env", "device", "free_port",
+           "set_rank_env"]
 
 DEFAULT_TIMEOUT_S = 300.0
 _THREAD_JOIN_S = 2.0  # at exit, for each plait thread still running (daemon threads may be blocked)
@@ -249,3 +251,20 @@ _SILENT = logging.getLogger("plait.silent")
 _SILENT.addHandler(logging.NullHandler())
 _SILENT.propagate = False
 _SILENT.setLevel(logging.CRITICAL + 1)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_rank_env(rank: int, world_size: int, port: int, threads: int | None = None) -> None:
+    """Set the torchrun-style variables that `plait.init()` reads, in this (child) process."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)

@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.overrides import TorchFunctionMode
 
-from plait.launch import free_port, set_rank_env
+from plait.env import free_port, set_rank_env
 
 __all__ = ["RankPool", "RankFailure", "cached_mesh", "DeviceAudit"]
 

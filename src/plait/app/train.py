@@ -27,8 +27,8 @@ from torch import nn
 
 import plait
 from plait import checkpoint, comm
+from plait.app.data import BatchSampler, default_corpus_path, load_corpus
 from plait.clip import clip_grad_norm_
-from plait.data import BatchSampler, default_corpus_path, load_corpus
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, PRESETS, GPTConfig, lm_loss
 from plait.pipeline import SCHEDULES, Pipeline, make_schedule
@@ -573,7 +573,7 @@ def cli_main(argv: list[str]) -> int:
     if under_launcher or cfg.strategy in ("none", "dp"):
         train(cfg)
         return 0
-    from plait.launch import spawn
+    from plait.app.launch import spawn
 
     threads = max(1, (os.cpu_count() or 1) // cfg.nproc)
     spawn(_spawned_rank, cfg.nproc, (cfg,), threads=threads)

@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "spawn", "set_rank_env"]
+from plait.env import free_port, set_rank_env
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def set_rank_env(rank: int, world_size: int, port: int, threads: int | None = None) -> None:
-    """Set the torchrun-style variables that `plait.init()` reads, in this (child) process."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
+__all__ = ["spawn"]
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int | None,

@@ -7,7 +7,7 @@ untouched, so a script that calls ``plait.init()`` runs the same way on a laptop
 cluster::
 
     plait run --nproc-per-node 4 train.py --my-flag           # one machine, 4 ranks
-    plait run --nproc-per-node 2 -m plait.cli train --nproc 2  # a module, its own flags
+    plait run --nproc-per-node 2 -m plait train --nproc 2  # a module, its own flags
     plait run --nnodes 2 --node-rank 0 --nproc-per-node 8 \\
         --rdzv-backend c10d --rdzv-endpoint head:29500 train.py  # on each of 2 machines
 """

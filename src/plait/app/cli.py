@@ -12,7 +12,7 @@ BENCHES = ("ddp", "fsdp", "tp", "pp", "checkpoint")
 
 def _bench_package_root() -> Path:
     # bench/ lives at the repository root, beside src/ (benchmarks are not shipped in wheels).
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     if not (root / "bench" / "common.py").exists():
         raise SystemExit("plait bench needs a source checkout: bench/ was not found beside src/")
     return root
@@ -30,8 +30,8 @@ def cmd_bench(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from plait import run as _run
-    from plait import train as _train
+    from plait.app import run as _run
+    from plait.app import train as _train
 
     commands = {"train": _train.cli_main, "run": _run.cli_main, "bench": cmd_bench}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
