@@ -33,7 +33,7 @@ def _training_step(preset: str, seq: int, batch: int):
     from plait.app.train import TrainConfig, build_model
     from plait.tp.apply import loss_fn_for
 
-    cfg = TrainConfig(model=preset, strategy="ddp", nproc=dist.get_world_size(), seq_len=seq,
+    cfg = TrainConfig.from_flags(model=preset, strategy="ddp", nproc=dist.get_world_size(), seq_len=seq,
                       batch_size=batch, steps=2, warmup=0, progress=False)
     model: Any = build_model(cfg, cfg.mesh(), plait.init())  # DDP here, never a pipeline
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

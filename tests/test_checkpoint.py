@@ -54,7 +54,7 @@ def test_resume_in_one_process(pools, oracle, zero3_checkpoint, tmp_path):
 
 def test_resume_without_save_dir_is_rejected():
     with pytest.raises(ValueError, match="--resume needs --save-dir"):
-        TrainConfig(resume=True)
+        TrainConfig.from_flags(resume=True)
 
 
 # ------------------------------------------------------------------ tensor and pipeline parallelism

@@ -41,7 +41,7 @@ def run(tmp: str, **overrides) -> dict:
     logger = logging.getLogger("plait.checkpoint")
     logger.addHandler(collect)
     try:
-        losses = train(TrainConfig(**{**RUN, "metrics": f"{tmp}/m.jsonl", **overrides}))["losses"]
+        losses = train(TrainConfig.from_flags(**{**RUN, "metrics": f"{tmp}/m.jsonl", **overrides}))["losses"]
     finally:
         logger.removeHandler(collect)
     return {"losses": losses, "warnings": "\n".join(collect.lines)}
@@ -193,7 +193,7 @@ def _tiny_model_and_optimizer():
 
     from plait.models.gpt import GPT
 
-    model = GPT(TrainConfig(**RUN).gpt_config())
+    model = GPT(TrainConfig.from_flags(**RUN).gpt_config())
     return model, torch.optim.AdamW(model.parameters())
 
 
@@ -226,7 +226,7 @@ def test_metadata_with_bytes_entries_or_paths_outside_the_folder_is_refused(tmp_
 # ------------------------------------------------------------------ pruning and background saves
 def test_keep_leaves_exactly_the_newest_and_no_other_runs_checkpoint_is_deleted(saved, tmp_path):
     with pytest.raises(ValueError, match="--keep must be >= 1"):
-        TrainConfig(keep=0)
+        TrainConfig.from_flags(keep=0)
     other = tmp_path / "ckpt" / "step_000000"  # another run's, older than every save below
     shutil.copytree(saved.folder / "step_000003", other)
     meta = json.loads((other / checkpoint.META).read_text())

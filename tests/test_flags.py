@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
+import textwrap
 import time
+from pathlib import Path
+from typing import get_args
 
 import pytest
 
 import plait
-from plait.app.train import TrainConfig, parse_args
+from plait.app import config
+from plait.app.config import TrainConfig, parse_args
+from plait.models.gpt import PRESETS
+from plait.pipeline import SCHEDULES
 
 BAD = [
     # FSDP-only options under other strategies: they would change nothing.
@@ -69,25 +77,25 @@ BAD = [
 @pytest.mark.parametrize("kwargs,match", BAD, ids=[m.split(":")[0][:40] for _, m in BAD])
 def test_bad_value_is_refused_with_its_flag(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**kwargs)
+        TrainConfig.from_flags(**kwargs)
 
 
 def test_paths_the_run_writes_are_checked(tmp_path):
     afile = tmp_path / "file"
     afile.write_text("x")
     with pytest.raises(ValueError, match="--save-dir .*is an existing file"):
-        TrainConfig(save_dir=str(afile))
+        TrainConfig.from_flags(save_dir=str(afile))
     with pytest.raises(ValueError, match="--metrics .*file, so the folders above m.jsonl cannot be created"):
-        TrainConfig(metrics=str(afile / "sub" / "m.jsonl"))
+        TrainConfig.from_flags(metrics=str(afile / "sub" / "m.jsonl"))
     with pytest.raises(ValueError, match="--metrics .*is a folder"):
-        TrainConfig(metrics=str(tmp_path))
+        TrainConfig.from_flags(metrics=str(tmp_path))
     with pytest.raises(ValueError, match="--save-dir .*file, so the folders"):
-        TrainConfig(save_dir=str(afile / "ckpt"))
+        TrainConfig.from_flags(save_dir=str(afile / "ckpt"))
     small = tmp_path / "small.txt"
     small.write_text("tiny")
     with pytest.raises(ValueError, match="--data .*holds 4 bytes"):
-        TrainConfig(data=str(small))
-    TrainConfig(save_dir=str(tmp_path / "new" / "ckpt"), metrics=str(tmp_path / "new" / "m.jsonl"))
+        TrainConfig.from_flags(data=str(small))
+    TrainConfig.from_flags(save_dir=str(tmp_path / "new" / "ckpt"), metrics=str(tmp_path / "new" / "m.jsonl"))
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -99,7 +107,7 @@ def test_paths_the_run_writes_are_checked(tmp_path):
     dict(model="25m", strategy="fsdp", nproc=8, tp=8, batch_size=8),
 ])
 def test_good_layouts_pass(kwargs):
-    TrainConfig(**kwargs)
+    TrainConfig.from_flags(**kwargs)
 
 
 def test_parallel_plan_refuses_fsdp_options_without_fsdp():
@@ -118,18 +126,122 @@ def test_parallel_plan_refuses_fsdp_options_without_fsdp():
 def test_schedule_choices_on_the_command_line(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--schedule", "round-robin"])
-    assert "invalid choice: 'round-robin'" in capsys.readouterr().err
-    assert parse_args(["--schedule", "zb-h1", "--pp", "2", "--batch-size", "8"]).schedule == "zb-h1"
+    assert "invalid choice 'round-robin' for argument '--schedule'" in capsys.readouterr().err
+    assert parse_args(["--schedule", "zb-h1", "--pp", "2", "--batch-size", "8"]).parallel.schedule == "zb-h1"
+
+
+def test_command_line_choices_are_the_library_names():
+    assert set(get_args(config.ModelName)) == set(PRESETS)
+    assert get_args(config.ScheduleName) == SCHEDULES
+
+
+def test_flat_flags_land_in_their_sections():
+    cfg = parse_args(["--model", "small", "--tp", "2", "--nproc", "4", "--lr", "1e-3", "--data", __file__,
+                      "--save-dir", "runs/x", "--no-progress", "--grad-accum", "2", "--sequence-parallel"])
+    assert (cfg.model.name, cfg.parallel.tp, cfg.parallel.nproc, cfg.optimizer.lr) == ("small", 2, 4, 1e-3)
+    assert (cfg.data.path, cfg.checkpoint.save_dir, cfg.run.progress) == (__file__, "runs/x", False)
+    assert (cfg.run.grad_accum, cfg.parallel.sequence_parallel) == (2, True)
+    assert TrainConfig.from_flags(**cfg.flags()) == cfg
+    with pytest.raises(TypeError, match=r"unknown options \['tensor_parallel'\]"):
+        TrainConfig.from_flags(tensor_parallel=2)
+
+
+def test_config_file_by_section_and_flags_override_it(tmp_path):
+    run = tmp_path / "run.toml"
+    run.write_text(textwrap.dedent("""
+        [model]
+        name = "small"
+        [parallel]
+        strategy = "fsdp"
+        nproc = 4
+        tp = 2
+        zero_stage = 2
+        reshard_after_forward = false
+        [optimizer]
+        lr = 1e-3
+        [run]
+        steps = 50
+        progress = false
+    """))
+    cfg = parse_args(["--config", str(run)])
+    par = cfg.parallel
+    assert (cfg.model.name, par.strategy, par.nproc, par.tp) == ("small", "fsdp", 4, 2)
+    assert (cfg.parallel.zero_stage, cfg.parallel.reshard_after_forward) == (2, False)
+    assert (cfg.optimizer.lr, cfg.run.steps, cfg.run.progress) == (1e-3, 50, False)
+    over = parse_args(["--config", str(run), "--tp", "4", "--reshard-after-forward", "--lr=2e-3"])
+    assert (over.parallel.tp, over.parallel.reshard_after_forward, over.optimizer.lr) == (4, True, 2e-3)
+    assert over.model.name == "small"  # the rest still from the file
+
+
+def test_print_config_reads_back_to_the_same_config(tmp_path, capsys):
+    argv = ["--strategy", "fsdp", "--nproc", "4", "--dp", "2", "--mixed-precision", "bf16", "--seq-len", "32",
+            "--save-dir", str(tmp_path / "ckpt"), "--no-progress"]
+    with pytest.raises(SystemExit) as stop:
+        parse_args([*argv, "--print-config"])
+    assert stop.value.code == 0
+    (tmp_path / "run.toml").write_text(capsys.readouterr().out)
+    assert parse_args(["--config", str(tmp_path / "run.toml")]) == parse_args(argv)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[paralel]\ntp = 2\n", r"unknown section \[paralel\]; the sections are \[model\], \[parallel\]"),
+    ("[parallel]\ntensor = 2\n", r"\[parallel\] has no option 'tensor'; it has backward_prefetch, chunks"),
+    ("tp = 2\n", "tp must be a \\[tp\\] table|unknown section \\[tp\\]"),
+    ("[parallel]\ntp = [2]\n", r"\[parallel\] tp = \[2\]: expected a number, a string or a boolean"),
+    ("[parallel\n", "not valid TOML"),
+    ("[parallel]\ntp = 3\nnproc = 3\n[data]\nbatch_size = 3\n", "--tp 3: tensor parallelism splits"),
+])
+def test_bad_config_file_is_refused_naming_what(tmp_path, capsys, text, match):
+    run = tmp_path / "run.toml"
+    run.write_text(text)
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--config", str(run)])
+    assert stop.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_missing_config_file(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--config", "/no/such/run.toml"])
+    assert "--config /no/such/run.toml: No such file or directory" in capsys.readouterr().err
+
+
+def _readme_train_section() -> str:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return text[text.index("## `plait train`"):text.index("\n## ", text.index("## `plait train`") + 1)]
+
+
+def test_readme_lists_exactly_the_flags_plait_train_has():
+    section = _readme_train_section()
+    usage = section[section.index("plait train ["):section.index("```", section.index("plait train ["))]
+    in_readme = set(re.findall(r"--[a-z][a-z-]*", usage))
+    flags = TrainConfig().flags()
+    parser = {"--" + flag.replace("_", "-") for flag in flags} | {"--config", "--print-config"}
+    booleans = {f"--no-{f.replace('_', '-')}" for f, v in flags.items() if isinstance(v, bool)}
+    assert in_readme - parser - booleans == set(), "README flags plait train does not have"
+    negated = {flag for flag in parser if flag.replace("--", "--no-", 1) in in_readme}
+    assert parser - in_readme - negated == set(), "flags missing from the README's usage"
+
+
+def test_every_command_in_the_readme_layout_table_is_accepted():
+    commands = re.findall(r"^\| `plait train ([^`]*)` \|", _readme_train_section(), re.M)
+    assert len(commands) >= 15
+    for command in commands:
+        parse_args(shlex.split(command))  # exits 2 on a flag or combination the README should not show
 
 
 def test_cli_refuses_in_the_parent_before_spawning(tmp_path):
     afile = tmp_path / "file"
     afile.write_text("x")
+    bad_schedule = tmp_path / "run.toml"
+    bad_schedule.write_text('[parallel]\nnproc = 2\npp = 2\nschedule = "interleaved"\nchunks = 2\n'
+                            'microbatches = 3\n[data]\nbatch_size = 6\n')
     cases = [
         (["--strategy", "ddp", "--mixed-precision", "bf16"], "--mixed-precision bf16 applies to --strategy"),
         (["--lr", "inf"], "--lr inf: must be a finite number > 0"),
         (["--save-dir", str(afile)], "is an existing file"),
         (["--nproc", "3", "--tp", "3", "--batch-size", "3"], "--tp 3"),
+        (["--config", str(bad_schedule)], "--schedule interleaved with --pp 2 --microbatches 3"),
     ]
     for args, message in cases:
         t0 = time.perf_counter()

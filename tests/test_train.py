@@ -92,7 +92,7 @@ def test_grad_clip_zero_means_no_clipping(tmp_path):
         from plait.app.train import TrainConfig, train
         out = {{}}
         for clip in (0.0, 1e9, 0.5):
-            cfg = TrainConfig(strategy="none", nproc=1, grad_clip=clip, steps=4, warmup=1, batch_size=8,
+            cfg = TrainConfig.from_flags(strategy="none", nproc=1, grad_clip=clip, steps=4, warmup=1, batch_size=8,
                               seq_len=32, eval_every=0, progress=False, max_bytes=200_000, lr=1e-2,
                               metrics="{tmp_path}/m.jsonl")
             out[clip] = train(cfg)["losses"]
@@ -120,7 +120,7 @@ def test_grad_clip_zero_means_no_clipping(tmp_path):
 ])
 def test_bad_config_is_rejected_before_launch(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**kwargs)
+        TrainConfig.from_flags(**kwargs)
 
 
 def test_cli_reports_bad_flag():
@@ -129,7 +129,7 @@ def test_cli_reports_bad_flag():
 
 
 def test_lr_schedule_warmup_then_cosine():
-    cfg = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    cfg = TrainConfig.from_flags(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
     assert lr_at(0, cfg) == pytest.approx(0.1)
     assert lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(10, cfg) == pytest.approx(1.0)

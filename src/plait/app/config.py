@@ -1,0 +1,553 @@
+"""`plait train`'s configuration: typed sections, read from flags and from a TOML file.
+
+The sections are dataclasses (model, parallel, optimizer, data, checkpoint, run); `tyro`
+turns their fields, types and docstrings into the command line, with each flag named after
+its field alone (``--tp``, ``--zero-stage``, ``--lr``), so the flat flags scripts already use
+keep working. ``--config run.toml`` reads the same fields grouped by section::
+
+    [parallel]
+    strategy = "fsdp"
+    nproc = 4
+    tp = 2
+
+    [optimizer]
+    lr = 1e-3
+
+Flags on the command line override the file. Every combination that could not run is refused
+by `TrainConfig` itself, in the parent process, before any rank is spawned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+import torch
+import tyro
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library
+    import tomli as tomllib
+
+from plait.app.data import default_corpus_path, load_corpus
+from plait.mesh import Mesh
+from plait.models.gpt import GPT, PRESETS, GPTConfig
+from plait.pipeline import SCHEDULES, make_schedule
+from plait.pipeline.split import plan_stages, segments
+
+__all__ = ["ModelSection", "ParallelSection", "OptimizerSection", "DataSection", "CheckpointSection",
+           "RunSection", "TrainConfig", "parse_args", "given_flags", "to_toml"]
+
+# The choices the command line offers; tests keep them equal to PRESETS and SCHEDULES.
+ModelName = Literal["tiny", "small", "25m", "50m", "100m"]
+Strategy = Literal["none", "dp", "ddp", "fsdp"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+Precision = Literal["bf16", "fp16"]
+ZeroStage = Literal[1, 2, 3]
+
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+MIXED_PRECISIONS: tuple[str, ...] = get_args(Precision)
+MIN_CORPUS_BYTES = 1024  # load_corpus refuses less
+VAL_FRACTION = inspect.signature(load_corpus).parameters["val_fraction"].default
+
+
+@dataclass
+class ModelSection:
+    """The model: plait's GPT at one of its preset sizes."""
+
+    name: Annotated[ModelName, tyro.conf.arg(name="model")] = "tiny"
+    """the preset: tiny | small | 25m | 50m | 100m"""
+    seq_len: int | None = None
+    """tokens per sequence; None: the preset's"""
+
+
+@dataclass
+class ParallelSection:
+    """How the ranks share the work: the data-parallel strategy and the mesh degrees."""
+
+    strategy: Strategy = "ddp"
+    """on the data axes: none (one process) | dp (threads) | ddp | fsdp"""
+    nproc: int = 2
+    """processes (threads for dp); the data-parallel size is nproc / (pp * tp)"""
+    tp: int = 1
+    """tensor-parallel degree"""
+    sequence_parallel: bool = False
+    """split norms and dropout over the tp ranks along the sequence (needs tp >= 2)"""
+    pp: int = 1
+    """pipeline stages"""
+    schedule: ScheduleName = "1f1b"
+    """pipeline schedule"""
+    microbatches: int = 4
+    """microbatches per pipeline step"""
+    chunks: int = 1
+    """pipeline stages per rank (interleaved schedules)"""
+    dp: int = 1
+    """with fsdp: replicas of the fsdp shards (hybrid sharding)"""
+    zero_stage: ZeroStage = 3
+    """fsdp only: 1 shards optimizer state, 2 also gradients, 3 also parameters"""
+    mixed_precision: Precision | None = None
+    """fsdp only: compute in this dtype, fp32 master weights"""
+    offload: bool = False
+    """fsdp only: parameter shards and optimizer state in CPU memory"""
+    reshard_after_forward: bool = True
+    """fsdp only: free gathered parameters after forward (gather again in backward)"""
+    backward_prefetch: bool = True
+    """fsdp only: gather the next unit during backward (off: lowest memory)"""
+
+
+@dataclass
+class OptimizerSection:
+    """AdamW (betas 0.9, 0.95) with linear warm-up and cosine decay."""
+
+    lr: float = 3e-3
+    """peak learning rate"""
+    min_lr_ratio: float = 0.1
+    """the cosine decays to min_lr_ratio * lr"""
+    warmup: int = 20
+    """warm-up steps"""
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    """clip the global gradient norm to this (0: no clipping; the norm is still logged)"""
+
+
+@dataclass
+class DataSection:
+    """The byte-level corpus and the global batch."""
+
+    path: Annotated[str | None, tyro.conf.arg(name="data")] = None
+    """a text file or folder; None: the Python standard library's sources"""
+    max_bytes: int = 16 * 2**20
+    """read at most this much of the corpus"""
+    batch_size: int = 16
+    """the global batch, in sequences"""
+
+
+@dataclass
+class CheckpointSection:
+    """Saving, resuming and keeping checkpoints."""
+
+    save_dir: str | None = None
+    """checkpoints go to SAVE_DIR/step_NNNNNN"""
+    save_every: int = 0
+    """steps between checkpoints (0: only at the end, when save_dir is given)"""
+    resume: bool = False
+    """continue from the newest intact checkpoint in save_dir, on any world size"""
+    resume_anyway: bool = False
+    """resume a checkpoint of another run (other seed, lr, data...) with a warning"""
+    keep: int = 3
+    """checkpoints kept: older ones go once a newer one is complete"""
+    async_save: bool = False
+    """write checkpoints in the background: the loop stalls only for the copy to CPU"""
+
+
+@dataclass
+class RunSection:
+    """The loop: steps, accumulation, evaluation, seeds and what it writes."""
+
+    steps: int = 200
+    grad_accum: int = 1
+    """micro-batches per optimizer step (pipelines: that many times the microbatches)"""
+    seed: int = 0
+    eval_every: int = 50
+    """steps between held-out evaluations (0: off)"""
+    eval_batches: int = 4
+    metrics: str = "runs/metrics.jsonl"
+    """JSON lines, one per step, appended"""
+    progress: bool = True
+    """a progress bar on rank 0"""
+
+
+SECTIONS: dict[str, type] = {"model": ModelSection, "parallel": ParallelSection,
+                             "optimizer": OptimizerSection, "data": DataSection,
+                             "checkpoint": CheckpointSection, "run": RunSection}
+
+
+def _flags() -> dict[str, tuple[str, str]]:
+    """flag (underscored) -> (section, field)."""
+    renamed = {("model", "name"): "model", ("data", "path"): "data"}  # the Annotated names above
+    return {renamed.get((s, f.name), f.name): (s, f.name)
+            for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclass
+class TrainConfig:
+    """Everything `plait train` can be told, by section; checked on construction, so a config
+    that exists can run (up to the machine it meets)."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    @classmethod
+    def from_flags(cls, **flags: Any) -> TrainConfig:
+        """Build from flat keywords named like the flags: ``from_flags(tp=2, lr=1e-3, data="x.txt")``."""
+        names = _flags()
+        unknown = sorted(set(flags) - set(names))
+        if unknown:
+            raise TypeError(f"unknown options {unknown}; known: {sorted(names)}")
+        by_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+        for flag, value in flags.items():
+            section, name = names[flag]
+            by_section[section][name] = value
+        return cls(**{s: SECTIONS[s](**kw) for s, kw in by_section.items()})
+
+    def __post_init__(self) -> None:
+        # Everything a rank would only find out after the job started is checked here, in the
+        # parent process: a bad flag must fail before any process is spawned.
+        self._check_choices()
+        self._check_ranges()
+        self._check_layout()
+        if self.parallel.pp > 1:
+            self._check_pipeline()
+        self._check_model_fit()
+        self._check_paths()
+
+    def _check_choices(self) -> None:
+        par = self.parallel
+        if self.model.name not in PRESETS:
+            raise ValueError(f"--model must be one of {sorted(PRESETS)}, got {self.model.name!r}")
+        if par.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy must be one of {STRATEGIES}, got {par.strategy!r}")
+        if par.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {SCHEDULES}, got {par.schedule!r}")
+        if par.mixed_precision not in (None, *MIXED_PRECISIONS):
+            raise ValueError(f"--mixed-precision must be one of {MIXED_PRECISIONS}, "
+                             f"got {par.mixed_precision!r}")
+        if par.zero_stage not in (1, 2, 3):
+            raise ValueError(f"--zero-stage must be 1, 2 or 3, got {par.zero_stage}")
+
+    def _check_ranges(self) -> None:
+        par, opt, run = self.parallel, self.optimizer, self.run
+        sec: object
+        for sec, name in ((par, "nproc"), (run, "steps"), (self.data, "batch_size"), (run, "grad_accum"),
+                          (run, "eval_batches"), (par, "tp"), (par, "dp"), (par, "pp"),
+                          (par, "microbatches"), (par, "chunks")):
+            _require(sec, name, getattr(sec, name) >= 1, "an integer >= 1")
+        if self.checkpoint.keep < 1:
+            raise ValueError(f"--keep must be >= 1 (the newest checkpoints kept), got {self.checkpoint.keep}")
+        for sec, name in ((run, "eval_every"), (self.checkpoint, "save_every")):
+            _require(sec, name, getattr(sec, name) >= 0, "an integer >= 0 (0: off)")
+        seq_len = self.model.seq_len
+        _require(self.model, "seq_len", seq_len is None or seq_len >= 1, "an integer >= 1")
+        _require(run, "seed", 0 <= run.seed < 2**32, "an integer in [0, 2**32)")
+        _require(self.data, "max_bytes", self.data.max_bytes >= MIN_CORPUS_BYTES,
+                 f"an integer >= {MIN_CORPUS_BYTES} (the smallest corpus the loader accepts)")
+        # `not x > 0` and friends are also true for NaN, which every comparison rejects.
+        _require(opt, "lr", math.isfinite(opt.lr) and opt.lr > 0, "a finite number > 0")
+        _require(opt, "min_lr_ratio", 0 <= opt.min_lr_ratio <= 1, "a number in [0, 1]")
+        _require(opt, "weight_decay", math.isfinite(opt.weight_decay) and opt.weight_decay >= 0,
+                 "a finite number >= 0")
+        _require(opt, "grad_clip", math.isfinite(opt.grad_clip) and opt.grad_clip >= 0,
+                 "a finite number >= 0 (0: no clipping)")
+        if not 0 <= opt.warmup < run.steps:
+            raise ValueError(f"--warmup must be in [0, --steps); got {opt.warmup} with {run.steps} steps")
+
+    def _check_layout(self) -> None:
+        par = self.parallel
+        if par.strategy == "none" and par.nproc != 1:
+            raise ValueError(f"--strategy none runs one process; got --nproc {par.nproc} (use ddp or dp)")
+        if par.strategy in ("none", "dp") and par.tp > 1:
+            raise ValueError(f"--tp needs one process per rank: use --strategy ddp or fsdp, not "
+                             f"{par.strategy}")
+        if par.strategy != "fsdp":
+            # Only FSDP reads these; anywhere else they would be dropped without a word.
+            for flag, given in (("--mixed-precision", par.mixed_precision), ("--offload", par.offload),
+                                ("--zero-stage", par.zero_stage != 3 and par.zero_stage),
+                                ("--no-reshard-after-forward", not par.reshard_after_forward),
+                                ("--no-backward-prefetch", not par.backward_prefetch)):
+                if given:
+                    value = f" {given}" if not isinstance(given, bool) else ""
+                    raise ValueError(f"{flag}{value} applies to --strategy fsdp only (FSDP's sharding, "
+                                     f"mixed precision and offloading); --strategy {par.strategy} would "
+                                     "ignore it: use --strategy fsdp or drop the flag")
+        if par.sequence_parallel and par.tp < 2:
+            raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it "
+                             f"needs --tp 2 or more, got --tp {par.tp}")
+        if par.dp > 1 and par.strategy != "fsdp":
+            raise ValueError("--dp (hybrid replicas) applies to --strategy fsdp; with ddp every data rank "
+                             "is dp")
+        if par.chunks > 1 and par.pp < 2:
+            raise ValueError(f"--chunks {par.chunks} sets pipeline stages per rank: it needs --pp 2 or "
+                             f"more, got --pp {par.pp}")
+        if par.nproc % (par.pp * par.tp * par.dp):
+            raise ValueError(f"--nproc {par.nproc} is not divisible by --pp {par.pp} x --tp {par.tp} x "
+                             f"--dp {par.dp}")
+        if self.data.batch_size % (self.data_parallel_size * self.run.grad_accum):
+            raise ValueError(f"--batch-size {self.data.batch_size} must be divisible by the data-parallel "
+                             f"size {self.data_parallel_size} x --grad-accum {self.run.grad_accum}")
+        if self.checkpoint.resume and not self.checkpoint.save_dir:
+            raise ValueError("--resume needs --save-dir (where to find the checkpoint)")
+
+    def _check_pipeline(self) -> None:
+        par = self.parallel
+        if par.strategy not in ("ddp", "fsdp"):
+            raise ValueError("--pp combines with --strategy ddp or fsdp (data parallel across pipelines, "
+                             "each stage its own DDP or FSDP module) and --tp; got --strategy "
+                             f"{par.strategy}")
+        if par.strategy == "fsdp" and par.zero_stage == 3 and par.schedule == "zb-h1":
+            raise ValueError("--schedule zb-h1 with --zero-stage 3: ZeRO-3 frees each stage's gathered "
+                             "parameters when a backward pass ends, so the deferred weight-gradient pass (W) "
+                             "could read freed parameters; use --zero-stage 2 or another --schedule")
+        # --grad-accum K runs K times the microbatches in one schedule: the same accumulation, without
+        # K pipeline fills and drains, and 1F1B keeps at most --pp microbatches' activations alive.
+        microbatches = self.pipeline_microbatches
+        per_pipeline = self.data.batch_size // self.data_parallel_size
+        if per_pipeline % microbatches:
+            raise ValueError(f"the per-pipeline batch {per_pipeline} is not divisible by --microbatches "
+                             f"{par.microbatches} x --grad-accum {self.run.grad_accum}")
+        try:  # the same generator the ranks run: a pure function, no process group needed
+            make_schedule(par.schedule, par.pp, microbatches, par.chunks)
+        except ValueError as e:
+            raise ValueError(f"--schedule {par.schedule} with --pp {par.pp} --microbatches "
+                             f"{par.microbatches} --grad-accum {self.run.grad_accum} --chunks {par.chunks}: "
+                             f"{e}") from None
+
+    def _check_model_fit(self) -> None:
+        """Model and data against the layout: head counts, pipeline segments, sequence length."""
+        gcfg, par, data = self.gpt_config(), self.parallel, self.data
+        if par.tp > 1:
+            sizes = {"attention heads": gcfg.n_heads, "KV heads": gcfg.n_kv_heads or gcfg.n_heads,
+                     "MLP units": gcfg.d_ff}
+            if any(n % par.tp for n in sizes.values()):
+                fits = [d for d in range(1, gcfg.n_heads + 1) if all(n % d == 0 for n in sizes.values())]
+                have = ", ".join(f"{n} {what}" for what, n in sizes.items())
+                raise ValueError(f"--tp {par.tp}: tensor parallelism splits the {self.model.name} model's "
+                                 f"{have} evenly over the tp ranks; --tp must divide them all: one of {fits}")
+            if par.sequence_parallel and gcfg.seq_len % par.tp:
+                raise ValueError(f"--sequence-parallel splits the sequence over --tp {par.tp}: the sequence "
+                                 f"length {gcfg.seq_len} (--seq-len) must be divisible by it")
+        if par.pp > 1:
+            self._check_stages(gcfg)
+        if data.path is not None and not Path(data.path).exists():
+            raise ValueError(f"--data {data.path}: no such file or folder")
+        total = _corpus_bytes(data.path, data.max_bytes)
+        if total < MIN_CORPUS_BYTES:
+            raise ValueError(f"--data {data.path}: holds {total} bytes; the corpus needs at least "
+                             f"{MIN_CORPUS_BYTES}")
+        held_out = total - int(total * (1 - VAL_FRACTION))  # the split load_corpus makes
+        if held_out <= gcfg.seq_len + 1:
+            raise ValueError(
+                f"--seq-len {gcfg.seq_len}: a training window is seq_len + 1 bytes and the held-out "
+                f"{VAL_FRACTION:.0%} of the corpus ({held_out} of {total} bytes read from "
+                f"{data.path or 'the standard library'}, --max-bytes {data.max_bytes}) must hold one; use "
+                f"--seq-len below {held_out - 1} or a larger corpus")
+
+    def _check_stages(self, gcfg: GPTConfig) -> None:
+        """Cut the model as the pipeline will (a meta-device copy, nothing allocated): every pp rank
+        needs at least one stage that holds parameters, or its optimizer would have nothing to step."""
+        par = self.parallel
+        with torch.device("meta"):
+            segs = segments(GPT(gcfg))
+        names = [n for n, _ in segs]
+        n_stages = par.pp * par.chunks
+        if n_stages > len(segs):
+            raise ValueError(f"--pp {par.pp} x --chunks {par.chunks} = {n_stages} pipeline stages, but the "
+                             f"{self.model.name} model has only {len(segs)} segments to split "
+                             f"({', '.join(names)}): --pp x --chunks must be at most {len(segs)}")
+        sched = make_schedule(par.schedule, par.pp, par.microbatches, par.chunks)
+        plan = plan_stages(segs, sched.stages, "auto")
+        for rank in range(par.pp):
+            mine = [i for s in sched.rank_stages(rank) for i in plan[s]]
+            if not any(p.numel() for i in mine for p in segs[i][1].parameters()):
+                held = ", ".join(names[i] for i in mine)
+                raise ValueError(f"--pp {par.pp} x --chunks {par.chunks}: cutting the {self.model.name} "
+                                 f"model's {len(segs)} segments into {n_stages} stages leaves pipeline rank "
+                                 f"{rank} with only {held}, which holds no parameters; use fewer stages")
+
+    def _check_paths(self) -> None:
+        """Paths the run writes: found unusable only at the first write, after training started."""
+        _check_writable("--metrics", Path(self.run.metrics), want_dir=False)
+        if self.checkpoint.save_dir is not None:
+            _check_writable("--save-dir", Path(self.checkpoint.save_dir), want_dir=True)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data (threads of dp share one process but split the batch)."""
+        return self.parallel.nproc // (self.parallel.tp * self.parallel.pp)
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Microbatches in one pipeline step: --grad-accum K runs K times --microbatches."""
+        return self.parallel.microbatches * self.run.grad_accum
+
+    def gpt_config(self) -> GPTConfig:
+        base = PRESETS[self.model.name]
+        return dataclasses.replace(base, seq_len=self.model.seq_len or base.seq_len)
+
+    def mesh(self) -> Mesh:
+        par = self.parallel
+        if par.strategy == "fsdp":
+            return Mesh(pp=par.pp, dp=par.dp, fsdp=-1, tp=par.tp)
+        return Mesh(pp=par.pp, dp=-1, tp=par.tp)
+
+    def flags(self) -> dict[str, Any]:
+        """The flat view, keyed like the flags (``from_flags(**cfg.flags())`` gives the same config)."""
+        return {flag: getattr(getattr(self, s), name) for flag, (s, name) in _flags().items()}
+
+
+def _require(section: object, name: str, ok: bool, allowed: str) -> None:
+    if not ok:
+        flag = {"seq_len": "seq-len"}.get(name, name.replace("_", "-"))
+        raise ValueError(f"--{flag} {getattr(section, name)}: must be {allowed}")
+
+
+def _corpus_bytes(data: str | None, max_bytes: int) -> int:
+    """How many bytes `load_corpus` will read: the files' total size, capped at ``max_bytes``."""
+    root = Path(data) if data is not None else default_corpus_path()
+    if root.is_file():
+        return min(root.stat().st_size, max_bytes)
+    suffix = ".py" if data is None else ""  # the default corpus is the standard library's .py files
+    total = 0
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        for f in files:
+            if f.endswith(suffix):
+                with contextlib.suppress(OSError):
+                    total += os.stat(os.path.join(folder, f)).st_size
+            if total >= max_bytes:
+                return max_bytes
+    return total
+
+
+def _check_writable(flag: str, path: Path, want_dir: bool) -> None:
+    """A path the run will create or append to: the right kind, under a writable folder."""
+    if path.exists():
+        if want_dir and not path.is_dir():
+            raise ValueError(f"{flag} {path}: is an existing file; checkpoints are written into a folder")
+        if not want_dir and path.is_dir():
+            raise ValueError(f"{flag} {path}: is a folder; it must name the file to append to")
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path}: is not writable")
+        return
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, so the folders above {path.name} cannot be "
+                         "created; choose a path under a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: the folder {parent} is not writable")
+
+
+# ---- the command line and the config file ----------------------------------------------------
+
+
+class ConfigFileError(ValueError):
+    """A config file that cannot be read, or holds a section or key `plait train` does not know."""
+
+
+def _config_file_args(path: str) -> list[str]:
+    """A TOML config file as the flags it stands for, so one parser checks both the same way."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as e:
+        raise ConfigFileError(f"--config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigFileError(f"--config {path}: not valid TOML: {e}") from None
+    flags = _flags_by_field()
+    args: list[str] = []
+    for section, table in doc.items():
+        if section not in SECTIONS:
+            raise ConfigFileError(f"--config {path}: unknown section [{section}]; the sections are "
+                                  f"{', '.join(f'[{s}]' for s in SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigFileError(f"--config {path}: {section} must be a [{section}] table, got "
+                                  f"{type(table).__name__} {table!r}")
+        keys = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        for key, value in table.items():
+            if key not in keys:
+                raise ConfigFileError(f"--config {path}: [{section}] has no option {key!r}; it has "
+                                      f"{', '.join(sorted(keys))}")
+            flag = "--" + flags[(section, key)].replace("_", "-")
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, (int, float, str)):
+                args += [flag, str(value)]
+            else:
+                raise ConfigFileError(f"--config {path}: [{section}] {key} = {value!r}: expected a "
+                                      "number, a string or a boolean")
+    return args
+
+
+def _flags_by_field() -> dict[tuple[str, str], str]:
+    return {where: flag for flag, where in _flags().items()}
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigFileError("--config needs a path: --config run.toml")
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _command(model: ModelSection, parallel: ParallelSection, optimizer: OptimizerSection,
+             data: DataSection, checkpoint: CheckpointSection, run: RunSection, config: str | None = None,
+             print_config: bool = False) -> tuple[TrainConfig, bool]:
+    """Train plait's GPT on a byte-level corpus under any layout.
+
+    Args:
+        config: a TOML file of these options, one table per section; flags given here override it
+        print_config: print the whole configuration as TOML (what --config reads) and exit
+    """
+    # A function, not the dataclass, is what tyro calls: the ValueError a bad combination raises
+    # reaches parse_args, which reports it as one line naming the flag.
+    return TrainConfig(model, parallel, optimizer, data, checkpoint, run), print_config
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """``plait train``'s flags (and ``--config FILE``) as a checked `TrainConfig`; exits 2 on bad input
+    with one line naming the flag and what it allows. ``--print-config`` prints it and exits 0."""
+    try:
+        path = _config_path(argv)
+        file_args = _config_file_args(path) if path is not None else []
+        # The file's options come first, so the same flag given on the command line wins.
+        cfg, show = tyro.cli(_command, args=[*file_args, *argv], prog="plait train",
+                             config=(tyro.conf.OmitArgPrefixes,))
+    except ValueError as e:
+        print(f"plait train: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if show:
+        print(to_toml(cfg), end="")
+        raise SystemExit(0)
+    return cfg
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The options set explicitly, on the command line or in its ``--config`` file (underscored names)."""
+    path = _config_path(argv)
+    words = [*(_config_file_args(path) if path is not None else []), *argv]
+    given = {w[2:].split("=", 1)[0].replace("-", "_") for w in words if w.startswith("--")}
+    return given | {name[3:] for name in given if name.startswith("no_")}
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The configuration as a TOML file that ``--config`` reads back to the same config (options
+    left unset, such as the default ``seq_len``, are omitted: TOML has no null)."""
+    lines: list[str] = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(getattr(cfg, section)):
+            value = getattr(getattr(cfg, section), f.name)
+            if value is None:
+                continue
+            # JSON's strings, numbers and booleans are TOML's too (finite floats: the config refuses others).
+            lines.append(f"{f.name} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)
