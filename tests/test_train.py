@@ -92,9 +92,9 @@ def test_grad_clip_zero_means_no_clipping(tmp_path):
         from plait.app.train import TrainConfig, train
         out = {{}}
         for clip in (0.0, 1e9, 0.5):
-            cfg = TrainConfig.from_flags(strategy="none", nproc=1, grad_clip=clip, steps=4, warmup=1, batch_size=8,
-                              seq_len=32, eval_every=0, progress=False, max_bytes=200_000, lr=1e-2,
-                              metrics="{tmp_path}/m.jsonl")
+            cfg = TrainConfig.from_flags(strategy="none", nproc=1, grad_clip=clip, steps=4, warmup=1,
+                                         batch_size=8, seq_len=32, eval_every=0, progress=False,
+                                         max_bytes=200_000, lr=1e-2, metrics="{tmp_path}/m.jsonl")
             out[clip] = train(cfg)["losses"]
         print(json.dumps(list(out.values())))
     """)

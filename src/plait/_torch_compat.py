@@ -16,7 +16,7 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     only the engine's callback queue fires after the whole graph. Must be called from inside
     a running backward (e.g. from a gradient hook).
     """
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def default_store() -> torch.distributed.Store:

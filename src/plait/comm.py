@@ -560,7 +560,7 @@ def recv_object(src: int, group: dist.ProcessGroup | None = None) -> Any:
 
 
 # ------------------------------------------------------------------ coalesced
-def average_gradients(params: Iterable[nn.Parameter], group: Any) -> None:
+def average_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
     """Average ``.grad`` over ``group`` after backward, in one flat all-reduce per dtype.
 
     For loops that cannot use DDP's overlapping hooks (e.g. a pipeline, whose microbatches
@@ -572,13 +572,13 @@ def average_gradients(params: Iterable[nn.Parameter], group: Any) -> None:
         _coalesced(grads, lambda flat: all_reduce(flat.div_(world), group))
 
 
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None) -> None:
     """Broadcast many tensors as one flat buffer per dtype (one collective instead of hundreds)."""
     _coalesced(tensors, lambda flat: broadcast(flat, src, group))
 
 
 @torch.no_grad()
-def _coalesced(tensors: Sequence[torch.Tensor], collective: Any) -> None:
+def _coalesced(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], object]) -> None:
     """Run an in-place ``collective`` on one flat copy of ``tensors`` per (dtype, device)."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     seen: set[int] = set()

@@ -154,7 +154,9 @@ def init(
     if dist.get_world_size() > 1:  # the default group's companion for desync checks (`comm.new_group`)
         ranks = list(range(dist.get_world_size()))
         checker = dist.new_group(ranks, timeout=timeout, backend="gloo")
-        comm.register_group(dist.group.WORLD, "world", ranks, checker=checker)
+        world = dist.group.WORLD
+        assert world is not None  # set by init_process_group
+        comm.register_group(world, "world", ranks, checker=checker)
     seed_everything(seed)
     _configure_logging(log_level)
     _state.update(launch=launch)

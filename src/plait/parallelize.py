@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ from plait.pipeline.api import Pipeline
 from plait.pipeline.arguments import P2P_MODES
 from plait.pipeline.generators import SCHEDULES
 from plait.pipeline.schedules import Schedule
+from plait.pipeline.wrapping import StageWrapper
 from plait.tp.apply import tensor_parallel
 from plait.tp.styles import Style
 
@@ -217,7 +218,7 @@ def _fsdp_options(plan: ParallelPlan, units: Sequence[type | str] | None) -> dic
                 offload=plan.offload, seed=plan.seed)
 
 
-def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Any:
+def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> StageWrapper | None:
     """Step 3 for pipeline stages: what `Pipeline` wraps each stage in (None: no data parallelism)."""
     if plan.data == "fsdp":
         return _FSDPStages(mesh, plan, _list_children(module))
@@ -248,16 +249,19 @@ class _DDPStages:
         # Buffers are broadcast once, here; not before every forward (see _check).
         return DistributedDataParallel(stage, self.mesh, **{"broadcast_buffers": False, **self.options})
 
+    # `wrapped` is what `wrap` returned (the StageWrapper protocol hands it back as a module).
     def leaves(self, wrapped: nn.Module) -> list[torch.Tensor]:
-        return [p for p in wrapped.module.parameters() if p.requires_grad]
+        ddp = cast(DistributedDataParallel, wrapped)
+        return [p for p in ddp.module.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
     def grad_sync(self, wrapped: nn.Module, reduce: bool) -> Iterator[None]:
+        ddp = cast(DistributedDataParallel, wrapped)
         if reduce:
-            wrapped.prepare_for_backward()
+            ddp.prepare_for_backward()
             yield
         else:
-            with wrapped.no_sync():
+            with ddp.no_sync():
                 yield
 
 
@@ -281,9 +285,11 @@ class _FSDPStages:
                 matches(u, n) if isinstance(u, str) else isinstance(m, u) for n, m in mods)]
         return FullyShardedDataParallel(stage, self.mesh, **_fsdp_options(self.plan, units))
 
+    # `wrapped` is what `wrap` returned (the StageWrapper protocol hands it back as a module).
     def leaves(self, wrapped: nn.Module) -> list[torch.Tensor]:
-        return [leaf for unit in wrapped.units for flat in unit.flats if flat.requires_grad
+        fsdp = cast(FullyShardedDataParallel, wrapped)
+        return [leaf for unit in fsdp.units for flat in unit.flats if flat.requires_grad
                 for leaf in flat.leaves]
 
     def grad_sync(self, wrapped: nn.Module, reduce: bool) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext() if reduce else wrapped.no_sync()
+        return contextlib.nullcontext() if reduce else cast(FullyShardedDataParallel, wrapped).no_sync()

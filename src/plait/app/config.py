@@ -318,8 +318,9 @@ class TrainConfig:
         """Model and data against the layout: head counts, pipeline segments, sequence length."""
         gcfg, par, data = self.gpt_config(), self.parallel, self.data
         if par.tp > 1:
-            sizes = {"attention heads": gcfg.n_heads, "KV heads": gcfg.n_kv_heads or gcfg.n_heads,
-                     "MLP units": gcfg.d_ff}
+            kv_heads, mlp_units = gcfg.n_kv_heads, gcfg.d_ff
+            assert kv_heads is not None and mlp_units is not None  # GPTConfig.__post_init__ sets them
+            sizes = {"attention heads": gcfg.n_heads, "KV heads": kv_heads, "MLP units": mlp_units}
             if any(n % par.tp for n in sizes.values()):
                 fits = [d for d in range(1, gcfg.n_heads + 1) if all(n % d == 0 for n in sizes.values())]
                 have = ", ".join(f"{n} {what}" for what, n in sizes.items())

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from plait.tp.apply import tp_info, tp_module
+from plait.tp.apply import TPInfo, tp_info, tp_module
 from plait.tp.state import checkpoint_entry, restore_entry
 
 __all__ = ["Checkpointable", "state_dict", "load_state_dict", "module_state", "load_module_state",
@@ -95,7 +95,7 @@ def _steps(optimizer: Any, p: nn.Parameter) -> bool:
     return p.requires_grad and (owns is None or owns(p))
 
 
-def _view(module: nn.Module) -> tuple[nn.Module, Any]:
+def _view(module: nn.Module) -> tuple[nn.Module, TPInfo | None]:
     """(the module whose state_dict has the original names, its tp info or None)."""
     inner = tp_module(module)
     return (inner, tp_info(inner)) if inner is not None else (module, None)

@@ -217,7 +217,9 @@ class FlatParam:
             flat = self.buf
             self.gathered = False  # from here on buf holds gradients; freed after the reduction
         else:
-            dtype = self.cfg.reduce_dtype or self.leaves[have[0]].grad.dtype
+            # Only stage 3 moves gradients into buf: here ``have`` lists the leaves with a .grad.
+            first = next(g for leaf in self.leaves if (g := leaf.grad) is not None)
+            dtype = self.cfg.reduce_dtype or first.dtype
             flat = torch.empty(self.padded, dtype=dtype, device=self.buf.device)
         with torch.no_grad():
             for i, (slot, leaf) in enumerate(zip(self.slots, self.leaves, strict=True)):

@@ -21,6 +21,8 @@ so a rank briefly holds one unit, never the model.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -31,10 +33,13 @@ from plait.dtensors import contiguous_stride, mesh_of
 from plait.fsdp.flat import FlatParam
 from plait.tp.state import checkpoint_entry, gather_full, restore_entry
 
+if TYPE_CHECKING:
+    from plait.fsdp.wrapper import FSDP
+
 __all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict"]
 
 
-def _flats(model) -> list[FlatParam]:
+def _flats(model: FSDP) -> list[FlatParam]:
     return [f for u in model.units for f in u.flats]
 
 
@@ -54,7 +59,7 @@ def _scatter_flat(flat: FlatParam, full: torch.Tensor, dest: torch.Tensor) -> No
     dest[:n].copy_(full[lo : lo + n])
 
 
-def full_state_dict(model) -> dict[str, torch.Tensor]:
+def full_state_dict(model: FSDP) -> dict[str, torch.Tensor]:
     """Every parameter and buffer at full size on CPU, the same on every rank: one all-gather per
     flat group over fsdp, then, over tensor parallelism, one per tp-sharded slot over tp (the slot
     holds this rank's tp shard; `plait.tp.state.gather_full` drops uneven splits' padding)."""
@@ -73,7 +78,7 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_keys(model, state: dict, expected: set[str], what: str) -> None:
+def _check_keys(model: FSDP, state: dict, expected: set[str], what: str) -> None:
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise KeyError(f"{what}(state=...): missing keys {missing[:8]}, unexpected keys {unexpected[:8]} "
@@ -81,7 +86,7 @@ def _check_keys(model, state: dict, expected: set[str], what: str) -> None:
 
 
 @torch.no_grad()
-def load_full_state_dict(model, state: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(model: FSDP, state: dict[str, torch.Tensor]) -> None:
     """Load full tensors (as `full_state_dict` returns them): each rank keeps its slice. No
     communication: every rank holds the whole ``state``."""
     names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
@@ -97,7 +102,7 @@ def load_full_state_dict(model, state: dict[str, torch.Tensor]) -> None:
         b.copy_(state[name])
 
 
-def _local_value(model, name: str, value: torch.Tensor, local: torch.Size) -> torch.Tensor:
+def _local_value(model: FSDP, name: str, value: torch.Tensor, local: torch.Size) -> torch.Tensor:
     """This rank's part of the full ``value`` before FSDP's cut: its tp shard (zero-padded like
     the slot) over tensor parallelism, else ``value`` itself; checked against the full shape."""
     spec = model.tp.specs.get(name) if model.tp is not None else None
@@ -118,7 +123,7 @@ def _rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(start + per, dim0)
 
 
-def _to_dtensors(model, flat: FlatParam, shard_like: torch.Tensor) -> list[DTensor]:
+def _to_dtensors(model: FSDP, flat: FlatParam, shard_like: torch.Tensor) -> list[DTensor]:
     full = _gather_flat(flat, shard_like)
     mesh, world, rank = mesh_of(model.cfg.group, model.cfg.device), flat.cfg.world, flat.cfg.rank
     out = []
@@ -156,7 +161,7 @@ def _from_dtensors(flat: FlatParam, tensors: list[torch.Tensor], dest: torch.Ten
     _scatter_flat(flat, full.to(dest.device), dest)
 
 
-def _to_entries(model, flat: FlatParam, value: torch.Tensor) -> list[torch.Tensor]:
+def _to_entries(model: FSDP, flat: FlatParam, value: torch.Tensor) -> Sequence[torch.Tensor]:
     """Checkpoint entries of a shard-shaped ``value``, one per slot.
 
     Without tensor parallelism: ``Shard(0)`` DTensors over the fsdp axis. With it, a slot is a
@@ -171,7 +176,7 @@ def _to_entries(model, flat: FlatParam, value: torch.Tensor) -> list[torch.Tenso
                              model.tp, s.fqn) for s in flat.slots]
 
 
-def _from_entries(model, flat: FlatParam, values: list[torch.Tensor], dest: torch.Tensor) -> None:
+def _from_entries(model: FSDP, flat: FlatParam, values: list[torch.Tensor], dest: torch.Tensor) -> None:
     """Inverse of `_to_entries`: fill this rank's shard ``dest`` from loaded entries."""
     if model.tp is None:
         _from_dtensors(flat, values, dest)
@@ -182,7 +187,7 @@ def _from_entries(model, flat: FlatParam, values: list[torch.Tensor], dest: torc
     _scatter_flat(flat, full, dest)
 
 
-def sharded_state_dict(model, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def sharded_state_dict(model: FSDP, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """``{"model": {name: DTensor | buffer}, "optim": {...}}``; also a template for `dcp.load`.
 
     For an optimizer that has not stepped yet, the optim entries are zero-filled templates of
@@ -213,7 +218,7 @@ def sharded_state_dict(model, optimizer: torch.optim.Optimizer | None = None) ->
 
 
 @torch.no_grad()
-def load_sharded_state_dict(model, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_sharded_state_dict(model: FSDP, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a (DCP-filled) `sharded_state_dict` into the shards and, if given, the optimizer."""
     model_sd = state["model"]
     names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}

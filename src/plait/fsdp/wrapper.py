@@ -45,7 +45,7 @@ a CPU-only machine the same copies run host-to-host, so tests can check the data
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -317,14 +317,12 @@ class FullyShardedDataParallel(nn.Module):
         """This rank's gradient shards, disjoint over fsdp (dp replicas hold the same shards, so
         they are not summed over dp); on a tensor-parallel module the tp-sharded slots are also
         disjoint over tp, while replicated ones, equal on every tp rank, count once."""
-        flats = [f for u in self.units for f in u.flats if f.shard.grad is not None]
+        have = [(f, g) for u in self.units for f in u.flats if (g := f.shard.grad) is not None]
         if self.tp is None or self.tp.size == 1:
-            return {(self.cfg.group,): [f.shard.grad for f in flats]}  # type: ignore[misc]
+            return {(self.cfg.group,): [g for _, g in have]}
         sharded: list[torch.Tensor] = []
         replicated: list[torch.Tensor] = []
-        for f in flats:
-            g = f.shard.grad
-            assert g is not None
+        for f, g in have:
             for a, b, is_shard in f.tp_ranges:
                 (sharded if is_shard else replicated).append(g[a:b])
         return {(self.cfg.group, self.tp.group): sharded, (self.cfg.group,): replicated}
@@ -383,7 +381,7 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     """
     seen: set[int] = set()
 
-    def add(ts) -> int:
+    def add(ts: Iterable[torch.Tensor]) -> int:
         n = 0
         for t in ts:
             st = t.untyped_storage()
@@ -393,7 +391,7 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
                 n += st.nbytes()
         return n
 
-    params = list(model.parameters())
+    params: list[torch.Tensor] = list(model.parameters())
     if isinstance(model, FullyShardedDataParallel):
         params += [f.buf for u in model.units for f in u.flats]
     out = {"params": add(params), "grads": add(p.grad for p in model.parameters() if p.grad is not None)}

@@ -50,7 +50,7 @@ class ZeroRedundancyOptimizer:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
-                 group: Any = None, **defaults: Any) -> None:
+                 group: dist.ProcessGroup | None = None, **defaults: Any) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not isinstance(optimizer_class, type) or not issubclass(optimizer_class, torch.optim.Optimizer):
             raise TypeError(f"ZeroRedundancyOptimizer: optimizer_class must be a torch.optim.Optimizer "

@@ -128,9 +128,10 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
+        assert cfg.n_kv_heads is not None  # filled in by GPTConfig.__post_init__
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)  # type: ignore[operator]
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)  # type: ignore[operator]
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=False)
         self.rotary = Rotary(hd, cfg.seq_len, cfg.rope_base)
         self.dropout = cfg.dropout
@@ -155,9 +156,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)  # type: ignore[arg-type]
-        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)  # type: ignore[arg-type]
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)  # type: ignore[arg-type]
+        assert cfg.d_ff is not None  # filled in by GPTConfig.__post_init__
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

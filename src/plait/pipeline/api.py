@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -13,6 +13,7 @@ from torch import nn
 from plait import comm
 from plait._torch_compat import map_tensors
 from plait.materialize import is_meta
+from plait.mesh import Mesh
 from plait.pipeline.actions import Kind, Slot
 from plait.pipeline.arguments import CustomSchedule, check_tp, resolve_p2p, resolve_schedule, split_batch
 from plait.pipeline.directed import check_directed, direction_groups
@@ -28,8 +29,8 @@ from plait.pipeline.split import (
     segments,
 )
 from plait.pipeline.ties import find_ties, first_owners, sync_grads, tie_groups
-from plait.pipeline.wrapping import StageWrapper, check_wrappable
-from plait.tp.apply import loss_fn_for, mark_part, tensor_parallel
+from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
+from plait.tp.apply import TPInfo, loss_fn_for, mark_part, tensor_parallel, tp_info
 
 if TYPE_CHECKING:
     from plait.clip import GradParts
@@ -60,7 +61,7 @@ class Pipeline:
     wrapped modules.
     """
 
-    def __init__(self, module: nn.Module, mesh: Any, *, split: str | Sequence[str] = "auto",
+    def __init__(self, module: nn.Module, mesh: Mesh, *, split: str | Sequence[str] = "auto",
                  schedule: str | CustomSchedule = "1f1b", microbatches: int,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, chunks: int = 1, seed: int = 0,
                  device: torch.device | str | None = None, tp_plan: Mapping[str, Any] | None = None,
@@ -140,7 +141,7 @@ class Pipeline:
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
 
-    def _parallelize_stages(self, module: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None,
+    def _parallelize_stages(self, module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None,
                             sequence_parallel: bool, seed: int, loss_fn: Any,
                             wrapper: StageWrapper | None) -> Any:
         """This rank's stages, in order: tensor parallelism, materialization, data parallelism
@@ -157,9 +158,10 @@ class Pipeline:
         elif is_meta(module) and not (wrapper is not None and wrapper.materializes):
             # All of this rank's stages at once, so ties between them stay ties.
             materialize_segments(my_segs, seed, self.device, first_owners(module))
+        info = self.tp_info
         for st in self._inner.values():
-            if self.tp_module is not None:
-                mark_part(st, self.tp_info)  # so that a wrapper of the stage sees its tp shards
+            if info is not None:
+                mark_part(st, info)  # so that a wrapper of the stage sees its tp shards
             if not is_meta(st):  # a wrapper that materializes places the stage itself
                 st.to(self.device)
         self.stages: dict[int, nn.Module] = dict(self._inner)
@@ -258,12 +260,12 @@ class Pipeline:
         for st, keys in own:
             st.load_checkpoint_state({**state, "model": {k: state["model"][k] for k in keys}}, optimizer)
 
-    def _stages_holding_state(self) -> list[tuple[nn.Module, set[str]]] | None:
+    def _stages_holding_state(self) -> list[tuple[StateHoldingStage, set[str]]] | None:
         """(wrapped stage, its state-dict keys) per stage when the wrapper holds the stages' state
         in its own form (FSDP's flat shards) and answers the state protocols itself; else None."""
         if self._wrapper is None or self._wrapper.keeps_parameters:
             return None
-        return [(self.stages[s], self._state_keys[s]) for s in sorted(self.stages)]
+        return [(cast(StateHoldingStage, self.stages[s]), self._state_keys[s]) for s in sorted(self.stages)]
 
     def grad_norm_parts(self) -> GradParts:
         """Each stage's parts as its wrapper (or tensor parallelism) describes them, all disjoint over
@@ -295,9 +297,9 @@ class Pipeline:
             self.exec.reduce_grads = old
 
     @property
-    def tp_info(self) -> Any:
+    def tp_info(self) -> TPInfo | None:
         """The `plait.tp.TPInfo` of this rank's stages (None without ``tp_plan``)."""
-        return None if self.tp_module is None else self.tp_module._plait_tp
+        return None if self.tp_module is None else tp_info(self.tp_module)
 
     @property
     def schedule(self) -> Schedule:
@@ -370,7 +372,7 @@ class Pipeline:
         self.bubble_fraction = 1.0 - busy_fraction(self.exec.timeline, step_time)
 
 
-def pipeline(module: nn.Module, mesh: Any, split: str | Sequence[str] = "auto",
+def pipeline(module: nn.Module, mesh: Mesh, split: str | Sequence[str] = "auto",
              schedule: str | CustomSchedule = "1f1b", microbatches: int = 4,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, chunks: int = 1,
              seed: int = 0, device: torch.device | str | None = None,

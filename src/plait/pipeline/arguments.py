@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from plait.mesh import Mesh
 from plait.pipeline.actions import COMM, Action
 from plait.pipeline.generators import make_schedule, with_comms
 from plait.pipeline.runtime import as_tuple
@@ -19,7 +20,7 @@ __all__ = ["CustomSchedule", "P2P_MODES", "check_tp", "split_batch", "resolve_p2
 CustomSchedule = Schedule | Sequence[Sequence[Action]]
 
 
-def check_tp(module: nn.Module, mesh: Any, tp_plan: Mapping[str, Any] | None, loss_fn: Any) -> None:
+def check_tp(module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None, loss_fn: Any) -> None:
     """Check the tensor-parallel arguments and the loss against the plan (no collective)."""
     tp = mesh.size("tp")
     if tp_plan is None:

@@ -98,8 +98,9 @@ def _off_path_grads(node: Node, into: tuple, off_path: list[GradientEdge]
     recomputes its input-path output too (cheap for the elementwise ops that use a weight
     directly, such as a norm's scale).
     """
-    direct = [e for e in off_path if hasattr(e.node, "variable")]  # AccumulateGrad nodes
-    later = [e for e in off_path if not hasattr(e.node, "variable")]
+    # Edges into AccumulateGrad nodes, with the parameter each accumulates into (its .variable).
+    direct = {e: e.node.variable for e in off_path if hasattr(e.node, "variable")}
+    later = [e for e in off_path if e not in direct]
     out: list[tuple[GradientEdge, torch.Tensor]] = []
     if later:
         edges = [GradientEdge(node, k) for k, g in enumerate(into) if g is not None]
@@ -107,15 +108,16 @@ def _off_path_grads(node: Node, into: tuple, off_path: list[GradientEdge]
                                   allow_unused=True)
         out += [(e, g) for e, g in zip(later, got) if g is not None]
     if direct:
-        wanted = set(direct)
-        raw = node(*into)
+        # Concrete autograd nodes are callable; torch's Node stub (an ABC) declares no __call__.
+        raw = node(*into)  # type: ignore[operator]
         raw = raw if isinstance(raw, tuple) else (raw,)
         for (child, nr), g in zip(node.next_functions, raw):
+            if child is None or g is None:
+                continue
             edge = GradientEdge(child, nr)
-            if edge in wanted and g is not None:
-                var = child.variable  # the engine would sum a broadcast gradient to the leaf's shape
+            if edge in direct:
+                var = direct.pop(edge)  # the engine would sum a broadcast gradient to the leaf's shape
                 out.append((edge, g.sum_to_size(var.shape).to(var.dtype)))
-                wanted.discard(edge)
     return out
 
 

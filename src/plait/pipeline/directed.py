@@ -17,11 +17,10 @@ world): for each coordinate of the other mesh axes, one group per direction the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed as dist
 
 from plait import comm
+from plait.mesh import Mesh
 from plait.pipeline.actions import Kind
 from plait.pipeline.schedules import Schedule, ScheduleError
 
@@ -49,16 +48,15 @@ def check_directed(sched: Schedule) -> Schedule:
     return sched
 
 
-def direction_groups(sched: Schedule, mesh: Any) -> dict[tuple[int, int], Any]:
+def direction_groups(sched: Schedule, mesh: Mesh) -> dict[tuple[int, int], dist.ProcessGroup]:
     """(sender, receiver) global ranks -> the two-rank group carrying that direction, for the
     directions that involve this rank (checked with `check_directed` before any group exists)."""
     check_directed(sched)
-    me = dist.get_rank()
-    links: dict[tuple[int, int], Any] = {}
+    links: dict[tuple[int, int], dist.ProcessGroup] = {}
     for line in mesh.all_group_ranks("pp"):
         for src, dst in directions(sched):
             pair = (line[src], line[dst])
             group = comm.new_group(pair, "pp", checked=False)
-            if me in pair:
+            if group is not None:  # this rank is in the pair
                 links[pair] = group
     return links

@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait import comm
@@ -61,8 +62,8 @@ class Executor:
     """Runs schedules for the stages this rank holds. Owned by `plait.pipeline.Pipeline`."""
 
     def __init__(self, schedule: Schedule, stages: dict[int, nn.Module], rank: int, pp_ranks: list[int],
-                 group: Any, loss_fn: Callable[..., torch.Tensor], device: torch.device,
-                 links: dict[tuple[int, int], Any] | None = None, fill_w: bool = True,
+                 group: dist.ProcessGroup, loss_fn: Callable[..., torch.Tensor], device: torch.device,
+                 links: dict[tuple[int, int], dist.ProcessGroup] | None = None, fill_w: bool = True,
                  params: dict[int, list[torch.Tensor]] | None = None,
                  grad_sync: GradSync | None = None) -> None:
         self.sched, self.stages, self.rank, self.fill_w = schedule, stages, rank, fill_w
@@ -97,7 +98,7 @@ class Executor:
         if key in self.in_meta:
             return self.in_meta[key]
         metas: dict[int, Meta] = {}
-        local: Meta | None = None
+        local: Meta = []  # the output metadata of the stage just run (on this rank)
         S = self.sched.stages
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for s in sorted(self.stages):
@@ -108,8 +109,8 @@ class Executor:
                     meta = local if self.sched.stage_rank(s - 1) == self.rank else comm.recv_object(
                         self.peer(s - 1), self.group)
                     x = tuple(torch.zeros(sh, dtype=dt, device=self.device).requires_grad_(rg)
-                              for sh, dt, rg in meta)  # type: ignore[union-attr]
-                metas[s] = meta  # type: ignore[assignment]
+                              for sh, dt, rg in meta)
+                metas[s] = meta
                 if s == S - 1:
                     continue
                 with torch.enable_grad(), self.sync(s, False):
@@ -156,7 +157,7 @@ class Executor:
             return self.peer(a.stage + 1), self.tag(False, a.stage, a.mb, 0)
         return self.peer(a.stage - 1), self.tag(True, a.stage - 1, a.mb, 0)
 
-    def _link(self, src: int, dst: int) -> Any:
+    def _link(self, src: int, dst: int) -> dist.ProcessGroup | None:
         """The process group carrying messages from global rank ``src`` to ``dst`` (None: default)."""
         return None if self.links is None else self.links[(src, dst)]
 
@@ -289,7 +290,9 @@ class _Step:
         key, ex = (a.stage, a.mb), self.ex
         ins = [t for t in self.acts_in.pop(key) if t.requires_grad]
         outs = [t for t in self.acts_out.pop(key) if t.requires_grad]
-        g = self.grads_out.pop(key, None) if a.stage < self.sched.stages - 1 else [None] * len(outs)
+        # The last stage's output is the loss (gradient implied); the others' were received or handed over.
+        g: Sequence[torch.Tensor | None] = (self.grads_out.pop(key) if a.stage < self.sched.stages - 1
+                                            else [None] * len(outs))
         if a.kind is Kind.BW:
             with ex.sync(a.stage, self._accumulates(a.stage)):
                 torch.autograd.backward(outs, g, inputs=[*ins, *ex.params[a.stage]] or None)

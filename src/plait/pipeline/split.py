@@ -157,7 +157,7 @@ def _place(root: nn.Module, segs: Sequence[Segment]) -> None:
         for part in path:
             if part not in parent._modules:
                 parent.add_module(part, nn.Module())
-            parent = parent._modules[part]  # type: ignore[assignment]
+            parent = parent.get_submodule(part)
         parent.add_module(last, mod)
 
 

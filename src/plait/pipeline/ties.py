@@ -10,13 +10,13 @@ shared word embedding under pipeline parallelism (Narayanan et al. 2021, sec. 4)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.mesh import Mesh
 from plait.pipeline.schedules import Schedule
 
 __all__ = ["Tie", "find_ties", "tie_groups", "first_owners", "sync_grads"]
@@ -44,7 +44,7 @@ def find_ties(segs: list[tuple[str, nn.Module]], plan: list[list[int]], sched: S
     return ties
 
 
-def tie_groups(ties: list[Tie], mesh: Any) -> list[dist.ProcessGroup | None]:
+def tie_groups(ties: list[Tie], mesh: Mesh) -> list[dist.ProcessGroup | None]:
     """One process group per tie holding this rank's copies (None where this rank holds none).
 
     Every rank creates every group, in the same order (group creation is collective): one per tie

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from plait.pipeline.ties import Tie
 
-__all__ = ["StageWrapper", "check_wrappable"]
+__all__ = ["StageWrapper", "StateHoldingStage", "check_wrappable"]
 
 
 class StageWrapper(Protocol):
@@ -46,6 +46,20 @@ class StageWrapper(Protocol):
         """The context of one action on the stage: ``reduce`` for its last accumulating backward
         of the step (gradients are reduced as its hooks fire), else local accumulation only."""
         ...
+
+
+class StateHoldingStage(Protocol):
+    """A wrapped stage that holds its state in a form of its own (FSDP's flat shards, under a
+    wrapper whose ``keeps_parameters`` is False) and answers the state protocols itself
+    (`plait.state_dict`, `plait.checkpoint.protocol`)."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def checkpoint_state(self, optimizer: Any) -> dict[str, Any]: ...
+
+    def load_checkpoint_state(self, state: dict[str, Any], optimizer: Any) -> None: ...
 
 
 def check_wrappable(wrapper: StageWrapper | None, stage_params: dict[int, Sequence[nn.Parameter]],

@@ -10,14 +10,13 @@ parameters without a spec are replicated on every tp rank.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
 
 from plait import comm
 from plait.dtensors import contiguous_stride, mesh_of
-from plait.tp.apply import tp_info, tp_module
+from plait.tp.apply import TPInfo, tp_info, tp_module
 from plait.tp.styles import ShardSpec
 
 __all__ = ["full_state_dict", "load_full_state_dict", "gather_full",
@@ -44,14 +43,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def gather_full(t: torch.Tensor, spec: ShardSpec | None, info: Any) -> torch.Tensor:
+def gather_full(t: torch.Tensor, spec: ShardSpec | None, info: TPInfo | None) -> torch.Tensor:
     """The full tensor of which ``t`` is this rank's shard, on every tp rank (one all-gather over
     ``info.group``); ``t`` itself when replicated (``spec`` None).
 
     Rank r's rows start at ``r * spec.local``, so the shards concatenated in rank order are the
     full tensor followed by the padding of an uneven (vocabulary) split, which is cut off.
     """
-    if spec is None:
+    if spec is None or info is None:  # a spec always comes from an info's specs
         return t.detach()
     moved = t.detach().movedim(spec.dim, 0).contiguous()
     buf = moved.new_empty((info.size * moved.shape[0], *moved.shape[1:]))
@@ -107,7 +106,8 @@ def _chunk_rows(spec: ShardSpec, size: int) -> bool:
     return chunks == mine
 
 
-def checkpoint_entry(t: torch.Tensor, spec: ShardSpec | None, info: Any, name: str = "") -> torch.Tensor:
+def checkpoint_entry(t: torch.Tensor, spec: ShardSpec | None, info: TPInfo | None,
+                     name: str = "") -> torch.Tensor:
     """``t`` (this rank's shard when ``spec``) as an entry of the full-size checkpoint layout.
 
     A shard becomes a DTensor of the full tensor over the tp group, ``Shard(spec.dim)``, holding
@@ -115,7 +115,7 @@ def checkpoint_entry(t: torch.Tensor, spec: ShardSpec | None, info: Any, name: s
     layout can read them back. No communication.
     """
     t = t.detach()
-    if spec is None:
+    if spec is None or info is None:  # a spec always comes from an info's specs
         return t.clone()
     if not _chunk_rows(spec, info.size):
         raise ValueError(f"checkpoint: {name!r} is split into {spec.local}-row shards of {spec.full} "
