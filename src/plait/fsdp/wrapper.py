@@ -36,8 +36,8 @@ Not covered yet: activation checkpointing inside a unit (its recomputed forward 
 the unit hooks), and parameters used on some ranks but not others in the same step (every
 rank must issue the same reductions). fp16 has no loss scaling of its own.
 
-GPU behaviour (CPU offload): shards, their gradients and the optimizer state stay in pinned
-host memory; each unit's shard is copied to the GPU (non-blocking) just before its
+GPU behaviour (CPU offload): shards, their gradients and the optimizer state stay in host
+memory, the parameter shards pinned; each unit's shard is copied to the GPU (non-blocking) just before its
 all-gather, reduced gradient shards are copied back, and the optimizer steps on the CPU. On
 a CPU-only machine the same copies run host-to-host, so tests can check the data path.
 """
