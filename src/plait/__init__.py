@@ -8,7 +8,7 @@ from plait.env import get_logger, init
 from plait.fsdp import FSDP, FullyShardedDataParallel, MixedPrecision, ZeroRedundancyOptimizer
 from plait.materialize import init_weights
 from plait.mesh import Mesh
-from plait.models.plans import gpt_plan
+from plait.models.plans import gpt_plan, plan_for
 from plait.parallelize import ParallelPlan, parallelize
 from plait.pipeline import Pipeline, pipeline
 from plait.state_dict import full_state_dict, load_full_state_dict
@@ -38,6 +38,7 @@ __all__ = [
     "MixedPrecision",
     "tensor_parallel",
     "gpt_plan",
+    "plan_for",
     "loss_fn_for",
     "vocab_parallel_cross_entropy",
     "ColwiseParallel",

@@ -86,6 +86,7 @@ class ParallelPlan:
     fsdp_units: Sequence[type | str] | None = None
     ddp_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0  # init seed for modules still on the meta device
+    tp_check: bool = True  # dry-run the tp plan on the meta device first (`plait.tp.check_plan`)
     pp_split: str | Sequence[str] = "auto"  # "auto" or the segment names that start stages 1..
     pp_schedule: str | Schedule | Sequence[Sequence[Any]] = "1f1b"
     pp_microbatches: int = 4
@@ -161,7 +162,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
                         stage_wrapper=_stage_wrapper(module, mesh, plan))
     if plan.tp is not None:  # 1. tensor parallel
         module = tensor_parallel(module, mesh, plan.tp, sequence_parallel=plan.sequence_parallel,
-                                 seed=plan.seed, strict=False)
+                                 seed=plan.seed, strict=False, check=plan.tp_check)
     # 2. activation checkpointing: not implemented yet (see ORDER).
     if plan.data == "fsdp":  # 3. data parallel
         return FullyShardedDataParallel(module, mesh, **_fsdp_options(plan, plan.fsdp_units))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from torch import nn
+
+from plait.models.causal_lm import causal_lm_plan
 from plait.tp.styles import (
     ColwiseParallel,
     ParallelRegion,
@@ -12,7 +15,23 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["gpt_plan"]
+__all__ = ["gpt_plan", "plan_for"]
+
+
+def plan_for(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Style]:
+    """A tensor-parallel plan for ``model``: `gpt_plan` for plait's GPT, else the plan of a
+    `transformers`-shaped causal LM recognised by its module structure
+    (`plait.models.causal_lm`: Llama, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX and others of the
+    same shapes). The model returns what it returns on one device (gathered logits), so the
+    usual loss works unchanged; ``loss_parallel=True`` leaves the logits split by vocabulary
+    for `plait.loss_fn_for(model)` (vocab-parallel cross-entropy). Raises ``ValueError``
+    naming the module it cannot place.
+    """
+    from plait.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return gpt_plan(model.cfg, loss_parallel=loss_parallel)
+    return causal_lm_plan(model, loss_parallel=loss_parallel)
 
 
 def gpt_plan(cfg: object, *, loss_parallel: bool = True) -> dict[str, Style]:

@@ -29,6 +29,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,19 +40,24 @@ from plait.env import device as _device
 from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
 from plait.names import matches
+from plait.tp.context import RNGFork, SequenceShardGrads, TPContext
+from plait.tp.dryrun import dry_run, mark, meta_copy
+from plait.tp.layers import activation_name
 from plait.tp.loss import vocab_parallel_cross_entropy
+from plait.tp.sequence import ScatterSequence
 from plait.tp.styles import (
-    RNGFork,
-    SequenceShardGrads,
     ShardSpec,
     Style,
-    TPContext,
+    VocabParallelEmbedding,
     VocabParallelOutput,
 )
 
-__all__ = ["tensor_parallel", "assign_styles", "loss_fn_for", "tp_info", "tp_module", "mark_part", "TPInfo"]
+__all__ = ["tensor_parallel", "check_plan", "assign_styles", "loss_fn_for", "tp_info", "tp_module",
+           "mark_part", "TPInfo"]
 
 Plan = Mapping[str, Style]
+# Names of a forward's first parameter that mean "token ids": the dry run can make such an input.
+TOKEN_INPUTS = ("input_ids", "idx", "ids", "tokens", "token_ids", "input_tokens")
 
 
 @dataclass
@@ -69,7 +75,7 @@ class TPInfo:
 
 def tensor_parallel(
     module: nn.Module, mesh: Mesh, plan: Plan, *, sequence_parallel: bool = False, seed: int = 0,
-    strict: bool = True,
+    strict: bool = True, example_inputs: Any = None, check: bool = True,
 ) -> nn.Module:
     """Shard ``module`` in place over ``mesh.group('tp')`` following ``plan``; return it.
 
@@ -79,6 +85,12 @@ def tensor_parallel(
     Every argument and the whole plan are checked before any parameter changes or any
     collective runs; the only collective here is one broadcast that synchronizes the default
     random generator across the tp group (replicated dropout masks must agree).
+
+    The check includes `check_plan`'s dry run on the meta device, which refuses a plan that
+    would not reproduce single-process training. It runs here on ``example_inputs`` (see
+    `check_plan`), or on token ids it makes itself when ``forward``'s first parameter is named
+    like them; otherwise on the first call's own inputs, before that call communicates.
+    ``check=False`` skips the dry run (a model whose forward cannot run on meta tensors).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"tensor_parallel(module=...) expects an nn.Module, got {type(module).__name__}")
@@ -108,10 +120,15 @@ def tensor_parallel(
     heads = [(name, s) for name, s in ctx.assigned.items()
              if isinstance(s, VocabParallelOutput) and not s.gather_output]
     vocab_size = _head_vocab(specs, modules, heads)
+    later = None
+    if check:
+        later = _check_now_or_later(module, plan, n, bool(sequence_parallel), strict, example_inputs)
 
     materialize(module, seed, _keep_tp_shard(specs, dev))
     for name, style in ctx.assigned.items():
         style.install(modules[name], name, ctx)
+    if later is not None:  # first in line: before any hook of the call communicates
+        later.handle = module.register_forward_pre_hook(later, prepend=True, with_kwargs=True)
     _sync_default_rng(mesh, dev)
 
     _attach(module, TPInfo(
@@ -174,6 +191,94 @@ def loss_fn_for(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torc
     if info is None or info.vocab_size is None:
         return lm_loss
     return partial(vocab_parallel_cross_entropy, group=info.group, vocab_size=info.vocab_size)
+
+
+def check_plan(module: nn.Module, plan: Plan, *, tp: int, sequence_parallel: bool = False,
+               example_inputs: Any = None, strict: bool = True) -> None:
+    """Refuse ``plan`` for ``module`` at tensor-parallel size ``tp`` if it would not reproduce
+    single-process training: raise ``ValueError`` (`plait.tp.dryrun.PlanError` for what the
+    dry run finds) naming the module and the reason. No process group is needed, nothing
+    communicates and ``module`` is not changed (the dry run works on a meta-device copy).
+
+    ``example_inputs``: the forward's arguments, as a tensor, a tuple of positional arguments
+    or a dict of keyword arguments (their values are not used, only shapes and dtypes); by
+    default token ids of shape ``(1, 2 * tp)`` when ``forward``'s first parameter is named like
+    token ids (``input_ids``, ``idx``...). Under sequence parallelism, floating-point inputs
+    count as this rank's sequence shard unless the plan splits the sequence itself (a
+    `ScatterSequence` or a `VocabParallelEmbedding`).
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"check_plan(tp=...) must be a positive int, got {tp!r}")
+    inputs = _example_inputs(module, tp, example_inputs)
+    if inputs is None:
+        raise TypeError(f"check_plan: {type(module).__name__}.forward does not take token ids as its first "
+                        "argument; pass example_inputs=(args...) or {kwargs...}")
+    _dry_run_plan(module, plan, tp, sequence_parallel, strict, inputs)
+
+
+def _example_inputs(module: nn.Module, n: int, given: Any) -> tuple[tuple, dict] | None:
+    if given is None:
+        if activation_name(module) not in TOKEN_INPUTS:
+            return None
+        return (torch.zeros(1, 2 * n, dtype=torch.long, device="meta"),), {}
+    if isinstance(given, torch.Tensor):
+        return (given,), {}
+    if isinstance(given, dict):
+        return (), dict(given)
+    if isinstance(given, tuple):
+        return given, {}
+    raise TypeError(f"example_inputs must be a tensor, a tuple of arguments or a dict of keyword arguments, "
+                    f"got {type(given).__name__}")
+
+
+def _dry_run_plan(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool,
+                  inputs: tuple[tuple, dict]) -> None:
+    """`check_plan` on ``inputs``: the styles' own checks, then `plait.tp.dryrun.dry_run`."""
+    template = meta_copy(module)
+    ctx = TPContext(group=None, size=n, rank=0, sequence_parallel=sp, rng=RNGFork(0, torch.device("cpu")),
+                    seq_grads=SequenceShardGrads(None))
+    ctx.assigned = assign_styles(template, plan, strict)
+    modules = dict(template.named_modules())
+    for name, style in ctx.assigned.items():
+        style.validate(modules[name], name, ctx)
+    specs = _param_specs(template, ctx)
+    splits = any(isinstance(s, (ScatterSequence, VocabParallelEmbedding)) for s in ctx.assigned.values())
+    floats = "S" if sp and not splits else "R"
+    args, kwargs = _on_meta(inputs[0], floats), _on_meta(inputs[1], floats)
+    dry_run(template, ctx, specs, args, kwargs, allow_sequence_output=floats == "S")
+
+
+def _on_meta(obj: Any, float_layout: str) -> Any:
+    """``obj`` with every tensor replaced by an empty meta tensor of the same kind; floating
+    tensors get ``float_layout`` (see `plait.tp.dryrun`)."""
+    if isinstance(obj, torch.Tensor):
+        t = torch.empty_like(obj, device="meta").requires_grad_(obj.requires_grad)
+        if t.is_floating_point():
+            mark(t, float_layout)
+        return t
+    if isinstance(obj, dict):
+        return {k: _on_meta(v, float_layout) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_meta(v, float_layout) for v in obj)
+    return obj
+
+
+def _check_now_or_later(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool, given: Any):
+    """Run `check_plan`'s dry run now when inputs are known; else return a forward pre-hook that
+    runs it on the first call's inputs (None when the module is never called as a whole)."""
+    inputs = _example_inputs(module, n, given)
+    if inputs is not None:
+        _dry_run_plan(module, plan, n, sp, strict, inputs)
+        return None
+    if type(module).forward is nn.Module.forward:  # a container (a pipeline's view): never called
+        return None
+    template = meta_copy(module)
+
+    def first_call(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        _dry_run_plan(template, plan, n, sp, strict, (args, kwargs))  # refused: every call is refused
+        first_call.handle.remove()  # type: ignore[attr-defined]
+
+    return first_call
 
 
 def assign_styles(module: nn.Module, plan: Plan, strict: bool) -> dict[str, Style]:

@@ -2,10 +2,16 @@
 sequence parallelism: Korthikanti et al. 2022, sec. 4.2), built on `plait.comm`'s collectives.
 
 Each operator's docstring says what moves in forward and backward; each is the identity when
-the group has one rank.
+the group has one rank. Inside `emulated` (the dry run of `plait.tp.check_plan`) each operator
+is handed to an emulator that makes a tensor of the right shape on one rank, and nothing moves.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -13,7 +19,27 @@ import torch.distributed as dist
 from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
-           "reduce_scatter_to_sp"]
+           "reduce_scatter_to_sp", "scatter_to_sp", "replicate_from_sp", "Emulator", "emulated"]
+
+
+class Emulator(Protocol):
+    """Stands in for the tp group in a dry run: ``op`` is the operator's name, ``dim`` the dim
+    it acts on; returns what this rank would hold afterwards (shape, dtype, device)."""
+
+    def collective(self, op: str, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+
+_EMULATOR: ContextVar[Emulator | None] = ContextVar("plait_tp_emulator", default=None)
+
+
+@contextlib.contextmanager
+def emulated(emulator: Emulator) -> Iterator[None]:
+    """Within the block every operator of this module calls ``emulator`` instead of a collective."""
+    token = _EMULATOR.set(emulator)
+    try:
+        yield
+    finally:
+        _EMULATOR.reset(token)
 
 
 def _split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -31,7 +57,8 @@ def _gather_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_into(out, moved, group)
-    return out.movedim(0, dim)
+    # Contiguous: layers that flatten their input with .view (GPT-2's Conv1D) need it.
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -116,6 +143,38 @@ class _GatherSeq(torch.autograd.Function):
         return _reduce_scatter_dim(g, ctx.group, ctx.dim), None, None
 
 
+class _ScatterSeq(torch.autograd.Function):
+    """SP entry. Forward: keep this rank's chunk along ``dim``. Backward: all-gather along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        if x.shape[dim] % n:
+            raise ValueError(f"scattering dim {dim} ({x.shape[dim]}) of a {tuple(x.shape)} tensor across the "
+                             f"{n} ranks of {describe(group)}: it is not divisible")
+        return x.chunk(n, dim=dim)[r].contiguous()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return _gather_dim(g, ctx.group, ctx.dim), None, None
+
+
+class _ReplicateSeq(torch.autograd.Function):
+    """SP exit to replicated consumers. Forward: all-gather along ``dim``. Backward: keep this
+    rank's chunk of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return g.chunk(n, dim=ctx.dim)[r].contiguous(), None, None
+
+
 class _ReduceScatterSeq(torch.autograd.Function):
     """SP g. Forward: reduce-scatter along ``dim``. Backward: all-gather along ``dim``."""
 
@@ -135,6 +194,8 @@ def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     Sits before a column-parallel layer whose input is replicated: each rank computes a
     partial input gradient from its column shard, and the full gradient is their sum.
     """
+    if (em := _EMULATOR.get()) is not None:
+        return em.collective("copy_to_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _CopyToTP.apply(x, group)
 
 
@@ -143,26 +204,55 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
     Sits after a row-parallel layer: each rank holds a partial sum of the output.
     """
+    if (em := _EMULATOR.get()) is not None:
+        return em.collective("reduce_from_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward all-gather along the last dim; backward keeps this rank's slice of the gradient."""
+    if (em := _EMULATOR.get()) is not None:
+        return em.collective("gather_from_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _GatherLast.apply(x, group)
 
 
 def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward keeps this rank's slice of the last dim; backward all-gathers the gradient."""
+    if (em := _EMULATOR.get()) is not None:
+        return em.collective("scatter_to_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _ScatterLast.apply(x, group)
 
 
 def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel *g-bar*: forward all-gather along the sequence dim; backward
     reduce-scatter of the gradient (each rank's partial gradient is summed, then split)."""
+    if (em := _EMULATOR.get()) is not None:
+        return em.collective("gather_from_sp", x, dim)
     return x if dist.get_world_size(group) == 1 else _GatherSeq.apply(x, group, dim)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel *g*: forward reduce-scatter of partial sums along the sequence dim;
     backward all-gather of the gradient."""
+    if (em := _EMULATOR.get()) is not None:
+        return em.collective("reduce_scatter_to_sp", x, dim)
     return x if dist.get_world_size(group) == 1 else _ReduceScatterSeq.apply(x, group, dim)
+
+
+def scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """Where sequence parallelism starts on a replicated activation: forward keeps this rank's
+    chunk of the sequence (nothing moves); backward all-gathers the gradient, since every rank's
+    replicated producer needs the gradient of the whole sequence."""
+    if (em := _EMULATOR.get()) is not None:
+        return em.collective("scatter_to_sp", x, dim)
+    return x if dist.get_world_size(group) == 1 else _ScatterSeq.apply(x, group, dim)
+
+
+def replicate_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """Where sequence parallelism ends before replicated code (a final norm whose output the
+    model reshapes): forward all-gathers the sequence; backward keeps this rank's chunk of the
+    gradient, which every rank computes in full because everything after runs replicated
+    (unlike `gather_from_sp`, whose column-parallel consumers leave partial gradients to sum)."""
+    if (em := _EMULATOR.get()) is not None:
+        return em.collective("replicate_from_sp", x, dim)
+    return x if dist.get_world_size(group) == 1 else _ReplicateSeq.apply(x, group, dim)

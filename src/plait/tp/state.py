@@ -55,6 +55,13 @@ def gather_full(t: torch.Tensor, spec: ShardSpec | None, info: TPInfo | None) ->
     moved = t.detach().movedim(spec.dim, 0).contiguous()
     buf = moved.new_empty((info.size * moved.shape[0], *moved.shape[1:]))
     comm.all_gather_into(buf, moved, info.group)
+    if not spec.contiguous:  # a fused tensor: part i is the ranks' i-th blocks, in rank order
+        per_rank = buf.view(info.size, moved.shape[0], *moved.shape[1:])
+        blocks, at = [], 0
+        for _, rows in spec.pieces():
+            blocks.append(per_rank[:, at : at + rows].reshape(-1, *moved.shape[1:]))
+            at += rows
+        buf = torch.cat(blocks)
     return buf[: spec.full].movedim(0, spec.dim).contiguous()
 
 
@@ -97,9 +104,11 @@ def _check_not_fsdp(model: nn.Module, what: str) -> None:
 def _chunk_rows(spec: ShardSpec, size: int) -> bool:
     """Whether every rank's valid rows are exactly its ``torch.chunk`` part (DTensor's Shard).
 
-    True for every layout `plait.tp.apply` makes today: even splits, and vocabulary
-    splits padded at the end in single rows.
+    True for even splits and vocabulary splits padded at the end in single rows; never for a
+    fused tensor (its rows are one block per part).
     """
+    if not spec.contiguous:
+        return False
     per = -(-spec.full // size)
     chunks = [max(0, min(per, spec.full - r * per)) for r in range(size)]
     mine = [max(0, min(spec.local, spec.full - r * spec.local)) for r in range(size)]
@@ -112,11 +121,15 @@ def checkpoint_entry(t: torch.Tensor, spec: ShardSpec | None, info: TPInfo | Non
 
     A shard becomes a DTensor of the full tensor over the tp group, ``Shard(spec.dim)``, holding
     this rank's valid rows (padding is not saved), so each rank writes its own rows and any
-    layout can read them back. No communication.
+    layout can read them back. No communication, except for a fused tensor (q, k and v in one
+    weight), whose rows DTensor cannot describe: it is gathered over tp (one all-gather) and
+    saved whole, as a replicated entry that any layout reads back (`restore_entry`).
     """
     t = t.detach()
     if spec is None or info is None:  # a spec always comes from an info's specs
         return t.clone()
+    if not spec.contiguous:
+        return gather_full(t, spec, info)
     if not _chunk_rows(spec, info.size):
         raise ValueError(f"checkpoint: {name!r} is split into {spec.local}-row shards of {spec.full} "
                          f"rows over tp={info.size}, which is not DTensor's chunking; cannot save it")
@@ -137,6 +150,8 @@ def restore_entry(target: torch.Tensor, value: torch.Tensor, spec: ShardSpec | N
 
     if spec is None:
         target.copy_(value)
+    elif not spec.contiguous:  # saved whole (see checkpoint_entry)
+        target.copy_(spec.take(value))
     else:
         assert isinstance(value, DTensor), "a tp shard's template entry is a DTensor"
         target.narrow(spec.dim, 0, spec.valid).copy_(value.to_local())

@@ -10,25 +10,29 @@ A style is a small frozen dataclass used as a value in a plan (module-name patte
 3. ``install``: hooks or a forward override that put the Megatron f / g operators (or their
    sequence-parallel all-gather / reduce-scatter) from `plait.comm` around the computation.
 
-Sequence parallelism (Korthikanti et al. 2022) is a property of the whole call, not of a
-style: every style reads ``ctx.sequence_parallel`` so that one plan serves both layouts.
+What the styles cannot see from one module (a norm on sequence shards with no style, a
+region around a residual addition) is checked for the whole plan by the dry run in
+`plait.tp.dryrun`. Sequence parallelism (Korthikanti et al. 2022) is a property of the whole
+call, not of a style: every style reads ``ctx.sequence_parallel`` so one plan serves both.
+
+Linear styles accept ``nn.Linear`` and transposed Conv1D-like layers (`plait.tp.layers`); a
+style's activation is the first argument of the module's forward, by position or keyword.
+More styles: `plait.tp.attention` (heads, for models that read head counts in forward) and
+`plait.tp.sequence` (where sequence parallelism starts and ends).
 """
 
 from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from plait import comm
 from plait.tp.collectives import (
     copy_to_tp,
     gather_from_sp,
@@ -37,37 +41,39 @@ from plait.tp.collectives import (
     reduce_scatter_to_sp,
     scatter_to_tp,
 )
+from plait.tp.context import TPContext
+from plait.tp.layers import LinearLayout, input_pre_hook, linear_layout
 
 __all__ = [
-    "ShardSpec", "TPContext", "RNGFork", "SequenceShardGrads", "Style", "ColwiseParallel", "RowwiseParallel",
-    "VocabParallelEmbedding", "VocabParallelOutput", "ParallelRegion", "SequenceParallel",
+    "ShardSpec", "make_spec", "Style", "ColwiseParallel", "RowwiseParallel", "VocabParallelEmbedding",
+    "VocabParallelOutput", "ParallelRegion", "SequenceParallel", "check_sequence", "FUSED_NAMES",
 ]
 
 
 # ------------------------------------------------------------------ shards
 def _size(mod: nn.Module, attr: str) -> int:
-    """A layer's size attribute (``out_features``, ``num_embeddings``...), checked to be an int."""
+    """A layer's size attribute (``num_embeddings``...), checked to be an int."""
     value = getattr(mod, attr)
     if not isinstance(value, int):
         raise TypeError(f"{type(mod).__name__}.{attr} is {value!r}, not a size")
     return value
 
 
-def _set_size(mod: nn.Module, attr: str, value: int) -> None:
-    """Record a layer's local size (what its forward and repr see after sharding)."""
-    setattr(mod, attr, value)
-
-
 @dataclass(frozen=True)
 class ShardSpec:
     """Rank ``rank`` holds rows ``[start, start + local)`` of dim ``dim`` of a tensor whose full
     size there is ``full``. When ``tp * local > full`` the tail is zero padding (only the
-    vocabulary styles allow it), so the rows this rank really owns are ``valid``."""
+    vocabulary styles allow it), so the rows this rank really owns are ``valid``.
+
+    A fused tensor (``parts``: the full sizes of the tensors concatenated along ``dim``, e.g.
+    q, k and v) is split part by part: the rank holds its slice of every part, in order
+    (`pieces`), so its local tensor is the fused layout of its own shards."""
 
     dim: int
     full: int
     local: int
     rank: int
+    parts: tuple[int, ...] = ()
 
     @property
     def start(self) -> int:
@@ -77,110 +83,47 @@ class ShardSpec:
     def valid(self) -> int:
         return max(0, min(self.local, self.full - self.start))
 
+    @property
+    def contiguous(self) -> bool:
+        """Whether the rank's rows are one block of the full tensor (not a fused split)."""
+        return len(self.parts) < 2
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """(first row in the full tensor, rows) of each block this rank holds, in its order."""
+        if self.contiguous:
+            return [(min(self.start, self.full), self.valid)]
+        n = self.full // self.local
+        out, offset = [], 0
+        for p in self.parts:
+            out.append((offset + self.rank * (p // n), p // n))
+            offset += p
+        return out
+
     def take(self, full: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         """This rank's (zero-padded) slice of ``full`` along ``dim`` (default: the spec's)."""
         d = self.dim if dim is None else dim
-        part = full.narrow(d, min(self.start, self.full), self.valid)
+        blocks = [full.narrow(d, s, k) for s, k in self.pieces()]
+        if not self.contiguous:
+            return torch.cat(blocks, dim=d)
         if self.valid == self.local:
-            return part.clone()
+            return blocks[0].clone()
         shape = list(full.shape)
         shape[d] = self.local - self.valid
-        return torch.cat([part, full.new_zeros(shape)], dim=d)
+        return torch.cat([blocks[0], full.new_zeros(shape)], dim=d)
 
 
-def make_spec(dim: int, full: int, n: int, rank: int, unit: int = 1) -> ShardSpec:
-    """Split ``full`` rows into ``n`` equal shards made of whole ``unit``s (padding the end)."""
+def make_spec(dim: int, full: int, n: int, rank: int, unit: int = 1,
+              parts: tuple[int, ...] = ()) -> ShardSpec:
+    """Split ``full`` rows into ``n`` equal shards made of whole ``unit``s (padding the end), or,
+    with ``parts``, each part into ``n`` equal slices (callers check divisibility)."""
+    if parts:
+        return ShardSpec(dim=dim, full=full, local=full // n, rank=rank, parts=tuple(parts))
     local = math.ceil(full / (n * unit)) * unit
     return ShardSpec(dim=dim, full=full, local=local, rank=rank)
 
 
-# ------------------------------------------------------------------ randomness
-class RNGFork:
-    """A second random stream, seeded differently on every tp rank, swapped in around the
-    regions whose activations are *sharded* (attention heads; the sequence under SP).
-
-    Outside those regions the default generator runs, which `tensor_parallel` synchronizes
-    across the tp group, so replicated activations get the same dropout mask on every rank
-    while sharded ones get independent masks (Megatron's RNG tracker, section 3 of the paper).
-    Nesting is allowed: only the outermost region swaps states.
-    """
-
-    def __init__(self, seed: int, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._device = device
-        with torch.random.fork_rng(devices=[device] if self._cuda else []):
-            torch.manual_seed(seed)
-            self._state = self._get()
-        self._saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._depth = 0
-
-    def _get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.get_rng_state(), torch.cuda.get_rng_state(self._device) if self._cuda else None
-
-    def _set(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-        torch.set_rng_state(state[0])
-        if self._cuda and state[1] is not None:
-            torch.cuda.set_rng_state(state[1], self._device)
-
-    def enter(self, *_: Any) -> None:
-        if self._depth == 0:
-            self._saved = self._get()
-            self._set(self._state)
-        self._depth += 1
-
-    def exit(self, *_: Any) -> None:
-        self._depth -= 1
-        if self._depth == 0 and self._saved is not None:
-            self._state = self._get()
-            self._set(self._saved)
-            self._saved = None
-
-
-class SequenceShardGrads:
-    """Sums, across the tp group, the gradients of replicated parameters applied to sequence
-    shards (norm weights, row-parallel biases under SP): each rank's gradient covers only its
-    positions.
-
-    The sum happens in the parameter's gradient hook, before autograd accumulates into
-    ``.grad``: one small all-reduce per parameter, but every later hook (DDP or FSDP buckets
-    on the data axes, gradient accumulation) sees the finished gradient. Batching them into one
-    call at the end of backward would save those calls but hand data-parallel hooks a partial
-    gradient first.
-    """
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def watch(self, p: nn.Parameter) -> None:
-        p.register_hook(self._sum)
-        # Also listed on the parameter, so FSDP (which replaces it) registers it on its leaf.
-        hooks = getattr(p, "_plait_grad_hooks", None)
-        if hooks is None:
-            hooks = []
-            p._plait_grad_hooks = hooks  # type: ignore[attr-defined]
-        hooks.append(self._sum)
-
-    def _sum(self, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share the buffer
-        comm.all_reduce(grad, self.group)
-        return grad
-
-
-@dataclass
-class TPContext:
-    """What styles need to know about the call: the group, the layout and the whole plan."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-    sequence_parallel: bool
-    rng: RNGFork
-    seq_grads: SequenceShardGrads
-    assigned: dict[str, Style] = field(default_factory=dict)  # module name -> style
-
-
 # ------------------------------------------------------------------ helpers
-def _check_seq(x: torch.Tensor, ctx: TPContext, where: str) -> None:
+def check_sequence(x: torch.Tensor, ctx: TPContext, where: str) -> None:
     """Sequence parallelism splits dim 1; say so plainly before a reduce-scatter would fail."""
     if x.dim() < 2 or x.shape[1] % ctx.size:
         raise ValueError(
@@ -192,26 +135,16 @@ def _check_seq(x: torch.Tensor, ctx: TPContext, where: str) -> None:
 def _reduce_out(y: torch.Tensor, ctx: TPContext, where: str) -> torch.Tensor:
     """g: sum the partial outputs of the tp ranks (reduce-scatter along the sequence under SP)."""
     if ctx.sequence_parallel:
-        _check_seq(y, ctx, where)
+        check_sequence(y, ctx, where)
         return reduce_scatter_to_sp(y, ctx.group, dim=1)
     return reduce_from_tp(y, ctx.group)
 
 
-def _enter_parallel(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+def _enter_parallel(x: torch.Tensor, ctx: TPContext, sequence_sharded: bool = True) -> torch.Tensor:
     """f: a replicated (or, under SP, sequence-sharded) activation enters a tp-sharded region."""
-    if ctx.sequence_parallel:
+    if ctx.sequence_parallel and sequence_sharded:
         return gather_from_sp(x, ctx.group, dim=1)
     return copy_to_tp(x, ctx.group)
-
-
-def _first_tensor_pre_hook(fn: Callable[[torch.Tensor], torch.Tensor], name: str):
-    def hook(_mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        if not args or not isinstance(args[0], torch.Tensor):
-            raise TypeError(f"{name}: the tensor-parallel input hook expects the activation as the "
-                            f"first positional argument, got {[type(a).__name__ for a in args]}")
-        return (fn(args[0]), *args[1:])
-
-    return hook
 
 
 def _in_region(name: str, ctx: TPContext) -> bool:
@@ -248,6 +181,19 @@ def _divisible(name: str, style: Style, what: str, size: int, unit: int, ctx: TP
         raise ValueError(f"plan: {style!r} on {name!r} cannot split {count} evenly across tp={ctx.size}")
 
 
+def _layout(style: Style, mod: nn.Module, name: str) -> LinearLayout:
+    layout = linear_layout(mod)
+    if layout is None:
+        raise ValueError(f"plan: {style!r} applies to Linear modules, but {name!r} is a {type(mod).__name__} "
+                         "(a transposed Conv1D-like layer, with a 2-D (in, out) weight and an int `nf`, "
+                         "works too)")
+    return layout
+
+
+# Names of fused projections in common models (q, k and v, or gate and up, side by side).
+FUSED_NAMES = frozenset({"qkv_proj", "c_attn", "W_pack", "Wqkv", "qkv", "query_key_value", "gate_up_proj"})
+
+
 @dataclass(frozen=True)
 class ColwiseParallel(Style):
     """Linear layer split by *output* features: rank r computes its slice of the outputs.
@@ -258,40 +204,110 @@ class ColwiseParallel(Style):
     for all its column-parallel layers, so use ``input_comm=False``.
     Output: left sharded on the last dim, or all-gathered with ``gather_output``.
     ``unit`` keeps groups of features together (a head's ``head_dim`` features); ``what``
-    names them in errors (e.g. "attention heads").
+    names them in errors (e.g. "attention heads"). ``input_is_sequence_parallel=False``: under
+    SP the input is nevertheless full-length and replicated (after a `GatherSequence`), so f is
+    the plain copy rather than an all-gather.
+
+    ``parts``: a fused projection (GPT-2's ``c_attn`` holds q, k and v; ``gate_up_proj``),
+    given as the sizes of its parts in output features; each part is split on its own, so
+    every rank's output is the same fusion of its own shards and the model's split still works.
+    A layer named like a fused projection (`FUSED_NAMES`) must say so: split as one block, rank
+    0 would hold all of q and part of k, which no check of shapes can see (``parts=(out,)``
+    declares it unfused; GPT-NeoX's per-head ``query_key_value`` takes ``unit=3 * head_dim``).
+    ``replicate``: when there are fewer units than ranks and tp is a multiple of them
+    (grouped-query attention with fewer KV heads than ranks), every rank keeps the whole
+    weight and computes only the unit its query heads use, rank r the unit
+    ``r * units // tp``; the gradient, which each rank computes for its own query heads, is
+    summed over tp (one all-reduce of the weight's gradient per step).
     """
 
     gather_output: bool = False
     input_comm: bool = True
     unit: int = 1
     what: str = "output features"
-    expects = (nn.Linear,)
+    parts: tuple[int, ...] = ()
+    replicate: bool = False
+    input_is_sequence_parallel: bool = True
 
     def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        super().validate(mod, name, ctx)
+        layout = _layout(self, mod, name)
         if not self.input_comm and not _in_region(name, ctx):
             raise ValueError(f"plan: {self!r} on {name!r} has input_comm=False, so its input must come "
                              "through a ParallelRegion on an enclosing module, but none encloses it")
-        self._check_size(mod, name, ctx)
+        if self.gather_output and (self.parts or self._replicates(layout.sizes(mod)[1], ctx)):
+            raise ValueError(f"plan: {self!r} on {name!r}: gather_output applies to a plain split only "
+                             "(a fused or replicated output gathered in rank order would be reordered)")
+        self._check_size(layout.sizes(mod)[1], name, ctx)
 
-    def _check_size(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        _divisible(name, self, self.what, _size(mod, "out_features"), self.unit, ctx)
+    def _replicates(self, out: int, ctx: TPContext) -> bool:
+        units = out // self.unit
+        return self.replicate and out % self.unit == 0 and units < ctx.size and ctx.size % units == 0
+
+    def _check_size(self, out: int, name: str, ctx: TPContext) -> None:
+        last = name.rpartition(".")[2]
+        per_head = last == "query_key_value" and self.unit > 1 and self.unit % 3 == 0
+        if last in FUSED_NAMES and not self.parts and not per_head:
+            raise ValueError(f"plan: {self!r} on {name!r}: {name!r} is named like a fused projection "
+                             "(several tensors side by side), but the style gives no parts; split as one "
+                             "block, a rank would hold whole parts and none of others: give "
+                             f"parts=(sizes...) (or parts=({out},) if it is not fused)")
+        if not self.parts:
+            if not self._replicates(out, ctx):
+                _divisible(name, self, self.what, out, self.unit, ctx)
+            return
+        if sum(self.parts) != out:
+            raise ValueError(f"plan: {self!r} on {name!r}: the parts {self.parts} do not add up to its {out} "
+                             "output features")
+        for i, p in enumerate(self.parts):
+            if p % self.unit or (p // self.unit) % ctx.size:
+                raise ValueError(
+                    f"plan: {self!r} on {name!r} cannot split part {i} of the fused projection ({p} features "
+                    f"in units of {self.unit}: {p // self.unit} {self.what}) evenly across tp={ctx.size}; "
+                    "fewer KV heads than ranks can be replicated only in separate k/v projections")
 
     def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
-        spec = make_spec(0, _size(mod, "out_features"), ctx.size, ctx.rank, self.unit)
-        return {"weight": spec, **({"bias": spec} if mod.bias is not None else {})}
+        layout = linear_layout(mod)
+        assert layout is not None  # validated
+        out = layout.sizes(mod)[1]
+        if self._replicates(out, ctx):
+            return {}
+        specs = {"weight": make_spec(layout.out_dim, out, ctx.size, ctx.rank, self.unit, self.parts)}
+        if getattr(mod, "bias", None) is not None:
+            specs["bias"] = make_spec(0, out, ctx.size, ctx.rank, self.unit, self.parts)
+        return specs
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        full = _size(mod, "out_features")
-        _set_size(mod, "out_features", self.shard_specs(mod, ctx)["weight"].local)
+        layout = linear_layout(mod)
+        assert layout is not None  # validated
+        full = layout.sizes(mod)[1]
         if self.input_comm:
-            mod.register_forward_pre_hook(_first_tensor_pre_hook(partial(_enter_parallel, ctx=ctx), name))
+            enter = partial(_enter_parallel, ctx=ctx, sequence_sharded=self.input_is_sequence_parallel)
+            mod.register_forward_pre_hook(input_pre_hook(enter, name), with_kwargs=True)
+        if self._replicates(full, ctx):
+            self._install_replicated(mod, layout, full, ctx)
+            return
+        layout.set_sizes(mod, out_features=self.shard_specs(mod, ctx)["weight"].local)
         if self.gather_output:
             def gather(_m: nn.Module, _a: Any, y: torch.Tensor) -> torch.Tensor:
                 # Padding (vocabulary styles) is dropped after the gather.
                 return gather_from_tp(y, ctx.group).narrow(-1, 0, full)
 
             mod.register_forward_hook(gather)
+
+    def _install_replicated(self, mod: nn.Module, layout: LinearLayout, full: int, ctx: TPContext) -> None:
+        start = ctx.rank * (full // self.unit) // ctx.size * self.unit
+
+        def forward(self_: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            w, b = self_.weight, getattr(self_, "bias", None)
+            assert isinstance(w, torch.Tensor)
+            return layout.apply(x, w.narrow(layout.out_dim, start, self.unit),
+                                None if b is None else b.narrow(0, start, self.unit))
+
+        mod.forward = types.MethodType(forward, mod)
+        layout.set_sizes(mod, out_features=self.unit)
+        for p in mod.parameters(recurse=False):
+            if p.requires_grad:
+                ctx.seq_grads.watch(p)
 
 
 @dataclass(frozen=True)
@@ -305,7 +321,7 @@ class VocabParallelOutput(ColwiseParallel):
 
     what: str = "vocabulary entries"
 
-    def _check_size(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+    def _check_size(self, out: int, name: str, ctx: TPContext) -> None:
         pass  # padded
 
 
@@ -318,36 +334,45 @@ class RowwiseParallel(Style):
     Output: g, all-reduced (forward all-reduce, backward identity) or, under SP,
     reduce-scattered along the sequence (backward all-gather). The bias is added once, after
     the reduction, and under SP its gradient is summed over the tp group after backward because
-    each rank saw only its sequence shard.
+    each rank saw only its sequence shard. Without SP, whatever the enclosing region does after
+    this layer acts on a replicated activation, so it runs on the default (synchronized) random
+    stream again (GPT-2's residual dropout inside its attention).
     """
 
     input_is_parallel: bool = True
     unit: int = 1
     what: str = "input features"
-    expects = (nn.Linear,)
 
     def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        super().validate(mod, name, ctx)
+        layout = _layout(self, mod, name)
         if self.input_is_parallel and not _in_region(name, ctx):
             raise ValueError(f"plan: {self!r} on {name!r} expects a sharded input, which only exists "
                              "inside a ParallelRegion, but none encloses it (or use input_is_parallel=False)")
-        _divisible(name, self, self.what, _size(mod, "in_features"), self.unit, ctx)
+        _divisible(name, self, self.what, layout.sizes(mod)[0], self.unit, ctx)
 
     def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
-        return {"weight": make_spec(1, _size(mod, "in_features"), ctx.size, ctx.rank, self.unit)}
+        layout = linear_layout(mod)
+        assert layout is not None  # validated
+        return {"weight": make_spec(layout.in_dim, layout.sizes(mod)[0], ctx.size, ctx.rank, self.unit)}
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        _set_size(mod, "in_features", self.shard_specs(mod, ctx)["weight"].local)
+        layout = linear_layout(mod)
+        assert layout is not None  # validated
+        layout.set_sizes(mod, in_features=self.shard_specs(mod, ctx)["weight"].local)
         scatter = not self.input_is_parallel
 
-        def forward(self_: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        def forward(self_: nn.Module, x: torch.Tensor) -> torch.Tensor:
             if scatter:
                 x = scatter_to_tp(x, ctx.group)
-            y = _reduce_out(F.linear(x, self_.weight), ctx, name)
-            return y if self_.bias is None else y + self_.bias
+            w, b = self_.weight, getattr(self_, "bias", None)
+            assert isinstance(w, torch.Tensor)
+            y = _reduce_out(layout.apply(x, w, None), ctx, name)
+            if not ctx.sequence_parallel:
+                ctx.rng.pause()
+            return y if b is None else y + b
 
         mod.forward = types.MethodType(forward, mod)
-        bias = mod.bias
+        bias = getattr(mod, "bias", None)
         if ctx.sequence_parallel and isinstance(bias, nn.Parameter):
             ctx.seq_grads.watch(bias)
 
@@ -360,29 +385,39 @@ class VocabParallelEmbedding(Style):
     embeddings are summed: all-reduce, or reduce-scatter along the sequence under SP (so the
     activation leaves sequence-sharded). Backward: identity (all-gather under SP); each rank's
     table receives gradient only for its own rows.
+
+    ``shard_sequence=False`` keeps the output full-length under SP too (all-reduce): for models
+    that derive positions, rotary tables or masks from the embedding's length before the
+    decoder layers, where a `ScatterSequence` then starts the sequence split.
     """
 
+    shard_sequence: bool = True
     expects = (nn.Embedding,)
 
     def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         super().validate(mod, name, ctx)
-        unsupported = {k: getattr(mod, k) for k in ("padding_idx", "max_norm") if getattr(mod, k) is not None}
-        if unsupported or mod.sparse or mod.scale_grad_by_freq:
+        assert isinstance(mod, nn.Embedding)
+        if mod.max_norm is not None or mod.sparse or mod.scale_grad_by_freq:
             raise ValueError(f"plan: {self!r} on {name!r} supports plain lookups only; the embedding has "
-                             f"{unsupported or 'sparse/scale_grad_by_freq'} set")
+                             "max_norm, sparse or scale_grad_by_freq set")
 
     def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
         return {"weight": make_spec(0, _size(mod, "num_embeddings"), ctx.size, ctx.rank)}
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         spec = self.shard_specs(mod, ctx)["weight"]
-        _set_size(mod, "num_embeddings", spec.local)
+        setattr(mod, "num_embeddings", spec.local)  # noqa: B010 (typed as a size, not a Module attribute)
+        pad = getattr(mod, "padding_idx", None)  # a full id; its row gets no gradient
+        local_pad = None
+        if isinstance(pad, int) and spec.start <= pad < spec.start + spec.valid:
+            local_pad = pad - spec.start
+        shard = self.shard_sequence
 
         def forward(self_: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
             foreign = (ids < spec.start) | (ids >= spec.start + spec.valid)
             local = (ids - spec.start).masked_fill(foreign, 0)
-            out = F.embedding(local, self_.weight).masked_fill(foreign.unsqueeze(-1), 0.0)
-            return _reduce_out(out, ctx, name)
+            out = F.embedding(local, self_.weight, local_pad).masked_fill(foreign.unsqueeze(-1), 0.0)
+            return _reduce_out(out, ctx, name) if shard else reduce_from_tp(out, ctx.group)
 
         mod.forward = types.MethodType(forward, mod)
 
@@ -406,7 +441,8 @@ class ParallelRegion(Style):
                              "reduce the sharded activation, but the plan gives it none")
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        mod.register_forward_pre_hook(_first_tensor_pre_hook(partial(_enter_parallel, ctx=ctx), name))
+        enter = input_pre_hook(partial(_enter_parallel, ctx=ctx), name)
+        mod.register_forward_pre_hook(enter, with_kwargs=True)
         if self.fork_rng:
             mod.register_forward_pre_hook(ctx.rng.enter)
             mod.register_forward_hook(ctx.rng.exit, always_call=True)

@@ -1,0 +1,300 @@
+"""Tensor-parallel plans for decoder-only language models shaped like the causal LMs of Hugging
+Face `transformers` (Llama, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX and others of the same
+shapes), recognised by module structure: names and shapes of submodules, never classes, and
+without importing `transformers`.
+
+What is recognised (a model that does not fit gets an error naming the module not placed):
+
+* the decoder layers: an ``nn.ModuleList`` of identical blocks, each holding an attention and
+  an MLP, plus norms and dropouts (anything else with parameters is not placed);
+* attention: ``q/k/v`` and an output projection (``q_proj k_proj v_proj o_proj``,
+  ``query key value dense``...), or a fused ``qkv_proj`` / ``c_attn`` / ``W_pack`` / ``Wqkv``
+  (q, k and v one after the other) or GPT-NeoX's ``query_key_value`` (q, k, v per head), as
+  ``nn.Linear`` or transposed ``Conv1D``; heads, KV heads and head size come from the model's
+  ``config`` or the attention's attributes and are checked against the projections' shapes;
+* MLP: gated (``gate_proj up_proj down_proj``, ``w1 w3 w2``), fused gated (``gate_up_proj
+  down_proj``) or plain (``c_fc c_proj``, ``fc1 fc2``, ``dense_h_to_4h dense_4h_to_h``...);
+* the token embedding (the ``nn.Embedding`` with one row per vocabulary entry), the final norm
+  and the ``lm_head`` (a top-level linear layer onto the vocabulary).
+
+The plan is Megatron's: attention split by heads (`AttentionParallel`, which also gives the
+module its local head counts; KV heads replicated when fewer than the ranks), MLP by hidden
+units, embedding and lm_head by vocabulary. Sequence parallelism starts at the first decoder
+layer (`ScatterSequence`), so the positions, rotary tables and masks the model computes before
+it see the whole sequence, and ends before the final norm (`GatherSequence`): what the model
+does after its layers runs replicated. The logits come back whole unless ``loss_parallel``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from plait.tp.attention import AttentionParallel
+from plait.tp.layers import linear_layout
+from plait.tp.sequence import GatherSequence, ScatterSequence
+from plait.tp.styles import (
+    ColwiseParallel,
+    ParallelRegion,
+    RowwiseParallel,
+    SequenceParallel,
+    Style,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+)
+
+__all__ = ["causal_lm_plan"]
+
+SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("wq", "wk", "wv"),
+                ("q", "k", "v"))
+ATTN_OUT = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o")
+FUSED_QKV = ("qkv_proj", "c_attn", "W_pack", "Wqkv")  # [q | k | v]
+PER_HEAD_QKV = ("query_key_value",)  # GPT-NeoX: [q k v] of head 0, of head 1...
+GATED_MLP = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+FUSED_GATED_MLP = (("gate_up_proj", "down_proj"),)  # [gate | up]
+PLAIN_MLP = (("c_fc", "c_proj"), ("fc1", "fc2"), ("dense_h_to_4h", "dense_4h_to_h"), ("fc_in", "fc_out"),
+             ("up_proj", "down_proj"))
+# Attention attributes some families read in forward, and the count each holds.
+HEAD_ATTRS = {"num_heads": "heads", "num_attention_heads": "heads", "n_head": "heads",
+              "num_key_value_heads": "kv_heads", "num_kv_heads": "kv_heads", "num_key_value_groups": "groups",
+              "split_size": "width"}
+CONFIG_ATTRS = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads"}
+
+
+class _NotPlaced(ValueError):
+    pass
+
+
+def _fail(name: str, mod: nn.Module, why: str) -> _NotPlaced:
+    return _NotPlaced(f"plan_for: cannot place module {name!r} ({type(mod).__name__}): {why}")
+
+
+def _linears(mod: nn.Module) -> dict[str, nn.Module]:
+    return {n: c for n, c in mod.named_children() if linear_layout(c) is not None}
+
+
+def _sizes(mod: nn.Module) -> tuple[int, int]:
+    layout = linear_layout(mod)
+    assert layout is not None
+    return layout.sizes(mod)
+
+
+def _is_norm(mod: nn.Module) -> bool:
+    params = list(mod.parameters())
+    named = isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(mod).__name__.lower()
+    return named and bool(params) and all(p.dim() == 1 for p in params) and not any(
+        True for c in mod.children() if any(True for _ in c.parameters()))
+
+
+def _has_params(mod: nn.Module) -> bool:
+    return any(True for _ in mod.parameters())
+
+
+# ------------------------------------------------------------------ attention and MLP
+def _attention_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
+    lin = _linears(mod)
+    out = next((o for o in ATTN_OUT if o in lin), None)
+    if out is None:
+        return None
+    for names in SEPARATE_QKV:
+        if all(n in lin for n in names) and out not in names:
+            return "separate", (*names, out)
+    for n in FUSED_QKV:
+        if n in lin and n != out:
+            return "fused", (n, out)
+    for n in PER_HEAD_QKV:
+        if n in lin:
+            return "per_head", (n, out)
+    return None
+
+
+def _mlp_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
+    lin = _linears(mod)
+    for kind, table in (("gated", GATED_MLP), ("fused_gated", FUSED_GATED_MLP), ("plain", PLAIN_MLP)):
+        for names in table:
+            if all(n in lin for n in names):
+                return kind, names
+    return None
+
+
+def _count(sources: list[Any], names: tuple[str, ...]) -> int | None:
+    for src in sources:
+        for n in names:
+            value = getattr(src, n, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _geometry(model: nn.Module, attn: nn.Module, name: str, hidden: int) -> tuple[int, int, int]:
+    """(heads, KV heads, head size) from the config or the attention's own attributes."""
+    sources = [getattr(model, "config", None), getattr(attn, "config", None), attn]
+    sources = [s for s in sources if s is not None]
+    heads = _count(sources, ("num_attention_heads", "n_head", "num_heads"))
+    if heads is None:
+        raise _fail(name, attn, "no head count found (config.num_attention_heads or the module's num_heads)")
+    kv = _count(sources, ("num_key_value_heads", "num_kv_heads", "n_head_kv")) or heads
+    dim = _count(sources, ("head_dim", "head_size")) or hidden // heads
+    return heads, kv, dim
+
+
+def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -> dict[str, Style]:
+    found = _attention_kind(attn)
+    assert found is not None
+    kind, names = found
+    heads, kv, d = _geometry(model, attn, name, hidden)
+    lin = _linears(attn)
+    qkv_out = sum(_sizes(lin[n])[1] for n in names[:-1])
+    want = 3 * heads * d if kind == "per_head" else (heads + 2 * kv) * d
+    if qkv_out != want or _sizes(lin[names[-1]])[0] != heads * d:
+        raise _fail(name, attn, f"its projections have {qkv_out} q/k/v outputs and "
+                                f"{_sizes(lin[names[-1]])[0]} inputs to {names[-1]!r}, which do not fit "
+                                f"{heads} heads and {kv} KV heads of {d} features")
+    if kind == "per_head" and kv != heads:
+        raise _fail(name, attn, f"a per-head fused {names[0]!r} with {kv} KV heads for {heads} heads has no "
+                                "known layout")
+    plan: dict[str, Style] = {"": AttentionParallel(heads=heads, kv_heads=kv, head_dim=d,
+                                                    attrs=_head_attrs(attn, heads, kv, d))}
+    if kind == "separate":
+        q, k, v, o = names
+        plan[q] = ColwiseParallel(input_comm=False, unit=d, what="attention heads")
+        plan[k] = plan[v] = ColwiseParallel(input_comm=False, unit=d, what="KV heads", replicate=True)
+    elif kind == "fused":
+        o = names[1]
+        plan[names[0]] = ColwiseParallel(input_comm=False, unit=d, what="heads",
+                                         parts=(heads * d, kv * d, kv * d))
+    else:
+        o = names[1]
+        plan[names[0]] = ColwiseParallel(input_comm=False, unit=3 * d, what="attention heads")
+    plan[o] = RowwiseParallel(unit=d, what="attention heads")
+    _only_known_params(attn, name, set(names))
+    return plan
+
+
+def _head_attrs(attn: nn.Module, heads: int, kv: int, d: int) -> tuple[tuple[str, str], ...]:
+    full = {"heads": heads, "kv_heads": kv, "groups": heads // kv, "width": heads * d}
+    out = [(a, what) for a, what in HEAD_ATTRS.items() if getattr(attn, a, None) == full[what]]
+    cfg = getattr(attn, "config", None)
+    out += [(f"config.{a}", what) for a, what in CONFIG_ATTRS.items() if getattr(cfg, a, None) == full[what]]
+    return tuple(out)
+
+
+def _mlp_plan(mlp: nn.Module, name: str) -> dict[str, Style]:
+    found = _mlp_kind(mlp)
+    assert found is not None
+    kind, names = found
+    plan: dict[str, Style] = {"": ParallelRegion(), names[-1]: RowwiseParallel()}
+    if kind == "fused_gated":
+        width = _sizes(_linears(mlp)[names[0]])[1]
+        plan[names[0]] = ColwiseParallel(input_comm=False, parts=(width // 2, width // 2))
+    else:
+        for n in names[:-1]:
+            plan[n] = ColwiseParallel(input_comm=False)
+    _only_known_params(mlp, name, set(names))
+    return plan
+
+
+def _only_known_params(mod: nn.Module, name: str, known: set[str]) -> None:
+    if any(True for _ in mod.parameters(recurse=False)):
+        raise _fail(name, mod, "it owns parameters besides its projections")
+    for child_name, child in mod.named_children():
+        if child_name not in known and _has_params(child):
+            raise _fail(f"{name}.{child_name}", child, "a module with parameters inside the attention or MLP "
+                                                       "that is not one of its recognised projections")
+
+
+# ------------------------------------------------------------------ the whole model
+def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            block = mod[0]
+            kids = list(block.children())
+            if any(_attention_kind(c) for c in kids) and any(_mlp_kind(c) for c in kids):
+                return name, mod
+    raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: no nn.ModuleList of decoder layers, "
+                     "each holding an attention (q/k/v/o or fused qkv projections) and an MLP")
+
+
+def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, Style]:
+    plan: dict[str, Style] = {}
+    attn = mlp = None
+    if any(True for _ in block.parameters(recurse=False)):
+        raise _fail(prefix, block, "the decoder layer owns parameters of its own")
+    for cname, child in block.named_children():
+        where = f"{prefix}.{cname}"
+        if attn is None and _attention_kind(child):
+            attn = cname
+            hidden = _sizes(_linears(child)[_attention_kind(child)[1][-1]])[1]  # type: ignore[index]
+            plan.update({f"{cname}.{k}" if k else cname: s
+                         for k, s in _attention_plan(model, child, where, hidden).items()})
+        elif mlp is None and _mlp_kind(child):
+            mlp = cname
+            plan.update({f"{cname}.{k}" if k else cname: s for k, s in _mlp_plan(child, where).items()})
+        elif _is_norm(child) or isinstance(child, nn.Dropout):
+            plan[cname] = SequenceParallel()
+        elif _has_params(child):
+            raise _fail(where, child, "a module with parameters in the decoder layer that is neither its "
+                                      "attention, its MLP nor a norm")
+    return plan
+
+
+def _same_blocks(layers: nn.ModuleList, name: str) -> None:
+    def shape(block: nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [(n, type(m).__name__, tuple(p.shape)) for n, m in block.named_modules()
+                for p in m.parameters(recurse=False)]
+
+    first = shape(layers[0])
+    for i, block in enumerate(layers):
+        if type(block) is not type(layers[0]) or shape(block) != first:
+            raise _fail(f"{name}.{i}", block, f"the decoder layers differ ({name}.0 is a "
+                                              f"{type(layers[0]).__name__}); one plan needs identical layers")
+
+
+def _top_level(model: nn.Module, layers_name: str, hidden: int) -> tuple[str, nn.Module, str, str | None]:
+    """(lm_head name, lm_head, token embedding name, final norm name or None)."""
+    heads = [(n, c) for n, c in model.named_children()
+             if linear_layout(c) is not None and _sizes(c)[0] == hidden]
+    if len(heads) != 1:
+        raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: expected one top-level linear "
+                         f"layer from the hidden size ({hidden}) to the vocabulary (the lm_head), found "
+                         f"{[n for n, _ in heads]}")
+    head_name, head = heads[0]
+    vocab = _sizes(head)[1]
+    base_name = layers_name.rpartition(".")[0]
+    base = model.get_submodule(base_name) if base_name else model
+    prefix = f"{base_name}." if base_name else ""
+    embs = [n for n, c in base.named_children()
+            if isinstance(c, nn.Embedding) and c.num_embeddings == vocab and c.embedding_dim == hidden]
+    if len(embs) != 1:
+        raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: expected one token embedding with "
+                         f"{vocab} rows of {hidden} in {base_name or 'the model'}, found {embs}")
+    children = list(base.named_children())
+    after = [n for n, c in children[[n for n, _ in children].index(layers_name.rpartition(".")[2]) + 1:]
+             if _is_norm(c)]
+    if len(after) > 1:
+        raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: several norms after the decoder "
+                         f"layers ({after}); which one is final is ambiguous")
+    return head_name, head, prefix + embs[0], prefix + after[0] if after else None
+
+
+def causal_lm_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Style]:
+    """The tensor-parallel plan of a `transformers`-shaped causal LM (see the module docstring).
+    ``loss_parallel=True`` leaves the logits split by vocabulary for
+    `plait.vocab_parallel_cross_entropy`; by default they are gathered, so the model's output is
+    what it returns on one device. Raises ``ValueError`` naming a module it cannot place."""
+    layers_name, layers = _decoder_layers(model)
+    _same_blocks(layers, layers_name)
+    plan = {f"{layers_name}.*.{k}": s for k, s in _layer_plan(model, layers[0], f"{layers_name}.0").items()}
+    attn = next(c for c in layers[0].children() if _attention_kind(c))
+    kind = _attention_kind(attn)
+    assert kind is not None
+    hidden = _sizes(_linears(attn)[kind[1][-1]])[1]
+    head_name, _, emb, norm = _top_level(model, layers_name, hidden)
+    plan[f"{layers_name}.0"] = ScatterSequence()
+    plan[emb] = VocabParallelEmbedding(shard_sequence=False)
+    if norm is not None:
+        plan[norm] = GatherSequence()
+    plan[head_name] = VocabParallelOutput(gather_output=not loss_parallel,
+                                          input_is_sequence_parallel=norm is None)
+    return plan

@@ -1,0 +1,86 @@
+"""Attention split by heads in models that read their own head counts in forward."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from plait.tp.context import TPContext
+from plait.tp.styles import ParallelRegion
+
+__all__ = ["AttentionParallel", "HEAD_COUNTS"]
+
+HEAD_COUNTS = ("heads", "kv_heads", "groups", "width", "kv_width")
+
+
+@dataclass(frozen=True)
+class AttentionParallel(ParallelRegion):
+    """An attention module split by heads: a `ParallelRegion` that also gives the module's own
+    head counts their local values, for models that read them in forward.
+
+    ``heads`` query heads and ``kv_heads`` key/value heads (0: as many as ``heads``) of
+    ``head_dim`` features. ``attrs`` names attributes, as ``(path, count)`` pairs, that hold
+    one of `HEAD_COUNTS`: ``heads``, ``kv_heads``, ``groups`` (heads per KV head), ``width``
+    (heads * head_dim) or ``kv_width``. A dotted path (``config.num_attention_heads``) gives
+    the module its own copy of the object holding the attribute, so the model's shared config
+    keeps the full counts. Each attribute must hold the full count when the plan is applied.
+    With fewer KV heads than ranks (tp a multiple of them) each rank keeps one KV head, the one
+    its query heads use (see ``ColwiseParallel(replicate=True)``).
+    """
+
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    attrs: tuple[tuple[str, str], ...] = ()
+
+    def counts(self, n: int) -> dict[str, int]:
+        """Every count of `HEAD_COUNTS` on one of ``n`` ranks."""
+        kv_full = self.kv_heads or self.heads
+        h = self.heads // n
+        kv = kv_full // n if kv_full % n == 0 else 1
+        return {"heads": h, "kv_heads": kv, "groups": h // max(kv, 1), "width": h * self.head_dim,
+                "kv_width": kv * self.head_dim}
+
+    def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        super().validate(mod, name, ctx)
+        kv, n = self.kv_heads or self.heads, ctx.size
+        if self.heads < 1 or self.heads % n or self.head_dim < 1:
+            raise ValueError(f"plan: {self!r} on {name!r} cannot split {self.heads} attention heads evenly "
+                             f"across tp={n}")
+        if kv % n and n % kv:
+            raise ValueError(f"plan: {self!r} on {name!r}: {kv} KV heads can be neither split across tp={n} "
+                             "nor replicated (tp must divide them or be a multiple of them)")
+        full = self.counts(1)
+        for path, what in self.attrs:
+            if what not in HEAD_COUNTS:
+                raise ValueError(f"plan: {self!r}: {what!r} is not one of {HEAD_COUNTS}")
+            value = _resolve(mod, path)
+            if value != full[what]:
+                raise ValueError(f"plan: {self!r} on {name!r}: attribute {path!r} is {value!r}, but the plan "
+                                 f"says it holds the full {what} ({full[what]})")
+
+    def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        super().install(mod, name, ctx)
+        local = self.counts(ctx.size)
+        for path, what in self.attrs:
+            _assign(mod, path, local[what])
+
+
+def _resolve(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _assign(mod: nn.Module, path: str, value: int) -> None:
+    """Set ``mod.<path>``, copying every object on the way (a shared config stays untouched)."""
+    *parents, last = path.split(".")
+    obj: Any = mod
+    for part in parents:
+        child = copy.copy(getattr(obj, part))
+        setattr(obj, part, child)
+        obj = child
+    setattr(obj, last, value)

@@ -1,0 +1,54 @@
+"""Where sequence parallelism starts and ends, for models that compute from the whole sequence
+before their decoder layers (positions, rotary tables, masks) or after them (a reshape to the
+input's length)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from plait.tp.collectives import replicate_from_sp, scatter_to_sp
+from plait.tp.context import TPContext
+from plait.tp.layers import input_pre_hook
+from plait.tp.styles import Style, check_sequence
+
+__all__ = ["ScatterSequence", "GatherSequence"]
+
+
+@dataclass(frozen=True)
+class ScatterSequence(Style):
+    """Where sequence parallelism starts, for models that compute positions, rotary tables and
+    masks from the sequence before their decoder layers: under SP the module's activation
+    (full-length and replicated until here) is cut along the sequence, forward keeping this
+    rank's chunk (nothing moves), backward all-gathering the gradient. Everything computed
+    before it saw the full length. Without SP: nothing. Put it on the first decoder layer.
+    """
+
+    def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        if not ctx.sequence_parallel:
+            return
+
+        def scatter(x: torch.Tensor) -> torch.Tensor:
+            check_sequence(x, ctx, name)
+            return scatter_to_sp(x, ctx.group, dim=1)
+
+        mod.register_forward_pre_hook(input_pre_hook(scatter, name), with_kwargs=True)
+
+
+@dataclass(frozen=True)
+class GatherSequence(Style):
+    """Where sequence parallelism ends, for models whose code after the decoder layers needs the
+    whole sequence (GPT-2 reshapes the final norm's output to the input's length): under SP
+    the module's activation is all-gathered along the sequence first, so the module and
+    everything after it run replicated; backward keeps this rank's chunk of the gradient. A
+    column-parallel layer after it takes ``input_is_sequence_parallel=False``. Without SP:
+    nothing. Put it on the final norm.
+    """
+
+    def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        if ctx.sequence_parallel:
+            gather = partial(replicate_from_sp, group=ctx.group, dim=1)
+            mod.register_forward_pre_hook(input_pre_hook(gather, name), with_kwargs=True)

@@ -1,0 +1,361 @@
+"""Tensor and sequence parallelism on unmodified Hugging Face `transformers` models.
+
+Tiny configs built in code (hidden 32, 2 layers, vocabulary 96, random init, nothing
+downloaded), `plait.plan_for` plans, float64. Every rank also trains the single-process oracle
+(same init, same batches); after 5 AdamW steps (default settings) the gathered parameters must
+equal the oracle's.
+
+Tolerance: float64, ``rtol=1e-9, atol=1e-12``. Sharding only changes the order of
+floating-point sums (a matmul split in two and added, an all-reduce), a few ulps (~1e-16
+relative) per operation, ~1e-12 after 5 steps (measured: at most 3e-12 of a tensor's largest
+entry, GPT-NeoX). AdamW divides each gradient by its running magnitude plus ``eps`` (1e-8), so
+rounding noise in a near-zero gradient moves a parameter by at most ``lr * noise / eps`` ~ 1e-11
+over 5 steps; any real error (a wrong shard, a missing or doubled gradient sum) moves it by
+~lr = 1e-3.
+
+Families: grouped-query attention split (Llama: 2 KV heads over tp=2) and replicated (Llama
+with 1 KV head), GPT-2's transposed ``Conv1D`` layers with the fused ``c_attn`` and tied
+embeddings, Phi-3's fused ``qkv_proj`` (with GQA) and ``gate_up_proj``, GPT-NeoX's per-head fused
+``query_key_value`` and parallel residual, Qwen2's q/k/v biases, Mistral. Plans that must be
+refused are checked without spawning: `plait.tp.check_plan` needs no process group.
+
+One pool of 4 ranks serves every launch: tp=2 runs on a (dp=2, tp=2) mesh, whose two tp
+pairs train independently (the dp axis is unused), fsdp x tp on (fsdp=2, tp=2). Starting one
+pool of 4 costs less than a pool of 2 plus one of 4 (importing torch and transformers
+dominates), and each launch checks several things.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+TOL = {"rtol": 1e-9, "atol": 1e-12}
+STEPS = 5
+VOCAB, HIDDEN, SEQ, BATCH = 96, 32, 16, 4
+FAMILIES = ["llama", "llama-mqa", "gpt2", "phi3", "neox", "qwen2", "mistral"]
+
+
+def _build(family: str, **extra) -> torch.nn.Module:
+    """A tiny randomly initialised causal LM of ``family``, float64, every dropout 0."""
+    t = transformers
+    t.logging.set_verbosity_error()
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    if family == "llama":  # eager attention here, sdpa (the default) in the others
+        cfg = t.LlamaConfig(**common, num_key_value_heads=2, attn_implementation="eager", **extra)
+        model = t.LlamaForCausalLM(cfg)
+    elif family == "llama-mqa":  # one KV head: replicated over tp=2
+        model = t.LlamaForCausalLM(t.LlamaConfig(**common, num_key_value_heads=1, **extra))
+    elif family == "gpt2":
+        model = t.GPT2LMHeadModel(t.GPT2Config(
+            vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+            eos_token_id=0, **{"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **extra}))
+    elif family == "phi3":
+        model = t.Phi3ForCausalLM(t.Phi3Config(**common, num_key_value_heads=2, pad_token_id=0, **extra))
+    elif family == "neox":
+        model = t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**common, **{"hidden_dropout": 0.0, **extra}))
+    elif family == "qwen2":
+        model = t.Qwen2ForCausalLM(t.Qwen2Config(**common, num_key_value_heads=2, **extra))
+    elif family == "mistral":
+        model = t.MistralForCausalLM(t.MistralConfig(**common, num_key_value_heads=2, **extra))
+    else:
+        raise ValueError(family)
+    return model.to(torch.float64)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    w = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return w[:, :-1], w[:, 1:]
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+# ------------------------------------------------------------------ parity with one process
+def _train(family: str, sp: bool, data: str) -> dict:
+    """5 AdamW steps of ``family`` under tp=2 (``data='fsdp'``: FSDP over fsdp=2 as well) and of
+    the oracle; assert equal parameters and return the largest relative difference."""
+    import plait
+    from plait.testing import cached_mesh
+
+    fsdp = 2 if data == "fsdp" else 1
+    mesh = cached_mesh(fsdp=2, tp=2) if fsdp > 1 else cached_mesh(dp=2, tp=2)
+    torch.manual_seed(0)  # the same random init on every rank
+    oracle = _build(family)
+    init = {k: p.detach().clone() for k, p in oracle.named_parameters()}
+    model = copy.deepcopy(oracle)
+    net = plait.parallelize(model, mesh, plait.ParallelPlan(tp=plait.plan_for(model), sequence_parallel=sp,
+                                                            data=data))
+    opt_ref, opt = torch.optim.AdamW(oracle.parameters()), torch.optim.AdamW(net.parameters())
+    mine = slice(mesh.rank("fsdp") * BATCH // fsdp, (mesh.rank("fsdp") + 1) * BATCH // fsdp)
+    for step in range(STEPS):
+        ids, tgt = _batch(step)
+        logits_ref = oracle(ids).logits
+        _loss(logits_ref, tgt).backward()
+        logits = net(input_ids=ids[mine]).logits  # the model's own output: gathered logits
+        _loss(logits, tgt[mine]).backward()
+        if step == 0:
+            torch.testing.assert_close(logits, logits_ref[mine], **TOL)
+        for opt_ in (opt_ref, opt):
+            opt_.step()
+            opt_.zero_grad()
+    full, ref = plait.full_state_dict(net), oracle.state_dict()
+    assert set(full) == set(ref)
+    for name, want in ref.items():
+        torch.testing.assert_close(full[name], want, **TOL, msg=lambda m, n=name: f"{family} {n}: {m}")
+    moved = max(float((ref[k] - v).abs().max()) for k, v in init.items())
+    assert moved > 1e-4  # training really changed the parameters compared
+    rel = [float((full[k] - v).abs().max() / v.abs().max().clamp_min(1e-30)) for k, v in ref.items()]
+    return {"max_rel": max(rel)}
+
+
+def _tp2(runs: list[tuple[str, bool]]) -> dict:
+    return {(family, sp): _train(family, sp, "none")["max_rel"] for family, sp in runs}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])  # GQA; Conv1D, fused, tied; fused with GQA
+def test_tp2_with_and_without_sp_matches_single_process(pools, family):
+    out = pools[4].run(_tp2, [(family, False), (family, True)])
+    assert all(o == out[0] for o in out)  # the gathered parameters are the same on every rank
+
+
+def test_tp2_sp_matches_single_process_in_more_families(pools):
+    pools[4].run(_tp2, [("llama-mqa", True), ("neox", True), ("qwen2", True), ("mistral", True)])
+
+
+def _fsdp_tp(families: list[tuple[str, bool]]) -> dict:
+    return {f: _train(f, sp, "fsdp")["max_rel"] for f, sp in families}
+
+
+def test_fsdp2_tp2_matches_single_process(pools):
+    # Llama (GQA) and GPT-2 (Conv1D, fused, tied) with SP; Phi-3 (fused) and the replicated KV head without.
+    pools[4].run(_fsdp_tp, [("llama", True), ("gpt2", True), ("phi3", False), ("llama-mqa", False)])
+
+
+def _vocab_parallel_step(family: str) -> None:
+    """One step with the logits left split by vocabulary and `plait.loss_fn_for`'s loss.
+
+    That loss computes in float32 (`plait.tp.loss`), so this compares at float32 precision:
+    ``rtol=1e-5``, and ``atol=1e-7`` for gradient entries near zero, where float32 rounding of
+    the softmax (~6e-8 of the largest logit's probability) is all there is."""
+    import plait
+    from plait.testing import cached_mesh
+
+    torch.manual_seed(0)
+    oracle = _build(family)
+    model = copy.deepcopy(oracle)
+    plait.tensor_parallel(model, cached_mesh(dp=2, tp=2), plait.plan_for(model, loss_parallel=True),
+                          sequence_parallel=True)
+    ids, tgt = _batch(0)
+    _loss(oracle(ids).logits, tgt).backward()
+    loss = plait.loss_fn_for(model)(model(ids).logits, tgt)
+    loss.backward()
+    torch.testing.assert_close(loss.double(), _loss(oracle(ids).logits, tgt), rtol=1e-6, atol=0)
+    from plait.tp.apply import tp_info
+    from plait.tp.state import checkpoint_entry, restore_entry
+
+    info = tp_info(model)
+    ref = dict(oracle.named_parameters(remove_duplicate=False))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        spec = info.specs.get(name)
+        want = spec.take(ref[name].grad) if spec is not None else ref[name].grad
+        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        if spec is not None and not spec.contiguous:  # fused c_attn: checkpointed whole, restored in parts
+            entry = checkpoint_entry(p, spec, info, name)
+            assert torch.equal(entry, ref[name].detach())
+            back = torch.zeros_like(p)
+            restore_entry(back, entry, spec)
+            assert torch.equal(back, p.detach())
+
+
+def test_vocab_parallel_loss_and_fused_checkpoint_entries(pools):
+    pools[4].run(_vocab_parallel_step, "gpt2")  # tied embedding and lm_head, both split by vocabulary
+
+
+# ------------------------------------------------------------------ what sequence parallelism costs
+def _sp_comm() -> dict:
+    import plait
+    from plait import comm
+    from plait.testing import cached_mesh
+
+    torch.manual_seed(0)
+    model = _build("llama")
+    plait.tensor_parallel(model, cached_mesh(dp=2, tp=2), plait.plan_for(model), sequence_parallel=True)
+    ids, tgt = _batch(0)
+    comm.reset_stats()
+    loss = _loss(model(ids).logits, tgt)
+    fwd = comm.reset_stats()
+    loss.backward()
+    bwd = comm.reset_stats()
+    return {k: {op: (int(v["calls"]), int(v["bytes"])) for op, v in s.as_dict().items()}
+            for k, s in (("fwd", fwd), ("bwd", bwd))}
+
+
+def test_sequence_parallel_communication_equals_theory(pools):
+    """Megatron-SP per layer (2 all-gathers + 2 reduce-scatters of b*s*h each way), plus what
+    starting at the first layer and ending before the final norm costs here: the embedding's
+    all-reduce and, in backward, the lm_head's input all-reduce and the scatter's all-gather.
+    Against plait's GPT plan (which reduce-scatters at the embedding and runs the final norm on
+    shards) that is one reduce-scatter's worth of b*s*h more per direction, per step."""
+    out = pools[4].run(_sp_comm)[0]
+    layers, b, s, h, v, f8 = 2, BATCH, SEQ, HIDDEN, VOCAB, 8
+    act = b * s * h * f8
+    fwd, bwd = out["fwd"], out["bwd"]
+    # Forward: embedding all-reduce; 2 per layer each way; the final gather; the logits' gather.
+    assert fwd["all_reduce@tp"] == (1, act)
+    assert fwd["all_gather@tp"] == (2 * layers + 2, (2 * layers + 1) * act + b * s * v * f8)
+    assert fwd["reduce_scatter@tp"] == (2 * layers, 2 * layers * act)
+    # Backward: lm_head input (all-reduce) and the norms' weights (h each, summed over the
+    # sequence shards); 2 per layer each way; the scatter at layer 0 (all-gather).
+    assert bwd["all_reduce@tp"] == (1 + 2 * layers, act + 2 * layers * h * f8)
+    assert bwd["all_gather@tp"] == (2 * layers + 1, (2 * layers + 1) * act)
+    assert bwd["reduce_scatter@tp"] == (2 * layers, 2 * layers * act)
+
+
+# ------------------------------------------------------------------ plans refused, no spawning
+def test_every_family_is_planned_and_checked_without_spawning():
+    import plait
+    from plait.tp import AttentionParallel, ColwiseParallel, check_plan
+
+    for family in FAMILIES:
+        model = _build(family)
+        plan = plait.plan_for(model)
+        for sp in (False, True):
+            check_plan(model, plan, tp=2, sequence_parallel=sp)
+        if family == "gpt2":  # Conv1D c_attn: q, k and v split each on their own
+            assert plan["transformer.h.*.attn.c_attn"].parts == (HIDDEN,) * 3
+        if family == "llama-mqa":
+            assert plan["model.layers.*.self_attn.k_proj"].replicate
+            assert isinstance(plan["model.layers.*.self_attn"], AttentionParallel)
+        if family == "phi3":
+            assert isinstance(plan["model.layers.*.mlp.gate_up_proj"], ColwiseParallel)
+    mqa = _build("llama-mqa")
+    check_plan(mqa, plait.plan_for(mqa), tp=4, sequence_parallel=True)  # 1 KV head over tp=4: replicated
+    assert plait.plan_for(model, loss_parallel=True)["lm_head"].gather_output is False
+
+
+def _refused(case: str) -> tuple[torch.nn.Module, dict, dict]:
+    """(model, plan, check_plan options) of a plan that must be refused."""
+    import plait
+    from plait.tp import (
+        ColwiseParallel,
+        GatherSequence,
+        ParallelRegion,
+        RowwiseParallel,
+        ScatterSequence,
+        SequenceParallel,
+        VocabParallelEmbedding,
+        VocabParallelOutput,
+    )
+
+    llama = _build("llama")
+    mlp = {"model.layers.*.mlp": ParallelRegion(),
+           "model.layers.*.mlp.gate_proj": ColwiseParallel(input_comm=False),
+           "model.layers.*.mlp.up_proj": ColwiseParallel(input_comm=False),
+           "model.layers.*.mlp.down_proj": RowwiseParallel()}
+    sp = {"tp": 2, "sequence_parallel": True}
+    if case == "mlp-only-sp":  # the issue's MLP-only plan: the replicated attention would see shards
+        return llama, {**mlp, "model.layers.*.input_layernorm": SequenceParallel(),
+                       "model.layers.*.post_attention_layernorm": SequenceParallel(),
+                       "model.layers.0": ScatterSequence(), "model.norm": GatherSequence()}, sp
+    if case == "mlp-only-sp-bare":
+        return llama, mlp, sp
+    if case == "region-around-layer":  # the region spans the norms and the residual additions
+        whole = {k.replace(".mlp", "", 1) if k == "model.layers.*.mlp" else k: s for k, s in mlp.items()}
+        return llama, whole, {"tp": 2}
+    plan = plait.plan_for(llama)
+    if case == "embedding-shards-sequence":  # positions would come from a shard's length
+        return llama, {**plan, "model.embed_tokens": VocabParallelEmbedding()}, sp
+    if case == "norm-without-style":
+        return llama, {k: s for k, s in plan.items() if not k.endswith("input_layernorm")}, sp
+    if case == "no-scatter":
+        return llama, {k: s for k, s in plan.items() if k != "model.layers.0"}, sp
+    if case == "labels-on-sharded-logits":  # the model's own loss over a vocabulary shard
+        ids = torch.zeros(1, 4, dtype=torch.long)
+        return llama, plait.plan_for(llama, loss_parallel=True), {"tp": 2, "example_inputs": {
+            "input_ids": ids, "labels": ids}}
+    if case == "hidden-states-out":
+        return llama, plan, {**sp, "example_inputs": {"input_ids": torch.zeros(1, 4, dtype=torch.long),
+                                                      "output_hidden_states": True}}
+    gpt2 = _build("gpt2")
+    plan = plait.plan_for(gpt2)
+    if case == "gpt2-final-norm-on-shards":  # GPT-2 reshapes ln_f's output to the full length
+        return gpt2, {**plan, "transformer.ln_f": SequenceParallel(),
+                      "lm_head": VocabParallelOutput(gather_output=True)}, sp
+    if case == "gpt2-unfused-split":  # c_attn split as one block: rank 0 would hold q and half of k
+        return gpt2, {**plan, "transformer.h.*.attn.c_attn": ColwiseParallel(input_comm=False, unit=8)}, sp
+    neox = _build("neox", hidden_dropout=0.1).train()
+    plan = plait.plan_for(neox)
+    if case == "dropout-on-shards-same-mask":
+        return neox, {k: s for k, s in plan.items() if not k.endswith("post_attention_dropout")}, sp
+    raise ValueError(case)
+
+
+REFUSED = {
+    "mlp-only-sp": "'model.layers.0.self_attn' (LlamaAttention): reads the shape",
+    "mlp-only-sp-bare": "'model.layers.0.mlp' (LlamaMLP): ParallelRegion(fork_rng=True) expects this rank's "
+                        "sequence shard",
+    "region-around-layer": "'model.layers.0.input_layernorm' (LlamaRMSNorm): pow reads the input of its "
+                           "ParallelRegion directly",
+    "embedding-shards-sequence": "module 'model' (LlamaModel): reads the shape (shape) of a sequence-split",
+    "norm-without-style": "'model.layers.0.input_layernorm' (LlamaRMSNorm): mul applies a replicated tensor "
+                          "that needs a gradient",
+    "no-scatter": "'model.layers.0.input_layernorm' (LlamaRMSNorm): mul applies a parameter whose gradient "
+                  "is summed",
+    "labels-on-sharded-logits": "on vocabulary-split logits",
+    "hidden-states-out": "the model returns a sequence-split tensor",
+    "gpt2-final-norm-on-shards": "'transformer' (GPT2Model): view on a sequence-split activation is not "
+                                 "position-wise",
+    "gpt2-unfused-split": "'transformer.h.0.attn.c_attn' is named like a fused projection",
+    "dropout-on-shards-same-mask": "'gpt_neox.layers.0.post_attention_dropout' (Dropout): drops out a "
+                                   "sequence-split activation on the synchronized random stream",
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_plans_that_would_train_wrong_are_refused_without_spawning(case):
+    from plait.tp import check_plan
+
+    model, plan, options = _refused(case)
+    with pytest.raises(ValueError, match="plan") as err:
+        check_plan(model, plan, **options)
+    assert REFUSED[case] in str(err.value), str(err.value)
+
+
+def _refused_before_any_collective() -> str:
+    import plait
+    from plait import comm
+    from plait.testing import cached_mesh
+
+    model, plan, _ = _refused("mlp-only-sp")
+    comm.reset_stats()
+    try:
+        plait.tensor_parallel(model, cached_mesh(dp=2, tp=2), plan, sequence_parallel=True)
+    finally:
+        assert comm.stats().calls() == 0, "a collective ran before the refusal"
+    return "no error"
+
+
+def test_tensor_parallel_refuses_before_any_collective(pools):
+    errors = pools[4].errors(_refused_before_any_collective)
+    assert all(REFUSED["mlp-only-sp"] in e for e in errors.values()), errors[0]
+
+
+def test_plan_for_names_the_module_it_cannot_place():
+    import plait
+
+    q3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64))
+    with pytest.raises(ValueError, match=r"place module 'model.layers.0.self_attn.q_norm' \(Qwen3RMSNorm\)"):
+        plait.plan_for(q3)
+    with pytest.raises(ValueError, match="no nn.ModuleList of decoder layers"):
+        plait.plan_for(torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8)))
