@@ -1,6 +1,7 @@
 """plait: train any PyTorch model on many devices with every classic form of parallelism."""
 
 from plait import comm
+from plait.check import CheckReport, check
 from plait.clip import clip_grad_norm_
 from plait.data_parallel import DataParallel
 from plait.ddp import DDP, DistributedDataParallel
@@ -55,5 +56,7 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "ZeroRedundancyOptimizer",
+    "check",
+    "CheckReport",
 ]
 __version__ = "0.1.0"

@@ -59,11 +59,13 @@ def clip_parts_(parts: GradParts, max_norm: float, norm_type: float = 2.0) -> to
     grads = [g for key in keys for g in parts[key]]
     dev = grads[0].device if grads else comm.device_of(next((k[0] for k in keys if k), None))
     inf = norm_type == float("inf")
-    local = torch.zeros(len(keys), dtype=torch.float32, device=dev)
+    # Summed in float64 on every rank (the all-reduce's dtype must agree across ranks even where
+    # one holds no gradient); each gradient's own norm in its dtype, raised to float32 at least.
+    local = torch.zeros(len(keys), dtype=torch.float64, device=dev)
     for i, key in enumerate(keys):
         for g in parts[key]:
-            g32 = g.detach().float()
-            piece = g32.abs().max() if inf else g32.norm(norm_type) ** norm_type
+            gw = g.detach().to(torch.promote_types(g.dtype, torch.float32))
+            piece = (gw.abs().max() if inf else gw.norm(norm_type) ** norm_type).to(torch.float64)
             local[i] = torch.maximum(local[i], piece) if inf else local[i] + piece
     for group in _groups_in_order(keys):
         rows = [i for i, key in enumerate(keys) if any(g is group for g in key)]
@@ -75,7 +77,8 @@ def clip_parts_(parts: GradParts, max_norm: float, norm_type: float = 2.0) -> to
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's formula
         for g in grads:
             g.detach().mul_(coef.to(g.device, g.dtype))
-    return total
+    # As torch returns it: in the gradients' dtype (float32 at least).
+    return total.to(torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32)
 
 
 def _groups_in_order(keys: Sequence[tuple[dist.ProcessGroup, ...]]) -> list[dist.ProcessGroup]:

@@ -1,4 +1,4 @@
-"""The `plait` command: train, run, bench."""
+"""The `plait` command: train, run, bench, check."""
 
 from __future__ import annotations
 
@@ -30,15 +30,17 @@ def cmd_bench(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from plait.app import check as _check
     from plait.app import run as _run
     from plait.app import train as _train
 
-    commands = {"train": _train.cli_main, "run": _run.cli_main, "bench": cmd_bench}
+    commands = {"train": _train.cli_main, "run": _run.cli_main, "bench": cmd_bench, "check": _check.cli_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: plait {" + ",".join(commands) + "} ...\n"
               "  train  train the built-in GPT on the built-in corpus under any layout\n"
               "  run    launch a script on one or many machines (wraps torch.distributed.run)\n"
-              "  bench  plait vs PyTorch side by side: " + ", ".join(BENCHES))
+              "  bench  plait vs PyTorch side by side: " + ", ".join(BENCHES) + "\n"
+              "  check  a model in a layout against one process, step by step (FACTORY = module:function)")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return int(commands[argv[0]](argv[1:]) or 0)
 

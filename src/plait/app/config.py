@@ -56,6 +56,7 @@ ZeroStage = Literal[1, 2, 3]
 
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 MIXED_PRECISIONS: tuple[str, ...] = get_args(Precision)
+HF_DEFAULT_SEQ_LEN = 128  # --hf-config without --seq-len
 MIN_CORPUS_BYTES = 1024  # load_corpus refuses less
 VAL_FRACTION = inspect.signature(load_corpus).parameters["val_fraction"].default
 
@@ -67,7 +68,11 @@ class ModelSection:
     name: Annotated[ModelName, tyro.conf.arg(name="model")] = "tiny"
     """the preset: tiny | small | 25m | 50m | 100m"""
     seq_len: int | None = None
-    """tokens per sequence; None: the preset's"""
+    """tokens per sequence; None: the preset's (with --hf-config 128, fewer if the model's positions end
+    sooner)"""
+    hf_config: str | None = None
+    """a transformers causal LM's config.json (or its folder): train that model, randomly initialised,
+    instead of plait's GPT (needs plait[hf])"""
 
 
 @dataclass
@@ -317,7 +322,10 @@ class TrainConfig:
     def _check_model_fit(self) -> None:
         """Model and data against the layout: head counts, pipeline segments, sequence length."""
         gcfg, par, data = self.gpt_config(), self.parallel, self.data
-        if par.tp > 1:
+        seq_len = self.seq_len
+        if self.model.hf_config is not None:
+            self._check_hf_model()
+        elif par.tp > 1:
             kv_heads, mlp_units = gcfg.n_kv_heads, gcfg.d_ff
             assert kv_heads is not None and mlp_units is not None  # GPTConfig.__post_init__ sets them
             sizes = {"attention heads": gcfg.n_heads, "KV heads": kv_heads, "MLP units": mlp_units}
@@ -326,10 +334,10 @@ class TrainConfig:
                 have = ", ".join(f"{n} {what}" for what, n in sizes.items())
                 raise ValueError(f"--tp {par.tp}: tensor parallelism splits the {self.model.name} model's "
                                  f"{have} evenly over the tp ranks; --tp must divide them all: one of {fits}")
-            if par.sequence_parallel and gcfg.seq_len % par.tp:
-                raise ValueError(f"--sequence-parallel splits the sequence over --tp {par.tp}: the sequence "
-                                 f"length {gcfg.seq_len} (--seq-len) must be divisible by it")
-        if par.pp > 1:
+        if par.sequence_parallel and seq_len % par.tp:
+            raise ValueError(f"--sequence-parallel splits the sequence over --tp {par.tp}: the sequence "
+                             f"length {seq_len} (--seq-len) must be divisible by it")
+        if par.pp > 1 and self.model.hf_config is None:
             self._check_stages(gcfg)
         if data.path is not None and not Path(data.path).exists():
             raise ValueError(f"--data {data.path}: no such file or folder")
@@ -338,12 +346,41 @@ class TrainConfig:
             raise ValueError(f"--data {data.path}: holds {total} bytes; the corpus needs at least "
                              f"{MIN_CORPUS_BYTES}")
         held_out = total - int(total * (1 - VAL_FRACTION))  # the split load_corpus makes
-        if held_out <= gcfg.seq_len + 1:
+        if held_out <= seq_len + 1:
             raise ValueError(
-                f"--seq-len {gcfg.seq_len}: a training window is seq_len + 1 bytes and the held-out "
+                f"--seq-len {seq_len}: a training window is seq_len + 1 bytes and the held-out "
                 f"{VAL_FRACTION:.0%} of the corpus ({held_out} of {total} bytes read from "
                 f"{data.path or 'the standard library'}, --max-bytes {data.max_bytes}) must hold one; use "
                 f"--seq-len below {held_out - 1} or a larger corpus")
+
+    def _check_hf_model(self) -> None:
+        """A transformers model against the corpus and the layout, on a meta-device copy: its
+        vocabulary holds the bytes, its positions the sequence, and the tensor-parallel plan
+        `plait.plan_for` makes for it passes the dry run the ranks would run."""
+        from plait.app import hf
+        from plait.models.plans import plan_for
+        from plait.tp.apply import check_plan
+
+        assert self.model.hf_config is not None
+        par, flag = self.parallel, f"--hf-config {self.model.hf_config}"
+        if self.model.name != ModelSection.name:
+            raise ValueError(f"--model {self.model.name} and --hf-config both name the model: give one")
+        config = hf.load_config(self.model.hf_config)
+        if getattr(config, "vocab_size", 0) < hf.BYTE_VOCAB:
+            raise ValueError(f"{flag}: vocab_size {getattr(config, 'vocab_size', None)} cannot hold the "
+                             f"corpus's byte tokens; it needs at least {hf.BYTE_VOCAB}")
+        longest = hf.max_positions(config)
+        if longest is not None and self.seq_len > longest:
+            raise ValueError(f"--seq-len {self.seq_len}: the model's positions end at {longest}")
+        if par.pp > 1:
+            raise ValueError(f"--pp {par.pp} with --hf-config: pipelines of transformers models are not "
+                             "available in plait train yet; use --tp and --strategy ddp or fsdp")
+        if par.tp > 1:
+            model = hf.build(config, self.run.seed, device="meta")
+            try:
+                check_plan(model, plan_for(model), tp=par.tp, sequence_parallel=par.sequence_parallel)
+            except ValueError as e:
+                raise ValueError(f"--tp {par.tp} with {flag}: {e}") from None
 
     def _check_stages(self, gcfg: GPTConfig) -> None:
         """Cut the model as the pipeline will (a meta-device copy, nothing allocated): every pp rank
@@ -382,6 +419,18 @@ class TrainConfig:
     def pipeline_microbatches(self) -> int:
         """Microbatches in one pipeline step: --grad-accum K runs K times --microbatches."""
         return self.parallel.microbatches * self.run.grad_accum
+
+    @property
+    def seq_len(self) -> int:
+        """The tokens per training sequence."""
+        if self.model.hf_config is None:
+            return self.gpt_config().seq_len
+        if self.model.seq_len is not None:
+            return self.model.seq_len
+        from plait.app import hf
+
+        longest = hf.max_positions(hf.load_config(self.model.hf_config))
+        return min(HF_DEFAULT_SEQ_LEN, longest or HF_DEFAULT_SEQ_LEN)
 
     def gpt_config(self) -> GPTConfig:
         base = PRESETS[self.model.name]

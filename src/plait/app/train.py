@@ -46,23 +46,38 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return opt.lr * (opt.min_lr_ratio + (1 - opt.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def unwrapped_model(cfg: TrainConfig, device: torch.device | str) -> nn.Module:
+    """The model as one process would build it: plait's GPT (``device="meta"``: shapes only, for
+    the layout to materialize its own part), or the ``--hf-config`` transformers model, built
+    whole with its own initialisation under the seed (transformers' norms cannot be materialized
+    from the meta device, so each rank builds it and keeps its slices)."""
+    if cfg.model.hf_config is not None:
+        from plait.app import hf
+
+        return hf.build(hf.load_config(cfg.model.hf_config), cfg.run.seed,
+                        device="meta" if str(device) == "meta" else device)
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return GPT(cfg.gpt_config())
+    return plait.init_weights(GPT(cfg.gpt_config()), cfg.run.seed).to(device)
+
+
 def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module | Pipeline:
-    """Build the GPT and wrap it for the layout through `plait.parallelize` (threads: DataParallel)."""
-    gcfg = cfg.gpt_config()
-    if cfg.parallel.strategy == "dp":
+    """Build the model and wrap it for the layout through `plait.parallelize` (threads: DataParallel)."""
+    par = cfg.parallel
+    if par.strategy == "dp":
         from plait.data_parallel import DataParallel
 
-        gpt = plait.init_weights(GPT(gcfg), cfg.run.seed).to(device)
-        devices = list(range(cfg.parallel.nproc)) if device.type == "cuda" else ["cpu"] * cfg.parallel.nproc
-        return DataParallel(gpt, devices)
-    from plait.models.plans import gpt_plan
+        devices = list(range(par.nproc)) if device.type == "cuda" else ["cpu"] * par.nproc
+        return DataParallel(unwrapped_model(cfg, device), devices)
+    from plait.models.plans import plan_for
     from plait.parallelize import ParallelPlan, parallelize
 
-    par = cfg.parallel
-    with torch.device("meta"):  # each strategy materializes only what this rank keeps
-        gpt = GPT(gcfg)
+    # plait's GPT starts on the meta device: each strategy materializes only what this rank keeps.
+    model = unwrapped_model(cfg, "meta" if cfg.model.hf_config is None else device)
     # The config refused FSDP options under another strategy, so here they are FSDP's or defaults.
-    plan = ParallelPlan(tp=gpt_plan(gcfg) if par.tp > 1 else None, sequence_parallel=par.sequence_parallel,
+    plan = ParallelPlan(tp=plan_for(model, loss_parallel=cfg.model.hf_config is None) if par.tp > 1 else None,
+                        sequence_parallel=par.sequence_parallel,
                         data="fsdp" if par.strategy == "fsdp" else "ddp", seed=cfg.run.seed,
                         zero_stage=par.zero_stage, mixed_precision=par.mixed_precision, offload=par.offload,
                         reshard_after_forward=par.reshard_after_forward,
@@ -71,7 +86,7 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
         # With --tp the last stage computes the vocab-parallel loss (loss_fn unset).
         plan = dataclasses.replace(plan, pp_schedule=par.schedule, pp_microbatches=cfg.pipeline_microbatches,
                                    pp_chunks=par.chunks, loss_fn=lm_loss if par.tp == 1 else None)
-    return parallelize(gpt, mesh, plan)
+    return parallelize(model, mesh, plan)
 
 
 def _mean_over(value: float, group: dist.ProcessGroup, size: int) -> float:
@@ -126,7 +141,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes)
     model = build_model(cfg, mesh, device)
     loss_fn = lm_loss if isinstance(model, Pipeline) else loss_fn_for(model)
-    seq = cfg.gpt_config().seq_len
+    seq = cfg.seq_len
     sampler = BatchSampler(corpus.train, seq, cfg.data.batch_size, dp_rank, dp_size, seed=cfg.run.seed)
     val = BatchSampler(corpus.val, seq, cfg.data.batch_size, dp_rank, dp_size, seed=cfg.run.seed + 1)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -134,10 +149,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                             betas=(0.9, 0.95))
     is_main = dist.get_rank() == 0
     start = _maybe_resume(cfg, model, opt, sampler, log)
-    with torch.device("meta"):
-        n_params = GPT(cfg.gpt_config()).num_parameters()
+    n_params = sum(p.numel() for p in unwrapped_model(cfg, "meta").parameters())
     log.info("%s, %s params, corpus %s (%.1f MB), %s %s, global batch %d x %d tokens",
-             cfg.model.name, f"{n_params:,}", corpus.source, len(corpus.train) / 1e6, cfg.parallel.strategy,
+             cfg.model.hf_config or cfg.model.name, f"{n_params:,}", corpus.source, len(corpus.train) / 1e6,
+             cfg.parallel.strategy,
              mesh if cfg.parallel.strategy != "dp" else f"{cfg.parallel.nproc} threads",
              cfg.data.batch_size, seq)
     metrics_path = Path(cfg.run.metrics)
@@ -232,7 +247,14 @@ def _identity(cfg: TrainConfig, sampler: BatchSampler) -> dict[str, Any]:
     to train longer is legitimate; the cosine decay then follows the new length), and so is
     the layout, precision and offload included (checkpoints reshard)."""
     opt = cfg.optimizer
-    return {"model": dataclasses.asdict(cfg.gpt_config()), "seed": cfg.run.seed,
+    if cfg.model.hf_config is None:
+        model = dataclasses.asdict(cfg.gpt_config())
+    else:  # the architecture, not the library version that wrote it
+        from plait.app import hf
+
+        model = hf.load_config(cfg.model.hf_config).to_diff_dict()
+        model.pop("transformers_version", None)
+    return {"model": model, "seed": cfg.run.seed,
             "batch_size": cfg.data.batch_size, "lr": opt.lr, "min_lr_ratio": opt.min_lr_ratio,
             "warmup": opt.warmup, "weight_decay": opt.weight_decay, "grad_clip": opt.grad_clip,
             "data": {"bytes": len(sampler.tokens), "sha256": checkpoint.digest(sampler.tokens)}}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 up to fp32; fp64 stays
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * self.weight
 
@@ -203,6 +204,10 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+def lm_loss(logits: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position. ``logits`` may also be a model output
+    that holds them as ``.logits`` (what transformers' causal LMs return). Computed in float32
+    at least: low-precision logits are raised to it, float64 ones stay float64."""
+    logits = getattr(logits, "logits", logits)
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(wide.flatten(0, -2), targets.flatten())

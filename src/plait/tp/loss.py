@@ -26,7 +26,8 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup,
                 start: int, valid: int) -> torch.Tensor:
-        x = logits.reshape(-1, logits.shape[-1]).float().clone()
+        # float32 at least: low-precision logits are raised to it, float64 ones stay float64.
+        x = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)).clone()
         t = targets.reshape(-1)
         if valid < x.shape[1]:
             x[:, valid:] = float("-inf")  # padding columns take no probability

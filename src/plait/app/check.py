@@ -1,0 +1,168 @@
+"""`plait check FACTORY`: a model in a layout against the same model in one process.
+
+    plait check mymodels:build --strategy fsdp --nproc 2
+    plait check mymodels:build --tp 2 --nproc 2 --steps 3 --dtype float32
+
+The layout flags are `plait train`'s (`ParallelSection`, the same names and choices), checked
+here before any process starts; the rest say what to compare (`CheckSection`) and, for a factory
+that returns a model alone, which random token batches to feed it (`BatchSection`). The report is
+printed either way; the exit code is 0 within the tolerance, 1 past it, 2 on bad input (flags, a
+factory that cannot be imported or built, a layout that refuses the model) and 3 when a process
+failed while training. Under torchrun or `plait run` the job's ranks are the layout's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import tyro
+
+from plait.app.config import STRATEGIES, ParallelSection, given_flags
+from plait.parallelize import ZERO3_SPLIT_BACKWARD, ParallelPlan
+
+__all__ = ["CheckSection", "BatchSection", "CheckConfig", "parse_args", "layout_of", "cli_main"]
+
+
+@dataclass
+class CheckSection:
+    """What both runs do and how closely they must agree."""
+
+    steps: int = 5
+    """training steps of both runs (plain SGD)"""
+    dtype: Literal["float64", "float32"] = "float64"
+    """float64 separates layout bugs from float32 rounding"""
+    tolerance: float | None = None
+    """largest relative difference per tensor; None: 1e-9 in float64, 1e-4 in float32"""
+    lr: float = 0.1
+    """the SGD learning rate"""
+    seed: int = 0
+    """initial values and batches"""
+    activations: bool = True
+    """compare every module's output too, which names the module where a difference starts"""
+
+
+@dataclass
+class BatchSection:
+    """Batches for a factory that returns a model alone: random token ids, next-token loss."""
+
+    vocab: int | None = None
+    """token ids are drawn below this; None: the model's vocabulary"""
+    seq: int = 16
+    """tokens per sequence"""
+    batch_size: int = 8
+    """the global batch, in sequences"""
+
+
+@dataclass
+class CheckConfig:
+    factory: str
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    check: CheckSection = field(default_factory=CheckSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+
+
+def _command(factory: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="FACTORY")],
+             parallel: ParallelSection, check: CheckSection, batch: BatchSection) -> CheckConfig:
+    """Train a model in a layout and in one process from the same initial values on the same data,
+    and report where they part.
+
+    Args:
+        factory: package.module:function returning a model, or (model, make_batch, loss_fn)
+    """
+    cfg = CheckConfig(factory, parallel, check, batch)
+    layout_of(cfg)  # a bad combination fails here, as one line naming the flag
+    return cfg
+
+
+def parse_args(argv: list[str]) -> CheckConfig:
+    """The flags as a checked `CheckConfig`; exits 2 on bad input with one line naming the flag."""
+    try:
+        return tyro.cli(_command, args=argv, prog="plait check", config=(tyro.conf.OmitArgPrefixes,))
+    except ValueError as e:
+        print(f"plait check: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
+    """The `ParallelPlan` and mesh degrees the layout flags stand for (as `plait train` builds them);
+    raises ValueError naming the flag on a combination that cannot run."""
+    par, c = cfg.parallel, cfg.check
+    if par.strategy not in STRATEGIES or par.strategy == "dp":
+        raise ValueError(f"--strategy {par.strategy}: plait check compares processes: use ddp, fsdp or none "
+                         "(dp runs threads in one process)")
+    for flag, v in (("--nproc", par.nproc), ("--tp", par.tp), ("--pp", par.pp), ("--dp", par.dp),
+                    ("--microbatches", par.microbatches), ("--chunks", par.chunks), ("--steps", c.steps),
+                    ("--seq", cfg.batch.seq), ("--batch-size", cfg.batch.batch_size)):
+        if v < 1:
+            raise ValueError(f"{flag} {v}: must be an integer >= 1")
+    fsdp_only = (("--zero-stage", par.zero_stage != 3 and par.zero_stage),
+                 ("--mixed-precision", par.mixed_precision), ("--offload", par.offload),
+                 ("--no-reshard-after-forward", not par.reshard_after_forward),
+                 ("--no-backward-prefetch", not par.backward_prefetch), ("--dp", par.dp > 1 and par.dp))
+    for flag, given in fsdp_only:
+        if given and par.strategy != "fsdp":
+            value = "" if isinstance(given, bool) else f" {given}"
+            raise ValueError(f"{flag}{value} applies to --strategy fsdp only; --strategy {par.strategy} "
+                             "would ignore it: use --strategy fsdp or drop the flag")
+    if par.sequence_parallel and par.tp < 2:
+        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
+                         f"--tp 2 or more, got --tp {par.tp}")
+    if par.pp > 1 and par.strategy == "fsdp" and par.zero_stage == 3 and par.schedule == "zb-h1":
+        raise ValueError(f"--schedule zb-h1 with --zero-stage 3: {ZERO3_SPLIT_BACKWARD}")
+    if par.chunks > 1 and par.pp < 2:
+        raise ValueError(f"--chunks {par.chunks} sets pipeline stages per rank: it needs --pp 2 or more")
+    if par.nproc % (par.pp * par.tp * par.dp):
+        raise ValueError(f"--nproc {par.nproc} is not divisible by --pp {par.pp} x --tp {par.tp} x --dp "
+                         f"{par.dp}")
+    if par.strategy == "none" and par.nproc != par.pp * par.tp:
+        raise ValueError(f"--strategy none has no data-parallel ranks: --nproc must be --pp x --tp = "
+                         f"{par.pp * par.tp}, got {par.nproc}")
+    fsdp: dict[str, Any] = {}
+    if par.strategy == "fsdp":
+        fsdp = dict(zero_stage=par.zero_stage, mixed_precision=par.mixed_precision, offload=par.offload,
+                    reshard_after_forward=par.reshard_after_forward, backward_prefetch=par.backward_prefetch)
+    pipe: dict[str, Any] = {}
+    if par.pp > 1:
+        pipe = dict(pp_schedule=par.schedule, pp_microbatches=par.microbatches, pp_chunks=par.chunks)
+    plan = ParallelPlan(data={"fsdp": "fsdp", "ddp": "ddp", "none": "none"}[par.strategy],
+                        sequence_parallel=par.sequence_parallel, seed=c.seed, **fsdp, **pipe)
+    mesh = {"pp": par.pp, "tp": par.tp, **({"dp": par.dp} if par.strategy == "fsdp" else {})}
+    return plan, mesh
+
+
+def cli_main(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    from plait.check import check
+    from plait.env import init, launch_from_env
+
+    cfg = parse_args(argv)
+    nproc = cfg.parallel.nproc
+    launch = launch_from_env()
+    if launch.source != "single":  # under a launcher: its ranks are the layout's
+        if "nproc" in given_flags(argv) and nproc != launch.world_size:
+            print(f"plait check: error: --nproc {nproc}: the launcher started {launch.world_size} ranks",
+                  file=sys.stderr)
+            return 2
+        init(seed=cfg.check.seed)
+        nproc = launch.world_size
+    if os.getcwd() not in sys.path:  # FACTORY names a module the way `python -m` would find it
+        sys.path.insert(0, os.getcwd())
+    plan, mesh = layout_of(cfg)
+    try:
+        c, b = cfg.check, cfg.batch
+        report = check(cfg.factory, plan, nproc=nproc, mesh=mesh, steps=c.steps, dtype=c.dtype,
+                       tolerance=c.tolerance, batch_size=b.batch_size, seq=b.seq, vocab=b.vocab, lr=c.lr,
+                       seed=c.seed, activations=c.activations)
+    except (ValueError, TypeError) as e:
+        print(f"plait check: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"plait check: {e}", file=sys.stderr)
+        return 3
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(report.format(), flush=True)
+    return 0 if report.ok else 1

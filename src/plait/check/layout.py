@@ -1,0 +1,204 @@
+"""The layout's side of a check: one rank of the model under `plait.parallelize`, step by step
+against what the one-process run wrote (`plait.check.oracle`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait._torch_compat import map_tensors
+from plait.check.common import (
+    CheckInputError,
+    Exchange,
+    LossFn,
+    Spec,
+    as_args,
+    build,
+    chunk,
+    logits_of,
+    next_token_loss,
+)
+from plait.check.probe import Comparer, module_order
+from plait.check.report import CheckReport, StepDiff, first_divergence, tensor_diff, update_rounding
+from plait.env import init
+from plait.materialize import is_meta
+from plait.mesh import AXES, Mesh
+from plait.parallelize import ParallelPlan, parallelize
+from plait.pipeline import Pipeline
+from plait.state_dict import full_state_dict
+from plait.tp import VocabParallelOutput, loss_fn_for, tp_info
+
+__all__ = ["LayoutRun", "DATA_AXES"]
+
+DATA_AXES = ("dp", "fsdp")  # ranks along these see different slices of the batch
+State = dict[str, torch.Tensor]
+
+
+class LayoutRun:
+    """This rank's model in the layout, its SGD optimizer and the comparison loop."""
+
+    def __init__(self, spec: Spec, exchange: Exchange, mesh: Mesh | None = None) -> None:
+        self.spec, self.exchange = spec, exchange
+        self.device = init(seed=spec.seed)
+        model, _, user_loss = build(spec)
+        if not is_meta(model):
+            model.to(self.device)
+        self.mesh = mesh if mesh is not None else Mesh(**spec.degrees)
+        plan = _complete_plan(spec.plan, model, self.mesh, user_loss)
+        self.label = _describe(plan, self.mesh)
+        modules = list(model.named_modules())  # the original names, before any wrapper
+        if self.mesh.size("pp") > 1:
+            # Parameter-free modules (dropout, rotary tables, the glue of the model's forward) run on
+            # every stage, on what that stage received or on zeros: only the owners of weights count.
+            modules = [(n, m) for n, m in modules if n and any(True for _ in m.parameters())]
+        self.param_names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+        self.layout = parallelize(model, self.mesh, plan)
+        self.loss = _layout_loss(self.layout, user_loss)
+        self.opt = torch.optim.SGD(list(self.layout.parameters()), lr=spec.lr)
+        self.comparer = Comparer(modules, dist.get_rank()) if spec.activations else None
+        self.data_rank = self.mesh.rank(DATA_AXES)
+
+    def run(self) -> CheckReport:
+        s = self.spec
+        before, ref_before = full_state_dict(self.layout), self.exchange.get_step(0)["state"]
+        missing = sorted(set(before) ^ set(ref_before))
+        initial = {k: tensor_diff(before[k], ref_before[k]) for k in ref_before if k in before}
+        steps: list[StepDiff] = []
+        order: dict[str, int] = {}
+        for step in range(1, s.steps + 1):
+            diff, before, ref_before, order = self._step(step, before, ref_before, order)
+            steps.append(diff)
+        if self.comparer is not None:
+            self.comparer.remove()
+        if not order:  # no outputs compared: modules in the order of their first state entry
+            for i, k in enumerate(ref_before):
+                order.setdefault(k.rpartition(".")[0], i)
+        first = first_divergence(steps, initial, missing, s.tolerance, order)
+        return CheckReport(s.label, self.label, str(s.dtype).replace("torch.", ""), s.tolerance, s.lr,
+                           initial, steps, missing, first)
+
+    def _step(self, step: int, before: State, ref_before: State,
+              order: dict[str, int]) -> tuple[StepDiff, State, State, dict[str, int]]:
+        ref = self.exchange.get_step(step)
+        n = self.spec.data_size
+        x, y = (map_tensors(partial(_slice, device=self.device, n=n, i=self.data_rank), ref[k])
+                for k in ("inputs", "targets"))
+        if self.comparer is not None:
+            outputs = self.exchange.get_slice(step, self.data_rank)["outputs"]
+            order = order or module_order(outputs)
+            self.comparer.compare_with(outputs)
+        self.opt.zero_grad(set_to_none=True)
+        with comm.scope(f"check step {step}"):  # named in desync reports and timeouts
+            loss, loss_eps = self._forward_backward(x, y)
+        if self.comparer is not None:
+            self.comparer.stop()
+        self.opt.step()
+        after, ref_after, lr = full_state_dict(self.layout), ref["state"], self.spec.lr
+        # Plain SGD: what reached the optimizer is (before - after) / lr, in every layout alike.
+        grads = {k: tensor_diff((before[k].double() - after[k].double()) / lr,
+                                (ref_before[k].double() - ref_after[k].double()) / lr,
+                                update_rounding(ref_before[k], lr))
+                 for k in self.param_names if k in after and k in ref_after}
+        params = {k: tensor_diff(after[k], ref_after[k]) for k in ref_after if k in after}
+        ref_loss = ref["loss"]
+        off = max(0.0, abs(loss - ref_loss) - 2 * loss_eps * abs(ref_loss))  # beyond the loss's own rounding
+        diff = StepDiff(step, loss, ref_loss, off / max(abs(ref_loss), torch.finfo(self.spec.dtype).eps),
+                        grads, params)
+        self._gather_outputs(diff)  # a collective: every rank has read this step's files by now
+        if dist.get_rank() == 0:
+            for done in (0, step) if step == 1 else (step,):
+                self.exchange.consumed(done)
+        return diff, after, ref_after, order
+
+    def _forward_backward(self, x: Any, y: Any) -> tuple[float, float]:
+        """This rank's slice forward and backward; returns the loss averaged over the data ranks and
+        the epsilon of the dtype the layout gave it in (a pipeline reports float32)."""
+        if isinstance(self.layout, Pipeline):
+            loss = self.layout.step(x, y)
+        else:
+            loss = self.loss(self.layout(*as_args(x)), y)
+            loss.backward()
+        group = self.mesh.group(DATA_AXES)
+        t = torch.tensor([float(loss.detach())], dtype=torch.float64, device=comm.device_of(group))
+        comm.all_reduce(t, group)
+        return float(t) / self.spec.data_size, torch.finfo(loss.dtype).eps
+
+    def _gather_outputs(self, diff: StepDiff) -> None:
+        """Every rank's findings: how many outputs it compared, its worst, its earliest past tolerance."""
+        mine: tuple[int, Any, Any] = (0, None, None)
+        if self.comparer is not None:
+            ds, tol = self.comparer.diffs, self.spec.tolerance
+            mine = (len(ds), max(ds, key=lambda d: _nan_high(d.rel), default=None),
+                    min((d for d in ds if not d.rel <= tol), key=lambda d: (d.order, d.rank), default=None))
+        found = comm.all_gather_object(mine)
+        diff.compared = sum(c for c, _, _ in found)
+        diff.worst = max((w for _, w, _ in found if w is not None), key=lambda d: _nan_high(d.rel),
+                         default=None)
+        diff.first = min((f for _, _, f in found if f is not None), key=lambda d: (d.order, d.rank),
+                         default=None)
+
+
+def _slice(t: torch.Tensor, device: torch.device, n: int, i: int) -> torch.Tensor:
+    return chunk(t, n, i).to(device)
+
+
+def _nan_high(x: float) -> float:
+    return math.inf if math.isnan(x) else x
+
+
+def _complete_plan(plan: ParallelPlan, model: nn.Module, mesh: Mesh,
+                   user_loss: LossFn | None) -> ParallelPlan:
+    """The plan with what the check fills in: tp styles for plait's GPT, and a pipeline's loss."""
+    if mesh.size("tp") > 1 and plan.tp is None:
+        plan = dataclasses.replace(plan, tp=_tp_styles(model, mesh.size("tp")))
+    if mesh.size("pp") > 1 and plan.loss_fn is None:
+        styles = (plan.tp or {}).values()
+        sharded = any(isinstance(s, VocabParallelOutput) and not s.gather_output for s in styles)
+        if user_loss is not None or not sharded:  # sharded logits: the pipeline's vocab-parallel loss
+            plan = dataclasses.replace(plan, loss_fn=user_loss or next_token_loss)
+    return plan
+
+
+def _tp_styles(model: nn.Module, tp: int) -> dict[str, Any]:
+    """The built-in plan of the model (`plait.plan_for`), with gathered logits: the loss then sees
+    full logits in the check's dtype, as in the one-process run."""
+    from plait.models.plans import plan_for
+
+    try:
+        return plan_for(model)
+    except (ValueError, TypeError) as e:
+        raise CheckInputError(f"tp={tp}: no built-in tensor-parallel plan fits {type(model).__name__} ({e}); "
+                              "pass plan=plait.ParallelPlan(tp={module pattern: style})") from None
+
+
+def _layout_loss(layout: nn.Module | Pipeline, user_loss: LossFn | None) -> LossFn:
+    if user_loss is not None or isinstance(layout, Pipeline):
+        return user_loss or next_token_loss
+    info = tp_info(layout)
+    if info is None or info.vocab_size is None:
+        return next_token_loss
+    return partial(_vocab_parallel_loss, loss_fn_for(layout))  # the plan leaves the logits split
+
+
+def _vocab_parallel_loss(loss: LossFn, output: Any, targets: torch.Tensor) -> torch.Tensor:
+    return loss(logits_of(output), targets)
+
+
+def _describe(plan: ParallelPlan, mesh: Mesh) -> str:
+    degrees = ", ".join(f"{a}={mesh.size(a)}" for a in AXES if mesh.size(a) > 1) or "one rank"
+    data = {"ddp": "DDP", "fsdp": f"FSDP (ZeRO-{plan.zero_stage})", "none": "no data parallelism"}
+    parts = [data[plan.data]]
+    if mesh.size("tp") > 1:
+        parts.append("tensor parallel" + (" + sequence parallel" if plan.sequence_parallel else ""))
+    if mesh.size("pp") > 1:
+        parts.append(f"pipeline {plan.pp_schedule} x {plan.pp_microbatches} microbatches")
+    if plan.mixed_precision:
+        parts.append(f"{plan.mixed_precision} compute")
+    return f"{', '.join(parts)} on {degrees} ({mesh.world_size} ranks)"

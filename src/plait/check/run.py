@@ -1,0 +1,258 @@
+"""`plait.check(...)`: check the arguments, start both sides of the check, return the report.
+
+Outside a process group it spawns the layout's ranks on this machine (NCCL with a GPU each when
+there are enough GPUs, else Gloo on the CPU) beside one process for the one-process run; inside a job
+(torchrun, or any initialised process group) every rank calls it and rank 0 starts the
+one-process run beside the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from plait import comm
+from plait.check.common import CheckInputError, Exchange, Spec, load_factory
+from plait.check.layout import LayoutRun
+from plait.check.report import CheckReport
+from plait.env import free_port, init, mark_failed, set_rank_env
+from plait.mesh import AXES, Mesh
+from plait.parallelize import ParallelPlan
+from plait.pipeline import make_schedule
+
+__all__ = ["check", "DEFAULT_TOLERANCE"]
+
+# Relative tolerances. float64 leaves room for reduction-order rounding (~1e-15) grown over a few
+# steps and for float32 islands inside models (norms that upcast); layout bugs are far above.
+DEFAULT_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+# A launcher's variables, which the one-process run must not see (it would join the job).
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def check(factory: Callable[[], Any] | str, plan: ParallelPlan | None = None, *, nproc: int | None = None,
+          mesh: Mesh | Mapping[str, int] | None = None, steps: int = 5,
+          dtype: torch.dtype | str = torch.float64,
+          tolerance: float | None = None, batch_size: int = 8, seq: int = 16, vocab: int | None = None,
+          lr: float = 0.1, seed: int = 0, activations: bool = True, timeout_s: float = 300.0) -> CheckReport:
+    """Train ``factory``'s model in a layout and in one process from the same initial values on the
+    same data, and compare them step by step.
+
+    ``factory``: a function, or ``"package.module:function"``, returning a model or ``(model,
+    make_batch, loss_fn)``: ``make_batch(step)`` returns a global batch ``(inputs, targets)`` with
+    the batch on dim 0 (``inputs`` a tensor or a tuple of positional tensors), ``loss_fn(output,
+    targets)`` a mean over the batch; None in either place keeps the default. With a model alone
+    the batches are ``batch_size`` random sequences of ``seq`` token ids below ``vocab`` (default:
+    the model's vocabulary) and the loss is next-token cross-entropy on the output's logits.
+
+    ``plan``: the `ParallelPlan` (default: DDP, FSDP when ``mesh`` has fsdp > 1); with tp > 1 and
+    no ``plan.tp``, the model's built-in plan (`plait.plan_for`), logits gathered. ``mesh``:
+    degrees by axis (``{"tp": 2}``), the data axis (fsdp under FSDP, else dp) taking the ranks
+    left over, or inside a job a `plait.Mesh` to use (no new process groups). Outside a process
+    group ``nproc`` ranks (default 2) are spawned here; inside one, every rank calls this and the
+    job's ranks are the layout's.
+
+    Both runs train with plain SGD at ``lr`` (the layout is measured, not the optimizer) for
+    ``steps`` steps in ``dtype``. A tensor diverges when its difference relative to its largest
+    value passes ``tolerance`` (default by dtype: `DEFAULT_TOLERANCE`). ``activations=False``
+    skips the comparison of module outputs (the culprit is then named from gradients only).
+    Raises `CheckInputError` (a ValueError) on arguments, factories or layouts that cannot run.
+    """
+    given, degrees = (mesh, mesh.shape) if isinstance(mesh, Mesh) else (None, mesh)
+    if given is not None and not dist.is_initialized():
+        raise CheckInputError("check(mesh=plait.Mesh(...)): a Mesh belongs to a running job; outside one "
+                              "give the degrees, e.g. mesh={'tp': 2}")
+    spec = _make_spec(factory, plan, degrees, steps, dtype, tolerance, batch_size, seq, vocab, lr, seed,
+                      activations)
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        if nproc is not None and nproc != world:
+            raise CheckInputError(f"check(nproc={nproc}): this job already runs {world} ranks")
+        return _in_job(_fit(spec, world), timeout_s, given)
+    n = 2 if nproc is None else nproc
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise CheckInputError(f"check(nproc=...) must be an integer >= 1, got {nproc!r}")
+    return _spawn(_fit(spec, n), n, timeout_s)
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def _make_spec(factory: Callable[[], Any] | str, plan: ParallelPlan | None, mesh: Mapping[str, int] | None,
+               steps: int, dtype: torch.dtype | str, tolerance: float | None, batch_size: int, seq: int,
+               vocab: int | None, lr: float, seed: int, activations: bool) -> Spec:
+    fn = load_factory(factory)  # a bad name fails here, before any process starts
+    label = factory if isinstance(factory, str) else f"{fn.__module__}:{getattr(fn, '__qualname__', fn)}"
+    sizes = {"steps": steps, "batch_size": batch_size, "seq": seq, "vocab": 1 if vocab is None else vocab}
+    for name, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise CheckInputError(f"check({name}=...) must be an integer >= 1, got {v!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise CheckInputError(f"check(lr=...) must be a finite number > 0, got {lr!r}")
+    dt = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise CheckInputError(f"check(dtype=...) must be a floating dtype such as torch.float64 or "
+                              f"'float32', got {dtype!r}")
+    tol = DEFAULT_TOLERANCE.get(dt, 1e-2) if tolerance is None else tolerance
+    if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
+        raise CheckInputError(f"check(tolerance=...) must be a finite number > 0, got {tolerance!r}")
+    degrees = dict(mesh or {})
+    if set(degrees) - set(AXES):
+        raise CheckInputError(f"check(mesh=...): unknown axes {sorted(set(degrees) - set(AXES))}; the axes "
+                              f"are {AXES}")
+    if plan is None:
+        plan = ParallelPlan(data="fsdp" if degrees.get("fsdp", 1) > 1 else "ddp", seed=seed)
+    if not isinstance(plan, ParallelPlan):
+        raise CheckInputError(f"check(plan=...) expects a plait.ParallelPlan, got {type(plan).__name__}")
+    plan.validate()
+    return Spec(factory, label, plan, degrees, steps, dt, float(tol), batch_size, seq, vocab, float(lr), seed,
+                activations)
+
+
+def _fit(spec: Spec, world: int) -> Spec:
+    """Resolve the mesh degrees for ``world`` ranks and check the batch and schedule against them."""
+    plan, degrees = spec.plan, dict(spec.degrees)
+    degrees.setdefault("fsdp" if plan.data == "fsdp" else "dp", -1)  # the data axis takes the rest
+    given = ", ".join(f"{a}={d}" for a, d in degrees.items())
+    bad = [a for a, d in degrees.items() if not isinstance(d, int) or (d < 1 and d != -1)]
+    known = math.prod(d for d in degrees.values() if d != -1)
+    if bad or list(degrees.values()).count(-1) > 1 or world % known:
+        raise CheckInputError(f"check: the mesh {given} does not fit {world} ranks (degrees are integers "
+                              ">= 1, at most one -1, and their product is the number of ranks)")
+    full = {a: world // known if degrees.get(a) == -1 else degrees.get(a, 1) for a in AXES}
+    if math.prod(full.values()) != world:
+        raise CheckInputError(f"check: the mesh {given} has {math.prod(full.values())} ranks, not {world}")
+    if plan.sequence_parallel and full["tp"] < 2:
+        raise CheckInputError("check: sequence parallelism splits the sequence over the tp ranks: it needs "
+                              "tp >= 2")
+    spec = dataclasses.replace(spec, degrees=full)
+    if spec.batch_size % (spec.data_size * spec.microbatches):
+        raise CheckInputError(f"check: batch size {spec.batch_size} is not divisible by the data-parallel "
+                              f"size {spec.data_size} x microbatches {spec.microbatches}")
+    if full["pp"] > 1 and isinstance(plan.pp_schedule, str):
+        try:  # the generator the ranks run: a pure function, no process group needed
+            make_schedule(plan.pp_schedule, full["pp"], plan.pp_microbatches, plan.pp_chunks)
+        except ValueError as e:
+            raise CheckInputError(f"check: schedule {plan.pp_schedule!r} with pp={full['pp']}: {e}") from None
+    for what, obj in (("the factory", spec.factory), ("the plan", plan)):
+        try:  # both travel to other processes
+            pickle.dumps(obj)
+        except Exception as e:  # noqa: BLE001 - any pickling failure means the same here
+            raise CheckInputError(f"{what} must reach other processes by pickling: use top-level functions "
+                                  f"or 'package.module:function': {e}") from None
+    return spec
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def _start_oracle(spec: Spec, folder: str, timeout_s: float, threads: int) -> subprocess.Popen:
+    """The one-process run, in a fresh interpreter with this one's ``sys.path``."""
+    path = os.path.join(folder, "oracle.job")
+    with open(path, "wb") as f:
+        pickle.dump((list(sys.path), pickle.dumps((spec, folder, timeout_s, threads))), f)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    proc = subprocess.Popen([sys.executable, "-c", f"from plait.check.oracle import main; main({path!r})"],
+                            env=env)
+    Exchange(folder, timeout_s).watch(proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)  # done writing by the time the ranks finish; it is exiting
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _in_job(spec: Spec, timeout_s: float, mesh: Mesh | None) -> CheckReport:
+    device = init(seed=spec.seed)  # adopts the job's process group
+    spec = dataclasses.replace(spec, backend=None if device.type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    folder = comm.all_gather_object(tempfile.mkdtemp(prefix="plait-check-") if rank == 0 else None)[0]
+    proc = _start_oracle(spec, folder, timeout_s, torch.get_num_threads()) if rank == 0 else None
+    report = None
+    try:
+        report = LayoutRun(spec, Exchange(folder, timeout_s), mesh).run()
+        comm.barrier()  # every rank has read its last file
+    finally:
+        if proc is not None:
+            if report is None:  # failed: the one-process run is of no more use
+                proc.kill()
+            _stop(proc)
+            shutil.rmtree(folder, ignore_errors=True)
+    return report
+
+
+def _spawn(spec: Spec, n: int, timeout_s: float) -> CheckReport:
+    # One GPU per rank (NCCL), or every rank on the CPU (Gloo) when there are fewer GPUs than ranks.
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    spec = dataclasses.replace(spec, backend=None if gpus >= n else "gloo")
+    threads = max(1, (os.cpu_count() or 1) // (n + 1))
+    with tempfile.TemporaryDirectory(prefix="plait-check-") as folder:
+        proc = _start_oracle(spec, folder, timeout_s, threads)
+        try:
+            mp.start_processes(_entry, args=(spec, n, free_port(), threads, timeout_s, folder), nprocs=n,
+                               join=True, start_method="spawn")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            error = _rank_error(folder, e)  # before the one-process run is stopped
+            proc.kill()
+            raise error from None
+        finally:
+            _stop(proc)
+        with open(os.path.join(folder, "report.pkl"), "rb") as f:
+            return pickle.load(f)
+
+
+def _entry(rank: int, spec: Spec, n: int, port: int, threads: int, timeout_s: float, folder: str) -> None:
+    set_rank_env(rank, n, port, threads)
+    phase = "setting up"
+    try:
+        init(seed=spec.seed, timeout_s=timeout_s, backend=spec.backend)
+        run = LayoutRun(spec, Exchange(folder, timeout_s))
+        phase = "training"
+        report = run.run()
+    except BaseException as e:
+        mark_failed()  # its peers may be inside a collective: exit without the exit barrier
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        record = (phase, type(e).__name__, str(e), f"{where.filename}:{where.lineno}", traceback.format_exc(),
+                  isinstance(e, (ValueError, TypeError)) and phase == "setting up")
+        with open(os.path.join(folder, f"rank{rank}.err"), "wb") as f:
+            pickle.dump(record, f)
+        raise
+    if rank == 0:
+        with open(os.path.join(folder, "report.pkl"), "wb") as f:
+            pickle.dump(report, f)
+
+
+def _rank_error(folder: str, e: Exception) -> Exception:
+    """The root cause: the one-process run's error, else the first rank's (its peers fail after it)."""
+    if os.path.exists(os.path.join(folder, Exchange.ERROR)):
+        return Exchange(folder, 0).oracle_error()
+    files = sorted((os.path.getmtime(os.path.join(folder, f)), f) for f in os.listdir(folder)
+                   if f.endswith(".err"))
+    if not files:
+        return RuntimeError(f"plait check: a rank died without a report: {e}")
+    name = files[0][1]
+    with open(os.path.join(folder, name), "rb") as f:
+        phase, kind, msg, where, tb, is_input = pickle.load(f)
+    rank = name[len("rank"):-len(".err")]
+    if kind == CheckInputError.__name__:
+        return CheckInputError(msg)
+    if is_input:  # plait's own refusals of a layout (parallelize, the pipeline) are input errors
+        return CheckInputError(f"{kind} on rank {rank} ({where}): {msg}")
+    return RuntimeError(f"plait check: rank {rank} failed while {phase}: {kind}: {msg}\n{tb}")

@@ -1,0 +1,113 @@
+"""`plait check` / `plait.check`: a correct layout passes, a rank-dependent module is named.
+
+The factories live here so the spawned processes can import them (``tests.test_check:...`` from
+the repository root, ``test_check:...`` inside pytest's rank pool). Tiny models, 2 ranks, 3 steps,
+float64.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.models.gpt import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+
+
+def tiny_gpt() -> nn.Module:
+    return GPT(TINY)
+
+
+class RankSkew(nn.Module):
+    """Wraps a block and scales its output by 1 + 1e-3 * rank: right on rank 0, slightly off elsewhere,
+    invisible to a single process."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * (1 + 1e-3 * dist.get_rank())
+
+
+def skewed_gpt() -> nn.Module:
+    model = GPT(TINY)
+    model.layers[1] = RankSkew(model.layers[1])
+    return model
+
+
+def _check_in_job(mesh: dict[str, int]):
+    import plait
+    from plait.testing import cached_mesh
+
+    return plait.check(tiny_gpt, mesh=cached_mesh(**mesh), steps=3, batch_size=4)
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}], ids=["ddp", "tp"])
+def test_a_correct_layout_passes(pools, mesh):
+    # Inside a running job (the pool's ranks): every rank gets the same report.
+    reports = pools[2].run(_check_in_job, mesh)
+    report = reports[0]
+    assert report.ok, report.format()
+    assert reports[1].format() == report.format()
+    assert len(report.steps) == 3 and all(s.compared > 0 for s in report.steps)
+    assert report.first is None
+    # float64: a correct layout is at rounding level, many orders below the tolerance.
+    assert max(d.rel for s in report.steps for d in s.grads.values()) < 1e-11
+    assert max(s.loss_rel for s in report.steps) < 1e-12
+    text = report.format()
+    assert "against one process" in text and text.rstrip().endswith("within 1e-09")
+
+
+def test_a_rank_dependent_module_is_named_by_the_cli():
+    cmd = [sys.executable, "-m", "plait", "check", "tests.test_check:skewed_gpt", "--nproc", "2",
+           "--steps", "3", "--batch-size", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "first divergence: step 1, module layers.1," in done.stdout, done.stdout
+    assert "on rank 1" in done.stdout and "FAILED" in done.stdout
+
+
+@pytest.mark.parametrize("factory, says", [
+    ("no_colon", "must name a function as 'package.module:function'"),
+    ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
+    ("test_check:missing", "has no attribute 'missing'"),
+    ("test_check:TINY", "not a function"),
+])
+def test_a_bad_factory_is_a_clear_error(factory, says):
+    import plait
+    from plait.check import CheckInputError
+
+    with pytest.raises(CheckInputError, match="FACTORY") as info:
+        plait.check(factory)
+    assert says in str(info.value)
+
+
+def _exit_code(argv: list[str]) -> int:
+    from plait.app.check import cli_main
+
+    try:
+        return cli_main(argv)
+    except SystemExit as e:  # the flag parser exits by itself
+        return int(e.code or 0)
+
+
+def test_bad_input_exits_2_before_anything_starts(capsys):
+    assert _exit_code(["no_such_module_xyz:build"]) == 2
+    assert "cannot import module 'no_such_module_xyz'" in capsys.readouterr().err
+    assert _exit_code(["test_check:tiny_gpt", "--zero-stage", "2"]) == 2
+    assert "--zero-stage 2 applies to --strategy fsdp only" in capsys.readouterr().err
+    assert _exit_code(["test_check:tiny_gpt", "--strategy", "dp"]) == 2
+    assert "compares processes" in capsys.readouterr().err
+    assert _exit_code(["test_check:tiny_gpt", "--nproc", "3", "--tp", "2"]) == 2
+    assert "--nproc 3 is not divisible" in capsys.readouterr().err
