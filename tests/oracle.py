@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import plait
@@ -21,6 +22,12 @@ def tiny_gpt(seed: int = 0, **overrides) -> GPT:
 def global_batches(steps: int, batch: int, seq: int = 16, vocab: int = 64, seed: int = 1234):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]
+
+
+def loss64(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in the logits' dtype: `lm_loss` computes in float32, which would cap a float64
+    comparison at float32's rounding."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
 def make_opt(params) -> torch.optim.Optimizer:

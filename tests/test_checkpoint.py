@@ -123,26 +123,26 @@ def test_vocab_shards_padded_at_the_end_are_dtensor_chunks():
 
 
 def _tied(seed: int = 5):
+    """A float64 GPT whose embedding is tied to its LM head, and its default AdamW."""
     import torch
-    from test_pipeline_parity import ADAM, CFG
+    from test_pipeline_parity import CFG
 
     import plait
     from plait.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(n_layers=2, tie_embeddings=True, **CFG)
-    model = plait.init_weights(GPT(cfg), seed=seed)
-    return cfg, model, torch.optim.AdamW(model.parameters(), **ADAM)
+    model = plait.init_weights(GPT(cfg).to(torch.float64), seed=seed)
+    return cfg, model, torch.optim.AdamW(model.parameters())
 
 
 def _train(model, opt, steps, pipe=None) -> None:
+    from oracle import loss64
     from test_pipeline_parity import _batch
-
-    from plait.models.gpt import lm_loss
 
     for step in steps:
         x, y = _batch(step)
         if pipe is None:
-            lm_loss(model(x), y).backward()
+            loss64(model(x), y).backward()
         else:
             pipe.step(x, y)
         opt.step()
@@ -154,10 +154,11 @@ def _tied_pipeline_resume(single: str, folder: str) -> list[str]:
     head on the other rank, train 2 steps, save, load into a fresh pipeline, train 2 more: the
     parameters match a single process trained for 6 steps."""
     import torch
-    from test_pipeline_parity import ADAM, TOL
+    from oracle import loss64
+    from test_pipeline_parity import TOL64
 
     from plait import checkpoint
-    from plait.models.gpt import GPT, lm_loss
+    from plait.models.gpt import GPT
     from plait.pipeline import pipeline
     from plait.testing import cached_mesh
 
@@ -165,9 +166,9 @@ def _tied_pipeline_resume(single: str, folder: str) -> list[str]:
 
     def build(seed: int):
         with torch.device("meta"):
-            model = GPT(cfg)
-        pipe = pipeline(model, cached_mesh(pp=2), schedule="1f1b", microbatches=2, loss_fn=lm_loss, seed=seed)
-        return pipe, torch.optim.AdamW(list(pipe.parameters()), **ADAM)
+            model = GPT(cfg).to(torch.float64)
+        pipe = pipeline(model, cached_mesh(pp=2), schedule="1f1b", microbatches=2, loss_fn=loss64, seed=seed)
+        return pipe, torch.optim.AdamW(list(pipe.parameters()))
 
     pipe, opt = build(6)  # other initial values: everything must come from the checkpoint
     checkpoint.load(single, pipe, opt)  # rank 1's copy takes tok_emb.weight's Adam state
@@ -180,7 +181,7 @@ def _tied_pipeline_resume(single: str, folder: str) -> list[str]:
     ref = dict(oracle.named_parameters(remove_duplicate=False))
     mine = dict(pipe.named_parameters())
     for name, p in mine.items():
-        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL, msg=lambda s, n=name: f"{n}: {s}")
+        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL64, msg=lambda s, n=name: f"{n}: {s}")
     return sorted(mine)
 
 
@@ -202,19 +203,20 @@ def _pipeline_zero1_save(folder: str) -> None:
     """A 2-stage pipeline (embedding tied to the head on the other stage) on 2 replicas with ZeRO-1
     over dp: two steps, then a save in which each replica writes the Adam state it owns only."""
     import torch
-    from test_pipeline_parity import ADAM, _batch
+    from oracle import loss64
+    from test_pipeline_parity import _batch
 
     import plait
     from plait import checkpoint, comm
-    from plait.models.gpt import GPT, lm_loss
+    from plait.models.gpt import GPT
     from plait.testing import cached_mesh
 
     cfg = _tied()[0]
     mesh = cached_mesh(pp=2, dp=2)
     with torch.device("meta"):
-        model = GPT(cfg)
-    pipe = plait.pipeline(model, mesh, schedule="1f1b", microbatches=2, loss_fn=lm_loss, seed=5)
-    opt = plait.ZeroRedundancyOptimizer(pipe.parameters(), torch.optim.AdamW, mesh.group("dp"), **ADAM)
+        model = GPT(cfg).to(torch.float64)
+    pipe = plait.pipeline(model, mesh, schedule="1f1b", microbatches=2, loss_fn=loss64, seed=5)
+    opt = plait.ZeroRedundancyOptimizer(pipe.parameters(), torch.optim.AdamW, mesh.group("dp"))
     assert 0 < len(opt.owned) < len(list(pipe.parameters()))  # each replica owns a share
     half = slice(mesh.rank("dp") * 4, mesh.rank("dp") * 4 + 4)
     for step in range(2):
@@ -229,7 +231,7 @@ def _pipeline_zero1_save(folder: str) -> None:
 def test_pipeline_with_zero1_checkpoint_loads_in_one_process(pools, tmp_path):
     # The optimizer says which parameters it steps (owns(p)); the checkpoint asks it, whatever its type.
     import torch
-    from test_pipeline_parity import TOL
+    from test_pipeline_parity import TOL64
 
     from plait import checkpoint
 
@@ -240,7 +242,7 @@ def test_pipeline_with_zero1_checkpoint_loads_in_one_process(pools, tmp_path):
     checkpoint.load(tmp_path / "ckpt", model, opt)
     ref = dict(oracle.named_parameters())
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL, msg=lambda s, n=name: f"{n}: {s}")
+        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL64, msg=lambda s, n=name: f"{n}: {s}")
         for key, want in oopt.state[ref[name]].items():
-            torch.testing.assert_close(opt.state[p][key], want, **TOL,
+            torch.testing.assert_close(opt.state[p][key], want, **TOL64,
                                        msg=lambda s, n=name, k=key: f"{n}.{k}: {s}")

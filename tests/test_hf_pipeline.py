@@ -1,0 +1,230 @@
+"""Pipelines of models whose forward is not a chain of children, against one process.
+
+Tiny Hugging Face models (LlamaForCausalLM with grouped-query attention and rotary embeddings, tied
+and untied embeddings, the untied one with a padding mask; GPT2LMHeadModel) and a small model with
+a residual across the cut, keyword arguments between modules and a dict output. Each is split at
+module names or balanced, runs every schedule at pp=2 on 2 Gloo ranks (gpipe, 1f1b, interleaved
+with 2 chunks, zb-h1) and trains 5 default AdamW steps next to an unsplit copy in float64; the
+untied Llama also runs pp=2 x tp=2 on 4 ranks with `plait.plan_for`'s plan (1F1B, ZB-H1, and 1F1B
+with sequence parallelism), each rank compared with its slice of the oracle. Stages run the model's
+own forward with the other stages' layers stood in for: rotary tables, masks and position ids are
+recomputed on every stage, while the embedding's output (the residual) and the keyword arguments
+computed from it are sent.
+
+Tolerances: rtol=1e-9, atol=1e-12 on float64 gradients and parameters: the pipeline averages
+microbatch losses where the oracle takes one mean over the batch, equal in exact arithmetic, so
+only summation order differs (measured: at most 3e-15 apart after 5 steps, `_parity`'s "worst").
+Llama's RMSNorm computes in float32 inside the float64 model; both sides feed it the same values up
+to float64 rounding, which its float32 rounding absorbs. The loss a pipeline returns is float32
+whatever the model's dtype: rtol=1e-6.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.testing import cached_mesh
+
+pytest.importorskip("transformers")
+
+V, SEQ, BATCH, M = 96, 16, 8, 4
+TOL64 = dict(rtol=1e-9, atol=1e-12)
+LOSS32 = dict(rtol=1e-6, atol=0)
+# (schedule, chunks, split): named split points where the schedule has 2 stages, else balanced.
+SCHEDULES = [("gpipe", 1, "named"), ("1f1b", 1, "auto"), ("interleaved", 2, "auto"), ("zb-h1", 1, "named")]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, *, gate: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x))) * gate + bias
+
+
+class SkipNet(nn.Module):
+    """The embedding is added back before the head (a residual across every cut), the blocks get a
+    gate computed from it and position biases from the inputs as keyword arguments, and the
+    forward returns a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(16, V)
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(ids)
+        gate = torch.sigmoid(h.mean(-1, keepdim=True))
+        pos = (torch.arange(ids.shape[1], device=ids.device) % 4).to(h.dtype)[:, None] / 4
+        x = h
+        for blk in self.blocks:
+            x = blk(x, gate=gate, bias=pos)
+        return {"logits": self.head(x + h), "hidden": x}
+
+
+def _logits(out):
+    return out["logits"] if isinstance(out, dict) else out.logits
+
+
+def _loss(out, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(_logits(out).flatten(0, -2), y.flatten())
+
+
+def _model(kind: str) -> tuple[nn.Module, list[str]]:
+    """The model in float64 (same seed on every rank) and its named split for 2 stages."""
+    torch.manual_seed(0)
+    if kind == "skip":
+        return SkipNet().double(), ["blocks.1"]
+    import transformers as tf
+
+    if kind.startswith("llama"):
+        cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                             use_cache=False, tie_word_embeddings=kind == "llama-tied")
+        return tf.LlamaForCausalLM(cfg).double(), ["model.layers.2"]
+    cfg = tf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, use_cache=False,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return tf.GPT2LMHeadModel(cfg).double(), ["transformer.h.1"]
+
+
+def _batch(step: int, mask: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    data = torch.randint(0, V, (BATCH, SEQ + 1), generator=g)
+    x, y = data[:, :-1], data[:, 1:]
+    if not mask:
+        return (x,), y
+    am = torch.ones_like(x)
+    am[::2, :3] = 0  # left padding on every other row
+    return (x, am), y
+
+
+def _parity(kind: str, mask: bool = False) -> dict:
+    from plait.pipeline import pipeline
+
+    mesh = cached_mesh(pp=2)
+    base, named = _model(kind)
+    worst: dict[str, float] = {}
+    stages: dict[str, list[list[str]]] = {}
+    for schedule, chunks, how in SCHEDULES:
+        oracle, model = copy.deepcopy(base), copy.deepcopy(base)
+        pipe = pipeline(model, mesh, split=named if how == "named" else "auto", schedule=schedule,
+                        chunks=chunks, microbatches=M, loss_fn=_loss)
+        mine = dict(pipe.named_parameters())
+        ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
+        opt, oopt = torch.optim.AdamW(mine.values()), torch.optim.AdamW(oracle.parameters())
+        diff = 0.0
+        for step in range(5):
+            x, y = _batch(step, mask)
+            loss = pipe.step(x, y)
+            ref_loss = _loss(oracle(*x), y)
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss.detach().float(), **LOSS32)
+            if step == 0:
+                for n, p in mine.items():
+                    torch.testing.assert_close(p.grad, ref[n].grad, **TOL64,
+                                               msg=lambda s, n=n: f"grad {n}: {s}")
+                    diff = max(diff, float((p.grad - ref[n].grad).abs().max()))
+            for o in (opt, oopt):
+                o.step()
+                o.zero_grad()
+        out = pipe.eval_step(x)  # forward only: the model's outputs (one per microbatch) on the last rank
+        for n, p in mine.items():
+            torch.testing.assert_close(p.detach(), ref[n].detach(), **TOL64,
+                                       msg=lambda s, n=n: f"param {n}: {s}")
+            diff = max(diff, float((p.detach() - ref[n].detach()).abs().max()))
+        if out is not None:
+            with torch.no_grad():
+                want = _logits(oracle(*x))
+            torch.testing.assert_close(torch.cat([_logits(o) for o in out]), want, **TOL64)
+        worst[schedule], stages[schedule] = diff, pipe.stage_names
+    return {"worst": worst, "stages": stages, "names": sorted(mine)}
+
+
+@pytest.mark.parametrize("kind,mask", [("llama-tied", False), ("llama", True), ("gpt2", False),
+                                       ("skip", False)])
+def test_every_schedule_matches_one_process(pools, kind, mask):
+    out = pools[2].run(_parity, kind, mask)
+    if kind == "llama-tied":  # the embedding on the first rank, the head that shares it on the last
+        assert "model.embed_tokens.weight" in out[0]["names"] and "lm_head.weight" in out[1]["names"]
+    if kind == "skip":  # interleaved: the embedding's output is relayed through stages 1 and 2
+        assert out[0]["stages"]["interleaved"][0] == ["embed"] and len(out[0]["stages"]["interleaved"]) == 4
+
+
+def _pp_tp() -> dict:
+    import plait
+    from plait.pipeline import pipeline
+
+    mesh = cached_mesh(pp=2, tp=2)
+    base, named = _model("llama")
+    worst: dict[str, float] = {}
+    for schedule, sp in [("1f1b", False), ("zb-h1", False), ("1f1b", True)]:
+        oracle, model = copy.deepcopy(base), copy.deepcopy(base)
+        pipe = pipeline(model, mesh, split=named, schedule=schedule, microbatches=M, loss_fn=_loss,
+                        tp_plan=plait.plan_for(model), sequence_parallel=sp)
+        assert pipe.tp_info is not None
+        specs = pipe.tp_info.specs
+        mine = dict(pipe.named_parameters())
+        ref = dict(oracle.named_parameters())
+
+        def want(n: str, t: torch.Tensor, specs: dict = specs) -> torch.Tensor:
+            return specs[n].take(t.detach()) if n in specs else t.detach()
+
+        assert specs and all(p.numel() * 2 == ref[n].numel() for n, p in mine.items() if n in specs)
+        opt, oopt = torch.optim.AdamW(mine.values()), torch.optim.AdamW(oracle.parameters())
+        diff = 0.0
+        for step in range(5):
+            x, y = _batch(step, False)
+            loss = pipe.step(x, y)
+            ref_loss = _loss(oracle(*x), y)
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss.detach().float(), **LOSS32)
+            if step == 0:
+                for n, p in mine.items():
+                    torch.testing.assert_close(p.grad, want(n, ref[n].grad), **TOL64,
+                                               msg=lambda s, n=n: f"grad {n}: {s}")
+            for o in (opt, oopt):
+                o.step()
+                o.zero_grad()
+        for n, p in mine.items():
+            torch.testing.assert_close(p.detach(), want(n, ref[n]), **TOL64,
+                                       msg=lambda s, n=n: f"param {n}: {s}")
+            diff = max(diff, float((p.detach() - want(n, ref[n])).abs().max()))
+        worst[f"{schedule}{' sp' if sp else ''}"] = diff
+    return {"worst": worst, "coords": mesh.coords}
+
+
+def test_pp2_tp2_llama_matches_one_process(pools):
+    out = pools[4].run(_pp_tp)
+    assert sorted((o["coords"]["pp"], o["coords"]["tp"]) for o in out) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_what_crosses_each_cut():
+    """No ranks: the dry run's plan. The residual and the gate's source (the embedding's output) are
+    relayed through the middle stage; Llama's rotary tables, mask and position ids are not sent."""
+    from plait.pipeline.replay import Replay
+    from plait.pipeline.split import plan_stages, segments
+
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    model, _ = _model("skip")
+    segs = segments(model)
+    assert [n for n, _ in segs] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+    rep = Replay(model, segs, plan_stages(segs, 3, ["blocks.1", "blocks.2"]), torch.device("cpu"))
+    rep.prepare((ids,))
+    emb, b0, b1 = (0, 0, 0), (1, 0, 0), (2, 0, 0)  # (segment, call, output leaf)
+    assert [p.recv for p in rep.plans] == [(), (emb, b0), (emb, b1)]
+    assert [p.send for p in rep.plans] == [(emb, b0), (emb, b1), ()]
+
+    llama, named = _model("llama")
+    segs = segments(llama)
+    rep = Replay(llama, segs, plan_stages(segs, 2, named), torch.device("cpu"))
+    rep.prepare((ids, torch.ones_like(ids)))
+    last_layer = [n for n, _ in segs].index("model.layers.1")
+    assert rep.plans[1].recv == ((last_layer, 0, 0),)
