@@ -17,17 +17,10 @@ from plait.mesh import Mesh
 from plait.pipeline.actions import Kind, Slot
 from plait.pipeline.arguments import CustomSchedule, check_tp, resolve_p2p, resolve_schedule, split_batch
 from plait.pipeline.directed import check_directed, direction_groups
+from plait.pipeline.replay import Replay, ReplayStage
 from plait.pipeline.runtime import Executor, busy_fraction
 from plait.pipeline.schedules import Schedule
-from plait.pipeline.split import (
-    Stage,
-    check_chain,
-    materialize_segments,
-    meta_copy,
-    named_view,
-    plan_stages,
-    segments,
-)
+from plait.pipeline.split import materialize_segments, named_view, plan_stages, segments
 from plait.pipeline.ties import find_ties, first_owners, sync_grads, tie_groups
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
 from plait.tp.apply import TPInfo, loss_fn_for, mark_part, tensor_parallel, tp_info
@@ -44,8 +37,10 @@ class Pipeline:
     ``step(inputs, targets)`` runs forward and backward of the whole batch as ``microbatches``
     microbatches on the schedule, leaves the gradients in ``.grad`` of this rank's parameters and
     returns the batch's mean loss on every rank of the ``pp`` axis. Pass the same ``inputs`` on
-    every ``pp`` rank (the first stage reads them, the others take their shape signature);
-    ``targets`` are read on the rank holding the last stage.
+    every ``pp`` rank: every stage runs the model's forward on them (`plait.pipeline.replay`), so
+    the glue between layers (position ids, masks) is computed where it is used; ``targets`` are
+    read on the rank holding the last stage. ``loss_fn(output, target)`` receives exactly what the
+    model's forward returns.
 
     A weight shared by stages on different pp ranks (a tied embedding and LM head) is kept as one
     copy per rank, initialised from its first owner; `step` sums the copies' gradients.
@@ -110,14 +105,11 @@ class Pipeline:
             device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                       else torch.device("cpu"))
         self.device = torch.device(device)
-        # Structure check at the first step, then dropped. Tensor parallelism and FSDP change this
-        # rank's modules in place (and their forwards communicate), so the check then runs on a
-        # copy of the model as given.
-        self._skeleton: nn.Module | None = (module if tp_plan is None and stage_wrapper is None
-                                            else meta_copy(module))
-        self._segs = segs
+        # Made before tensor parallelism and FSDP change this rank's modules in place: its meta
+        # skeleton of the model as given serves the dry runs and the stand-ins of other stages.
+        self._replay = Replay(module, segs, plan, self.device)
         self.tp_module: nn.Module | None = None
-        self._inner = {s: Stage(s, [segs[i] for i in plan[s]]) for s in mine}
+        self._inner = {s: ReplayStage(s, self._replay, [segs[i] for i in plan[s]]) for s in mine}
         self.loss_fn = loss_fn = self._parallelize_stages(module, mesh, tp_plan, sequence_parallel, seed,
                                                           loss_fn, stage_wrapper)
         # Copies of weights shared with another pp rank, with the group that sums their gradients.
@@ -136,7 +128,7 @@ class Pipeline:
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
                              self.device, links=direction_groups(self.sched, mesh) if directed else None,
                              fill_w=not sequence_parallel and backend == "gloo" and stage_wrapper is None,
-                             **self._wrapped_stage_hooks())
+                             carry=self._replay, **self._wrapped_stage_hooks())
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
@@ -158,6 +150,13 @@ class Pipeline:
         elif is_meta(module) and not (wrapper is not None and wrapper.materializes):
             # All of this rank's stages at once, so ties between them stay ties.
             materialize_segments(my_segs, seed, self.device, first_owners(module))
+        # Parameter-free segments of other ranks' stages (rotary tables, dropout) run here too.
+        mine = {n for n, _ in my_segs}
+        glue = [g for g in self._replay.glue() if g[0] not in mine]
+        if any(is_meta(m) for _, m in glue):
+            materialize_segments(glue, seed, self.device, first_owners(module))
+        for _, m in glue:
+            m.to(self.device)
         info = self.tp_info
         for st in self._inner.values():
             if info is not None:
@@ -322,7 +321,8 @@ class Pipeline:
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any = None) -> Any:
         """Forward only (the schedule's forwards, in order). With ``targets``: the mean loss on every
-        pp rank; without: the last stage's outputs (concatenated) on its rank, None elsewhere."""
+        pp rank; without: on the last stage's rank the model's outputs, concatenated when they are
+        tensors, else one per microbatch (e.g. ``ModelOutput``s); None elsewhere."""
         modes = {s: st.training for s, st in self.stages.items()}
         for st in self.stages.values():
             st.eval()
@@ -339,13 +339,10 @@ class Pipeline:
         if targets is None and holds_last and train:
             raise ValueError("pipeline.step: targets are required on the rank holding the last stage")
         mb_tg = None if targets is None else split_batch(targets, m, "targets")
-        if self._skeleton is not None:
-            check_chain(self._skeleton, self._segs, mb_in[0])
-            self._skeleton = None
-            self._segs = []
+        mb_in = [tuple(t.to(self.device) for t in x) for x in mb_in]
+        self._replay.prepare(mb_in[0])  # the dataflow of this input signature (a dry run, once)
         key = tuple((tuple(t.shape), t.dtype) for t in mb_in[0])
         metas = self.exec.exchange_meta(key, mb_in[0])
-        mb_in = [tuple(t.to(self.device) for t in x) for x in mb_in] if 0 in self.stages else mb_in
         if mb_tg is not None and holds_last:
             mb_tg = [map_tensors(lambda x: x.to(self.device), t) for t in mb_tg]
         loss_sum, outs = self.exec.run(sched, metas, mb_in, mb_tg if holds_last else None, train)
@@ -380,8 +377,13 @@ def pipeline(module: nn.Module, mesh: Mesh, split: str | Sequence[str] = "auto",
              p2p: str = "auto") -> Pipeline:
     """Pipeline ``module`` over the mesh's ``pp`` axis; see `Pipeline`.
 
+    Any model: every stage runs the model's unchanged forward with the other stages' layers
+    stood in for, and whatever crosses a cut (residuals, keyword arguments, values in a
+    ``ModelOutput``) is sent; see `plait.pipeline.replay` and `plait.pipeline.flow`.
+
     ``split``: ``"auto"`` (balanced by parameter count) or the segment names that start stages
-    1.. (e.g. ``["layers.4"]``); ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
+    1.. (e.g. ``["layers.4"]``, ``["model.layers.4"]`` for a Hugging Face Llama; segments are
+    listed by `plait.pipeline.split.segments`); ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
     ``"zb-h1"``, a `Schedule` or per-rank action lists; ``chunks``: stages per rank; ``seed``:
     the `plait.init_weights` seed used to materialize a meta-device model.
 

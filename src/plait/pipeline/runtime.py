@@ -1,16 +1,17 @@
 """The pipeline executor: runs one rank's action list with point-to-point sends and receives.
 
-What moves between neighbouring stages (rank ``s % p`` to rank ``(s + 1) % p`` on the ``pp``
-axis): in forward, the stage's output activations (every tensor of the carried tuple); in
-backward, the gradient of every floating-point activation that requires one. Shapes and dtypes
-are exchanged once per input signature by a metadata pass along the stages, so no shape specs
-are needed. All receives of a step are posted when it starts (tags are unique per stage,
-microbatch and tensor, so arrival order does not matter); sends are waited for at the end.
-That needs a backend that matches messages by tag (Gloo). The *directed* mode (NCCL) sends
-each message on a process group of its own direction (one per ordered pair of neighbouring
-ranks, see `plait.pipeline.directed`): NCCL ignores tags and runs a communicator's operations
-in order on one stream, so with one communicator per direction a receive is matched by order
-alone, and traffic in the two directions never queues behind each other.
+Every stage is called as ``stage(*microbatch_inputs, *received)`` (the first stage receives
+nothing; see `plait.pipeline.replay`). What moves between neighbouring stages (rank ``s % p`` to
+rank ``(s + 1) % p`` on the ``pp`` axis): in forward, every tensor of the tuple the stage returns;
+in backward, the gradient of every one of them that requires one. Shapes and dtypes are exchanged
+once per input signature by a metadata pass along the stages, so no shape specs are needed. All
+receives of a step are posted when it starts (tags are unique per stage, microbatch and tensor,
+so arrival order does not matter); sends are waited for at the end. That needs a backend that
+matches messages by tag (Gloo). The *directed* mode (NCCL) sends each message on a process group
+of its own direction (one per ordered pair of neighbouring ranks, see `plait.pipeline.directed`):
+NCCL ignores tags and runs a communicator's operations in order on one stream, so with one
+communicator per direction a receive is matched by order alone, and traffic in the two directions
+never queues behind each other.
 
 Data parallelism of wrapped stages (DDP or FSDP, handed in by `plait.parallelize`): gradients
 accumulate locally over the step's microbatches, and only each stage's last accumulating
@@ -25,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,13 +37,26 @@ from plait.pipeline.actions import Action, Kind, Slot
 from plait.pipeline.backward_split import WeightGrad, backward_input
 from plait.pipeline.schedules import Schedule
 
-__all__ = ["Executor", "as_tuple", "describe", "busy_fraction"]
+__all__ = ["Executor", "MetaCarry", "as_tuple", "describe", "busy_fraction"]
 
 Meta = list[tuple[tuple[int, ...], torch.dtype, bool]]  # per carried tensor: shape, dtype, needs grad
 Key = tuple[int, int]  # (stage, microbatch)
 # (stage, reduce) -> the context a stage's action runs in: reduce=True for the stage's last
 # accumulating backward of the step, False for everything else (gradients accumulate locally).
 GradSync = Callable[[int, bool], AbstractContextManager[None]]
+
+
+class MetaCarry(Protocol):
+    """What travels with the metadata pass besides the shapes of the tensors a stage sends: the
+    real shapes of every earlier layer output, for the stand-ins' placeholders (`plait.pipeline.replay`)."""
+
+    def carried(self, stage: int) -> Any:
+        """What this rank passes on after running ``stage``."""
+        ...
+
+    def receive(self, carried: Any) -> None:
+        """Take what the previous stage's rank passed on."""
+        ...
 
 
 def as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -65,8 +79,9 @@ class Executor:
                  group: dist.ProcessGroup, loss_fn: Callable[..., torch.Tensor], device: torch.device,
                  links: dict[tuple[int, int], dist.ProcessGroup] | None = None, fill_w: bool = True,
                  params: dict[int, list[torch.Tensor]] | None = None,
-                 grad_sync: GradSync | None = None) -> None:
+                 grad_sync: GradSync | None = None, carry: MetaCarry | None = None) -> None:
         self.sched, self.stages, self.rank, self.fill_w = schedule, stages, rank, fill_w
+        self.carry = carry
         # (sender, receiver) global ranks -> the process group carrying that direction; None:
         # every message on the default group, told apart by tag.
         self.links = links
@@ -90,7 +105,8 @@ class Executor:
 
     # ------------------------------------------------------------------ metadata pass
     def exchange_meta(self, key: Any, example: tuple[torch.Tensor, ...]) -> dict[int, Meta]:
-        """Run each of this rank's stages once on zeros, in stage order, passing shapes along.
+        """Run each of this rank's stages once on ``example`` inputs and received zeros, in stage
+        order, passing the shapes of what they send along.
 
         The chain visits ranks in stage order, so the blocking object sends cannot deadlock.
         The RNG state is restored so that dropout draws match a run without this pass.
@@ -101,24 +117,27 @@ class Executor:
         local: Meta = []  # the output metadata of the stage just run (on this rank)
         S = self.sched.stages
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            inputs = tuple(t.to(self.device) for t in example)
             for s in sorted(self.stages):
-                if s == 0:
-                    x = tuple(t.to(self.device) for t in example)
-                    meta = describe(x)
-                else:
-                    meta = local if self.sched.stage_rank(s - 1) == self.rank else comm.recv_object(
-                        self.peer(s - 1), self.group)
-                    x = tuple(torch.zeros(sh, dtype=dt, device=self.device).requires_grad_(rg)
-                              for sh, dt, rg in meta)
+                meta: Meta = []
+                if s > 0 and self.sched.stage_rank(s - 1) == self.rank:
+                    meta = local
+                elif s > 0:
+                    meta, carried = comm.recv_object(self.peer(s - 1), self.group)
+                    if self.carry is not None:
+                        self.carry.receive(carried)
+                x = tuple(torch.zeros(sh, dtype=dt, device=self.device).requires_grad_(rg)
+                          for sh, dt, rg in meta)
                 metas[s] = meta
                 if s == S - 1:
                     continue
                 with torch.enable_grad(), self.sync(s, False):
-                    out = as_tuple(self.stages[s](*x), f"the output of stage {s}")
+                    out = as_tuple(self.stages[s](*inputs, *x), f"the output of stage {s}")
                 local = describe(out)
                 metas[-1 - s] = local  # output metadata under a negative key: -1 - stage
                 if self.sched.stage_rank(s + 1) != self.rank:
-                    comm.send_object(local, self.peer(s + 1), self.group)
+                    carried = None if self.carry is None else self.carry.carried(s)
+                    comm.send_object((local, carried), self.peer(s + 1), self.group)
         self.in_meta[key] = metas
         return metas
 
@@ -243,20 +262,19 @@ class _Step:
 
     def _forward(self, a: Action) -> None:
         key, S, ex = (a.stage, a.mb), self.sched.stages, self.ex
-        if a.stage == 0:
-            x = self.mb_inputs[a.mb]
-        else:
+        x: tuple[torch.Tensor, ...] = ()
+        if a.stage > 0:
             x = tuple(t.requires_grad_(rg and self.train)
                       for t, (_, _, rg) in zip(self.acts_in.pop(key), self.metas[a.stage]))
         with torch.set_grad_enabled(self.train), ex.sync(a.stage, False):
-            out = ex.stages[a.stage](*x)
+            out = ex.stages[a.stage](*self.mb_inputs[a.mb], *x)
         if a.stage == S - 1:
-            if self.mb_targets is not None:
-                loss = ex.loss_fn(out, self.mb_targets[a.mb])
-                self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
-                out = loss / self.sched.microbatches  # mean over microbatches: the batch's mean loss
-            else:
+            if self.mb_targets is None:  # forward only: the model's output, whatever its type
                 self.outputs.append(out)
+                return
+            loss = ex.loss_fn(out, self.mb_targets[a.mb])
+            self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+            out = loss / self.sched.microbatches  # mean over microbatches: the batch's mean loss
         out_t = as_tuple(out, f"the output of stage {a.stage}")
         if self.train:
             self.acts_in[key] = x
@@ -293,7 +311,11 @@ class _Step:
         # The last stage's output is the loss (gradient implied); the others' were received or handed over.
         g: Sequence[torch.Tensor | None] = (self.grads_out.pop(key) if a.stage < self.sched.stages - 1
                                             else [None] * len(outs))
-        if a.kind is Kind.BW:
+        if not outs:  # nothing this stage sent depends on a gradient: nothing to run
+            gin = [torch.zeros_like(t) for t in ins]
+            if a.kind is Kind.B:
+                self.pending_w[key] = WeightGrad([], [], [], [])
+        elif a.kind is Kind.BW:
             with ex.sync(a.stage, self._accumulates(a.stage)):
                 torch.autograd.backward(outs, g, inputs=[*ins, *ex.params[a.stage]] or None)
             gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in ins]

@@ -1,15 +1,14 @@
 """Cutting a model into pipeline stages by module names, and materializing one rank's stages.
 
-A model is pipelined as a chain of *segments*: its top-level children in registration
-order, with `nn.ModuleList` / `nn.Sequential` children flattened into their elements. For the
-GPT that is ``tok_emb, drop, layers.0, ..., layers.N-1, norm, lm_head``. A stage is a run of
-consecutive segments; each segment receives the previous one's output (``seg(x)`` for a tensor,
-``seg(*x)`` for a tuple).
-
-Requirement: the model's ``forward`` must be exactly that chain (children called once each, in
-order, each fed the previous child's output, the last child's output returned). `check_chain`
-verifies this on a meta-device copy before the first step, and raises a clear error otherwise;
-the model's code is never edited.
+A model is cut into *segments*: its top-level children in registration order, descending into
+every child that holds an `nn.ModuleList`, `nn.Sequential` or `nn.ModuleDict` somewhere below it
+(the containers of the blocks: Llama's ``model``, GPT-2's ``transformer``) and flattening those
+lists into their elements (not descending into the elements). For plait's GPT that is
+``tok_emb, drop, layers.0, ..., layers.N-1, norm, lm_head``; for a Hugging Face
+``LlamaForCausalLM`` ``model.embed_tokens, model.layers.0, ..., model.norm, model.rotary_emb,
+lm_head``. A stage is a run of consecutive segments. The modules above the
+segments hold no parameters or buffers of their own (checked): their forwards are glue, which
+every stage runs itself (`plait.pipeline.replay`).
 """
 
 from __future__ import annotations
@@ -21,37 +20,45 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.env import get_logger
 from plait.materialize import materialize
 
-__all__ = ["segments", "plan_stages", "check_chain", "materialize_segments", "named_view", "meta_copy",
+__all__ = ["Segment", "segments", "plan_stages", "materialize_segments", "named_view", "meta_copy", "place",
            "Stage"]
 
 Segment = tuple[str, nn.Module]
+_LISTS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)  # flattened into their elements
 
 
 def segments(module: nn.Module) -> list[Segment]:
-    """The model's ordered segments (top-level children, containers flattened)."""
-    own = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
-    if own:
-        raise ValueError(
-            f"pipeline: the root module {type(module).__name__} owns tensors directly ({', '.join(own)}); "
-            "a pipeline runs the model's children as a chain, so every parameter and buffer must live "
-            "in a child module")
+    """The model's ordered segments (see the module's docstring)."""
     out: list[Segment] = []
 
-    def visit(prefix: str, mod: nn.Module) -> None:
+    def visit(prefix: str, mod: nn.Module, in_list: bool) -> None:
+        own = [n for n, t in [*mod._parameters.items(), *mod._buffers.items()] if t is not None]
+        if own:
+            kind = type(mod).__name__
+            where = f"{kind} at {prefix[:-1]!r}" if prefix else f"the root module {kind}"
+            raise ValueError(
+                f"pipeline: {where} owns tensors directly ({', '.join(own)}) but is cut into segments (it "
+                "holds the list of blocks); its forward runs on every stage as glue, so every parameter and "
+                "buffer must live in a child module")
         for name, child in mod.named_children():
             full = f"{prefix}{name}"
-            if isinstance(child, (nn.ModuleList, nn.Sequential)):
-                visit(full + ".", child)
+            if isinstance(child, _LISTS):
+                visit(full + ".", child, True)
+            elif not in_list and _holds_list(child):
+                visit(full + ".", child, False)
             else:
                 out.append((full, child))
 
-    visit("", module)
+    visit("", module, isinstance(module, _LISTS))
     if not out:
         raise ValueError(f"pipeline: {type(module).__name__} has no child modules to split into stages")
     return out
+
+
+def _holds_list(mod: nn.Module) -> bool:
+    return any(isinstance(m, _LISTS) for m in mod.modules())
 
 
 def _param_counts(segs: Sequence[Segment]) -> list[int]:
@@ -125,10 +132,6 @@ def _balanced_starts(w: Sequence[int], k: int) -> list[int]:
     return starts[::-1]
 
 
-def _as_args(x: Any) -> tuple:
-    return x if isinstance(x, tuple) else (x,)
-
-
 def meta_copy(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` whose parameters and buffers are on the meta device (no data copied)."""
     memo: dict[int, Any] = {}
@@ -146,11 +149,12 @@ def named_view(segs: Sequence[Segment]) -> nn.Module:
     names match a pipeline stage's modules. The view is never called.
     """
     root = nn.Module()
-    _place(root, segs)
+    place(root, segs)
     return root
 
 
-def _place(root: nn.Module, segs: Sequence[Segment]) -> None:
+def place(root: nn.Module, segs: Sequence[Segment]) -> None:
+    """Register each segment under ``root`` at its dotted name, making plain parents on the way."""
     for name, mod in segs:
         parent = root
         *path, last = name.split(".")
@@ -159,54 +163,6 @@ def _place(root: nn.Module, segs: Sequence[Segment]) -> None:
                 parent.add_module(part, nn.Module())
             parent = parent.get_submodule(part)
         parent.add_module(last, mod)
-
-
-def check_chain(module: nn.Module, segs: Sequence[Segment], example: Any) -> None:
-    """Check on a meta-device copy that ``module(example)`` is exactly the segment chain.
-
-    Hooks record each segment's call; the model is rejected if a segment is skipped, called twice
-    or out of order, receives anything but the previous segment's output (a residual or a
-    side input across segments), or if the model changes the last segment's output.
-    """
-    skeleton = meta_copy(module)
-    calls: list[tuple[str, tuple, dict, Any]] = []
-    hooks = []
-    for name, _ in segs:
-        sub = skeleton.get_submodule(name)
-        pending: dict[str, Any] = {}
-
-        def pre(mod: nn.Module, args: tuple, kwargs: dict, _p: dict = pending) -> None:
-            _p["in"] = (args, kwargs)
-
-        def post(mod: nn.Module, args: tuple, out: Any, _n: str = name, _p: dict = pending) -> None:
-            calls.append((_n, *_p["in"], out))
-
-        hooks += [sub.register_forward_pre_hook(pre, with_kwargs=True), sub.register_forward_hook(post)]
-    args = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in _as_args(example))
-    try:
-        with torch.no_grad():
-            result = skeleton(*args)
-    except Exception as e:  # noqa: BLE001 - a model that cannot run on meta is still usable
-        get_logger().warning("pipeline: could not trace %s on the meta device to check that its forward is "
-                             "a chain of its children (%s); trusting that it is", type(module).__name__, e)
-        return
-    finally:
-        for h in hooks:
-            h.remove()
-    names = [n for n, _ in segs]
-    seen = [c[0] for c in calls]
-    req = ("pipeline needs the model's forward to call its children once each, in registration order, "
-           "each on the previous child's output, and to return the last child's output")
-    if seen != names:
-        raise ValueError(f"{req}; {type(module).__name__}.forward calls {seen}, expected {names}")
-    prev: tuple = args
-    for name, cargs, ckw, out in calls:
-        if ckw or len(cargs) != len(prev) or any(a is not b for a, b in zip(cargs, prev)):
-            raise ValueError(f"{req}; segment {name!r} is called with something other than the previous "
-                             f"segment's output (keyword arguments, extra inputs or a modified tensor)")
-        prev = _as_args(out)
-    if _as_args(result) != prev or any(a is not b for a, b in zip(_as_args(result), prev)):
-        raise ValueError(f"{req}; the model changes the output of its last segment {names[-1]!r}")
 
 
 def materialize_segments(segs: Sequence[Segment], seed: int, device: torch.device,
@@ -225,7 +181,10 @@ def materialize_segments(segs: Sequence[Segment], seed: int, device: torch.devic
 
 
 class Stage(nn.Module):
-    """Consecutive segments run as a chain (segment modules are shared with the user's model).
+    """Consecutive segments run as a chain, each fed the previous one's output (segment modules are
+    shared with the user's model): a stage of a model whose forward is exactly that chain, for
+    torch.distributed.pipelining in the benchmarks. `plait.pipeline` runs
+    `plait.pipeline.replay.ReplayStage`, which works for any forward.
 
     The segments are registered under their names in the original model (``layers.3``), so the
     stage's parameter names are the model's: whatever wraps a stage (tensor parallelism's plan
@@ -238,7 +197,7 @@ class Stage(nn.Module):
         self.stage_index = index
         self.segment_names = [n for n, _ in segs]
         self._chain = tuple(m for _, m in segs)  # a tuple: not registered a second time
-        _place(self, segs)
+        place(self, segs)
 
     def forward(self, *x: Any) -> Any:
         out: Any = x if len(x) > 1 else x[0]
