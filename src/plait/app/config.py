@@ -338,7 +338,8 @@ class TrainConfig:
             raise ValueError(f"--sequence-parallel splits the sequence over --tp {par.tp}: the sequence "
                              f"length {seq_len} (--seq-len) must be divisible by it")
         if par.pp > 1 and self.model.hf_config is None:
-            self._check_stages(gcfg)
+            with torch.device("meta"):
+                self._check_stages(GPT(gcfg))
         if data.path is not None and not Path(data.path).exists():
             raise ValueError(f"--data {data.path}: no such file or folder")
         total = _corpus_bytes(data.path, data.max_bytes)
@@ -372,35 +373,34 @@ class TrainConfig:
         longest = hf.max_positions(config)
         if longest is not None and self.seq_len > longest:
             raise ValueError(f"--seq-len {self.seq_len}: the model's positions end at {longest}")
+        model = hf.build(config, self.run.seed, device="meta")
         if par.pp > 1:
-            raise ValueError(f"--pp {par.pp} with --hf-config: pipelines of transformers models are not "
-                             "available in plait train yet; use --tp and --strategy ddp or fsdp")
+            self._check_stages(model)
         if par.tp > 1:
-            model = hf.build(config, self.run.seed, device="meta")
             try:
                 check_plan(model, plan_for(model), tp=par.tp, sequence_parallel=par.sequence_parallel)
             except ValueError as e:
                 raise ValueError(f"--tp {par.tp} with {flag}: {e}") from None
 
-    def _check_stages(self, gcfg: GPTConfig) -> None:
+    def _check_stages(self, model: torch.nn.Module) -> None:
         """Cut the model as the pipeline will (a meta-device copy, nothing allocated): every pp rank
         needs at least one stage that holds parameters, or its optimizer would have nothing to step."""
         par = self.parallel
-        with torch.device("meta"):
-            segs = segments(GPT(gcfg))
+        segs = segments(model)
         names = [n for n, _ in segs]
         n_stages = par.pp * par.chunks
+        what = self.model.hf_config or self.model.name
         if n_stages > len(segs):
-            raise ValueError(f"--pp {par.pp} x --chunks {par.chunks} = {n_stages} pipeline stages, but the "
-                             f"{self.model.name} model has only {len(segs)} segments to split "
-                             f"({', '.join(names)}): --pp x --chunks must be at most {len(segs)}")
+            raise ValueError(f"--pp {par.pp} x --chunks {par.chunks} = {n_stages} pipeline stages, but "
+                             f"the {what} model has only {len(segs)} segments "
+                             f"to split ({', '.join(names)}): --pp x --chunks must be at most {len(segs)}")
         sched = make_schedule(par.schedule, par.pp, par.microbatches, par.chunks)
         plan = plan_stages(segs, sched.stages, "auto")
         for rank in range(par.pp):
             mine = [i for s in sched.rank_stages(rank) for i in plan[s]]
             if not any(p.numel() for i in mine for p in segs[i][1].parameters()):
                 held = ", ".join(names[i] for i in mine)
-                raise ValueError(f"--pp {par.pp} x --chunks {par.chunks}: cutting the {self.model.name} "
+                raise ValueError(f"--pp {par.pp} x --chunks {par.chunks}: cutting the {what} "
                                  f"model's {len(segs)} segments into {n_stages} stages leaves pipeline rank "
                                  f"{rank} with only {held}, which holds no parameters; use fewer stages")
 
