@@ -9,12 +9,15 @@ counts are the result.
 from __future__ import annotations
 
 import datetime as _dt
+import os
+import platform
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,32 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def paired_ratios(a: list[float], b: list[float]) -> list[float]:
+    """Step i of ``a`` over step i of ``b``: alternated steps ran back to back, so each pair saw
+    the same machine load, and the spread of these ratios is what noise did to the comparison."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_ratios needs two equally long, non-empty series, got {len(a)} and {len(b)}")
+    return [x / y for x, y in zip(a, b)]
+
+
+class Spread(NamedTuple):
+    """Median and percentiles of a series (inclusive method: they stay inside the observed range)."""
+
+    median: float
+    p10: float
+    p25: float
+    p75: float
+    p90: float
+    n: int
+
+
+def spread(xs: list[float]) -> Spread:
+    if len(xs) < 2:
+        return Spread(xs[0], xs[0], xs[0], xs[0], xs[0], len(xs))
+    pct = statistics.quantiles(xs, n=20, method="inclusive")  # 5 %, 10 %, ..., 95 %
+    return Spread(statistics.median(xs), pct[1], pct[4], pct[14], pct[17], len(xs))
+
+
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -68,12 +97,24 @@ def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
+def machine() -> str:
+    """"2 CPUs (AMD EPYC), Linux x86_64": what the figures were measured on."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    return f"{os.cpu_count()} CPUs ({model}), {platform.system()} {platform.machine()}"
+
+
 def write_section(name: str, title: str, body: str, command: str | None = None) -> Path:
     """Write one benchmark's section to bench/results/<name>.md and rebuild bench/RESULTS.md."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     command = command or "plait " + " ".join(sys.argv[1:])  # argv: plait bench NAME ...
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    env = f"torch {torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU/Gloo'}"
+    env = f"torch {torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU/Gloo'}, {machine()}"
     text = f"## {title}\n\nCommand: `{command}` ({stamp}, {env})\n\n{body.strip()}\n"
     path = RESULTS_DIR / f"{name}.md"
     path.write_text(text)

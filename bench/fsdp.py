@@ -2,8 +2,10 @@
 
 Reports:
 
-* median step time plait / torch, steps strictly alternating in the same processes (plait with
-  its defaults, plait with ``backward_prefetch=False``, torch);
+* step time plait / torch, steps strictly alternating in the same processes (plait with its
+  defaults, plait with ``backward_prefetch=False``, torch): the median of the per-step ratios
+  (step i of plait over step i of torch, which ran back to back), their interquartile range and
+  10th-90th percentiles, over ``--iters`` steps (default 30) after warm-up;
 * peak live memory per rank, measured separately for each implementation in its own fresh
   processes so neither sees the other's tensors: on CUDA the allocator's peak; on CPU one
   tracker of live tensor-storage bytes (`LiveStorageBytes`, below) applied identically to
@@ -28,7 +30,16 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.common import alternate, markdown_table, median, peak_rss_mib, write_section
+from bench.common import (
+    Spread,
+    alternate,
+    markdown_table,
+    median,
+    paired_ratios,
+    peak_rss_mib,
+    spread,
+    write_section,
+)
 
 MIB = 2**20
 IMPLS = ("plait", "plait_lowmem", "torch")
@@ -246,8 +257,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="25m", help="GPT preset (default 25m)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="global batch (split over the 2 ranks)")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=30, help="timed steps per side (default 30)")
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fsdp", type=int, default=2, help="ranks (the fsdp axis), default 2")
     p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
                    help="plait's stage in the timed comparison (torch: reshard_after_forward=stage==3)")
@@ -278,8 +289,12 @@ def main(argv: list[str]) -> int:
     print(body)
     if not a.no_write:
         write_section("fsdp", f"FSDP: plait ZeRO-{a.zero_stage} vs PyTorch FSDP2 (fully_shard)", body,
-                      command="plait bench fsdp " + " ".join(argv))
+                      command=" ".join(["plait bench fsdp", *argv]))
     return 0
+
+
+def _range(r: Spread) -> str:
+    return f"{r.p25:.3f}-{r.p75:.3f}; {r.p10:.3f}-{r.p90:.3f}"
 
 
 def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
@@ -293,19 +308,23 @@ def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
     off_note = " (plait only: FSDP2 offload needs an accelerator)" if (args["offload"] and cpu) else ""
     k = len(timing["losses"]["torch"])  # plait ran one extra step (the communication count)
     lp, lq, lt = timing["losses"]["plait"][:k], timing["losses"]["plait_lowmem"], timing["losses"]["torch"]
+    step = {impl: spread(paired_ratios(timing["times"][impl], timing["times"]["torch"]))
+            for impl in ("plait", "plait_lowmem")}
     rows = [
-        ["median step time (s)", t["plait"], t["torch"], t["plait"] / t["torch"], "<= 1.0"],
+        ["step time (s): medians; ratio: median per-step ratio", t["plait"], t["torch"], step["plait"].median,
+         _range(step["plait"]), "<= 1.0"],
         [f"peak live memory / rank (MiB), {kind}", peak["plait"] / MIB, peak["torch"] / MIB,
-         peak["plait"] / peak["torch"], "<= 0.9"],
-        ["peak RSS / rank (MiB)", rss["plait"], rss["torch"], rss["plait"] / rss["torch"], ""],
+         peak["plait"] / peak["torch"], "", "<= 0.9"],
+        ["peak RSS / rank (MiB)", rss["plait"], rss["torch"], rss["plait"] / rss["torch"], "", ""],
         [f"ZeRO-{st} wire bytes / DDP wire bytes", timing["zero3_wire"] / MIB, timing["ddp_wire"] / MIB,
-         timing["zero3_wire"] / timing["ddp_wire"], {1: "1.5", 2: "1.0", 3: "1.5"}[st] + " (theory)"],
-        ["backward_prefetch=False: median step time (s)", t["plait_lowmem"], t["torch"],
-         t["plait_lowmem"] / t["torch"], ""],
+         timing["zero3_wire"] / timing["ddp_wire"], "", {1: "1.5", 2: "1.0", 3: "1.5"}[st] + " (theory)"],
+        ["backward_prefetch=False: step time (s), as above", t["plait_lowmem"], t["torch"],
+         step["plait_lowmem"].median, _range(step["plait_lowmem"]), ""],
         ["backward_prefetch=False: peak live memory / rank (MiB)", peak["plait_lowmem"] / MIB,
-         peak["torch"] / MIB, peak["plait_lowmem"] / peak["torch"], ""],
+         peak["torch"] / MIB, peak["plait_lowmem"] / peak["torch"], "", ""],
     ]
-    table = markdown_table(["metric", "plait", "torch / reference", "ratio", "target"], rows)
+    table = markdown_table(["metric", "plait", "torch / reference", "ratio",
+                            "per-step ratio: IQR; p10-p90", "target"], rows)
     formula = {1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
     srows = [[f"ZeRO-{s}", mem["plait"][0]["stages"][s] / MIB, formula[s] / MIB,
               mem["plait"][0]["stages"][s] / formula[s]] for s in (1, 2, 3)]
@@ -337,10 +356,13 @@ target ({0.9 * peak["torch"] / MIB:.1f} MiB) would need smaller units or fewer s
 GPT preset `{args['model']}` (Ψ = {psi / 1e6:.1f}M parameters), seq {args['seq_len']}, global batch
 {args['batch']}, world {args['world']} (Gloo, one thread per rank), AdamW; mixed precision
 {args['mixed_precision']}, offload {args['offload']}{off_note}; {args['iters']} timed steps per side after
-{args['warmup']} warm-up, strictly alternating (plait, plait with backward_prefetch=False, torch);
-total wall {wall:.0f} s; 1-minute load average {args['load'][0]:.1f} at the start,
-{args['load'][1]:.1f} at the end ({os.cpu_count()} cores, shared with other jobs: compare ratios, not
-absolute times).
+{args['warmup']} warm-up, strictly alternating (plait, plait with backward_prefetch=False, torch), so
+step i of each ran back to back. Step-time ratios are per step (step i of plait over step i of
+torch), reported as their median, interquartile range and 10th-90th percentiles over
+{len(timing['times']['torch'])} pairs; the ratio of the median step times is {t['plait'] / t['torch']:.3f}
+({t['plait_lowmem'] / t['torch']:.3f} with backward_prefetch=False). Total wall {wall:.0f} s;
+1-minute load average {args['load'][0]:.1f} at the start, {args['load'][1]:.1f} at the end
+({os.cpu_count()} cores, shared with other jobs: compare ratios, not absolute times).
 
 {table}
 

@@ -7,10 +7,22 @@ Torch's side is `parallelize_module` with `ColwiseParallel` / `RowwiseParallel`,
 torchtitan. Both are built in the same processes from the same initial values, and their
 training steps (forward, loss, backward, AdamW) strictly alternate.
 
-Reports the median step-time ratio plait / torch, plait's bytes per step (counted by
-`plait.comm`) against the Megatron formula, and torch's collective counts for one step
-(`CommDebugMode`). With ``--sequence-parallel`` both sides are also timed with sequence
-parallelism (torch: `SequenceParallel` norms and `PrepareModuleInput` regions, as torchtitan).
+Two patterns, each compared like for like and reported side by side:
+
+* without sequence parallelism: activations replicated between regions. Megatron: 2 all-reduces
+  forward + 2 backward per block. plait's `ParallelRegion` applies Megatron's f once per
+  attention and once per MLP; torch gets the same with `PrepareModuleInput` on `attn` and `mlp`
+  (q/k/v, and gate/up, then share one replicated input, whose gradient is all-reduced once);
+* with sequence parallelism: activations split by sequence between regions, each all-reduce
+  becomes an all-gather + a reduce-scatter (torch: `SequenceParallel` norms and
+  `PrepareModuleInput` regions, as torchtitan).
+
+A third torch variant, projections parallelized one by one with no region input (torch's
+plan when only the linears are named), all-reduces the input gradient of q, k, v, gate and up
+separately: 5 backward all-reduces per block instead of 2. It is timed as a reference, not as
+the headline. Reports the median of the per-step ratios plait / torch with p10-p90, the
+collectives per step of every variant (plait's counted by `plait.comm`, torch's by wrapping its
+functional collectives) against Megatron's counts, and plait's bytes against the formula.
 
 Run: ``plait bench tp`` (``--help`` for sizes; the defaults take a few minutes on 2 CPUs).
 """
@@ -18,11 +30,12 @@ Run: ``plait bench tp`` (``--help`` for sizes; the defaults take a few minutes o
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
-from bench.common import alternate, markdown_table, median, write_section
+from bench.common import alternate, markdown_table, median, paired_ratios, spread, write_section
 
 WORLD = 2
 MIB = 2**20
@@ -57,7 +70,10 @@ def _build_plait(args: dict, sequence_parallel: bool):
     return model, loss_fn_for(model)
 
 
-def _build_torch(args: dict, sequence_parallel: bool = False):
+def _build_torch(args: dict, sequence_parallel: bool = False, region_input: bool = True):
+    """torch's side. ``region_input``: one `PrepareModuleInput` per attention and MLP, so the
+    column-parallel projections share their input and its gradient is reduced once (Megatron's
+    f); without it each projection reduces its own input gradient (only without SP)."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import DeviceMesh
@@ -92,10 +108,14 @@ def _build_torch(args: dict, sequence_parallel: bool = False):
         plan[f"{pre}attn.o_proj"] = RowwiseParallel(output_layouts=seq)
         plan.update({f"{pre}mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")})
         plan[f"{pre}mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
-        if sequence_parallel:
-            for region in ("attn", "mlp"):
+        for region in ("attn", "mlp"):
+            if sequence_parallel:
                 plan[f"{pre}{region}_norm"] = SequenceParallel()
-                plan[f"{pre}{region}"] = PrepareModuleInput(input_layouts=(Shard(1),),
+            if sequence_parallel or region_input:
+                # The region's input as one replicated DTensor: forward all-gathers it (SP) or
+                # passes it through; backward sums the projections' partial input gradients as
+                # DTensors, then reduce-scatters (SP) or all-reduces them once.
+                plan[f"{pre}{region}"] = PrepareModuleInput(input_layouts=(seq,),
                                                             desired_input_layouts=(Replicate(),))
     model = parallelize_module(model, mesh, plan)
 
@@ -123,30 +143,51 @@ def _step_fn(model, loss_fn, opt, x, y, losses: list[float]):
     return step
 
 
+# name -> (side, sequence parallel, torch region input); the pairs below compare equal patterns.
+VARIANTS = {
+    "plait": ("plait", False, True),
+    "torch": ("torch", False, True),
+    "plait-sp": ("plait", True, True),
+    "torch-sp": ("torch", True, True),
+    "torch-per-proj": ("torch", False, False),
+}
+PAIRS = (("plait", "torch", "without sequence parallelism"),
+         ("plait-sp", "torch-sp", "both with sequence parallelism"),
+         ("plait", "torch-per-proj", "reference: torch's projections parallelized one by one"))
+
+
+def _act_bytes(args: dict) -> int:
+    """One activation, b·s·h fp32: what each of Megatron's block collectives moves."""
+    return args["batch"] * args["seq_len"] * _cfg(args).d_model * 4
+
+
 def timing_job(args: dict) -> dict:
     from plait import comm
 
     x, y = _batch(args)
-    built = {"plait": _build_plait(args, False), "torch": _build_torch(args)}
-    if args["sequence_parallel"]:
-        built["plait-sp"] = _build_plait(args, True)
-        built["torch-sp"] = _build_torch(args, True)
+    built = {}
+    for name, (side, sp, region) in VARIANTS.items():
+        built[name] = _build_plait(args, sp) if side == "plait" else _build_torch(args, sp, region)
     losses: dict[str, list[float]] = {k: [] for k in built}
     steps = {}
     for k, (model, loss_fn) in built.items():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
         steps[k] = _step_fn(model, loss_fn, opt, x, y, losses[k])
     times = alternate(steps, warmup=args["warmup"], iters=args["iters"])
-    out: dict = {"times": times, "losses": losses, "comm": {}}
-    for k in steps:
-        if k.startswith("plait"):
+    # One more step of each, counting its collectives (after the timed ones: counting is not timed).
+    counts: dict[str, dict[str, list[int]]] = {}
+    act = _act_bytes(args)
+    for k, step in steps.items():
+        if VARIANTS[k][0] == "plait":
             comm.reset_stats()
-            steps[k]()
-            out["comm"][k] = comm.reset_stats().as_dict()
-    with _CountFuncol() as counter:
-        steps["torch"]()
-    out["torch_counts"] = counter.counts
-    return out
+            step()
+            counts[k] = {op.split("@")[0]: [int(v["calls"]), round(v["bytes"] / act), int(v["bytes"])]
+                         for op, v in comm.reset_stats().as_dict().items() if op.endswith("@tp")}
+        else:
+            with _CountFuncol(act) as counter:
+                step()
+            counts[k] = counter.counts
+    return {"times": times, "losses": losses, "counts": counts}
 
 
 class _CountFuncol:
@@ -154,24 +195,34 @@ class _CountFuncol:
 
     `CommDebugMode` would be the tool, but its module tracker fails on this model in this torch
     version, so the functional-collective entry points are wrapped for the duration instead.
+    Each entry: [calls, activation-sized calls, logical bytes], where a collective is
+    activation-sized if its full tensor (gathered or reduced) is one b·s·h activation or more,
+    and logical bytes count the full tensor, as `plait.comm` does.
     """
 
-    NAMES = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single")
+    NAMES = {"all_reduce": "all_reduce", "all_gather_tensor": "all_gather", "all_gather_single": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+             "all_to_all_single": "all_to_all"}
+
+    def __init__(self, act_bytes: int) -> None:
+        self.act_bytes = act_bytes
+        self.counts: dict[str, list[int]] = {}
 
     def __enter__(self) -> _CountFuncol:
         import torch.distributed._functional_collectives as funcol
 
-        self.counts: dict[str, list[int]] = {}
         self._saved = {n: getattr(funcol, n) for n in self.NAMES}
         for n, fn in self._saved.items():
-            setattr(funcol, n, self._wrap(n, fn))
+            setattr(funcol, n, self._wrap(self.NAMES[n], fn))
         return self
 
     def _wrap(self, name: str, fn):
         def counted(t, *a, **kw):
-            calls_bytes = self.counts.setdefault(name, [0, 0])
-            calls_bytes[0] += 1
-            calls_bytes[1] += t.numel() * t.element_size()
+            full = t.numel() * t.element_size() * (WORLD if name == "all_gather" else 1)
+            entry = self.counts.setdefault(name, [0, 0, 0])
+            entry[0] += 1
+            entry[1] += full >= self.act_bytes
+            entry[2] += full
             return fn(t, *a, **kw)
         return counted
 
@@ -187,89 +238,126 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="small", help="GPT preset (default small)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="batch (the same on both tp ranks)")
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=int, default=40, help="timed steps per variant (default 40)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--sequence-parallel", action="store_true", help="also time both sides with SP")
     p.add_argument("--no-write", action="store_true", help="print only; do not update bench/results")
     a = p.parse_args(argv)
-    args = {k: getattr(a, k) for k in ("model", "seq_len", "batch", "iters", "warmup", "sequence_parallel")}
+    args = {k: getattr(a, k) for k in ("model", "seq_len", "batch", "iters", "warmup")}
     from plait.testing import RankPool
 
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()[0]
     pool = RankPool(WORLD, timeout_s=900)
     try:
         res = pool.run(timing_job, args)[0]
     finally:
         pool.close()
+    args["load"] = (load0, os.getloadavg()[0])  # other jobs share the cores: times are relative
     body = _report(args, res, time.time() - t0)
     print(body)
     if not a.no_write:
         write_section("tp", "Tensor parallel: plait vs PyTorch DTensor (parallelize_module), tp=2", body,
-                      command="plait bench tp " + " ".join(argv))
+                      command=" ".join(["plait bench tp", *argv]))
     return 0
 
 
 def _theory(args: dict) -> dict[str, float]:
     """Megatron's logical bytes per training step at tp=2 (fp32), without sequence parallelism."""
-    cfg = _cfg(args)
-    act = args["batch"] * args["seq_len"] * cfg.d_model * 4
-    tokens = args["batch"] * args["seq_len"] * 4
-    blocks = 4 * cfg.n_layers * act  # 2 all-reduces forward + 2 backward per block
+    act, tokens = _act_bytes(args), args["batch"] * args["seq_len"] * 4
+    blocks = 4 * _cfg(args).n_layers * act  # 2 all-reduces forward + 2 backward per block
     # Embedding all-reduce (forward), lm_head input all-reduce (backward), and the loss's per-token
     # max and (sum-exp, target logit) all-reduces.
     return {"blocks": blocks, "total": blocks + 2 * act + 3 * tokens}
 
 
+def _timing_table(res: dict) -> str:
+    rows = []
+    for mine, theirs, what in PAIRS:
+        a, b = res["times"][mine], res["times"][theirs]
+        r = spread(paired_ratios(a, b))
+        rows.append([what, median(a), median(b), r.median, f"{r.p25:.3f}-{r.p75:.3f}",
+                     f"{r.p10:.3f}-{r.p90:.3f}", "<= 0.9" if theirs == "torch" else ""])
+    return markdown_table(["pattern", "plait median step (s)", "torch median step (s)",
+                           "median per-step ratio plait / torch", "IQR", "p10-p90", "target"], rows)
+
+
+def _counts_table(args: dict, res: dict) -> str:
+    n_layers = _cfg(args).n_layers
+    megatron = 4 * n_layers + 2  # 4 per block (2 forward + 2 backward) + embedding + lm_head
+    c = res["counts"]
+
+    def cell(k: str, op: str) -> str:
+        calls, act, _ = c[k].get(op, [0, 0, 0])
+        return f"{calls} ({act})"
+
+    rows = [["no SP", "all-reduce", megatron, cell("plait", "all_reduce"), cell("torch", "all_reduce")]]
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        rows.append(["SP", op.replace("_", "-"), megatron if op != "all_reduce" else 0,
+                     cell("plait-sp", op), cell("torch-sp", op)])
+    rows.append(["no SP, torch per projection", "all-reduce", megatron, cell("plait", "all_reduce"),
+                 cell("torch-per-proj", "all_reduce")])
+    return markdown_table(["pattern", "collective", "Megatron: activation-sized calls",
+                           "plait: calls (activation-sized)", "torch: calls (activation-sized)"], rows)
+
+
+def _bytes_table(args: dict, res: dict) -> str:
+    th = _theory(args)
+    ar = res["counts"]["plait"].get("all_reduce", [0, 0, 0])
+    sp = res["counts"]["plait-sp"]
+    sp_bytes = sp.get("all_gather", [0, 0, 0])[2] + sp.get("reduce_scatter", [0, 0, 0])[2]
+    sp_theory = 2 * (th["total"] - 3 * args["batch"] * args["seq_len"] * 4)
+    rows = [["no SP: all-reduce logical bytes / step (MiB)", ar[2] / MIB, th["total"] / MIB,
+             ar[2] / th["total"]],
+            ["  of which the blocks' (MiB), 4·L·b·s·h·4", th["blocks"] / MIB, th["blocks"] / MIB, ""],
+            ["SP: all-gather + reduce-scatter logical bytes / step (MiB)", sp_bytes / MIB, sp_theory / MIB,
+             sp_bytes / sp_theory]]
+    return markdown_table(["plait communication", "measured", "Megatron", "ratio"], rows)
+
+
 def _report(args: dict, res: dict, wall: float) -> str:
     cfg = _cfg(args)
-    med = {k: median(v) for k, v in res["times"].items()}
-    rows = [["median step time (s)", med["plait"], med["torch"], med["plait"] / med["torch"], "<= 0.9"]]
-    if "plait-sp" in med:
-        rows.append(["median step time (s), both with sequence parallelism", med["plait-sp"],
-                     med["torch-sp"], med["plait-sp"] / med["torch-sp"], ""])
-    table = markdown_table(["metric", "plait", "torch", "ratio", "target"], rows)
-    th = _theory(args)
-    c = res["comm"]["plait"]
-    ring = 2 * (WORLD - 1) / WORLD
-    ar = c.get("all_reduce@tp", {"calls": 0, "bytes": 0, "wire_bytes": 0})
-    brows = [["all-reduce calls / step", ar["calls"], 4 * cfg.n_layers + 4,
-              "4 per block + embedding + lm_head + 2 in the loss"],
-             ["all-reduce logical bytes / step (MiB)", ar["bytes"] / MIB, th["total"] / MIB,
-              f"{ar['bytes'] / th['total']:.4f}"],
-             ["  of which the blocks' (MiB), 4·L·b·s·h·4", th["blocks"] / MIB, th["blocks"] / MIB, ""],
-             ["all-reduce wire bytes / rank / step (MiB), ring 2(n-1)/n", ar["wire_bytes"] / MIB,
-              th["total"] * ring / MIB, ""]]
-    if "plait-sp" in res["comm"]:
-        s = res["comm"]["plait-sp"]
-        ag, rs = s.get("all_gather@tp", {}), s.get("reduce_scatter@tp", {})
-        ar2 = s.get("all_reduce@tp", {"calls": 0, "bytes": 0})
-        # Each all-reduce of X bytes becomes an all-gather + a reduce-scatter of X: the same ring
-        # wire bytes, 2(n-1)/n·X (the loss's per-token all-reduces are unchanged).
-        sp_theory = (th["total"] - 3 * args["batch"] * args["seq_len"] * 4) * ring
-        note = (f"{ag.get('calls', 0)} all-gathers + {rs.get('calls', 0)} reduce-scatters; plus "
-                f"{ar2['calls']} small all-reduces (loss, norm-weight gradients)")
-        brows.append(["SP: all-gather + reduce-scatter wire bytes / rank / step (MiB)",
-                      (ag.get("wire_bytes", 0) + rs.get("wire_bytes", 0)) / MIB, sp_theory / MIB, note])
-    btable = markdown_table(["plait communication", "measured", "theory", "note"], brows)
-    torch_counts = ", ".join(f"{k}: {v[0]} calls, {v[1] / MIB:.2f} MiB"
-                             for k, v in sorted(res["torch_counts"].items())) or "none seen"
-    lp, lt = res["losses"]["plait"], res["losses"]["torch"]
+    lo = res["losses"]
+    first = ", ".join(f"{k} {v[0]:.6f}" for k, v in lo.items())
+    last = ", ".join(f"{k} {v[-1]:.6f}" for k, v in lo.items())
     return f"""
-GPT preset `{args['model']}` (d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads,
-vocabulary {cfg.vocab_size}), seq {args['seq_len']}, batch {args['batch']} on both tp ranks, tp={WORLD}
-(Gloo, one thread per rank), AdamW; {args['iters']} timed steps per side after {args['warmup']}
-warm-up, strictly alternating; total wall {wall:.0f} s.
+GPT preset `{args['model']}` (d_model {cfg.d_model}, {cfg.n_layers} layers, {cfg.n_heads} heads, vocabulary
+{cfg.vocab_size}), seq {args['seq_len']}, batch {args['batch']} on both tp ranks, tp={WORLD} (Gloo, one
+thread per rank), AdamW. {len(VARIANTS)} variants built in the same processes ({", ".join(VARIANTS)});
+{args['iters']} timed steps each after {args['warmup']} warm-up, strictly alternating, so step i of every
+variant ran back to back. Ratios are per step (step i of plait over step i of torch), reported
+as their median, interquartile range and 10th-90th percentiles. Total wall {wall:.0f} s; 1-minute
+load average {args['load'][0]:.1f} at the start, {args['load'][1]:.1f} at the end ({os.cpu_count()} cores,
+shared with other jobs: compare ratios, not absolute times).
 
-{table}
+{_timing_table(res)}
 
-{btable}
+Collectives in one training step (forward, loss, backward) on the tp group, Megatron's
+count for L = {cfg.n_layers} blocks: without SP 4 all-reduces per block (2 forward, 2 backward)
++ the embedding's (forward) + the lm_head input's (backward) = 4L+2; with SP each of those
+becomes an all-gather + a reduce-scatter, 4L+2 of each. Activation-sized: the full tensor is one
+b·s·h activation ({_act_bytes(args) / MIB:.2f} MiB; plait's counted as logical bytes / that size).
+The rest are small: the loss's per-token all-reduces (plait 2: max, then sum-exp and target
+logit together; torch's `loss_parallel` its own), and with SP the norm weights' gradient sums
+(2L+1 norms). plait's counts come from `plait.comm.stats()`, torch's from wrapping its
+functional collectives.
 
-Torch's functional collectives in one step (input bytes): {torch_counts}. Its per-layer
-`ColwiseParallel` all-reduces the input gradient of q, k, v, gate and up separately (5 per block
-in backward); plait's `ParallelRegion` applies Megatron's f once per attention and once per MLP.
+{_counts_table(args, res)}
 
-Sanity: same initial values and batch on both sides; loss at step 1 plait {lp[0]:.6f}, torch
-{lt[0]:.6f}; after step {len(lp)} plait {lp[-1]:.6f}, torch {lt[-1]:.6f}.
+Torch's small all-reduces with SP: its `SequenceParallel` leaves each norm weight's gradient
+`Partial(sum)` (not reduced in backward), and AdamW's operations on it then reduce it again each
+time they read it (3 per norm per step in this torch version, 1 KiB each); plait sums each norm
+weight's gradient once, in backward.
+
+Torch's per-projection plan (no region input) all-reduces the input gradient of q, k, v, gate and
+up separately, 5 per block in backward instead of Megatron's 2; the headline compares plait with
+the torch plan that has Megatron's pattern.
+
+{_bytes_table(args, res)}
+
+Ring wire bytes per rank are the same for both patterns: an all-reduce of X sends 2(n-1)/n·X, an
+all-gather and a reduce-scatter of X (n-1)/n·X each.
+
+Sanity: same initial values and batch on all sides; loss at step 1: {first}.
+After step {len(lo['plait'])}: {last}.
 """
 
 
