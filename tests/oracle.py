@@ -25,8 +25,8 @@ def global_batches(steps: int, batch: int, seq: int = 16, vocab: int = 64, seed:
 
 
 def loss64(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy in the logits' dtype: `lm_loss` computes in float32, which would cap a float64
-    comparison at float32's rounding."""
+    """Cross-entropy in the logits' dtype: `lm_loss` for float32 and float64 logits (it raises only
+    lower precisions to float32)."""
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 

@@ -143,9 +143,9 @@ def test_fsdp2_tp2_matches_single_process(pools):
 def _vocab_parallel_step(family: str) -> None:
     """One step with the logits left split by vocabulary and `plait.loss_fn_for`'s loss.
 
-    That loss computes in float32 (`plait.tp.loss`), so this compares at float32 precision:
-    ``rtol=1e-5``, and ``atol=1e-7`` for gradient entries near zero, where float32 rounding of
-    the softmax (~6e-8 of the largest logit's probability) is all there is."""
+    Compared at ``rtol=1e-5``, ``atol=1e-7``: the bounds set when that loss (`plait.tp.loss`)
+    computed in float32, where rounding of the softmax (~6e-8 of the largest logit's
+    probability) was all there was near zero; it now keeps float64 logits in float64."""
     import plait
     from plait.testing import cached_mesh
 
