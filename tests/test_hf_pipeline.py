@@ -6,10 +6,11 @@ a residual across the cut, keyword arguments between modules and a dict output. 
 module names or balanced, runs every schedule at pp=2 on 2 Gloo ranks (gpipe, 1f1b, interleaved
 with 2 chunks, zb-h1) and trains 5 default AdamW steps next to an unsplit copy in float64; the
 untied Llama also runs pp=2 x tp=2 on 4 ranks with `plait.plan_for`'s plan (1F1B, ZB-H1, and 1F1B
-with sequence parallelism), each rank compared with its slice of the oracle. Stages run the model's
-own forward with the other stages' layers stood in for: rotary tables, masks and position ids are
-recomputed on every stage, while the embedding's output (the residual) and the keyword arguments
-computed from it are sent.
+with sequence parallelism), and so does GPT-2, whose embedding on the first stage is tied to the LM
+head on the last (ZB-H1 with sequence parallelism), each rank compared with its slice of the oracle.
+Stages run the model's own forward with the other stages' layers stood in for: rotary tables, masks
+and position ids are recomputed on every stage, while the embedding's output (the residual) and the
+keyword arguments computed from it are sent.
 
 Tolerances: rtol=1e-9, atol=1e-12 on float64 gradients and parameters: the pipeline averages
 microbatch losses where the oracle takes one mean over the batch, equal in exact arithmetic, so
@@ -158,21 +159,22 @@ def test_every_schedule_matches_one_process(pools, kind, mask):
         assert out[0]["stages"]["interleaved"][0] == ["embed"] and len(out[0]["stages"]["interleaved"]) == 4
 
 
-def _pp_tp() -> dict:
+def _pp_tp(kind: str, runs: list[tuple[str, bool]]) -> dict:
     import plait
     from plait.pipeline import pipeline
 
     mesh = cached_mesh(pp=2, tp=2)
-    base, named = _model("llama")
+    base, named = _model(kind)
     worst: dict[str, float] = {}
-    for schedule, sp in [("1f1b", False), ("zb-h1", False), ("1f1b", True)]:
+    tied: dict[str, torch.Tensor] = {}
+    for schedule, sp in runs:
         oracle, model = copy.deepcopy(base), copy.deepcopy(base)
         pipe = pipeline(model, mesh, split=named, schedule=schedule, microbatches=M, loss_fn=_loss,
                         tp_plan=plait.plan_for(model), sequence_parallel=sp)
         assert pipe.tp_info is not None
         specs = pipe.tp_info.specs
         mine = dict(pipe.named_parameters())
-        ref = dict(oracle.named_parameters())
+        ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
 
         def want(n: str, t: torch.Tensor, specs: dict = specs) -> torch.Tensor:
             return specs[n].take(t.detach()) if n in specs else t.detach()
@@ -198,12 +200,27 @@ def _pp_tp() -> dict:
                                        msg=lambda s, n=n: f"param {n}: {s}")
             diff = max(diff, float((p.detach() - want(n, ref[n])).abs().max()))
         worst[f"{schedule}{' sp' if sp else ''}"] = diff
-    return {"worst": worst, "coords": mesh.coords}
+        tied.update({f"{schedule} {n}": mine[n].detach() for n in ("transformer.wte.weight", "lm_head.weight")
+                     if kind == "gpt2" and n in mine})
+    return {"worst": worst, "coords": mesh.coords, "tied": tied}
 
 
 def test_pp2_tp2_llama_matches_one_process(pools):
-    out = pools[4].run(_pp_tp)
+    out = pools[4].run(_pp_tp, "llama", [("1f1b", False), ("zb-h1", False), ("1f1b", True)])
     assert sorted((o["coords"]["pp"], o["coords"]["tp"]) for o in out) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_pp2_tp2_gpt2_embedding_tied_across_pp_ranks_matches_one_process(pools):
+    # wte (first stage) is lm_head (last stage), both split by vocabulary over tp: each tp rank's
+    # copies are the same rows, their gradients summed between the two pp ranks of its coordinate.
+    # ZB-H1 with sequence parallelism: the B/W split and sequence-split activations at once.
+    out = pools[4].run(_pp_tp, "gpt2", [("zb-h1", True)])
+    by = {(o["coords"]["pp"], o["coords"]["tp"]): o["tied"] for o in out}
+    for t in (0, 1):  # the copies stayed identical, bit for bit
+        first, last = by[0, t], by[1, t]
+        assert list(first) == ["zb-h1 transformer.wte.weight"] and list(last) == ["zb-h1 lm_head.weight"]
+        torch.testing.assert_close(first["zb-h1 transformer.wte.weight"], last["zb-h1 lm_head.weight"],
+                                   rtol=0, atol=0)
 
 
 def test_what_crosses_each_cut():

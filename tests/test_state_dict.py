@@ -108,7 +108,7 @@ LAYOUTS = [  # (world, layout, mesh axes, GPT config, data strategy, zero stage)
     (4, "ddp-tp", {"dp": 2, "tp": 2}, UNEVEN, "ddp", 3),
     (4, "fsdp-tp", {"fsdp": 2, "tp": 2}, {**UNEVEN, "tie_embeddings": True}, "fsdp", 3),
     (2, "pipeline", {"pp": 2}, TIED, "ddp", 3),  # tok_emb on rank 0 tied to lm_head on rank 1
-    (4, "pipeline-tp", {"pp": 2, "tp": 2}, UNEVEN, "ddp", 3),
+    (4, "pipeline-tp", {"pp": 2, "tp": 2}, {**UNEVEN, "tie_embeddings": True}, "ddp", 3),  # padded shards
 ]
 
 

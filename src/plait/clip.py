@@ -11,7 +11,9 @@ process groups over which those tensors are disjoint pieces of the model (``grad
   are equal, so they must not be summed over dp).
 
 The same keys exist on every rank (a part may be empty), so every rank issues the same
-all-reduces: one per group, of the sums of every part that includes it.
+all-reduces: one per group, of the sums of every part that includes it. A wrapper holding copies
+of a gradient counted on another rank (a pipeline's weight tied across pp ranks) lists them in
+``grad_copies()``: scaled like the rest, left out of the norm.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ GradParts = dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]
 def clip_grad_norm_(model: nn.Module | Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for ``model`` in any layout; returns the total norm
     before clipping, the same on every rank. An infinite ``max_norm`` only measures."""
-    return clip_parts_(grad_norm_parts(model), max_norm, norm_type)
+    copies = getattr(model, "grad_copies", None)
+    return clip_parts_(grad_norm_parts(model), max_norm, norm_type, copies() if copies is not None else ())
 
 
 def grad_norm_parts(model: nn.Module | Any) -> GradParts:
@@ -53,8 +56,10 @@ def grad_norm_parts(model: nn.Module | Any) -> GradParts:
 
 
 @torch.no_grad()
-def clip_parts_(parts: GradParts, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale every gradient in ``parts`` by torch's coefficient for their joint ``norm_type`` norm."""
+def clip_parts_(parts: GradParts, max_norm: float, norm_type: float = 2.0,
+                copies: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """Scale every gradient in ``parts``, and ``copies`` (not counted), by torch's coefficient for
+    the joint ``norm_type`` norm of ``parts``."""
     keys = list(parts)
     grads = [g for key in keys for g in parts[key]]
     dev = grads[0].device if grads else comm.device_of(next((k[0] for k in keys if k), None))
@@ -75,7 +80,7 @@ def clip_parts_(parts: GradParts, max_norm: float, norm_type: float = 2.0) -> to
     total = local.max() if inf else local.sum() ** (1.0 / norm_type)
     if max_norm != float("inf"):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's formula
-        for g in grads:
+        for g in [*grads, *copies]:
             g.detach().mul_(coef.to(g.device, g.dtype))
     # As torch returns it: in the gradients' dtype (float32 at least).
     return total.to(torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float32)

@@ -23,7 +23,7 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import materialize_segments, named_view, plan_stages, segments
 from plait.pipeline.ties import find_ties, first_owners, sync_grads, tie_groups
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
-from plait.tp.apply import TPInfo, loss_fn_for, mark_part, tensor_parallel, tp_info
+from plait.tp.apply import TPInfo, check_tied_splits, loss_fn_for, mark_part, tensor_parallel, tp_info
 
 if TYPE_CHECKING:
     from plait.clip import GradParts
@@ -43,7 +43,9 @@ class Pipeline:
     model's forward returns.
 
     A weight shared by stages on different pp ranks (a tied embedding and LM head) is kept as one
-    copy per rank, initialised from its first owner; `step` sums the copies' gradients.
+    copy per rank, initialised from its first owner; `step` sums the copies' gradients. With a
+    ``tp_plan`` each copy is this rank's tp shard, and the sum runs between the pp ranks of the same
+    tp coordinate (the plan must split every use alike, as vocabulary-parallel embedding and head do).
 
     With ``tp_plan`` (pp x tp), this rank's stages are tensor-parallel over ``mesh.group('tp')``:
     see `pipeline`. ``tp_module`` is then the `plait.tp` module holding this rank's
@@ -94,10 +96,9 @@ class Pipeline:
         self.stage_names = [[segs[i][0] for i in idx] for idx in plan]
         ties = find_ties(segs, plan, self.sched)
         if tp_plan is not None and ties:
-            shared = [t.names for t in ties]
-            raise ValueError(f"pipeline: tp_plan with weights shared across pp ranks ({shared}) is not "
-                             "supported; untie them (e.g. GPTConfig(tie_embeddings=False)) or put "
-                             "their users on one pp rank with split=")
+            # A tied weight's copies are summed per tp coordinate (tie_groups), so every use must
+            # split it alike: the same rows on the same tp rank.
+            check_tied_splits(module, tp_plan, tp=mesh.size("tp"))
         mine = self.sched.rank_stages(self.rank)
         check_wrappable(stage_wrapper, {s: [p for i in plan[s] for p in segs[i][1].parameters()]
                                         for s in mine}, ties)
@@ -143,8 +144,10 @@ class Pipeline:
             # All of this rank's stages in one tensor_parallel call (one TPInfo, ties inside the rank
             # kept), under the original names: plan patterns match and a meta module gets its init
             # values from full_values under its own name, one module at a time, keeping its shard.
+            # A weight tied to another rank's module takes its first owner's values, as below.
             self.tp_module = tensor_parallel(named_view(my_segs), mesh, tp_plan,
-                                             sequence_parallel=sequence_parallel, seed=seed, strict=False)
+                                             sequence_parallel=sequence_parallel, seed=seed, strict=False,
+                                             first_owner=first_owners(module))
             if loss_fn is None:
                 loss_fn = loss_fn_for(self.tp_module)
         elif is_meta(module) and not (wrapper is not None and wrapper.materializes):
@@ -266,19 +269,25 @@ class Pipeline:
             return None
         return [(cast(StateHoldingStage, self.stages[s]), self._state_keys[s]) for s in sorted(self.stages)]
 
-    def grad_norm_parts(self) -> GradParts:
-        """Each stage's parts as its wrapper (or tensor parallelism) describes them, all disjoint over
-        pp as well, since stages hold disjoint parameters (`plait.clip`). A weight tied across pp
-        ranks counts once: the copies that are not its first owner's are left out."""
-        from plait.clip import grad_norm_parts
-
+    def grad_copies(self) -> list[torch.Tensor]:
+        """Gradients of this rank's copies of weights tied across pp ranks that are not the first
+        owner's: equal to the first owner's after `step`, so `plait.clip` scales them but counts
+        only the first owner's."""
         firsts = set(self.tied_names.values())
         names: dict[int, tuple[nn.Parameter, list[str]]] = {}
         for st in self._inner.values():
             for n, p in st.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), (p, []))[1].append(n)
-        copies = {id(p.grad) for p, ns in names.values() if p.grad is not None
-                  and any(n in self.tied_names for n in ns) and not any(n in firsts for n in ns)}
+        return [p.grad for p, ns in names.values() if p.grad is not None
+                and any(n in self.tied_names for n in ns) and not any(n in firsts for n in ns)]
+
+    def grad_norm_parts(self) -> GradParts:
+        """Each stage's parts as its wrapper (or tensor parallelism) describes them, all disjoint over
+        pp as well, since stages hold disjoint parameters (`plait.clip`). A weight tied across pp
+        ranks counts once: the copies that are not its first owner's (`grad_copies`) are left out."""
+        from plait.clip import grad_norm_parts
+
+        copies = {id(g) for g in self.grad_copies()}
         parts: GradParts = {}
         for s in sorted(self.stages):
             for key, grads in grad_norm_parts(self.stages[s]).items():
@@ -401,8 +410,9 @@ def pipeline(module: nn.Module, mesh: Mesh, split: str | Sequence[str] = "auto",
     the activations between stages are then split by sequence over tp, each rank exchanging
     its part with its own pp group. Weight gradients of sequence-split norms are summed over tp
     inside W, so W's run exactly where the list puts them (not pulled into waits), keeping the
-    tp ranks' collectives in the same order. Not supported with ``tp_plan``: weights tied
-    across pp ranks.
+    tp ranks' collectives in the same order. A weight tied across pp ranks (an embedding and
+    LM head both split by vocabulary) is summed shard by shard between the pp ranks of the same
+    tp coordinate; a plan that splits its uses differently is refused.
 
     ``p2p``: how stages exchange data. Either way every receive of a step is posted when it
     starts. ``"tagged"``: all messages on the default group, matched by tag (Gloo).

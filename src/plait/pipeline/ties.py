@@ -5,6 +5,10 @@ in ``named_modules()`` order (the single-process oracle's rule). After every bac
 gradients are summed over the ranks that share the tensor (one all-reduce on a small group per
 tie), so identical optimizer steps keep the copies equal. This is how Megatron-LM handles the
 shared word embedding under pipeline parallelism (Narayanan et al. 2021, sec. 4).
+
+With tensor parallelism each copy is the rank's tp shard: the groups join the pp ranks of the same
+coordinate on every other axis (tp included), so a tensor split alike at every use (vocabulary-
+parallel embedding and LM head: the same rows on the same tp rank) is summed shard by shard.
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["tensor_parallel", "check_plan", "assign_styles", "loss_fn_for", "tp_info", "tp_module",
-           "mark_part", "TPInfo"]
+__all__ = ["tensor_parallel", "check_plan", "check_tied_splits", "assign_styles", "loss_fn_for", "tp_info",
+           "tp_module", "mark_part", "TPInfo"]
 
 Plan = Mapping[str, Style]
 # Names of a forward's first parameter that mean "token ids": the dry run can make such an input.
@@ -76,6 +76,7 @@ class TPInfo:
 def tensor_parallel(
     module: nn.Module, mesh: Mesh, plan: Plan, *, sequence_parallel: bool = False, seed: int = 0,
     strict: bool = True, example_inputs: Any = None, check: bool = True,
+    first_owner: dict[int, tuple[str, nn.Module, str]] | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place over ``mesh.group('tp')`` following ``plan``; return it.
 
@@ -91,6 +92,9 @@ def tensor_parallel(
     `check_plan`), or on token ids it makes itself when ``forward``'s first parameter is named
     like them; otherwise on the first call's own inputs, before that call communicates.
     ``check=False`` skips the dry run (a model whose forward cannot run on meta tensors).
+    ``first_owner`` (id -> qualified name, module, attribute; see `plait.materialize.materialize`)
+    gives a meta tensor tied to a module outside ``module`` its first owner's initial values (a
+    pipeline's last stage holding the LM head tied to the first stage's embedding).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"tensor_parallel(module=...) expects an nn.Module, got {type(module).__name__}")
@@ -124,7 +128,7 @@ def tensor_parallel(
     if check:
         later = _check_now_or_later(module, plan, n, bool(sequence_parallel), strict, example_inputs)
 
-    materialize(module, seed, _keep_tp_shard(specs, dev))
+    materialize(module, seed, _keep_tp_shard(specs, dev), first_owner)
     for name, style in ctx.assigned.items():
         style.install(modules[name], name, ctx)
     if later is not None:  # first in line: before any hook of the call communicates
@@ -214,6 +218,23 @@ def check_plan(module: nn.Module, plan: Plan, *, tp: int, sequence_parallel: boo
         raise TypeError(f"check_plan: {type(module).__name__}.forward does not take token ids as its first "
                         "argument; pass example_inputs=(args...) or {kwargs...}")
     _dry_run_plan(module, plan, tp, sequence_parallel, strict, inputs)
+
+
+def check_tied_splits(module: nn.Module, plan: Plan, *, tp: int) -> None:
+    """Refuse ``plan`` when it splits a tensor shared by several modules of ``module`` (an
+    embedding tied to the LM head) differently at its uses, e.g. the embedding by vocabulary and
+    the head not at all. A pipeline keeps such a tensor as one copy per pp rank and sums the
+    copies' gradients between the ranks of the same tp coordinate, which is exact only when each
+    tp rank holds the same rows at every use (`VocabParallelEmbedding` and `VocabParallelOutput`
+    both take rows ``[r * ceil(V / tp), ...)``, padding included). Nothing communicates and
+    ``module`` is not changed."""
+    ctx = TPContext(group=None, size=tp, rank=0, sequence_parallel=False, rng=RNGFork(0, torch.device("cpu")),
+                    seq_grads=SequenceShardGrads(None))
+    ctx.assigned = assign_styles(module, plan, strict=False)
+    modules = dict(module.named_modules())
+    for name, style in ctx.assigned.items():
+        style.validate(modules[name], name, ctx)
+    _param_specs(module, ctx)  # raises for a tied tensor split two ways
 
 
 def _example_inputs(module: nn.Module, n: int, given: Any) -> tuple[tuple, dict] | None:
