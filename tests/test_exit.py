@@ -16,7 +16,7 @@ from pathlib import Path
 
 from plait.env import free_port
 
-LAUNCHES = 20
+LAUNCHES = 10
 AT_ONCE = 2  # launches running side by side (each is 2 processes)
 
 # Ends right after its last collective: the moment the abort used to strike.
