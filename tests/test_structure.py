@@ -80,3 +80,16 @@ def test_the_library_never_imports_the_application():
     bad = sorted(f"{m} imports {t}" for m, deps in _imports(_modules()).items() for t, _ in deps
                  if not m.startswith("plait.app") and m != "plait.__main__" and t.startswith("plait.app"))
     assert not bad, bad
+
+
+def test_the_library_never_imports_transformers():
+    """`transformers` is the optional extra plait[hf]: importing plait (and building a layout's
+    pieces) must not need it; models are recognised by their structure."""
+    import subprocess
+    import sys
+
+    code = ("import sys, plait, plait.models.plans, plait.pipeline, plait.check, plait.tp; "
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
