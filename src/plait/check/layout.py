@@ -119,7 +119,8 @@ class LayoutRun:
 
     def _forward_backward(self, x: Any, y: Any) -> tuple[float, float]:
         """This rank's slice forward and backward; returns the loss averaged over the data ranks and
-        the epsilon of the dtype the layout gave it in (a pipeline reports float32)."""
+        the epsilon of the coarser of the model's dtype and the loss's (a pipeline reports its loss
+        in float64 whatever the model computed it in)."""
         if isinstance(self.layout, Pipeline):
             loss = self.layout.step(x, y)
         else:
@@ -128,7 +129,8 @@ class LayoutRun:
         group = self.mesh.group(DATA_AXES)
         t = torch.tensor([float(loss.detach())], dtype=torch.float64, device=comm.device_of(group))
         comm.all_reduce(t, group)
-        return float(t) / self.spec.data_size, torch.finfo(loss.dtype).eps
+        eps = max(torch.finfo(loss.dtype).eps, torch.finfo(self.spec.dtype).eps)
+        return float(t) / self.spec.data_size, eps
 
     def _gather_outputs(self, diff: StepDiff) -> None:
         """Every rank's findings: how many outputs it compared, its worst, its earliest past tolerance."""

@@ -36,11 +36,11 @@ class Pipeline:
 
     ``step(inputs, targets)`` runs forward and backward of the whole batch as ``microbatches``
     microbatches on the schedule, leaves the gradients in ``.grad`` of this rank's parameters and
-    returns the batch's mean loss on every rank of the ``pp`` axis. Pass the same ``inputs`` on
-    every ``pp`` rank: every stage runs the model's forward on them (`plait.pipeline.replay`), so
-    the glue between layers (position ids, masks) is computed where it is used; ``targets`` are
-    read on the rank holding the last stage. ``loss_fn(output, target)`` receives exactly what the
-    model's forward returns.
+    returns the batch's mean loss (a float64 scalar) on every rank of the ``pp`` axis. Pass the
+    same ``inputs`` on every ``pp`` rank: every stage runs the model's forward on them
+    (`plait.pipeline.replay`), so the glue between layers (position ids, masks) is computed where
+    it is used; ``targets`` are read on the rank holding the last stage.
+    ``loss_fn(output, target)`` receives exactly what the model's forward returns.
 
     A weight shared by stages on different pp ranks (a tied embedding and LM head) is kept as one
     copy per rank, initialised from its first owner; `step` sums the copies' gradients. With a
@@ -362,7 +362,9 @@ class Pipeline:
             if not holds_last:
                 return None
             return torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
-        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        # float64 on every pp rank (they must agree on the dtype, and only the last stage knows
+        # the loss's): a float64 model's loss keeps its precision, a lower one loses nothing.
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
         if loss_sum is not None:
             loss.copy_(loss_sum / m)
         # The loss lives on the last stage's rank; every pp rank returns it. An all-reduce (the
