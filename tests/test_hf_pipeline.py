@@ -106,6 +106,35 @@ def _batch(step: int, mask: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tenso
     return (x, am), y
 
 
+def _train_five_steps(pipe, oracle, want, mask: bool) -> tuple[float, tuple]:
+    """Five default AdamW steps of ``pipe`` and ``oracle`` on the same batches: the loss checked at
+    every step, the gradients at the first, the parameters at the end (``want(name, full)``: what
+    this rank holds of the oracle's full tensor). Returns the largest difference and the last batch."""
+    mine = dict(pipe.named_parameters())
+    ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
+    opt, oopt = torch.optim.AdamW(mine.values()), torch.optim.AdamW(oracle.parameters())
+    diff = 0.0
+    for step in range(5):
+        x, y = _batch(step, mask)
+        loss = pipe.step(x, y)
+        ref_loss = _loss(oracle(*x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL64)
+        if step == 0:
+            for n, p in mine.items():
+                torch.testing.assert_close(p.grad, want(n, ref[n].grad), **TOL64,
+                                           msg=lambda s, n=n: f"grad {n}: {s}")
+                diff = max(diff, float((p.grad - want(n, ref[n].grad)).abs().max()))
+        for o in (opt, oopt):
+            o.step()
+            o.zero_grad()
+    for n, p in mine.items():
+        torch.testing.assert_close(p.detach(), want(n, ref[n]), **TOL64,
+                                   msg=lambda s, n=n: f"param {n}: {s}")
+        diff = max(diff, float((p.detach() - want(n, ref[n])).abs().max()))
+    return diff, x
+
+
 def _parity(kind: str, mask: bool = False) -> dict:
     from plait.pipeline import pipeline
 
@@ -117,29 +146,9 @@ def _parity(kind: str, mask: bool = False) -> dict:
         oracle, model = copy.deepcopy(base), copy.deepcopy(base)
         pipe = pipeline(model, mesh, split=named if how == "named" else "auto", schedule=schedule,
                         chunks=chunks, microbatches=M, loss_fn=_loss)
+        diff, x = _train_five_steps(pipe, oracle, lambda n, t: t.detach(), mask)
         mine = dict(pipe.named_parameters())
-        ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
-        opt, oopt = torch.optim.AdamW(mine.values()), torch.optim.AdamW(oracle.parameters())
-        diff = 0.0
-        for step in range(5):
-            x, y = _batch(step, mask)
-            loss = pipe.step(x, y)
-            ref_loss = _loss(oracle(*x), y)
-            ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss.detach(), **TOL64)
-            if step == 0:
-                for n, p in mine.items():
-                    torch.testing.assert_close(p.grad, ref[n].grad, **TOL64,
-                                               msg=lambda s, n=n: f"grad {n}: {s}")
-                    diff = max(diff, float((p.grad - ref[n].grad).abs().max()))
-            for o in (opt, oopt):
-                o.step()
-                o.zero_grad()
         out = pipe.eval_step(x)  # forward only: the model's outputs (one per microbatch) on the last rank
-        for n, p in mine.items():
-            torch.testing.assert_close(p.detach(), ref[n].detach(), **TOL64,
-                                       msg=lambda s, n=n: f"param {n}: {s}")
-            diff = max(diff, float((p.detach() - ref[n].detach()).abs().max()))
         if out is not None:
             with torch.no_grad():
                 want = _logits(oracle(*x))
@@ -179,25 +188,7 @@ def _pp_tp(kind: str, runs: list[tuple[str, bool]]) -> dict:
             return specs[n].take(t.detach()) if n in specs else t.detach()
 
         assert specs and all(p.numel() * 2 == ref[n].numel() for n, p in mine.items() if n in specs)
-        opt, oopt = torch.optim.AdamW(mine.values()), torch.optim.AdamW(oracle.parameters())
-        diff = 0.0
-        for step in range(5):
-            x, y = _batch(step, False)
-            loss = pipe.step(x, y)
-            ref_loss = _loss(oracle(*x), y)
-            ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss.detach(), **TOL64)
-            if step == 0:
-                for n, p in mine.items():
-                    torch.testing.assert_close(p.grad, want(n, ref[n].grad), **TOL64,
-                                               msg=lambda s, n=n: f"grad {n}: {s}")
-            for o in (opt, oopt):
-                o.step()
-                o.zero_grad()
-        for n, p in mine.items():
-            torch.testing.assert_close(p.detach(), want(n, ref[n]), **TOL64,
-                                       msg=lambda s, n=n: f"param {n}: {s}")
-            diff = max(diff, float((p.detach() - want(n, ref[n])).abs().max()))
+        diff, _ = _train_five_steps(pipe, oracle, want, False)
         worst[f"{schedule}{' sp' if sp else ''}"] = diff
         tied.update({f"{schedule} {n}": mine[n].detach() for n in ("transformer.wte.weight", "lm_head.weight")
                      if kind == "gpt2" and n in mine})

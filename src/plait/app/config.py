@@ -28,7 +28,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 import torch
 import tyro
@@ -176,11 +176,16 @@ SECTIONS: dict[str, type] = {"model": ModelSection, "parallel": ParallelSection,
                              "checkpoint": CheckpointSection, "run": RunSection}
 
 
-def _flags() -> dict[str, tuple[str, str]]:
-    """flag (underscored) -> (section, field)."""
-    renamed = {("model", "name"): "model", ("data", "path"): "data"}  # the Annotated names above
-    return {renamed.get((s, f.name), f.name): (s, f.name)
-            for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+def _flag_of(cls: type, name: str) -> str:
+    """A section field's flag (underscored): its own name, or the one its `tyro.conf.arg` gives."""
+    extras = getattr(get_type_hints(cls, include_extras=True)[name], "__metadata__", ())
+    return next((e.name for e in extras if getattr(e, "name", None)), name)
+
+
+# flag (underscored) -> (section, field), and back; read once from the sections' annotations.
+FLAGS: dict[str, tuple[str, str]] = {_flag_of(cls, f.name): (s, f.name)
+                                     for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+FIELD_FLAGS: dict[tuple[str, str], str] = {where: flag for flag, where in FLAGS.items()}
 
 
 @dataclass
@@ -198,7 +203,7 @@ class TrainConfig:
     @classmethod
     def from_flags(cls, **flags: Any) -> TrainConfig:
         """Build from flat keywords named like the flags: ``from_flags(tp=2, lr=1e-3, data="x.txt")``."""
-        names = _flags()
+        names = FLAGS
         unknown = sorted(set(flags) - set(names))
         if unknown:
             raise TypeError(f"unknown options {unknown}; known: {sorted(names)}")
@@ -444,13 +449,12 @@ class TrainConfig:
 
     def flags(self) -> dict[str, Any]:
         """The flat view, keyed like the flags (``from_flags(**cfg.flags())`` gives the same config)."""
-        return {flag: getattr(getattr(self, s), name) for flag, (s, name) in _flags().items()}
+        return {flag: getattr(getattr(self, s), name) for flag, (s, name) in FLAGS.items()}
 
 
 def _require(section: object, name: str, ok: bool, allowed: str) -> None:
     if not ok:
-        flag = {"seq_len": "seq-len"}.get(name, name.replace("_", "-"))
-        raise ValueError(f"--{flag} {getattr(section, name)}: must be {allowed}")
+        raise ValueError(f"--{name.replace('_', '-')} {getattr(section, name)}: must be {allowed}")
 
 
 def _corpus_bytes(data: str | None, max_bytes: int) -> int:
@@ -507,7 +511,7 @@ def _config_file_args(path: str) -> list[str]:
         raise ConfigFileError(f"--config {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigFileError(f"--config {path}: not valid TOML: {e}") from None
-    flags = _flags_by_field()
+    flags = FIELD_FLAGS
     args: list[str] = []
     for section, table in doc.items():
         if section not in SECTIONS:
@@ -530,10 +534,6 @@ def _config_file_args(path: str) -> list[str]:
                 raise ConfigFileError(f"--config {path}: [{section}] {key} = {value!r}: expected a "
                                       "number, a string or a boolean")
     return args
-
-
-def _flags_by_field() -> dict[tuple[str, str], str]:
-    return {where: flag for flag, where in _flags().items()}
 
 
 def _config_path(argv: list[str]) -> str | None:

@@ -42,12 +42,13 @@ def emulated(emulator: Emulator) -> Iterator[None]:
         _EMULATOR.reset(token)
 
 
-def _split_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _split_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
+    """This rank's contiguous chunk of ``x`` along ``dim`` (no communication)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    if x.shape[-1] % n:
-        raise ValueError(f"splitting the last dim ({x.shape[-1]}) of a {tuple(x.shape)} tensor across the "
+    if x.shape[dim] % n:
+        raise ValueError(f"splitting dim {dim} ({x.shape[dim]}) of a {tuple(x.shape)} tensor across the "
                          f"{n} ranks of {describe(group)}: it is not divisible")
-    return x.chunk(n, dim=-1)[r].contiguous()
+    return x.chunk(n, dim=dim)[r].contiguous()
 
 
 def _gather_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -114,7 +115,7 @@ class _GatherLast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return _split_last(g, ctx.group), None
+        return _split_dim(g, ctx.group), None
 
 
 class _ScatterLast(torch.autograd.Function):
@@ -123,7 +124,7 @@ class _ScatterLast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _split_last(x, group)
+        return _split_dim(x, group)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -149,30 +150,20 @@ class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        if x.shape[dim] % n:
-            raise ValueError(f"scattering dim {dim} ({x.shape[dim]}) of a {tuple(x.shape)} tensor across the "
-                             f"{n} ranks of {describe(group)}: it is not divisible")
-        return x.chunk(n, dim=dim)[r].contiguous()
+        return _split_dim(x, group, dim)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         return _gather_dim(g, ctx.group, ctx.dim), None, None
 
 
-class _ReplicateSeq(torch.autograd.Function):
-    """SP exit to replicated consumers. Forward: all-gather along ``dim``. Backward: keep this
-    rank's chunk of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _gather_dim(x, group, dim)
+class _ReplicateSeq(_GatherSeq):
+    """SP exit to replicated consumers. Forward: all-gather along ``dim`` (as `_GatherSeq`).
+    Backward: keep this rank's chunk of the gradient."""
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return g.chunk(n, dim=ctx.dim)[r].contiguous(), None, None
+        return _split_dim(g, ctx.group, ctx.dim), None, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
