@@ -88,3 +88,36 @@ def test_parity_pp2(pools, schedule, chunks, m):
 @pytest.mark.parametrize("schedule,chunks,m", CASES)
 def test_parity_pp4(pools, schedule, chunks, m):
     pools[4].run(_parity, 4, schedule, m, chunks, 5 if chunks == 1 else 4)
+
+
+# V-shape schedules hold two stages per rank (chunks=2): rank r holds stages r and 2p - 1 - r.
+V_CASES = [("zbv", 4), ("zbv", 8), ("dualpipev", 4), ("dualpipev", 8)]
+
+
+@pytest.mark.parametrize("schedule,m", V_CASES)
+def test_v_schedules_parity_pp2(pools, schedule, m):
+    out = pools[2].run(_parity, 2, schedule, m, 2, 3)
+    names = [n for o in out for n in o["names"]]
+    assert len(names) == len(set(names)) == 3 + 9 * 3 - 3 + 3
+    # The V: rank 0 holds the first stage and the last (the embedding and the LM head).
+    assert "tok_emb.weight" in out[0]["names"] and "lm_head.weight" in out[0]["names"]
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_parity_pp4(pools, schedule):
+    pools[4].run(_parity, 4, schedule, 8, 2, 4)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_tied_embedding_and_one_group_per_direction(pools, schedule):
+    # The tied embedding and LM head meet on rank 0: one weight, no tie group. With one group per
+    # direction (NCCL's matching by order) each rank posts its receives in the order the peer sends
+    # them; under ZB-V rank 1 waits for them in another order.
+    from plait.pipeline import make_schedule
+
+    s = make_schedule(schedule, 2, 8)
+    listed = [a for a in s.actions[1] if a.kind.name.startswith("RECV")]
+    assert (listed != s.receive_order(1)) == (schedule == "zbv")
+    out = pools[2].run(_parity, 2, schedule, 8, 2, 3, tie=True, p2p="directed")
+    assert "tok_emb.weight" in out[0]["names"] and "lm_head.weight" not in out[0]["names"]
+    assert out[0]["links"] == [(0, 1), (1, 0)]

@@ -4,14 +4,16 @@ from plait.pipeline.actions import Action, Kind, Slot
 from plait.pipeline.api import Pipeline, pipeline
 from plait.pipeline.generators import (
     SCHEDULES,
+    dualpipev,
     gpipe,
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
-    with_comms,
     zb_h1,
+    zbv,
 )
-from plait.pipeline.schedules import Schedule, ScheduleError
+from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
 
 __all__ = ["pipeline", "Pipeline", "Schedule", "ScheduleError", "Action", "Kind", "Slot", "SCHEDULES",
-           "make_schedule", "with_comms", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1"]
+           "make_schedule", "with_comms", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv",
+           "dualpipev"]

@@ -16,7 +16,7 @@ from plait.materialize import is_meta
 from plait.mesh import Mesh
 from plait.pipeline.actions import Kind, Slot
 from plait.pipeline.arguments import CustomSchedule, check_tp, resolve_p2p, resolve_schedule, split_batch
-from plait.pipeline.directed import check_directed, direction_groups
+from plait.pipeline.directed import direction_groups
 from plait.pipeline.replay import Replay, ReplayStage
 from plait.pipeline.runtime import Executor, busy_fraction
 from plait.pipeline.schedules import Schedule
@@ -82,8 +82,6 @@ class Pipeline:
         self.microbatches, self.loss_fn = microbatches, loss_fn
         backend = torch.distributed.get_backend()
         directed = resolve_p2p(p2p, backend)
-        if directed:  # before any collective: NCCL matches a direction's messages by order
-            check_directed(self.sched)
         refusal = stage_wrapper.split_backward_refusal if stage_wrapper is not None else None
         if refusal and any(a.kind is Kind.W for row in self.sched.actions for a in row):
             raise ValueError(f"pipeline: schedule {self.sched.name!r} splits backward into B and W; "
@@ -395,7 +393,8 @@ def pipeline(module: nn.Module, mesh: Mesh, split: str | Sequence[str] = "auto",
     ``split``: ``"auto"`` (balanced by parameter count) or the segment names that start stages
     1.. (e.g. ``["layers.4"]``, ``["model.layers.4"]`` for a Hugging Face Llama; segments are
     listed by `plait.pipeline.split.segments`); ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
-    ``"zb-h1"``, a `Schedule` or per-rank action lists; ``chunks``: stages per rank; ``seed``:
+    ``"zb-h1"``, ``"zbv"``, ``"dualpipev"`` (two stages per rank in a V: ``chunks`` 1 or 2), a
+    `Schedule` or per-rank action lists; ``chunks``: stages per rank; ``seed``:
     the `plait.init_weights` seed used to materialize a meta-device model.
 
     ``tp_plan`` (pp x tp, Megatron's layout): a `plait.tp` plan, e.g.
@@ -419,8 +418,8 @@ def pipeline(module: nn.Module, mesh: Mesh, split: str | Sequence[str] = "auto",
     ``p2p``: how stages exchange data. Either way every receive of a step is posted when it
     starts. ``"tagged"``: all messages on the default group, matched by tag (Gloo).
     ``"directed"``: one two-rank group per direction between neighbouring ranks, messages
-    matched by order, as NCCL needs (`plait.pipeline.directed`; a schedule whose receives come
-    in another order than its sends is refused first). ``"auto"``: tagged on Gloo, directed on
+    matched by order, as NCCL needs (`plait.pipeline.directed`: each rank posts its receives in
+    the order its peers send them). ``"auto"``: tagged on Gloo, directed on
     other backends.
 
     Data parallelism across pipelines (each stage its own DDP or FSDP module, reducing in its

@@ -9,9 +9,9 @@ from torch import nn
 
 from plait.mesh import Mesh
 from plait.pipeline.actions import COMM, Action
-from plait.pipeline.generators import make_schedule, with_comms
+from plait.pipeline.generators import make_schedule
 from plait.pipeline.runtime import as_tuple
-from plait.pipeline.schedules import Schedule, ScheduleError
+from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
 from plait.tp.apply import assign_styles
 from plait.tp.styles import VocabParallelOutput
 

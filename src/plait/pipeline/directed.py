@@ -5,9 +5,9 @@ at once on one group. NCCL ignores tags: on a communicator, the k-th send from A
 B's k-th receive from A, and a communicator's operations run one after another on its stream.
 Giving every direction (A to B, B to A) its own two-rank group makes both rules harmless:
 
-* within a direction, messages are matched by order, so the receives must be listed in the
-  order of the sends (`Schedule.order_mismatch` proves it before anything runs; every built-in
-  schedule satisfies it);
+* within a direction, messages are matched by order: the executor posts a rank's receives in
+  the order their senders send them (`Schedule.receive_order`), whatever order its action list
+  waits for them in, so every valid schedule runs;
 * a receive waiting on one direction never holds up a send in the other, so the validator's
   model (sends never block, receives wait for their send) is what the devices do.
 
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from plait import comm
 from plait.mesh import Mesh
 from plait.pipeline.actions import Kind
-from plait.pipeline.schedules import Schedule, ScheduleError
+from plait.pipeline.schedules import Schedule
 
-__all__ = ["directions", "check_directed", "direction_groups"]
+__all__ = ["directions", "direction_groups"]
 
 
 def directions(sched: Schedule) -> list[tuple[int, int]]:
@@ -39,19 +39,9 @@ def directions(sched: Schedule) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def check_directed(sched: Schedule) -> Schedule:
-    """Raise `ScheduleError` if a rank pair's receives are listed in another order than its sends."""
-    why = sched.order_mismatch()
-    if why is not None:
-        raise ScheduleError(f"schedule '{sched.name}' cannot run with one group per direction (NCCL): "
-                            f"{why}; list each rank pair's receives in the order of the sends")
-    return sched
-
-
 def direction_groups(sched: Schedule, mesh: Mesh) -> dict[tuple[int, int], dist.ProcessGroup]:
     """(sender, receiver) global ranks -> the two-rank group carrying that direction, for the
-    directions that involve this rank (checked with `check_directed` before any group exists)."""
-    check_directed(sched)
+    directions that involve this rank."""
     links: dict[tuple[int, int], dist.ProcessGroup] = {}
     for line in mesh.all_group_ranks("pp"):
         for src, dst in directions(sched):

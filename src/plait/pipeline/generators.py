@@ -1,41 +1,14 @@
 """The named schedules, generated as per-rank action lists: GPipe, 1F1B, interleaved 1F1B and
-ZB-H1, plus `with_comms`, which adds the sends and receives a compute order implies."""
+ZB-H1, and the V-shape ZB-V and DualPipeV (generated in `plait.pipeline.vshape`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from plait.pipeline.actions import Action, Kind
+from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
+from plait.pipeline.vshape import dualpipev, zbv
 
-from plait.pipeline.actions import BACKWARD, Action, Kind
-from plait.pipeline.schedules import Schedule, ScheduleError
-
-__all__ = ["SCHEDULES", "make_schedule", "with_comms", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1"]
-
-
-def with_comms(name: str, ranks: int, stages: int, microbatches: int,
-               compute: Sequence[Iterable[Action]]) -> Schedule:
-    """Add the sends and receives that per-rank *compute* orders imply, and build the schedule.
-
-    Each receive goes right before the compute that needs it, each send right after the
-    compute that produced it (the runtime posts receives early, so this costs no overlap).
-    """
-    rows = []
-    for r, acts in enumerate(compute):
-        row: list[Action] = []
-        for a in acts:
-            s = a.stage
-            remote_prev = s > 0 and (s - 1) % ranks != r
-            remote_next = s < stages - 1 and (s + 1) % ranks != r
-            if a.kind is Kind.F and remote_prev:
-                row.append(Action(Kind.RECV_F, s, a.mb))
-            if a.kind in BACKWARD and remote_next:
-                row.append(Action(Kind.RECV_B, s, a.mb))
-            row.append(a)
-            if a.kind is Kind.F and remote_next:
-                row.append(Action(Kind.SEND_F, s, a.mb))
-            if a.kind in BACKWARD and remote_prev:
-                row.append(Action(Kind.SEND_B, s, a.mb))
-        rows.append(tuple(row))
-    return Schedule(name, ranks, stages, microbatches, tuple(rows))
+__all__ = ["SCHEDULES", "V_SCHEDULES", "make_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b",
+           "zb_h1", "zbv", "dualpipev"]
 
 
 def gpipe(p: int, m: int, v: int = 1) -> Schedule:
@@ -157,11 +130,16 @@ def zb_h1(p: int, m: int) -> Schedule:
     return with_comms("zb-h1", p, p, m, rows)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V (`plait.pipeline.vshape`)
 
 
 def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """Generate and validate a named schedule; clear errors for unsupported combinations."""
+    """Generate and validate a named schedule; clear errors for unsupported combinations.
+
+    The V schedules always hold two stages per rank: ``chunks`` must be 2, or 1 (the default,
+    read as "the schedule's own").
+    """
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES} or a custom action list, got {name!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -171,12 +149,22 @@ def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Sch
     if name in ("1f1b", "zb-h1") and chunks != 1:
         raise ValueError(f"schedule {name!r} runs one stage per rank (chunks=1), got chunks={chunks}; "
                          "use schedule='interleaved' for several chunks per rank")
+    if name in V_SCHEDULES and chunks > 2:
+        raise ValueError(f"schedule {name!r} holds two stages per rank in a V (chunks=2), got "
+                         f"chunks={chunks}; use schedule='interleaved' for more chunks per rank")
     if name == "gpipe":
         sched = gpipe(pp, microbatches, chunks)
     elif name == "1f1b":
         sched = one_f_one_b(pp, microbatches)
     elif name == "zb-h1":
         sched = zb_h1(pp, microbatches)
+    elif name == "zbv":
+        sched = zbv(pp, microbatches)
+    elif name == "dualpipev":
+        if microbatches < 2 * pp:
+            raise ValueError(f"dualpipev needs at least 2 x pp = {2 * pp} microbatches (one per stage), got "
+                             f"microbatches={microbatches} with pp={pp}; use 'zbv' for fewer")
+        sched = dualpipev(pp, microbatches)
     else:
         if microbatches < pp:
             raise ValueError(f"interleaved 1F1B needs at least as many microbatches as pipeline ranks: "

@@ -218,12 +218,14 @@ class _Step:
         self.w_order = [(a.stage, a.mb) for a in self.row if a.kind is Kind.W]
 
     def run(self) -> None:
-        for a in self.row:  # post every receive now, in list order; waiting happens at the action
-            if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                self._post_recv(a)
+        # Post every receive now, in the order the peers send (what NCCL's matching by order needs);
+        # waiting happens at the action, in list order.
+        for a in self.sched.receive_order(self.ex.rank):
+            self._post_recv(a)
         # With W's in the plan, a helper thread waits for the receives so that this thread can see
         # whether one has arrived and run a pending W instead of idling (see schedules.py).
-        arrivals = _Arrivals(self.recvs) if self.w_order and self.ex.fill_w else None
+        listed = [(a.kind, a.stage, a.mb) for a in self.row if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        arrivals = _Arrivals(self.recvs, listed) if self.w_order and self.ex.fill_w else None
         handlers = {Kind.F: self._forward, Kind.SEND_F: self._send, Kind.SEND_B: self._send,
                     Kind.RECV_F: lambda a: self._recv(a, arrivals),
                     Kind.RECV_B: lambda a: self._recv(a, arrivals),
@@ -344,7 +346,7 @@ class _Step:
 
 
 class _Arrivals:
-    """Waits for a step's receives on a helper thread, in the order they were posted.
+    """Waits for a step's receives on a helper thread, in the order the action list waits for them.
 
     Gloo's ``Work.is_completed()`` turns true only once someone waited on the work, so the main
     thread cannot poll a receive itself. The helper blocks in ``wait()`` (which releases the GIL)
@@ -352,10 +354,13 @@ class _Arrivals:
     thread, naming the receive.
     """
 
-    def __init__(self, recvs: dict[Any, tuple[list[torch.Tensor], list[comm.Handle]]]) -> None:
+    def __init__(self, recvs: dict[Any, tuple[list[torch.Tensor], list[comm.Handle]]],
+                 keys: list[Any]) -> None:
         self._events = {k: threading.Event() for k in recvs}
         self._error: BaseException | None = None
-        order = [(k, hs) for k, (_, hs) in recvs.items()]
+        # In the order the actions need them (not the posting order, which goes sender by sender: a
+        # message from one peer that depends on this rank's progress must not hold up another's).
+        order = [(k, recvs[k][1]) for k in keys]
         self._thread = threading.Thread(target=self._run, args=(order,), daemon=True,
                                         name="plait-pipeline-recv")
         self._thread.start()

@@ -2,8 +2,10 @@
 schedules are built in `plait.pipeline.generators`).
 
 A schedule is, for every rank of the ``pp`` axis, the ordered list of what that rank does in
-one training step. Stage ``s`` lives on rank ``s % p`` (the "loop" placement: with ``v``
-chunks per rank, rank ``r`` holds stages ``r, r + p, ..., r + (v - 1) p``).
+one training step. Its ``placement`` says where stages live: ``"loop"`` puts stage ``s`` on
+rank ``s % p`` (with ``v`` chunks per rank, rank ``r`` holds stages ``r, r + p, ..., r + (v - 1) p``);
+``"v"`` puts two stages on each rank, ``r`` and ``2p - 1 - r``, so the stages go down the ranks
+and back up (ZB-V, DualPipeV).
 
 Action kinds (each names a stage and a microbatch):
 
@@ -31,12 +33,13 @@ or backward.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from plait.pipeline.actions import BACKWARD, Action, Kind, Slot
+from plait.pipeline.actions import BACKWARD, PLACEMENTS, Action, Kind, Slot, rank_stages, stage_rank
 
-__all__ = ["Schedule", "ScheduleError", "DEFAULT_COSTS"]
+__all__ = ["Schedule", "ScheduleError", "DEFAULT_COSTS", "with_comms"]
 
 
 class ScheduleError(ValueError):
@@ -56,6 +59,7 @@ class Schedule:
     stages: int
     microbatches: int
     actions: tuple[tuple[Action, ...], ...]
+    placement: str = "loop"  # see the module docstring
 
     @property
     def chunks(self) -> int:
@@ -66,44 +70,48 @@ class Schedule:
         return not any(a.kind in (Kind.B, Kind.W, Kind.BW) for acts in self.actions for a in acts)
 
     def stage_rank(self, stage: int) -> int:
-        return stage % self.ranks
+        return stage_rank(self.placement, self.ranks, stage)
 
     def rank_stages(self, rank: int) -> list[int]:
-        return list(range(rank, self.stages, self.ranks))
+        return rank_stages(self.placement, self.ranks, self.stages, rank)
+
+    def chunk(self, stage: int) -> int:
+        """Which of its rank's stages ``stage`` is (0 for the first), for labels and pictures."""
+        return self.rank_stages(self.stage_rank(stage)).index(stage)
 
     def validate(self) -> Schedule:
         """Raise `ScheduleError` naming the first bad action; return ``self`` when valid."""
         self.simulate()
         return self
 
-    def order_mismatch(self) -> str | None:
-        """Where the receives on some rank pair are issued in a different order from the sends.
+    def receive_order(self, rank: int) -> list[Action]:
+        """``rank``'s receives in the order their senders send them (sender by sender).
 
         Gloo matches messages by tag, so any order works; NCCL ignores tags and matches
-        point-to-point messages between two ranks in issue order, so it needs None here.
+        point-to-point messages between two ranks in issue order. The runtime posts every receive
+        of a step at its start in this order, so with one group per direction (NCCL) each receive
+        meets its own send whatever order the list waits for them in.
         """
-        sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-        got: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        position: dict[tuple[Kind, int, int], tuple[int, int]] = {}
         for r, row in enumerate(self.actions):
-            for a in row:
+            for i, a in enumerate(row):
                 if a.kind in (Kind.SEND_F, Kind.SEND_B):
                     to = a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1
-                    sent.setdefault((r, self.stage_rank(to)), []).append((a.kind.value[-1], to, a.mb))
-                elif a.kind in (Kind.RECV_F, Kind.RECV_B):
-                    frm = a.stage - 1 if a.kind is Kind.RECV_F else a.stage + 1
-                    got.setdefault((self.stage_rank(frm), r), []).append((a.kind.value[-1], a.stage, a.mb))
-        for pair, msgs in sorted(sent.items()):
-            for i, (m_sent, m_got) in enumerate(zip(msgs, got.get(pair, []))):
-                if m_sent != m_got:
-                    return (f"rank {pair[0]} -> rank {pair[1]}: message #{i} is sent as {m_sent} but "
-                            f"received as {m_got} (kind, stage, microbatch)")
-        return None
+                    recv = Kind.RECV_F if a.kind is Kind.SEND_F else Kind.RECV_B
+                    position[(recv, to, a.mb)] = (r, i)
+        mine = [a for a in self.actions[rank] if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        missing = [a for a in mine if (a.kind, a.stage, a.mb) not in position]
+        if missing:
+            raise ScheduleError(f"schedule '{self.name}': rank {rank}'s {missing[0]} has no matching send")
+        return sorted(mine, key=lambda a: position[(a.kind, a.stage, a.mb)])
 
     def forward_part(self) -> Schedule:
         """The same order restricted to forwards and activation transfers (eval mode)."""
         keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
         acts = tuple(tuple(a for a in row if a.kind in keep) for row in self.actions)
-        return Schedule(self.name + " (forward only)", self.ranks, self.stages, self.microbatches, acts)
+        acts = tuple(tuple(dataclasses.replace(a, overlap=False) for a in row) for row in acts)
+        return Schedule(self.name + " (forward only)", self.ranks, self.stages, self.microbatches, acts,
+                        self.placement)
 
     def simulate(self, costs: Costs | None = None, latency: float = 0.0) -> list[list[Slot]]:
         """Replay every rank (sends free, receives wait for their send) and place actions in time.
@@ -138,6 +146,50 @@ class Schedule:
         return draw_png(self, path, measured)
 
 
+# ---------------------------------------------------------------------------- communication
+def with_comms(name: str, ranks: int, stages: int, microbatches: int,
+               compute: Sequence[Iterable[Action]], placement: str = "loop") -> Schedule:
+    """Add the sends and receives that per-rank *compute* orders imply, and build the schedule.
+
+    Each receive goes right before the compute that needs it, each send right after the
+    compute that produced it (the runtime posts receives early, so this costs no overlap). An
+    overlapped pair (a forward with ``overlap`` and the backward after it) is kept together: both
+    receives first, then the pair, then both sends.
+    """
+    where = lambda st: stage_rank(placement, ranks, st)  # noqa: E731
+    rows = []
+    for r, acts in enumerate(compute):
+        row: list[Action] = []
+        for group in _pairs(list(acts)):
+            before: list[Action] = []
+            after: list[Action] = []
+            for a in group:
+                s = a.stage
+                remote_prev = s > 0 and where(s - 1) != r
+                remote_next = s < stages - 1 and where(s + 1) != r
+                if a.kind is Kind.F and remote_prev:
+                    before.append(Action(Kind.RECV_F, s, a.mb))
+                if a.kind in BACKWARD and remote_next:
+                    before.append(Action(Kind.RECV_B, s, a.mb))
+                if a.kind is Kind.F and remote_next:
+                    after.append(Action(Kind.SEND_F, s, a.mb))
+                if a.kind in BACKWARD and remote_prev:
+                    after.append(Action(Kind.SEND_B, s, a.mb))
+            row += [*before, *group, *after]
+        rows.append(tuple(row))
+    return Schedule(name, ranks, stages, microbatches, tuple(rows), placement)
+
+
+def _pairs(acts: list[Action]) -> Iterator[list[Action]]:
+    """The compute actions one by one, an overlapped forward together with the backward after it."""
+    i = 0
+    while i < len(acts):
+        n = 2 if acts[i].overlap and i + 1 < len(acts) else 1
+        yield acts[i:i + n]
+        i += n
+
+
+
 # ---------------------------------------------------------------------------- validation
 def _check_shape(s: Schedule) -> None:
     if s.ranks < 1 or s.stages < 1 or s.microbatches < 1:
@@ -145,6 +197,12 @@ def _check_shape(s: Schedule) -> None:
                             f"ranks={s.ranks}, stages={s.stages}, microbatches={s.microbatches}")
     if s.stages % s.ranks:
         raise ScheduleError(f"schedule '{s.name}': stages={s.stages} is not a multiple of ranks={s.ranks}")
+    if s.placement not in PLACEMENTS:
+        raise ScheduleError(f"schedule '{s.name}': placement must be one of {PLACEMENTS}, got "
+                            f"{s.placement!r}")
+    if s.placement == "v" and s.stages != 2 * s.ranks:
+        raise ScheduleError(f"schedule '{s.name}': the V placement holds two stages per rank, so stages must "
+                            f"be 2 x ranks = {2 * s.ranks}, got {s.stages}")
     if len(s.actions) != s.ranks:
         raise ScheduleError(f"schedule '{s.name}': expected one action list per rank ({s.ranks}), "
                             f"got {len(s.actions)}")
@@ -236,6 +294,8 @@ class _Replay:
             self.fail(r, i, a, f"stage {a.stage} lives on rank {s.stage_rank(a.stage)}, not {r}")
         if (a.kind, a.stage, a.mb) in done:
             self.fail(r, i, a, "duplicate action")
+        if a.overlap:
+            self.check_pair(r, i, a)
         last, first = a.stage == s.stages - 1, a.stage == 0
         nxt_local = not last and s.stage_rank(a.stage + 1) == r
         prv_local = not first and s.stage_rank(a.stage - 1) == r
@@ -280,6 +340,19 @@ class _Replay:
                 self.received.add((a.kind, a.stage, a.mb))
                 return max(now, sent + self.latency)
         return now
+
+    def check_pair(self, r: int, i: int, a: Action) -> None:
+        """An overlapped forward is followed at once by the backward it runs beside, of another
+        microbatch (a backward that needs this forward's result could not run alongside it)."""
+        row = self.s.actions[r]
+        nxt = row[i + 1] if i + 1 < len(row) else None
+        if a.kind is not Kind.F:
+            self.fail(r, i, a, "only a forward can be overlapped with the backward after it")
+        if nxt is None or nxt.kind not in BACKWARD:
+            self.fail(r, i, a, f"an overlapped forward must be followed at once by a backward (B or BW), "
+                      f"found {nxt}")
+        elif nxt.mb == a.mb:
+            self.fail(r, i, a, f"it is paired with {nxt} of the same microbatch, which depends on it")
 
     def finish(self) -> None:
         s = self.s

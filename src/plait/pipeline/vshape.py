@@ -1,0 +1,217 @@
+"""V-shape schedules: two stages per rank, placed down the ranks and back up (``placement="v"``).
+
+Rank ``r`` of ``p`` holds stage ``r`` (its first chunk) and stage ``2p - 1 - r`` (its second), so
+stages ``p - 1`` and ``p`` meet on the last rank and hand over locally, and rank 0 both starts
+and ends every microbatch. With the backward split into B and W (Qi et al. 2023), that is what
+lets a rank's second-chunk backwards fill the wait before its first-chunk ones: the plans here
+reach a near-zero bubble at F = B = W once ``m >= 2p``, which ZB-H1's one stage per rank cannot
+(its first stage has no B to run until the first gradient comes back).
+
+* `zbv` (ZB-V, Qi et al. 2023, sec. 6): greedy list scheduling at unit costs, bounded to 1F1B's
+  peak activation memory (``2p`` chunk activations per rank), W's listed as late as the bound
+  allows so that the runtime's pulled W's fill whatever waits real durations produce.
+* `dualpipev` (DeepSeek-AI 2024, DualPipe folded onto one V): after a warm-up, each step pairs a
+  forward of one chunk with a full backward of the other chunk, overlapped (``Action.overlap``),
+  so that on GPUs each one's communication hides behind the other's compute; the cool-down
+  splits backwards into B and W to fill the drain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from plait.pipeline.actions import Action, Kind, rank_stages, stage_rank
+from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
+
+__all__ = ["zbv", "dualpipev"]
+
+Key = tuple[int, int]  # (stage, microbatch)
+Choice = tuple[Kind, Key, bool]  # what to run, and whether it is a W that only fills a wait
+
+
+class _UnitPlanner:
+    """Places F, B and W on p ranks with the V placement, one unit of time each, greedily."""
+
+    def __init__(self, p: int, m: int) -> None:
+        self.p, self.m, self.S = p, m, 2 * p
+        self.f_end: dict[Key, int] = {}
+        self.b_end: dict[Key, int] = {}
+        self.w_done: set[Key] = set()
+        self.next_f = [0] * self.S  # the next microbatch each stage forwards (in order)
+        self.rows: list[list[Action]] = [[] for _ in range(p)]
+        self.deferred: list[list[Key]] = [[] for _ in range(p)]  # W's that filled a wait, not listed yet
+
+    def stages(self, r: int) -> list[int]:
+        return rank_stages("v", self.p, self.S, r)
+
+    def ready_f(self, r: int, t: int) -> list[Key]:
+        out = []
+        for s in self.stages(r):
+            mb = self.next_f[s]
+            if mb < self.m and (s == 0 or self.f_end.get((s - 1, mb), t + 1) <= t):
+                out.append((s, mb))
+        return out
+
+    def ready_b(self, r: int, t: int) -> list[Key]:
+        return [k for k, e in self.f_end.items() if stage_rank("v", self.p, k[0]) == r and e <= t
+                and k not in self.b_end
+                and (k[0] == self.S - 1 or self.b_end.get((k[0] + 1, k[1]), t + 1) <= t)]
+
+    def pending_w(self, r: int, t: int) -> list[Key]:
+        return [k for k, e in self.b_end.items() if stage_rank("v", self.p, k[0]) == r and e <= t
+                and k not in self.w_done]
+
+    def held(self, r: int) -> int:
+        """Chunk activations held on rank r: forwarded, weight gradient not yet computed."""
+        return sum(1 for k in self.f_end if stage_rank("v", self.p, k[0]) == r and k not in self.w_done)
+
+    def run(self, pick: Callable[[_UnitPlanner, int, int], Choice | None]) -> list[list[Action]]:
+        t = 0
+        while len(self.w_done) < self.S * self.m:
+            for r in range(self.p):
+                choice = pick(self, r, t)
+                if choice is not None:
+                    self.place(r, t, *choice)
+            t += 1
+            if t > 100 * self.S * self.m:
+                raise ScheduleError("V-shape planner made no progress (a bug: please report it)")
+        for r in range(self.p):
+            self.flush(r)
+        return self.rows
+
+    def place(self, r: int, t: int, kind: Kind, key: Key, fills_wait: bool = False) -> None:
+        if kind is Kind.F:
+            self.f_end[key] = t + 1
+            self.next_f[key[0]] += 1
+        elif kind is Kind.B:
+            self.b_end[key] = t + 1
+        else:
+            self.w_done.add(key)
+            if fills_wait:
+                self.deferred[r].append(key)
+                return
+            self.flush(r)
+        self.rows[r].append(Action(kind, *key))
+
+    def flush(self, r: int) -> None:
+        self.rows[r] += [Action(Kind.W, *k) for k in self.deferred[r]]
+        self.deferred[r] = []
+
+
+def _zbv_pick(pl: _UnitPlanner, r: int, t: int) -> Choice | None:
+    """ZB-V's priorities: W when too many are pending (memory), then the oldest ready B (the
+    second chunk first), then a forward within 1F1B's memory (the second chunk first: it reaches
+    the loss sooner), else a pending W filling the wait."""
+    p = pl.p
+    pend = pl.pending_w(r, t)
+    if len(pend) > p:  # each pending W holds its activations: bounded like the forwards
+        return Kind.W, min(pend, key=lambda k: (k[1], -k[0])), False
+    ready_b = pl.ready_b(r, t)
+    if ready_b:
+        return Kind.B, min(ready_b, key=lambda k: (k[1], -k[0])), False
+    ready_f = pl.ready_f(r, t)
+    if ready_f and pl.held(r) < 2 * p:
+        return Kind.F, max(ready_f, key=lambda k: k[0]), False
+    if pend:
+        return Kind.W, min(pend, key=lambda k: (k[1], -k[0])), True
+    return None
+
+
+def zbv(p: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2023, sec. 6): two stages per rank in a V, backward split into B and W.
+
+    Planned at unit costs (F = B = W per chunk) by list scheduling with ZB-V's priorities and
+    1F1B's activation memory per rank (``2p`` chunk activations, i.e. ``p`` microbatches of a
+    1F1B stage). A W that only fills a wait is listed where the memory bound or the end of the
+    step forces it, as for ZB-H1: the runtime pulls W's into the waits real durations produce.
+    """
+    if p < 1 or m < 1:
+        raise ScheduleError(f"zbv needs pp >= 1 and microbatches >= 1, got pp={p}, microbatches={m}")
+    rows = _UnitPlanner(p, m).run(_zbv_pick)
+    return with_comms("zbv", p, 2 * p, m, rows, placement="v")
+
+
+def dualpipev(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek-AI 2024): DualPipe's two directions folded onto one V of 2p stages.
+
+    Per rank ``r`` with chunks ``c0 = r`` and ``c1 = 2p - 1 - r``, in phases:
+    warm-up forwards of c0; forwards of c0 and c1 alternating; B + W of c1 interleaved with c1
+    forwards (zero-bubble style, while the pipe fills); the steady state of overlapped pairs
+    (forward of one chunk beside the full backward of the other, ``Action.overlap``); and a
+    cool-down of backwards whose second half is split into B and W, W's filling the drain.
+    Needs ``m >= 2p`` microbatches (the steady state needs every stage busy).
+    """
+    if p < 1:
+        raise ScheduleError(f"dualpipev needs pp >= 1, got pp={p}")
+    if m < 2 * p:
+        raise ScheduleError(f"dualpipev needs at least 2 x pp = {2 * p} microbatches (one per stage), "
+                            f"got microbatches={m}; use zbv for fewer")
+    rows = [_DualPipeRank(p, m, r).actions() for r in range(p)]
+    return with_comms("dualpipev", p, 2 * p, m, rows, placement="v")
+
+
+class _DualPipeRank:
+    """One rank's DualPipeV order, built by counters per (stage, kind)."""
+
+    def __init__(self, p: int, m: int, r: int) -> None:
+        self.p, self.m, self.r = p, m, r
+        self.c0, self.c1 = r, 2 * p - 1 - r
+        self.count: dict[tuple[int, str], int] = {}
+        self.w_queue: list[Key] = []  # B's whose W is still to be listed, oldest first
+        self.out: list[Action] = []
+
+    def _next(self, stage: int, what: str) -> int:
+        mb = self.count.get((stage, what), 0)
+        self.count[(stage, what)] = mb + 1
+        return mb
+
+    def f(self, stage: int, overlap: bool = False) -> None:
+        self.out.append(Action(Kind.F, stage, self._next(stage, "F"), overlap))
+
+    def b(self, stage: int, split: bool) -> None:
+        mb = self._next(stage, "B")
+        self.out.append(Action(Kind.B if split else Kind.BW, stage, mb))
+        if split:
+            self.w_queue.append((stage, mb))
+
+    def w(self) -> None:
+        if self.w_queue:
+            self.out.append(Action(Kind.W, *self.w_queue.pop(0)))
+
+    def pair(self, forward: int, backward: int) -> None:
+        self.f(forward, overlap=True)
+        self.b(backward, split=False)
+
+    def actions(self) -> list[Action]:
+        p, m, r, c0, c1 = self.p, self.m, self.r, self.c0, self.c1
+        for _ in range(2 * (p - r - 1)):  # fill the pipe's first half
+            self.f(c0)
+        for _ in range(r + 1):
+            self.f(c0)
+            self.f(c1)
+        for _ in range(p - r - 1):  # the second half drains back up: zero-bubble B, W, then F
+            self.b(c1, split=True)
+            self.w()
+            self.f(c1)
+        for i in range(m - 2 * p + r + 1):  # steady state: overlapped chunk pairs
+            if i == 0 and r == p - 1:  # the turn of the V: c1's first backward follows c0's forward
+                self.f(c0)
+                self.b(c1, split=False)
+            else:
+                self.pair(c0, c1)
+            self.pair(c1, c0)
+        for _ in range(p - r - 1):
+            self.b(c1, split=False)
+            self.pair(c1, c0)
+        split = False
+        for i in range(r + 1):  # cool-down: the later half of the backwards split into B and W
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            self.b(c1, split)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            self.b(c0, split)
+        for _ in range(p - r - 1):
+            self.w()
+            self.b(c0, split)
+        while self.w_queue:
+            self.w()
+        return self.out
