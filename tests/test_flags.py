@@ -54,8 +54,15 @@ BAD = [
     (dict(model="small", strategy="fsdp", nproc=3, tp=3, batch_size=3), "--tp 3"),
     (dict(strategy="ddp", nproc=2, tp=2, sequence_parallel=True, seq_len=33),
      "sequence length 33 .* must be divisible by it"),
-    (dict(strategy="ddp", nproc=8, pp=8, batch_size=32), "--pp 8 x --chunks 1 = 8 pipeline stages, but the "
-     "tiny model has only 6 segments"),
+    (dict(strategy="ddp", nproc=8, pp=8, batch_size=32), r"--pp 8 x 1 stages per rank \(--chunks.*\) = 8 "
+     "pipeline stages, but the tiny model has only 6 segments"),
+    (dict(strategy="ddp", nproc=4, pp=4, schedule="zbv", batch_size=16), r"--pp 4 x 2 stages per rank .* = 8 "
+     "pipeline stages, but the tiny model has only 6"),
+    (dict(strategy="ddp", nproc=2, pp=2, schedule="dualpipev", microbatches=2, batch_size=8),
+     "--schedule dualpipev .* needs at least 2 x pp = 4 microbatches"),
+    (dict(strategy="ddp", nproc=2, pp=2, schedule="zbv", chunks=3, batch_size=8),
+     "--schedule zbv .* holds two stages per rank in a V"),
+    (dict(strategy="fsdp", nproc=4, pp=2, schedule="zbv"), "--schedule zbv with --zero-stage 3"),
     (dict(strategy="ddp", nproc=4, pp=4, chunks=2, schedule="interleaved", batch_size=16),
      "8 pipeline stages, but the tiny model has only 6"),
     (dict(strategy="ddp", nproc=6, pp=6, batch_size=24), "leaves pipeline rank 1 with only drop"),
@@ -103,6 +110,8 @@ def test_paths_the_run_writes_are_checked(tmp_path):
     dict(strategy="fsdp", nproc=2, mixed_precision="bf16", offload=True, zero_stage=2),
     dict(strategy="ddp", nproc=2, pp=2, schedule="interleaved", chunks=2, microbatches=4, batch_size=8),
     dict(strategy="ddp", nproc=2, pp=2, schedule="zb-h1", batch_size=8),
+    dict(strategy="ddp", nproc=2, pp=2, schedule="zbv", batch_size=8),
+    dict(strategy="fsdp", zero_stage=2, nproc=4, pp=2, schedule="dualpipev", chunks=2, batch_size=8),
     dict(strategy="ddp", nproc=4, tp=4, sequence_parallel=True),
     dict(model="25m", strategy="fsdp", nproc=8, tp=8, batch_size=8),
 ])

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.pipeline import Action, Kind, Schedule, ScheduleError, make_schedule, with_comms
+from plait.pipeline.actions import COMM
 
 NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 
@@ -219,3 +220,76 @@ def test_receives_are_posted_in_the_order_of_the_sends():
     assert [a for a in s.actions[1] if a.kind is Kind.RECV_F] == [Action(Kind.RECV_F, 1, 1), Action(Kind.RECV_F, 1, 0)]
     assert s.receive_order(1) == [Action(Kind.RECV_F, 1, 0), Action(Kind.RECV_F, 1, 1)]
     assert _sends_in_order(s, 0) and _sends_in_order(s, 1)
+
+
+def _peak_activations(s: Schedule, rank: int) -> int:
+    """Most chunk activations ``rank`` holds at once in the unit-cost replay (forward to W or BW)."""
+    held = peak = 0
+    for sl in sorted(s.simulate()[rank], key=lambda x: (x.start, x.action.kind is Kind.F)):
+        if sl.action.kind is Kind.F:
+            held += 1
+            peak = max(peak, held)
+        elif sl.action.kind in (Kind.W, Kind.BW):
+            held -= 1
+    return peak
+
+
+def test_v_placement_goes_down_the_ranks_and_back_up():
+    s = make_schedule("zbv", 3, 6)
+    assert s.placement == "v" and s.chunks == 2 and s.stages == 6
+    assert [s.rank_stages(r) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
+    assert [s.stage_rank(st) for st in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert [s.chunk(st) for st in range(6)] == [0, 0, 0, 1, 1, 1]
+    # Stages 2 and 3 meet on the last rank: handed over locally, in both directions.
+    assert not any(a.kind in COMM and a.stage in (2, 3) and a.kind in {
+        2: (Kind.SEND_F, Kind.RECV_B), 3: (Kind.RECV_F, Kind.SEND_B)}[a.stage] for a in s.actions[2])
+    # chunks=1 is the default (the schedule's own two); more is refused.
+    assert make_schedule("dualpipev", 2, 4, 2) == make_schedule("dualpipev", 2, 4, 1)
+    with pytest.raises(ValueError, match="two stages per rank in a V"):
+        make_schedule("zbv", 2, 4, 3)
+    with pytest.raises(ValueError, match="at least 2 x pp = 8 microbatches"):
+        make_schedule("dualpipev", 4, 6)
+    with pytest.raises(ScheduleError, match="stages must be 2 x ranks"):
+        dataclasses.replace(s, stages=9).validate()
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16)])
+def test_v_plans_reach_near_zero_bubble_within_1f1b_memory(p, m):
+    zbv, dpv, one = (make_schedule(n, p, m) for n in ("zbv", "dualpipev", "1f1b"))
+    # Each rank runs 6m units (2 chunks x F, B, W); ZB-V adds at most p units to that, the fill.
+    span = max(sl.end for row in zbv.simulate() for sl in row)
+    assert 6 * m + p - 1 <= span <= 6 * m + p
+    assert zbv.bubble() == pytest.approx(1 - 6 * m / span)
+    assert zbv.bubble() / one.bubble() <= 0.3 + 1e-12  # at pp=2, m=8: 0.18 (the target is <= 0.4)
+    assert dpv.bubble() < one.bubble() / 2
+    # 1F1B's rank 0 holds p microbatches of one stage (2p chunks); no V rank holds more.
+    assert max(_peak_activations(one, r) for r in range(p)) * 2 == 2 * p
+    assert all(_peak_activations(s, r) <= 2 * p + 1 for s in (zbv, dpv) for r in range(p))
+    assert all(_peak_activations(zbv, r) <= 2 * p for r in range(p))
+
+
+def test_dualpipev_overlaps_one_chunks_forward_with_the_others_backward():
+    p, m = 4, 8
+    s = make_schedule("dualpipev", p, m)
+    for r in range(p):
+        row = s.actions[r]
+        pairs = [(a, row[i + 1]) for i, a in enumerate(row) if a.overlap]
+        # Steady state: two pairs per step, less the turn of the V on the last rank; then the drain.
+        assert len(pairs) == 2 * (m - 2 * p + r + 1) - (r == p - 1) + (p - r - 1)
+        for f, b in pairs:
+            assert f.kind is Kind.F and b.kind is Kind.BW and f.mb != b.mb
+            assert {f.stage, b.stage} == set(s.rank_stages(r))  # one of each chunk
+    assert "+" in s.text() and "+" not in make_schedule("zbv", p, m).text()
+    # Forward-only runs drop the pairing (there is no backward to pair with).
+    assert not any(a.overlap for row in s.forward_part().validate().actions for a in row)
+    row = list(s.actions[0])
+    i = next(i for i, a in enumerate(row) if a.overlap)
+    f, b = row[i], row[i + 1]
+    with pytest.raises(ScheduleError, match="only a forward can be overlapped"):
+        _replace(s, 0, [*row[:i], dataclasses.replace(f, overlap=False),
+                        dataclasses.replace(b, overlap=True), *row[i + 2:]]).validate()
+    with pytest.raises(ScheduleError, match="must be followed at once by a backward"):
+        _replace(s, 0, [*row[:i + 1], Action(Kind.SEND_F, 9, 9), *row[i + 1:]]).validate()
+    same = [Action(Kind.F, 0, 0, overlap=True), Action(Kind.BW, 0, 0)]
+    with pytest.raises(ScheduleError, match="same microbatch, which depends on it"):
+        with_comms("custom", 1, 1, 1, [same]).validate()

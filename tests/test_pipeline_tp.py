@@ -32,17 +32,18 @@ def _batch(step: int, batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pp_tp_parity(schedule: str, steps: int = 5, sp: bool = False, p2p: str = "auto",
-                  tied: bool = False) -> dict:
+                  tied: bool = False, pp: int = 2) -> dict:
     import plait
     from plait.models.gpt import GPT, GPTConfig
     from plait.pipeline import pipeline
 
-    mesh = cached_mesh(pp=2, tp=2)
-    cfg = GPTConfig(n_layers=2, tie_embeddings=tied, **CFG)
+    mesh = cached_mesh(pp=pp, tp=2)
+    cfg = GPTConfig(n_layers=2 if pp == 2 else 6, tie_embeddings=tied, **CFG)
     oracle = plait.init_weights(GPT(cfg).to(torch.float64), seed=3)
     with torch.device("meta"):
         model = GPT(cfg).to(torch.float64)
-    pipe = pipeline(model, mesh, schedule=schedule, microbatches=4, seed=3, tp_plan=plait.gpt_plan(cfg),
+    pipe = pipeline(model, mesh, schedule=schedule, microbatches=4 if pp == 2 else 8, seed=3,
+                    tp_plan=plait.gpt_plan(cfg),
                     sequence_parallel=sp, p2p=p2p)
     specs = pipe.tp_info.specs
     mine = dict(pipe.named_parameters())
@@ -130,6 +131,24 @@ def test_pp2_tp2_embedding_tied_across_pp_ranks_matches_single_process(pools, sc
     for t in (0, 1):  # the two copies of each shard stayed identical, bit for bit
         torch.testing.assert_close(by[0, t]["tied"], by[1, t]["tied"], rtol=0, atol=0)
     assert not torch.equal(by[0, 0]["tied"], by[0, 1]["tied"])  # and the tp ranks hold other rows
+
+
+@pytest.mark.parametrize("schedule,sp,tied", [("zbv", True, True), ("dualpipev", True, False),
+                                               ("dualpipev", False, True)])
+def test_pp2_tp2_v_schedules_match_single_process(pools, schedule, sp, tied):
+    # Two stages per rank in a V: pp rank 0 holds the embedding and the LM head, so a tied weight is
+    # one tensor there (no tie group), split by vocabulary like both its uses.
+    out = pools[4].run(_pp_tp_parity, schedule, 4, sp, "auto", tied)
+    assert all(o["losses"] == out[0]["losses"] and o["norms"] == out[0]["norms"] for o in out)
+    by = {(o["coords"]["pp"], o["coords"]["tp"]): o for o in out}
+    assert "tok_emb.weight" in by[0, 0]["names"] and ("lm_head.weight" in by[0, 0]["names"]) != tied
+    assert not any(n.startswith(("tok_emb", "lm_head")) for n in by[1, 0]["names"])
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_pp4_tp2_v_schedules_match_single_process(pools, schedule):
+    out = pools[8].run(_pp_tp_parity, schedule, 2, True, "auto", False, 4)
+    assert all(o["losses"] == out[0]["losses"] for o in out)
 
 
 def _bad(case: str) -> None:

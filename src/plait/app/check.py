@@ -22,6 +22,7 @@ import tyro
 
 from plait.app.config import STRATEGIES, ParallelSection, given_flags
 from plait.parallelize import ZERO3_SPLIT_BACKWARD, ParallelPlan
+from plait.pipeline.generators import SPLIT_BACKWARD
 
 __all__ = ["CheckSection", "BatchSection", "CheckConfig", "parse_args", "layout_of", "cli_main"]
 
@@ -110,8 +111,8 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
     if par.sequence_parallel and par.tp < 2:
         raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
                          f"--tp 2 or more, got --tp {par.tp}")
-    if par.pp > 1 and par.strategy == "fsdp" and par.zero_stage == 3 and par.schedule == "zb-h1":
-        raise ValueError(f"--schedule zb-h1 with --zero-stage 3: {ZERO3_SPLIT_BACKWARD}")
+    if par.pp > 1 and par.strategy == "fsdp" and par.zero_stage == 3 and par.schedule in SPLIT_BACKWARD:
+        raise ValueError(f"--schedule {par.schedule} with --zero-stage 3: {ZERO3_SPLIT_BACKWARD}")
     if par.chunks > 1 and par.pp < 2:
         raise ValueError(f"--chunks {par.chunks} sets pipeline stages per rank: it needs --pp 2 or more")
     if par.nproc % (par.pp * par.tp * par.dp):

@@ -42,6 +42,7 @@ from plait.app.data import default_corpus_path, load_corpus
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, PRESETS, GPTConfig
 from plait.pipeline import SCHEDULES, make_schedule
+from plait.pipeline.generators import SPLIT_BACKWARD, stages_per_rank
 from plait.pipeline.split import plan_stages, segments
 
 __all__ = ["ModelSection", "ParallelSection", "OptimizerSection", "DataSection", "CheckpointSection",
@@ -50,7 +51,7 @@ __all__ = ["ModelSection", "ParallelSection", "OptimizerSection", "DataSection",
 # The choices the command line offers; tests keep them equal to PRESETS and SCHEDULES.
 ModelName = Literal["tiny", "small", "25m", "50m", "100m"]
 Strategy = Literal["none", "dp", "ddp", "fsdp"]
-ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
 Precision = Literal["bf16", "fp16"]
 ZeroStage = Literal[1, 2, 3]
 
@@ -94,7 +95,7 @@ class ParallelSection:
     microbatches: int = 4
     """microbatches per pipeline step"""
     chunks: int = 1
-    """pipeline stages per rank (interleaved schedules)"""
+    """pipeline stages per rank (interleaved schedules; zbv and dualpipev always hold 2)"""
     dp: int = 1
     """with fsdp: replicas of the fsdp shards (hybrid sharding)"""
     zero_stage: ZeroStage = 3
@@ -306,10 +307,10 @@ class TrainConfig:
             raise ValueError("--pp combines with --strategy ddp or fsdp (data parallel across pipelines, "
                              "each stage its own DDP or FSDP module) and --tp; got --strategy "
                              f"{par.strategy}")
-        if par.strategy == "fsdp" and par.zero_stage == 3 and par.schedule == "zb-h1":
-            raise ValueError("--schedule zb-h1 with --zero-stage 3: ZeRO-3 frees each stage's gathered "
-                             "parameters when a backward pass ends, so the deferred weight-gradient pass (W) "
-                             "could read freed parameters; use --zero-stage 2 or another --schedule")
+        if par.strategy == "fsdp" and par.zero_stage == 3 and par.schedule in SPLIT_BACKWARD:
+            raise ValueError(f"--schedule {par.schedule} with --zero-stage 3: ZeRO-3 frees each stage's "
+                             "gathered parameters when a backward pass ends, so the deferred weight-gradient "
+                             "pass (W) could read freed parameters; use --zero-stage 2 or another --schedule")
         # --grad-accum K runs K times the microbatches in one schedule: the same accumulation, without
         # K pipeline fills and drains, and 1F1B keeps at most --pp microbatches' activations alive.
         microbatches = self.pipeline_microbatches
@@ -393,12 +394,13 @@ class TrainConfig:
         par = self.parallel
         segs = segments(model)
         names = [n for n, _ in segs]
-        n_stages = par.pp * par.chunks
+        per_rank = stages_per_rank(par.schedule, par.chunks)
+        n_stages = par.pp * per_rank
         what = self.model.hf_config or self.model.name
         if n_stages > len(segs):
-            raise ValueError(f"--pp {par.pp} x --chunks {par.chunks} = {n_stages} pipeline stages, but "
-                             f"the {what} model has only {len(segs)} segments "
-                             f"to split ({', '.join(names)}): --pp x --chunks must be at most {len(segs)}")
+            raise ValueError(f"--pp {par.pp} x {per_rank} stages per rank (--chunks, or 2 for --schedule zbv "
+                             f"and dualpipev) = {n_stages} pipeline stages, but the {what} model has only "
+                             f"{len(segs)} segments to split ({', '.join(names)})")
         sched = make_schedule(par.schedule, par.pp, par.microbatches, par.chunks)
         plan = plan_stages(segs, sched.stages, "auto")
         for rank in range(par.pp):

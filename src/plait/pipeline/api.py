@@ -285,11 +285,15 @@ class Pipeline:
         ranks counts once: the copies that are not its first owner's (`grad_copies`) are left out."""
         from plait.clip import grad_norm_parts
 
-        copies = {id(g) for g in self.grad_copies()}
+        # A weight two of this rank's stages share (tied embedding and LM head on one rank of a V)
+        # counts once too: `seen` starts with the other ranks' first owners' copies.
+        seen = {id(g) for g in self.grad_copies()}
         parts: GradParts = {}
         for s in sorted(self.stages):
             for key, grads in grad_norm_parts(self.stages[s]).items():
-                parts.setdefault((self.group, *key), []).extend(g for g in grads if id(g) not in copies)
+                new = [g for g in grads if id(g) not in seen]
+                seen.update(id(g) for g in new)
+                parts.setdefault((self.group, *key), []).extend(new)
         return parts
 
     @contextlib.contextmanager

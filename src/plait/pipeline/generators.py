@@ -7,8 +7,8 @@ from plait.pipeline.actions import Action, Kind
 from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
 from plait.pipeline.vshape import dualpipev, zbv
 
-__all__ = ["SCHEDULES", "V_SCHEDULES", "make_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "zb_h1", "zbv", "dualpipev"]
+__all__ = ["SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD", "stages_per_rank", "make_schedule", "gpipe",
+           "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"]
 
 
 def gpipe(p: int, m: int, v: int = 1) -> Schedule:
@@ -132,6 +132,12 @@ def zb_h1(p: int, m: int) -> Schedule:
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed in a V (`plait.pipeline.vshape`)
+SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # schedules that run backwards as B then a deferred W
+
+
+def stages_per_rank(name: str, chunks: int) -> int:
+    """How many stages each rank holds under the named schedule and ``chunks``."""
+    return 2 if name in V_SCHEDULES else chunks
 
 
 def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 1) -> Schedule:

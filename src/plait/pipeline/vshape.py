@@ -40,6 +40,8 @@ class _UnitPlanner:
         self.next_f = [0] * self.S  # the next microbatch each stage forwards (in order)
         self.rows: list[list[Action]] = [[] for _ in range(p)]
         self.deferred: list[list[Key]] = [[] for _ in range(p)]  # W's that filled a wait, not listed yet
+        self.limit = 2 * p  # chunk activations a rank may hold: 1F1B's peak (p stages of two chunks)
+        self.listed_held = [0] * p  # forwards listed minus W's listed, per rank
 
     def stages(self, r: int) -> list[int]:
         return rank_stages("v", self.p, self.S, r)
@@ -83,6 +85,12 @@ class _UnitPlanner:
         if kind is Kind.F:
             self.f_end[key] = t + 1
             self.next_f[key[0]] += 1
+            # A deferred W runs where it is listed unless a wait pulls it earlier: list enough of
+            # them before this forward to keep the listed order within the memory bound too.
+            while self.listed_held[r] >= self.limit and self.deferred[r]:
+                self.rows[r].append(Action(Kind.W, *self.deferred[r].pop(0)))
+                self.listed_held[r] -= 1
+            self.listed_held[r] += 1
         elif kind is Kind.B:
             self.b_end[key] = t + 1
         else:
@@ -91,10 +99,12 @@ class _UnitPlanner:
                 self.deferred[r].append(key)
                 return
             self.flush(r)
+            self.listed_held[r] -= 1
         self.rows[r].append(Action(kind, *key))
 
     def flush(self, r: int) -> None:
         self.rows[r] += [Action(Kind.W, *k) for k in self.deferred[r]]
+        self.listed_held[r] -= len(self.deferred[r])
         self.deferred[r] = []
 
 
@@ -110,7 +120,7 @@ def _zbv_pick(pl: _UnitPlanner, r: int, t: int) -> Choice | None:
     if ready_b:
         return Kind.B, min(ready_b, key=lambda k: (k[1], -k[0])), False
     ready_f = pl.ready_f(r, t)
-    if ready_f and pl.held(r) < 2 * p:
+    if ready_f and pl.held(r) < pl.limit:
         return Kind.F, max(ready_f, key=lambda k: k[0]), False
     if pend:
         return Kind.W, min(pend, key=lambda k: (k[1], -k[0])), True
