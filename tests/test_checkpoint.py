@@ -73,6 +73,7 @@ def test_pipeline_tp_run_with_saves_matches_oracle(oracle, pp_tp_checkpoint):
     (1, dict(strategy="none", nproc=1)),
     (2, dict(strategy="ddp", nproc=2, tp=2)),
     (2, dict(strategy="ddp", nproc=2, pp=2, schedule="zb-h1")),
+    (4, dict(strategy="ddp", nproc=4, pp=2, tp=2, sequence_parallel=True, schedule="dualpipev")),
 ])
 def test_pipeline_tp_checkpoint_resumes_on_other_layouts(pools, oracle, pp_tp_checkpoint, tmp_path, world,
                                                          layout):
@@ -149,10 +150,10 @@ def _train(model, opt, steps, pipe=None) -> None:
         opt.zero_grad()
 
 
-def _tied_pipeline_resume(single: str, folder: str) -> list[str]:
+def _tied_pipeline_resume(single: str, folder: str, schedule: str) -> list[str]:
     """Load a one-process checkpoint (step 2) into a pipeline whose embedding is tied to the LM
-    head on the other rank, train 2 steps, save, load into a fresh pipeline, train 2 more: the
-    parameters match a single process trained for 6 steps."""
+    head (on the other rank; under a V schedule on the same rank), train 2 steps, save, load into a
+    fresh pipeline, train 2 more: the parameters match a single process trained for 6 steps."""
     import torch
     from oracle import loss64
     from test_pipeline_parity import TOL64
@@ -167,7 +168,8 @@ def _tied_pipeline_resume(single: str, folder: str) -> list[str]:
     def build(seed: int):
         with torch.device("meta"):
             model = GPT(cfg).to(torch.float64)
-        pipe = pipeline(model, cached_mesh(pp=2), schedule="1f1b", microbatches=2, loss_fn=loss64, seed=seed)
+        pipe = pipeline(model, cached_mesh(pp=2), schedule=schedule, microbatches=2, loss_fn=loss64,
+                        seed=seed)
         return pipe, torch.optim.AdamW(list(pipe.parameters()))
 
     pipe, opt = build(6)  # other initial values: everything must come from the checkpoint
@@ -185,7 +187,8 @@ def _tied_pipeline_resume(single: str, folder: str) -> list[str]:
     return sorted(mine)
 
 
-def test_pipeline_with_weights_tied_across_ranks_resumes_a_single_process(pools, tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_with_tied_weights_resumes_a_single_process(pools, tmp_path, schedule):
     import torch.distributed.checkpoint as dcp
 
     from plait import checkpoint
@@ -195,8 +198,12 @@ def test_pipeline_with_weights_tied_across_ranks_resumes_a_single_process(pools,
     single = tmp_path / "single"
     dcp.save(checkpoint.state_dict(model, opt), checkpoint_id=str(single))  # no process group here
     (single / checkpoint.META).write_text('{"step": 2}')
-    names = pools[2].run(_tied_pipeline_resume, str(single), str(tmp_path / "tied"))
-    assert "tok_emb.weight" in names[0] and "lm_head.weight" in names[1]
+    names = pools[2].run(_tied_pipeline_resume, str(single), str(tmp_path / "tied"), schedule)
+    if schedule == "zbv":  # the V: both uses on rank 0, one tensor
+        assert "tok_emb.weight" in names[0]
+        assert not any(n.startswith(("tok_emb", "lm_head")) for n in names[1])
+    else:
+        assert "tok_emb.weight" in names[0] and "lm_head.weight" in names[1]
 
 
 def _pipeline_zero1_save(folder: str) -> None:
