@@ -19,9 +19,11 @@ import torch.distributed as dist
 
 from bench.common import BENCH_DIR, alternate, markdown_table, median, write_section
 
-# plait schedule -> (torch schedule class name, chunks)
+# plait schedule -> (torch schedule class name, stages per rank)
 PAIRS = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
-         "interleaved": ("ScheduleInterleaved1F1B", 2), "zb-h1": ("ScheduleInterleavedZeroBubble", 1)}
+         "interleaved": ("ScheduleInterleaved1F1B", 2), "zb-h1": ("ScheduleInterleavedZeroBubble", 1),
+         "zbv": ("ScheduleZBVZeroBubble", 2), "dualpipev": ("ScheduleDualPipeV", 2)}
+SINGLE = ("ScheduleGPipe", "Schedule1F1B")  # torch's schedules that take one stage, not a list
 
 
 def _cfg(preset: str, seq: int, layers: int):
@@ -30,7 +32,7 @@ def _cfg(preset: str, seq: int, layers: int):
     return dataclasses.replace(PRESETS[preset], seq_len=seq, n_layers=layers)
 
 
-def _torch_side(cfg, plan_names: list[list[str]], rank: int, p: int, cls_name: str, m: int, loss_fn):
+def _torch_side(cfg, plan_names: list[list[str]], mine: list[int], cls_name: str, m: int, loss_fn):
     import torch.distributed.pipelining as pl
 
     import plait
@@ -40,11 +42,11 @@ def _torch_side(cfg, plan_names: list[list[str]], rank: int, p: int, cls_name: s
     full = plait.init_weights(GPT(cfg), seed=0)
     segs = dict(segments(full))
     stages = []
-    for s in range(rank, len(plan_names), p):
+    for s in mine:  # the stages plait's schedule places on this rank (a V for zbv and dualpipev)
         mod = Stage(s, [(n, segs[n]) for n in plan_names[s]])
         stages.append(pl.PipelineStage(mod, s, len(plan_names), torch.device("cpu"), group=dist.group.WORLD))
     cls = getattr(pl, cls_name)
-    sched = cls(stages if len(stages) > 1 or "Interleaved" in cls_name else stages[0], m, loss_fn=loss_fn)
+    sched = cls(stages[0] if cls_name in SINGLE else stages, m, loss_fn=loss_fn)
     params = [q for st in stages for q in st.submod.parameters()]
     return sched, params, stages
 
@@ -71,41 +73,79 @@ def _one(name: str, cfg, x: torch.Tensor, y: torch.Tensor, m: int, warmup: int, 
     pipe = pipeline(model, cached_mesh(pp=p), split=split if chunks == 1 else "auto", schedule=name,
                     microbatches=m, loss_fn=lm_loss, chunks=chunks)
     opt_a = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
-    sched_t, params_t, _ = _torch_side(cfg, pipe.stage_names, rank, p, cls_name, m, lm_loss)
+    sched_t, params_t, _ = _torch_side(cfg, pipe.stage_names, pipe.schedule.rank_stages(rank), cls_name, m,
+                                       lm_loss)
     opt_b = torch.optim.AdamW(params_t, lr=1e-4)
     bubbles: list[float] = []
     losses: dict[str, list[float]] = {"plait": [], "torch": []}
 
     opt_times: list[float] = []
+    where: list[dict[str, float]] = []  # per step: where this rank's pipeline time went
 
     def step_plait() -> None:
         opt_a.zero_grad(set_to_none=True)
-        losses["plait"].append(float(pipe.step(x, y)))
         t0 = time.perf_counter()
+        losses["plait"].append(float(pipe.step(x, y)))
+        t1 = time.perf_counter()
         opt_a.step()
-        opt_times.append(time.perf_counter() - t0)
+        opt_times.append(time.perf_counter() - t1)
         bubbles.append(pipe.bubble_fraction)
+        # Outside the executor's run: splitting the batch, the cached dry run and metadata lookups.
+        where.append({**_where_time_went(pipe.timeline, pipe.step_time),
+                      "outside the schedule": (t1 - t0) - pipe.step_time})
 
     def step_torch() -> None:
         opt_b.zero_grad(set_to_none=True)
         got: list = []
-        if rank == 0:
-            sched_t.step(x)
-        else:
-            sched_t.step(target=y, losses=got)
+        mine = pipe.schedule.rank_stages(rank)  # a V's rank 0 holds the first stage and the last
+        last = {"target": y, "losses": got} if pipe.schedule.stages - 1 in mine else {}
+        sched_t.step(*((x,) if 0 in mine else ()), **last)
         if got:
             losses["torch"].append(float(torch.stack(got).detach().mean()))
         opt_b.step()
 
     times = alternate({"plait": step_plait, "torch": step_torch}, warmup, iters)
-    per_rank = torch.zeros(2, p, dtype=torch.float64)
+    per_rank = torch.zeros(2 + len(PARTS), p, dtype=torch.float64)
     per_rank[0, rank] = statistics.mean(bubbles[warmup:])
     per_rank[1, rank] = statistics.median(opt_times[warmup:])
+    for i, part in enumerate(PARTS):
+        per_rank[2 + i, rank] = statistics.median(w[part] for w in where[warmup:])
     dist.all_reduce(per_rank)
     return {"times": times, "bubble": float(per_rank[0].mean()), "opt": float(per_rank[1].max()),
+            "where": {part: float(per_rank[2 + i].mean()) for i, part in enumerate(PARTS)},
             "timelines": pipe.gather_timelines(),
             "loss0": (losses["plait"][:1], losses["torch"][:1]), "torch_cls": cls_name,
             "sched": pipe.schedule, "split": [s[0] for s in pipe.stage_names]}
+
+
+UNIT_PLAN = ("zb-h1", "zbv", "dualpipev")  # bubbles with no closed form: theory is the unit-cost plan
+OVERHEAD_NOTE = (
+    "Compute: the actions themselves (forward, backward, weight gradient). Receive waits: blocked "
+    "in a receive, i.e. waiting for a peer (its compute, the transfer, and any overhead of its own). "
+    "Sends: posting them (contiguous copies, the backend's launch). Between actions: the executor's "
+    "Python from the start of the step to its last action, outside the actions (posting every "
+    "receive at the start, bookkeeping, the W-filling helper). After the last action: waiting for "
+    "this rank's sends and the closing loss all-reduce, i.e. for the slowest rank. Outside the "
+    "schedule: the step's work before and after the executor runs (splitting the batch, the cached "
+    "dry run, tied-weight sums).")
+PARTS = ("compute", "receive waits", "sends", "between actions", "after the last action",
+         "outside the schedule")
+
+
+def _where_time_went(timeline, step_time: float) -> dict[str, float]:
+    """One rank's pipeline step split into: compute actions; blocking in receives; posting sends
+    (copies to contiguous buffers, the backend's launch); Python between actions (the executor's
+    own work); and from its last action to the end of the step (waiting for its sends and the
+    closing loss all-reduce, i.e. for the slowest rank)."""
+    kinds = {"compute": 0.0, "receive waits": 0.0, "sends": 0.0}
+    for sl in timeline:
+        k = sl.action.kind
+        part = "compute" if k.is_compute else "sends" if k.name.startswith("SEND") else "receive waits"
+        kinds[part] += sl.end - sl.start
+    last = max((sl.end for sl in timeline), default=0.0)
+    kinds["between actions"] = last - sum(kinds.values())  # from the step's start: posting receives too
+    kinds["after the last action"] = step_time - last
+    return kinds
 
 
 def _measured_costs(timelines):
@@ -150,31 +190,43 @@ def main(argv: list[str]) -> int:
         pool.close()
     res = per_rank[0]
     p, m = args.world, args.microbatches
-    rows, pics = [], []
+    rows, costs_rows, pics = [], [], []
     for name in names:
         r = res[name]
         chunks = PAIRS[name][1]
         t_a, t_b = median(r["times"]["plait"]), median(r["times"]["torch"])
-        # ZB-H1 has no closed form here: its theory is the unit-cost plan (F = B = W).
-        theory = r["sched"].bubble() if name == "zb-h1" else (p - 1) / (chunks * m + p - 1)
+        # The zero-bubble schedules have no closed form here: their theory is the unit-cost plan.
+        theory = r["sched"].bubble() if name in UNIT_PLAN else (p - 1) / (chunks * m + p - 1)
         costs = _measured_costs(r["timelines"])
         r["replayed"] = r["sched"].bubble(costs)
         ideal = max(sl.end for row in r["sched"].simulate(costs) for sl in row) + r["opt"]
-        first = f"{r['loss0'][0][0]:.5f} / {per_rank[-1][name]['loss0'][1][0]:.5f}"
-        rows.append([name, r["torch_cls"], t_a, t_b, t_a / t_b, ideal, t_b / ideal, r["bubble"], theory,
-                     r["bubble"] / theory - 1, r["replayed"], first])
+        # torch's loss is on the rank holding the last stage (rank 0 in a V)
+        torch_first = next(pr[name]["loss0"][1][0] for pr in per_rank if pr[name]["loss0"][1])
+        first = f"{r['loss0'][0][0]:.5f} / {torch_first:.5f}"
+        rows.append([name, r["torch_cls"], t_a, t_b, t_a / t_b, ideal, t_a / ideal, t_b / ideal, r["bubble"],
+                     theory, r["replayed"], r["bubble"] / r["replayed"] - 1, first])
+        w = r["where"]
+        costs_rows.append([name, t_a, ideal, t_a / ideal, *(1000 * w[part] for part in PARTS),
+                           1000 * r["opt"]])
         path = BENCH_DIR / "pictures" / f"{args.section}_{name}.png"
         path.parent.mkdir(exist_ok=True)
         r["sched"].draw(str(path), measured=r["timelines"])
         pics.append(f"![{name}](pictures/{path.name})")
     zb = ""
-    if "zb-h1" in res and "1f1b" in res:
-        ratio = res["zb-h1"]["bubble"] / res["1f1b"]["bubble"]
-        planned = res["zb-h1"]["sched"].bubble() / res["1f1b"]["sched"].bubble()
-        replayed = res["zb-h1"]["replayed"] / res["1f1b"]["replayed"]
-        zb = (f"\n\nZB-H1 measured bubble / 1F1B measured bubble: **{ratio:.2f}** (planned with "
-              f"F = B = W: {planned:.2f}; plan replayed with the measured action durations: {replayed:.2f}; "
-              "target <= 0.4).")
+    for name in (n for n in UNIT_PLAN if n in res and "1f1b" in res):
+        ratio = res[name]["bubble"] / res["1f1b"]["bubble"]
+        planned = res[name]["sched"].bubble() / res["1f1b"]["sched"].bubble()
+        replayed = res[name]["replayed"] / res["1f1b"]["replayed"]
+        zb += (f"\n\n{name} measured bubble / 1F1B measured bubble: **{ratio:.2f}** (planned with "
+               f"F = B = W: {planned:.2f}; plan replayed with the measured action durations: {replayed:.2f}; "
+               f"target <= 0.4{' for zbv' if name == 'zbv' else ''}).")
+    overhead = ("\n\n### Where plait's step goes\n\nMedians over the timed steps, averaged over ranks, "
+                "in ms. 'Ideal' is the plan replayed at the measured action durations with free "
+                "communication, plus the optimizer step: what the same schedule would take with no "
+                "runtime overhead.\n\n"
+                + markdown_table(["schedule", "plait step (s)", "ideal (s)", "plait / ideal",
+                                  *(f"{part} (ms)" for part in PARTS), "optimizer (ms)"], costs_rows)
+                + "\n\n" + OVERHEAD_NOTE)
     cfg = _cfg(args.model, args.seq, args.layers)
     body = (
         f"GPT `{args.model}` with {args.layers} layers (d_model {cfg.d_model}, seq {args.seq}), pp={p}, "
@@ -182,15 +234,16 @@ def main(argv: list[str]) -> int:
         f"(first segment of each stage: {res[names[0]]['split']}); {args.iters} alternating timed steps "
         f"after {args.warmup} warm-up steps each, 1 thread per rank.\n\n"
         + markdown_table(["plait schedule", "torch schedule", "plait step (s)", "torch step (s)",
-                          "plait / torch", "ideal step (s)", "torch / ideal", "measured bubble", "theory",
-                          "bubble vs theory", "plan at measured durations", "first loss plait / torch"],
-                         rows)
+                          "plait / torch", "ideal step (s)", "plait / ideal", "torch / ideal",
+                          "measured bubble", "theory", "plan at measured durations", "measured vs plan",
+                          "first loss plait / torch"], rows)
         + zb
-        + "\n\nTheory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved (v=2); for ZB-H1 "
-        "the unit-cost plan. Measured bubble = 1 - compute time / step time per rank, averaged over "
-        "ranks and timed steps, where a rank's step time runs from its first action until the whole "
-        "pipeline is done (the closing loss all-reduce), so a rank that finishes early counts its idle "
-        "tail; idle is waiting for receives, the loss all-reduce and Python between actions. "
+        + "\n\nTheory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved (v=2); for ZB-H1, "
+        "ZB-V and DualPipeV the unit-cost plan (the V schedules hold two stages per rank, rank r stages r "
+        "and 2p-1-r, in plait and in torch). Measured bubble = 1 - compute time / step time per rank, "
+        "averaged over ranks and timed steps, where a rank's step time runs from its first action until "
+        "the whole pipeline is done (the closing loss all-reduce), so a rank that finishes early counts "
+        "its idle tail; idle is waiting for receives, the loss all-reduce and Python between actions. "
         "'Plan at measured durations' replays the schedule (W's pulled into waits, as the runtime "
         "does) with each (stage, action kind)'s median measured duration and free communication: the "
         "bubble the schedule itself implies for this model and split. 'Ideal step' is that replay's "
@@ -198,7 +251,7 @@ def main(argv: list[str]) -> int:
         "schedule with zero runtime overhead, and 'torch / ideal' "
         "how close torch's measured step is to it (plait / torch can only go below torch / ideal "
         "by running the same kernels faster).\n\n"
-        + "\n".join(pics) + "\n"
+        + "\n".join(pics) + overhead + "\n"
     )
     print(body)
     title = "Pipeline parallelism: plait schedules vs torch.distributed.pipelining"
