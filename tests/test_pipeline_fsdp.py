@@ -154,11 +154,12 @@ def test_pp2_fsdp2_matches_single_process(pools, name):
         assert per_step[0] == per_step[-1] and 0 < per_step[0] <= 2 * 3 * chunks, per_step
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv", "dualpipev"])
 def test_pp2_dp2_ddp_matches_single_process(pools, schedule):
     out = pools[4].run(_parity, dict(pp=2, dp=2), dict(data="ddp", pp_schedule=schedule))
+    stages = 2 if schedule in ("zbv", "dualpipev") else 1  # per rank
     for o in out:  # one bucket all-reduce per stage and step (25 MB buckets hold a tiny stage)
-        assert all(c.get("all_reduce@dp") == 1 for c in o["reductions"]), o["reductions"]
+        assert all(c.get("all_reduce@dp") == stages for c in o["reductions"]), o["reductions"]
 
 
 def test_pp2_dp2_ddp_accumulates_steps_under_no_sync(pools):
@@ -173,6 +174,15 @@ def test_pp2_dp2_ddp_accumulates_steps_under_no_sync(pools):
 def test_pp2_fsdp2_tp2_matches_single_process(pools, plan_kw):
     # torchtitan's 3-D layout: stages split first, each tensor-parallel, then FSDP over fsdp.
     pools[8].run(_parity, dict(pp=2, fsdp=2, tp=2), dict(data="fsdp", **plan_kw))
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_pp4_tp2_v_schedules_match_single_process(pools, schedule):
+    # Here for the module's 8-rank pool: V schedules at pp=4 with tensor and sequence parallelism.
+    from test_pipeline_tp import _pp_tp_parity
+
+    out = pools[8].run(_pp_tp_parity, schedule, 2, True, "auto", False, 4)
+    assert all(o["losses"] == out[0]["losses"] for o in out)
 
 
 def test_pp2_hsdp_dp2_fsdp2_matches_single_process(pools):
@@ -239,6 +249,9 @@ REFUSED = {  # case: (mesh, plan, what the error says)
     "zero3 zb-h1": (dict(pp=2, fsdp=2), dict(data="fsdp", pp_schedule="zb-h1"),
                     "splits backward into B and W; ZeRO-3 frees"),
     "tied": (dict(pp=2, fsdp=2), dict(data="fsdp"), "cannot be FSDP-sharded per stage"),
+    "zero3 zbv": (dict(pp=2, fsdp=2), dict(data="fsdp", pp_schedule="zbv"), "splits backward into B and W"),
+    "tied V": (dict(pp=2, dp=2), dict(data="ddp", pp_schedule="dualpipev"),
+               "stages 0 and 3 of pp rank 0 share a parameter (e.g. a tied embedding and LM head, which a V"),
     "pp options without pp": (dict(fsdp=4), dict(data="fsdp", pp_microbatches=8),
                               "pipeline options, read only when the mesh has pp > 1"),
     "unused": (dict(pp=2, dp=2), dict(data="ddp", ddp_options={"find_unused_parameters": True}),
@@ -252,7 +265,7 @@ def _refused(case: str) -> None:
 
     mesh_kw, plan_kw, _ = REFUSED[case]
     with torch.device("meta"):
-        model = GPT(GPTConfig(**CFG, tie_embeddings=case == "tied"))
+        model = GPT(GPTConfig(**CFG, tie_embeddings=case.startswith("tied")))
     loss = lm_loss if "pp" in mesh_kw else None
     plait.parallelize(model, cached_mesh(**mesh_kw), plait.ParallelPlan(loss_fn=loss, **plan_kw))
 

@@ -98,8 +98,9 @@ class Pipeline:
             # split it alike: the same rows on the same tp rank.
             check_tied_splits(module, tp_plan, tp=mesh.size("tp"))
         mine = self.sched.rank_stages(self.rank)
-        check_wrappable(stage_wrapper, {s: [p for i in plan[s] for p in segs[i][1].parameters()]
-                                        for s in mine}, ties)
+        for r in range(p):  # every rank's stages, so that all ranks refuse alike
+            check_wrappable(stage_wrapper, r, {s: [p for i in plan[s] for p in segs[i][1].parameters()]
+                                               for s in self.sched.rank_stages(r)}, ties)
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                       else torch.device("cpu"))

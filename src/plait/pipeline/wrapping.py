@@ -62,9 +62,10 @@ class StateHoldingStage(Protocol):
     def load_checkpoint_state(self, state: dict[str, Any], optimizer: Any) -> None: ...
 
 
-def check_wrappable(wrapper: StageWrapper | None, stage_params: dict[int, Sequence[nn.Parameter]],
+def check_wrappable(wrapper: StageWrapper | None, rank: int, stage_params: dict[int, Sequence[nn.Parameter]],
                     ties: Sequence[Tie]) -> None:
-    """Refuse, before any collective, weights a per-stage wrapper cannot hold.
+    """Refuse, before any collective, weights a per-stage wrapper cannot hold on pp rank ``rank``
+    (every rank checks every rank's ``stage_params``, so all of them refuse alike).
 
     A parameter used by two stages of one rank would be wrapped twice (two DDP buckets or two
     FSDP flat shards reducing one tensor); a weight tied across pp ranks needs a plain copy per
@@ -76,9 +77,11 @@ def check_wrappable(wrapper: StageWrapper | None, stage_params: dict[int, Sequen
     for s, params in sorted(stage_params.items()):
         for p in params:
             if owner.setdefault(id(p), s) != s:
-                raise ValueError(f"pipeline: stages {owner[id(p)]} and {s} of this rank share a parameter; "
-                                 "data parallelism wraps each stage on its own and would reduce it twice: "
-                                 "untie it or split the model so that its users share one stage")
+                raise ValueError(
+                    f"pipeline: stages {owner[id(p)]} and {s} of pp rank {rank} share a parameter (e.g. a "
+                    "tied embedding and LM head, which a V schedule puts on rank 0); data parallelism wraps "
+                    "each stage on its own and would reduce it twice: untie it, split the model so that its "
+                    "users share one stage, or use a schedule with one stage per rank")
     if ties and not wrapper.keeps_parameters:
         raise ValueError(f"pipeline: weights shared across pp ranks ({[t.names for t in ties]}) cannot be "
                          "FSDP-sharded per stage (each rank keeps a plain copy whose gradients are summed); "
