@@ -18,11 +18,14 @@ import torch
 import torch.distributed as dist
 
 from bench.common import BENCH_DIR, alternate, markdown_table, median, write_section
+from plait import comm
 
 # plait schedule -> (torch schedule class name, stages per rank)
 PAIRS = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1),
          "interleaved": ("ScheduleInterleaved1F1B", 2), "zb-h1": ("ScheduleInterleavedZeroBubble", 1),
-         "zbv": ("ScheduleZBVZeroBubble", 2), "dualpipev": ("ScheduleDualPipeV", 2)}
+         "zbv": ("ScheduleZBVZeroBubble", 2), "dualpipev": ("ScheduleDualPipeV", 2),
+         "zbv-measured": ("ScheduleZBVZeroBubble", 2)}
+ADAPTED = {"zbv-measured": "zbv"}  # planned by the named generator at durations measured on its own plan
 SINGLE = ("ScheduleGPipe", "Schedule1F1B")  # torch's schedules that take one stage, not a list
 
 
@@ -63,15 +66,21 @@ def _bench(preset: str, seq: int, layers: int, batch: int, m: int, warmup: int, 
 def _one(name: str, cfg, x: torch.Tensor, y: torch.Tensor, m: int, warmup: int, iters: int,
          split: str | list[str]) -> dict:
     from plait.models.gpt import GPT, lm_loss
-    from plait.pipeline import pipeline
+    from plait.pipeline import pipeline, zbv
     from plait.testing import cached_mesh
 
     p, rank = dist.get_world_size(), dist.get_rank()
     cls_name, chunks = PAIRS[name]
-    with torch.device("meta"):
-        model = GPT(cfg)
-    pipe = pipeline(model, cached_mesh(pp=p), split=split if chunks == 1 else "auto", schedule=name,
-                    microbatches=m, loss_fn=lm_loss, chunks=chunks)
+
+    def build(schedule):
+        with torch.device("meta"):
+            model = GPT(cfg)
+        return pipeline(model, cached_mesh(pp=p), split=split if chunks == 1 else "auto", schedule=schedule,
+                        microbatches=m, loss_fn=lm_loss, chunks=chunks)
+
+    pipe = build(ADAPTED.get(name, name))
+    if name in ADAPTED:  # plan again at the durations a few steps of the unit-cost plan measure
+        pipe = build(zbv(p, m, costs=_measured_costs(_probe(pipe, x, y, steps=warmup + 2))))
     opt_a = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     sched_t, params_t, _ = _torch_side(cfg, pipe.stage_names, pipe.schedule.rank_stages(rank), cls_name, m,
                                        lm_loss)
@@ -81,6 +90,7 @@ def _one(name: str, cfg, x: torch.Tensor, y: torch.Tensor, m: int, warmup: int, 
 
     opt_times: list[float] = []
     where: list[dict[str, float]] = []  # per step: where this rank's pipeline time went
+    steps_seen: list = []  # per step: this rank's timeline (the ideal uses every timed step's durations)
 
     def step_plait() -> None:
         opt_a.zero_grad(set_to_none=True)
@@ -93,6 +103,7 @@ def _one(name: str, cfg, x: torch.Tensor, y: torch.Tensor, m: int, warmup: int, 
         # Outside the executor's run: splitting the batch, the cached dry run and metadata lookups.
         where.append({**_where_time_went(pipe.timeline, pipe.step_time),
                       "outside the schedule": (t1 - t0) - pipe.step_time})
+        steps_seen.append(pipe.timeline)
 
     def step_torch() -> None:
         opt_b.zero_grad(set_to_none=True)
@@ -114,11 +125,15 @@ def _one(name: str, cfg, x: torch.Tensor, y: torch.Tensor, m: int, warmup: int, 
     return {"times": times, "bubble": float(per_rank[0].mean()), "opt": float(per_rank[1].max()),
             "where": {part: float(per_rank[2 + i].mean()) for i, part in enumerate(PARTS)},
             "timelines": pipe.gather_timelines(),
+            "all_timelines": [row for rows in comm.all_gather_object(steps_seen[warmup:], pipe.group)
+                              for row in rows],
+            "latency": _p2p_latency(x.shape[0] // m, cfg),
             "loss0": (losses["plait"][:1], losses["torch"][:1]), "torch_cls": cls_name,
             "sched": pipe.schedule, "split": [s[0] for s in pipe.stage_names]}
 
 
-UNIT_PLAN = ("zb-h1", "zbv", "dualpipev")  # bubbles with no closed form: theory is the unit-cost plan
+# Bubbles with no closed form: their theory is the unit-cost plan.
+UNIT_PLAN = ("zb-h1", "zbv", "dualpipev", "zbv-measured")
 OVERHEAD_NOTE = (
     "Compute: the actions themselves (forward, backward, weight gradient). Receive waits: blocked "
     "in a receive, i.e. waiting for a peer (its compute, the transfer, and any overhead of its own). "
@@ -127,7 +142,9 @@ OVERHEAD_NOTE = (
     "receive at the start, bookkeeping, the W-filling helper). After the last action: waiting for "
     "this rank's sends and the closing loss all-reduce, i.e. for the slowest rank. Outside the "
     "schedule: the step's work before and after the executor runs (splitting the batch, the cached "
-    "dry run, tied-weight sums).")
+    "dry run, tied-weight sums). The executor's own share is sends + between actions + outside the "
+    "schedule over the step: what plait's runtime costs by itself; receive waits beyond the plan's "
+    "idle are the transfers' latency and the peers' variations in compute time.")
 PARTS = ("compute", "receive waits", "sends", "between actions", "after the last action",
          "outside the schedule")
 
@@ -146,6 +163,40 @@ def _where_time_went(timeline, step_time: float) -> dict[str, float]:
     kinds["between actions"] = last - sum(kinds.values())  # from the step's start: posting receives too
     kinds["after the last action"] = step_time - last
     return kinds
+
+
+def _probe(pipe, x: torch.Tensor, y: torch.Tensor, steps: int) -> list:
+    """Every rank's timelines of ``steps`` training steps (gradients dropped): the same on every rank,
+    so a plan made from them is the same everywhere."""
+    rows = []
+    for _ in range(steps):
+        pipe.step(x, y)
+        rows.append(pipe.timeline)
+    for prm in pipe.parameters():
+        prm.grad = None
+    return [row for ranks in comm.all_gather_object(rows[1:], pipe.group) for row in ranks]
+
+
+def _p2p_latency(mb: int, cfg, rounds: int = 20) -> float:
+    """One-way time of an activation-sized message between pp ranks 0 and 1 (median of ping-pongs
+    on the default group, as the pipeline's tagged transfers run): what the replay with
+    communication adds to every transfer."""
+    rank = dist.get_rank()
+    buf = torch.zeros(mb, cfg.seq_len, cfg.d_model)
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - t0) / 2)
+    out = torch.tensor([statistics.median(times) if rank == 0 else 0.0], dtype=torch.float64)
+    dist.all_reduce(out)
+    return float(out)
 
 
 def _measured_costs(timelines):
@@ -197,17 +248,20 @@ def main(argv: list[str]) -> int:
         t_a, t_b = median(r["times"]["plait"]), median(r["times"]["torch"])
         # The zero-bubble schedules have no closed form here: their theory is the unit-cost plan.
         theory = r["sched"].bubble() if name in UNIT_PLAN else (p - 1) / (chunks * m + p - 1)
-        costs = _measured_costs(r["timelines"])
+        costs = _measured_costs(r["all_timelines"])  # medians over every timed step and rank
         r["replayed"] = r["sched"].bubble(costs)
+        r["replayed_comm"] = r["sched"].bubble(costs, r["latency"])
         ideal = max(sl.end for row in r["sched"].simulate(costs) for sl in row) + r["opt"]
         # torch's loss is on the rank holding the last stage (rank 0 in a V)
         torch_first = next(pr[name]["loss0"][1][0] for pr in per_rank if pr[name]["loss0"][1])
         first = f"{r['loss0'][0][0]:.5f} / {torch_first:.5f}"
         rows.append([name, r["torch_cls"], t_a, t_b, t_a / t_b, ideal, t_a / ideal, t_b / ideal, r["bubble"],
-                     theory, r["replayed"], r["bubble"] / r["replayed"] - 1, first])
+                     theory, r["replayed"], r["bubble"] / r["replayed"] - 1,
+                     r["replayed_comm"], r["bubble"] / r["replayed_comm"] - 1, first])
         w = r["where"]
+        own = w["sends"] + w["between actions"] + w["outside the schedule"]  # the executor's own time
         costs_rows.append([name, t_a, ideal, t_a / ideal, *(1000 * w[part] for part in PARTS),
-                           1000 * r["opt"]])
+                           1000 * r["opt"], own / t_a])
         path = BENCH_DIR / "pictures" / f"{args.section}_{name}.png"
         path.parent.mkdir(exist_ok=True)
         r["sched"].draw(str(path), measured=r["timelines"])
@@ -219,13 +273,14 @@ def main(argv: list[str]) -> int:
         replayed = res[name]["replayed"] / res["1f1b"]["replayed"]
         zb += (f"\n\n{name} measured bubble / 1F1B measured bubble: **{ratio:.2f}** (planned with "
                f"F = B = W: {planned:.2f}; plan replayed with the measured action durations: {replayed:.2f}; "
-               f"target <= 0.4{' for zbv' if name == 'zbv' else ''}).")
+               f"target <= 0.4{' for zbv' if name.startswith('zbv') else ''}).")
     overhead = ("\n\n### Where plait's step goes\n\nMedians over the timed steps, averaged over ranks, "
                 "in ms. 'Ideal' is the plan replayed at the measured action durations with free "
                 "communication, plus the optimizer step: what the same schedule would take with no "
                 "runtime overhead.\n\n"
                 + markdown_table(["schedule", "plait step (s)", "ideal (s)", "plait / ideal",
-                                  *(f"{part} (ms)" for part in PARTS), "optimizer (ms)"], costs_rows)
+                                  *(f"{part} (ms)" for part in PARTS), "optimizer (ms)",
+                                  "executor's own / step"], costs_rows)
                 + "\n\n" + OVERHEAD_NOTE)
     cfg = _cfg(args.model, args.seq, args.layers)
     body = (
@@ -236,7 +291,8 @@ def main(argv: list[str]) -> int:
         + markdown_table(["plait schedule", "torch schedule", "plait step (s)", "torch step (s)",
                           "plait / torch", "ideal step (s)", "plait / ideal", "torch / ideal",
                           "measured bubble", "theory", "plan at measured durations", "measured vs plan",
-                          "first loss plait / torch"], rows)
+                          "plan with measured latency", "measured vs that plan", "first loss plait / torch"],
+                         rows)
         + zb
         + "\n\nTheory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved (v=2); for ZB-H1, "
         "ZB-V and DualPipeV the unit-cost plan (the V schedules hold two stages per rank, rank r stages r "
@@ -246,7 +302,10 @@ def main(argv: list[str]) -> int:
         "its idle tail; idle is waiting for receives, the loss all-reduce and Python between actions. "
         "'Plan at measured durations' replays the schedule (W's pulled into waits, as the runtime "
         "does) with each (stage, action kind)'s median measured duration and free communication: the "
-        "bubble the schedule itself implies for this model and split. 'Ideal step' is that replay's "
+        "bubble the schedule itself implies for this model and split; 'plan with measured latency' "
+        "adds to every transfer the one-way time of an activation-sized message between the two ranks "
+        f"(measured by ping-pong: {1000 * res[names[0]]['latency']:.2f} ms). "
+        "'Ideal step' is the free-communication replay's "
         "makespan plus the optimizer step (the timed steps include it): the step time of the same "
         "schedule with zero runtime overhead, and 'torch / ideal' "
         "how close torch's measured step is to it (plait / torch can only go below torch / ideal "

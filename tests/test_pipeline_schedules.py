@@ -295,3 +295,21 @@ def test_dualpipev_overlaps_one_chunks_forward_with_the_others_backward():
     same = [Action(Kind.F, 0, 0, overlap=True), Action(Kind.BW, 0, 0)]
     with pytest.raises(ScheduleError, match="same microbatch, which depends on it"):
         with_comms("custom", 1, 1, 1, [same]).validate()
+
+
+def test_zbv_planned_at_given_costs_beats_the_unit_plan_at_those_costs():
+    from plait.pipeline import zbv
+
+    units = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0}
+    assert zbv(3, 6, costs=units).actions == make_schedule("zbv", 3, 6).actions
+
+    # A heavy last stage (the LM head and loss) and a first stage with almost no input gradient.
+    def cost(a: Action) -> float:
+        base = {Kind.F: 1.0, Kind.B: 1.1, Kind.W: 0.7}[a.kind] * (1.8 if a.stage == 3 else 1.0)
+        return base * (0.1 if (a.stage, a.kind) == (0, Kind.B) else 1.0)
+
+    for p, m in [(2, 8), (2, 4)]:
+        unit, planned = make_schedule("zbv", p, m), zbv(p, m, costs=cost).validate()
+        assert planned.bubble(cost) <= unit.bubble(cost) + 1e-12
+        assert all(_peak_activations(planned, r) <= 2 * p for r in range(p))
+    assert zbv(2, 8, costs=cost).bubble(cost) < make_schedule("zbv", 2, 8).bubble(cost)

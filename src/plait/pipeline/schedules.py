@@ -126,9 +126,10 @@ class Schedule:
         _check_shape(self)
         return _Replay(self, costs, latency).run()
 
-    def bubble(self, costs: Costs | None = None) -> float:
-        """Planned bubble: mean over ranks of idle time / makespan under ``costs``."""
-        slots = self.simulate(costs)
+    def bubble(self, costs: Costs | None = None, latency: float = 0.0) -> float:
+        """Planned bubble: mean over ranks of idle time / makespan under ``costs`` (and ``latency``
+        per transfer, as in `simulate`)."""
+        slots = self.simulate(costs, latency)
         span = max((s.end for row in slots for s in row), default=0.0)
         if span == 0:
             return 0.0

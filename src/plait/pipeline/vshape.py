@@ -7,7 +7,7 @@ lets a rank's second-chunk backwards fill the wait before its first-chunk ones: 
 reach a near-zero bubble at F = B = W once ``m >= 2p``, which ZB-H1's one stage per rank cannot
 (its first stage has no B to run until the first gradient comes back).
 
-* `zbv` (ZB-V, Qi et al. 2023, sec. 6): greedy list scheduling at unit costs, bounded to 1F1B's
+* `zbv` (ZB-V, Qi et al. 2023, sec. 6): greedy list scheduling at unit (or given) costs, bounded to 1F1B's
   peak activation memory (``2p`` chunk activations per rank), W's listed as late as the bound
   allows so that the runtime's pulled W's fill whatever waits real durations produce.
 * `dualpipev` (DeepSeek-AI 2024, DualPipe folded onto one V): after a warm-up, each step pairs a
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from plait.pipeline.actions import Action, Kind, rank_stages, stage_rank
-from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
+from plait.pipeline.schedules import Costs, Schedule, ScheduleError, with_comms
 
 __all__ = ["zbv", "dualpipev"]
 
@@ -29,15 +29,17 @@ Key = tuple[int, int]  # (stage, microbatch)
 Choice = tuple[Kind, Key, bool]  # what to run, and whether it is a W that only fills a wait
 
 
-class _UnitPlanner:
-    """Places F, B and W on p ranks with the V placement, one unit of time each, greedily."""
+class _Planner:
+    """Places F, B and W on p ranks with the V placement, greedily, in time: each action takes
+    ``cost(action)`` (one unit each by default), communication is free."""
 
-    def __init__(self, p: int, m: int) -> None:
-        self.p, self.m, self.S = p, m, 2 * p
-        self.f_end: dict[Key, int] = {}
-        self.b_end: dict[Key, int] = {}
+    def __init__(self, p: int, m: int, cost: Callable[[Action], float]) -> None:
+        self.p, self.m, self.S, self.cost = p, m, 2 * p, cost
+        self.f_end: dict[Key, float] = {}
+        self.b_end: dict[Key, float] = {}
         self.w_done: set[Key] = set()
         self.next_f = [0] * self.S  # the next microbatch each stage forwards (in order)
+        self.free = [0.0] * p  # when each rank is done with what it runs
         self.rows: list[list[Action]] = [[] for _ in range(p)]
         self.deferred: list[list[Key]] = [[] for _ in range(p)]  # W's that filled a wait, not listed yet
         self.limit = 2 * p  # chunk activations a rank may hold: 1F1B's peak (p stages of two chunks)
@@ -46,7 +48,7 @@ class _UnitPlanner:
     def stages(self, r: int) -> list[int]:
         return rank_stages("v", self.p, self.S, r)
 
-    def ready_f(self, r: int, t: int) -> list[Key]:
+    def ready_f(self, r: int, t: float) -> list[Key]:
         out = []
         for s in self.stages(r):
             mb = self.next_f[s]
@@ -54,12 +56,12 @@ class _UnitPlanner:
                 out.append((s, mb))
         return out
 
-    def ready_b(self, r: int, t: int) -> list[Key]:
+    def ready_b(self, r: int, t: float) -> list[Key]:
         return [k for k, e in self.f_end.items() if stage_rank("v", self.p, k[0]) == r and e <= t
                 and k not in self.b_end
                 and (k[0] == self.S - 1 or self.b_end.get((k[0] + 1, k[1]), t + 1) <= t)]
 
-    def pending_w(self, r: int, t: int) -> list[Key]:
+    def pending_w(self, r: int, t: float) -> list[Key]:
         return [k for k, e in self.b_end.items() if stage_rank("v", self.p, k[0]) == r and e <= t
                 and k not in self.w_done]
 
@@ -67,23 +69,31 @@ class _UnitPlanner:
         """Chunk activations held on rank r: forwarded, weight gradient not yet computed."""
         return sum(1 for k in self.f_end if stage_rank("v", self.p, k[0]) == r and k not in self.w_done)
 
-    def run(self, pick: Callable[[_UnitPlanner, int, int], Choice | None]) -> list[list[Action]]:
-        t = 0
+    def run(self, pick: Callable[[_Planner, int, float], Choice | None]) -> list[list[Action]]:
+        t, events = 0.0, 0
         while len(self.w_done) < self.S * self.m:
             for r in range(self.p):
-                choice = pick(self, r, t)
-                if choice is not None:
-                    self.place(r, t, *choice)
-            t += 1
-            if t > 100 * self.S * self.m:
+                if self.free[r] <= t:
+                    choice = pick(self, r, t)
+                    if choice is not None:
+                        self.place(r, t, *choice)
+            # Nothing changes before the next action ends: jump there.
+            later = [e for e in (*self.free, *self.f_end.values(), *self.b_end.values()) if e > t]
+            events += 1
+            if not later or events > 100 * self.S * self.m:
+                if len(self.w_done) == self.S * self.m:
+                    break
                 raise ScheduleError("V-shape planner made no progress (a bug: please report it)")
+            t = min(later)
         for r in range(self.p):
             self.flush(r)
         return self.rows
 
-    def place(self, r: int, t: int, kind: Kind, key: Key, fills_wait: bool = False) -> None:
+    def place(self, r: int, t: float, kind: Kind, key: Key, fills_wait: bool = False) -> None:
+        end = t + max(self.cost(Action(kind, *key)), 1e-12)
+        self.free[r] = end
         if kind is Kind.F:
-            self.f_end[key] = t + 1
+            self.f_end[key] = end
             self.next_f[key[0]] += 1
             # A deferred W runs where it is listed unless a wait pulls it earlier: list enough of
             # them before this forward to keep the listed order within the memory bound too.
@@ -92,7 +102,7 @@ class _UnitPlanner:
                 self.listed_held[r] -= 1
             self.listed_held[r] += 1
         elif kind is Kind.B:
-            self.b_end[key] = t + 1
+            self.b_end[key] = end
         else:
             self.w_done.add(key)
             if fills_wait:
@@ -108,7 +118,7 @@ class _UnitPlanner:
         self.deferred[r] = []
 
 
-def _zbv_pick(pl: _UnitPlanner, r: int, t: int) -> Choice | None:
+def _zbv_pick(pl: _Planner, r: int, t: float) -> Choice | None:
     """ZB-V's priorities: W when too many are pending (memory), then the oldest ready B (the
     second chunk first), then a forward within 1F1B's memory (the second chunk first: it reaches
     the loss sooner), else a pending W filling the wait."""
@@ -127,18 +137,27 @@ def _zbv_pick(pl: _UnitPlanner, r: int, t: int) -> Choice | None:
     return None
 
 
-def zbv(p: int, m: int) -> Schedule:
+def zbv(p: int, m: int, costs: Costs | None = None) -> Schedule:
     """ZB-V (Qi et al. 2023, sec. 6): two stages per rank in a V, backward split into B and W.
 
-    Planned at unit costs (F = B = W per chunk) by list scheduling with ZB-V's priorities and
-    1F1B's activation memory per rank (``2p`` chunk activations, i.e. ``p`` microbatches of a
-    1F1B stage). A W that only fills a wait is listed where the memory bound or the end of the
-    step forces it, as for ZB-H1: the runtime pulls W's into the waits real durations produce.
+    Planned by list scheduling with ZB-V's priorities within 1F1B's activation memory per rank
+    (``2p`` chunk activations, i.e. ``p`` microbatches of a 1F1B stage), at unit costs (F = B = W
+    per chunk) or at ``costs`` (as `Schedule.simulate` takes them: per kind, or a function of the
+    action, e.g. measured durations per stage, which plans around a heavy last stage or a first
+    stage whose B is nearly free). A W that only fills a wait is listed where the memory bound or
+    the end of the step forces it, as for ZB-H1: the runtime pulls W's into the waits real
+    durations produce.
     """
     if p < 1 or m < 1:
         raise ScheduleError(f"zbv needs pp >= 1 and microbatches >= 1, got pp={p}, microbatches={m}")
-    rows = _UnitPlanner(p, m).run(_zbv_pick)
-    return with_comms("zbv", p, 2 * p, m, rows, placement="v")
+    if costs is None or not callable(costs):
+        table = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, **(costs or {})}
+        cost: Callable[[Action], float] = lambda a: table[a.kind]  # noqa: E731
+    else:
+        cost = costs
+    rows = _Planner(p, m, cost).run(_zbv_pick)
+    name = "zbv" if costs is None else "zbv (planned at given costs)"
+    return with_comms(name, p, 2 * p, m, rows, placement="v")
 
 
 def dualpipev(p: int, m: int) -> Schedule:
