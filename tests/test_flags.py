@@ -21,11 +21,11 @@ from plait.pipeline import SCHEDULES
 
 BAD = [
     # FSDP-only options under other strategies: they would change nothing.
-    (dict(strategy="ddp", mixed_precision="bf16"), "--mixed-precision bf16 applies to --strategy fsdp"),
     (dict(strategy="ddp", offload=True), "--offload applies to --strategy fsdp"),
-    (dict(strategy="ddp", nproc=4, tp=2, mixed_precision="fp16"), "--mixed-precision fp16 applies"),
     (dict(strategy="dp", nproc=2, offload=True), "--strategy dp would ignore it"),
-    (dict(strategy="none", nproc=1, mixed_precision="bf16"), "--strategy none would ignore it"),
+    (dict(strategy="none", nproc=1, offload=True), "--strategy none would ignore it"),
+    # Mixed precision runs in every layout but DataParallel's threads.
+    (dict(strategy="dp", nproc=2, mixed_precision="bf16"), "--mixed-precision bf16 with --strategy dp"),
     (dict(strategy="ddp", zero_stage=1), "--zero-stage 1 applies to --strategy fsdp"),
     (dict(strategy="ddp", reshard_after_forward=False), "--no-reshard-after-forward applies"),
     (dict(strategy="ddp", backward_prefetch=False), "--no-backward-prefetch applies"),
@@ -114,14 +114,20 @@ def test_paths_the_run_writes_are_checked(tmp_path):
     dict(strategy="fsdp", zero_stage=2, nproc=4, pp=2, schedule="dualpipev", chunks=2, batch_size=8),
     dict(strategy="ddp", nproc=4, tp=4, sequence_parallel=True),
     dict(model="25m", strategy="fsdp", nproc=8, tp=8, batch_size=8),
+    dict(strategy="ddp", nproc=4, tp=2, sequence_parallel=True, mixed_precision="fp16"),
+    dict(strategy="none", nproc=1, mixed_precision="bf16"),
+    dict(strategy="ddp", nproc=4, pp=2, mixed_precision="bf16", batch_size=8),
 ])
 def test_good_layouts_pass(kwargs):
     TrainConfig.from_flags(**kwargs)
 
 
 def test_parallel_plan_refuses_fsdp_options_without_fsdp():
-    with pytest.raises(ValueError, match=r"ParallelPlan\(mixed_precision='bf16'\): FSDP options.*data='ddp'"):
-        plait.ParallelPlan(data="ddp", mixed_precision="bf16")
+    with pytest.raises(ValueError, match=r"ParallelPlan\(zero_stage=2\): FSDP options.*data='ddp'"):
+        plait.ParallelPlan(data="ddp", zero_stage=2)
+    plait.ParallelPlan(data="ddp", mixed_precision="bf16")  # mixed precision: every strategy
+    with pytest.raises(ValueError, match="mixed_precision.*'int8'"):
+        plait.ParallelPlan(data="ddp", mixed_precision="int8")
     with pytest.raises(ValueError, match="offload=True"):
         plait.ParallelPlan(data="none", offload=True)
     with pytest.raises(ValueError, match="ddp_options"):
@@ -194,7 +200,8 @@ def test_print_config_reads_back_to_the_same_config(tmp_path, capsys):
 
 @pytest.mark.parametrize("text,match", [
     ("[paralel]\ntp = 2\n", r"unknown section \[paralel\]; the sections are \[model\], \[parallel\]"),
-    ("[parallel]\ntensor = 2\n", r"\[parallel\] has no option 'tensor'; it has backward_prefetch, chunks"),
+    ("[parallel]\ntensor = 2\n",
+     r"\[parallel\] has no option 'tensor'; it has ac, ac_every, backward_prefetch, chunks"),
     ("tp = 2\n", "tp must be a \\[tp\\] table|unknown section \\[tp\\]"),
     ("[parallel]\ntp = [2]\n", r"\[parallel\] tp = \[2\]: expected a number, a string or a boolean"),
     ("[parallel\n", "not valid TOML"),
@@ -246,7 +253,7 @@ def test_cli_refuses_in_the_parent_before_spawning(tmp_path):
     bad_schedule.write_text('[parallel]\nnproc = 2\npp = 2\nschedule = "interleaved"\nchunks = 2\n'
                             'microbatches = 3\n[data]\nbatch_size = 6\n')
     cases = [
-        (["--strategy", "ddp", "--mixed-precision", "bf16"], "--mixed-precision bf16 applies to --strategy"),
+        (["--strategy", "dp", "--mixed-precision", "bf16"], "--mixed-precision bf16 with --strategy dp"),
         (["--lr", "inf"], "--lr inf: must be a finite number > 0"),
         (["--save-dir", str(afile)], "is an existing file"),
         (["--nproc", "3", "--tp", "3", "--batch-size", "3"], "--tp 3"),

@@ -1,17 +1,20 @@
 """plait: train any PyTorch model on many devices with every classic form of parallelism."""
 
 from plait import comm
+from plait.activation_checkpointing import activation_checkpointing
 from plait.check import CheckReport, check
 from plait.clip import clip_grad_norm_
 from plait.data_parallel import DataParallel
 from plait.ddp import DDP, DistributedDataParallel
 from plait.env import get_logger, init
-from plait.fsdp import FSDP, FullyShardedDataParallel, MixedPrecision, ZeroRedundancyOptimizer
+from plait.fsdp import FSDP, FullyShardedDataParallel, ZeroRedundancyOptimizer
 from plait.materialize import init_weights
 from plait.mesh import Mesh
 from plait.models.plans import gpt_plan, plan_for
 from plait.parallelize import ParallelPlan, parallelize
 from plait.pipeline import Pipeline, pipeline
+from plait.precision import MixedPrecision, mixed_precision
+from plait.scaler import GradScaler
 from plait.state_dict import full_state_dict, load_full_state_dict
 from plait.tp import (
     ColwiseParallel,
@@ -37,6 +40,8 @@ __all__ = [
     "FullyShardedDataParallel",
     "FSDP",
     "MixedPrecision",
+    "mixed_precision",
+    "GradScaler",
     "tensor_parallel",
     "gpt_plan",
     "plan_for",
@@ -52,6 +57,7 @@ __all__ = [
     "Pipeline",
     "parallelize",
     "ParallelPlan",
+    "activation_checkpointing",
     "clip_grad_norm_",
     "full_state_dict",
     "load_full_state_dict",

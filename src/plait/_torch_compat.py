@@ -7,6 +7,11 @@ from typing import Any
 
 import torch
 
+# Selective activation checkpointing must see each aten op a block runs (which ones are matmuls,
+# what they returned) below autograd, so that its recomputation can be handed the kept outputs;
+# torch offers that only as a subclass of this mode (its own selective checkpointing uses it too).
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current ``backward()`` has finished every node.

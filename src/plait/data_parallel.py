@@ -25,6 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 from plait._torch_compat import tree_flatten, tree_unflatten
+from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
 
 __all__ = ["DataParallel", "scatter", "gather", "replicate_state", "parallel_apply"]
@@ -122,6 +123,10 @@ class DataParallel(WrappedModuleState, nn.Module):
             devices = list(range(torch.cuda.device_count()))
         if len(devices) == 0:
             raise ValueError("DataParallel(devices=...) must name at least one device, got []")
+        if precision_of(module) is not None:
+            raise ValueError("DataParallel: the module was given plait.mixed_precision, whose casts live in "
+                             "the modules' attributes, which the replicas' threads would share; use "
+                             "DistributedDataParallel (one process per device) for mixed precision")
         self.module = module
         self.devices = [_as_device(d) for d in devices]
         self.output_device = _as_device(output_device) if output_device is not None else self.devices[0]

@@ -15,9 +15,13 @@ The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to ev
    and the data-parallel groups (which differ only in the ``dp``/``fsdp`` coordinate) hold
    shards of identical shape. In a pipeline, one call covers all of this rank's stages (ties
    inside the rank stay ties).
-2. **Activation checkpointing** belongs here (not implemented yet): after tensor parallelism,
-   whose collectives the recomputed forward must repeat, and before data parallelism, whose
-   FSDP units gather parameters around the (recomputed) forwards they wrap.
+2. **Activation checkpointing** (``plan.ac``: `plait.activation_checkpointing`) next: after
+   tensor parallelism, whose collectives and per-rank random streams the recomputed forward must
+   repeat (it finds those streams in the blocks), and before data parallelism, whose hooks sit
+   outside the checkpointed forwards: an FSDP unit is gathered for backward before its block is
+   recomputed, and DDP's and FSDP's gradient hooks fire as usual. In a pipeline each stage's
+   share of the blocks (chosen in the whole model, so ``ac_every`` counts across stages) is
+   checkpointed.
 3. **Data parallel** last, on the ``dp`` axis (DDP) or the ``fsdp`` axis with optional ``dp``
    replication (FSDP / HSDP): it only needs the final local parameters. FSDP over tensor
    parallelism (2-D fsdp x tp, or 3-D dp x fsdp x tp) flattens and shards each rank's tp
@@ -28,6 +32,9 @@ The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to ev
    In a pipeline each stage is its own DDP or FSDP module (torchtitan's layout): gradients
    accumulate over the step's microbatches and each stage's last backward of the step reduces
    them (all-reduce, or reduce-scatter for ZeRO-2/3) while it runs; see `plait.pipeline.runtime`.
+   Mixed precision comes with this step: FSDP casts its gathered parameters itself; otherwise
+   `plait.mixed_precision` is applied to the (materialized, tensor-parallel) model before DDP
+   wraps it, or to each pipeline stage, and DDP reduces in the policy's reduce dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from plait.activation_checkpointing import check_options, checkpoint_blocks, select_blocks
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
 from plait.fsdp.wrapper import FullyShardedDataParallel
@@ -51,14 +59,14 @@ from plait.pipeline.arguments import P2P_MODES
 from plait.pipeline.generators import SCHEDULES
 from plait.pipeline.schedules import Schedule
 from plait.pipeline.wrapping import StageWrapper
+from plait.precision import MixedPrecision, check_castable, mixed_precision, parse_mixed_precision
 from plait.tp.apply import tensor_parallel
 from plait.tp.styles import Style
 
 __all__ = ["ParallelPlan", "parallelize", "ORDER"]
 
 DATA_STRATEGIES = ("ddp", "fsdp", "none")
-ORDER = ("pipeline split", "tensor parallel", "activation checkpointing (not implemented yet)",
-         "data parallel (DDP or FSDP)")
+ORDER = ("pipeline split", "tensor parallel", "activation checkpointing", "data parallel (DDP or FSDP)")
 # Pipeline options and their defaults: read only when the mesh has pp > 1.
 PIPELINE_DEFAULTS: dict[str, Any] = {"pp_split": "auto", "pp_schedule": "1f1b", "pp_microbatches": 4,
                                      "pp_chunks": 1, "loss_fn": None, "p2p": "auto"}
@@ -73,13 +81,17 @@ ZERO3_SPLIT_BACKWARD = (
 class ParallelPlan:
     """What to apply on each mesh axis. The ``pp_*`` fields, ``loss_fn`` and ``p2p`` are
     `plait.pipeline`'s ``split``, ``schedule``, ``microbatches``, ``chunks``, ``loss_fn`` and
-    ``p2p``, read when the mesh has pp > 1."""
+    ``p2p``, read when the mesh has pp > 1. ``ac``, ``ac_every`` and ``ac_blocks`` are
+    `plait.activation_checkpointing`'s ``policy``, ``every`` and ``blocks``."""
 
     tp: Mapping[str, Style] | None = None  # module-name pattern -> style; None: no tensor parallel
     sequence_parallel: bool = False
+    ac: str | None = None  # activation checkpointing: "full", "selective" or None (off)
+    ac_every: int = 1  # checkpoint every k-th block only
+    ac_blocks: Sequence[type | str] | None = None  # None: each child of the outermost nn.ModuleLists
     data: str = "ddp"  # "ddp" over dp, "fsdp" over fsdp (hybrid with dp), or "none"
     zero_stage: int = 3
-    mixed_precision: str | None = None
+    mixed_precision: str | MixedPrecision | None = None  # "bf16" / "fp16": compute dtype, fp32 masters
     offload: bool = False
     reshard_after_forward: bool = True
     backward_prefetch: bool = True
@@ -104,8 +116,8 @@ class ParallelPlan:
             raise ValueError(f"ParallelPlan(data=...) must be one of {DATA_STRATEGIES}, got {self.data!r}")
         # Options only FSDP reads: under DDP or no data parallelism they would change nothing,
         # so a run asked for bf16 or offloading would silently train in fp32 on the device.
-        fsdp_only = {"zero_stage": self.zero_stage != 3, "mixed_precision": self.mixed_precision is not None,
-                     "offload": self.offload, "reshard_after_forward": not self.reshard_after_forward,
+        fsdp_only = {"zero_stage": self.zero_stage != 3, "offload": self.offload,
+                     "reshard_after_forward": not self.reshard_after_forward,
                      "backward_prefetch": not self.backward_prefetch,
                      "fsdp_units": self.fsdp_units is not None}
         given = [f"{k}={getattr(self, k)!r}" for k, on in fsdp_only.items() if on]
@@ -116,12 +128,41 @@ class ParallelPlan:
         if self.data != "ddp" and self.ddp_options:
             raise ValueError(f"ParallelPlan(ddp_options={self.ddp_options!r}) applies to data='ddp'; "
                              f"got data={self.data!r}")
+        _check_precision(self)
         _check_pipeline_fields(self)
+        check_options(self.ac, self.ac_every, self.ac_blocks, where="ParallelPlan(ac=...)")
         return self
+
+    @property
+    def precision(self) -> MixedPrecision | None:
+        """``mixed_precision`` as a `MixedPrecision` (None: fp32)."""
+        return parse_mixed_precision(self.mixed_precision, "ParallelPlan(mixed_precision=...)")
 
     def pipeline_options(self) -> dict[str, Any]:
         """The pipeline fields set to something other than their defaults."""
         return {k: getattr(self, k) for k, d in PIPELINE_DEFAULTS.items() if getattr(self, k) != d}
+
+
+def _check_precision(plan: ParallelPlan) -> None:
+    """Mixed precision under every data strategy: FSDP casts its gathered parameters itself; DDP and
+    no data parallelism use `plait.mixed_precision`, whose reduce dtype DDP reads (see `_ddp_options`)."""
+    mp = plan.precision  # raises on a value that names no precision
+    if mp is None or plan.data != "ddp":
+        return
+    asked = plan.ddp_options.get("gradient_compression")
+    if mp.wire_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"ParallelPlan(mixed_precision={plan.mixed_precision!r}): DDP reduces the fp32 "
+                         f"master gradients as they are or as a bf16 / fp16 copy, not in {mp.wire_dtype}")
+    if asked is not None and _COMPRESSION_NAMES.get(mp.wire_dtype) != asked:
+        raise ValueError(f"ParallelPlan(ddp_options={{'gradient_compression': {asked!r}}}) disagrees with "
+                         f"mixed_precision={plan.mixed_precision!r}, which reduces gradients in "
+                         f"{mp.wire_dtype}; drop the option (it follows the precision's reduce dtype) or "
+                         "change the reduce dtype")
+
+
+# DDP's gradient_compression for a reduce dtype (fp32: none; the master gradients are fp32).
+_COMPRESSION_NAMES: dict[torch.dtype, str | None] = {torch.float32: None, torch.bfloat16: "bf16",
+                                                     torch.float16: "fp16"}
 
 
 def _check_pipeline_fields(plan: ParallelPlan) -> None:
@@ -148,22 +189,28 @@ def _check_pipeline_fields(plan: ParallelPlan) -> None:
 
 def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module | Pipeline:
     """Apply the plan in `ORDER`: with pp > 1 a `Pipeline` of this rank's stages (each tensor
-    parallel, then DDP or FSDP), else the model with tensor parallelism, then DDP or FSDP.
+    parallel, checkpointed, then DDP or FSDP), else the model with tensor parallelism, activation
+    checkpointing, then DDP or FSDP.
 
     Every argument is checked before the first collective, so a bad plan fails on every rank
     with the same error instead of leaving some ranks waiting.
     """
     _check(module, mesh, plan)
     if mesh.size("pp") > 1:  # 0. split; the pipeline applies 1-3 to each of this rank's stages
-        return Pipeline(module, mesh, split=plan.pp_split, schedule=plan.pp_schedule,
+        pipe = Pipeline(module, mesh, split=plan.pp_split, schedule=plan.pp_schedule,
                         microbatches=plan.pp_microbatches, loss_fn=plan.loss_fn, chunks=plan.pp_chunks,
                         seed=plan.seed, device=device(), tp_plan=plan.tp,
                         sequence_parallel=plan.sequence_parallel, p2p=plan.p2p,
-                        stage_wrapper=_stage_wrapper(module, mesh, plan))
+                        stage_wrapper=_stage_wrapper(module, mesh, plan),
+                        activation_checkpointing=_stage_checkpointing(module, plan))
+        if plan.precision is not None and plan.data != "fsdp":  # each stage casts its own parameters
+            mixed_precision(pipe, plan.precision)
+        return pipe
     if plan.tp is not None:  # 1. tensor parallel
         module = tensor_parallel(module, mesh, plan.tp, sequence_parallel=plan.sequence_parallel,
                                  seed=plan.seed, strict=False, check=plan.tp_check)
-    # 2. activation checkpointing: not implemented yet (see ORDER).
+    if plan.ac is not None:  # 2. activation checkpointing
+        checkpoint_blocks(module, select_blocks(module, plan.ac_blocks, plan.ac_every), plan.ac)
     if plan.data == "fsdp":  # 3. data parallel
         return FullyShardedDataParallel(module, mesh, **_fsdp_options(plan, plan.fsdp_units))
     if is_meta(module):  # DDP keeps full replicas: materialize with the same per-module init
@@ -171,6 +218,8 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
         # weights (an embedding shared with the LM head would train as two).
         dev = device()
         materialize(module, plan.seed, lambda _name, _attr, full, _t: full.to(dev))
+    if plan.precision is not None:  # fp32 masters, low-precision compute; DDP reads its reduce dtype
+        mixed_precision(module, plan.precision)
     if plan.data == "ddp" and mesh.size("dp") > 1:
         return DistributedDataParallel(module, mesh, **plan.ddp_options)
     return module
@@ -185,8 +234,12 @@ def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
     if plan.data == "ddp" and mesh.size("fsdp") > 1:
         raise ValueError(f"parallelize: data='ddp' uses the dp axis, but {mesh} has fsdp="
                          f"{mesh.size('fsdp')}; use data='fsdp' or put those ranks on dp")
+    if plan.precision is not None and plan.data != "fsdp":
+        check_castable(module)
     if plan.fsdp_units is not None:  # against the whole model: each stage holds only some units
         _check_units(module, plan.fsdp_units)
+    if plan.ac is not None:
+        select_blocks(module, plan.ac_blocks, plan.ac_every)  # raises when nothing is matched
     if mesh.size("pp") == 1:
         given = plan.pipeline_options()
         if given:
@@ -215,8 +268,22 @@ def _check_units(module: nn.Module, units: Sequence[type | str]) -> None:
 
 def _fsdp_options(plan: ParallelPlan, units: Sequence[type | str] | None) -> dict[str, Any]:
     return dict(zero_stage=plan.zero_stage, units=units, reshard_after_forward=plan.reshard_after_forward,
-                backward_prefetch=plan.backward_prefetch, mixed_precision=plan.mixed_precision,
+                backward_prefetch=plan.backward_prefetch, mixed_precision=plan.precision,
                 offload=plan.offload, seed=plan.seed)
+
+
+def _stage_checkpointing(module: nn.Module, plan: ParallelPlan) -> Callable[[nn.Module], None] | None:
+    """Step 2 for pipeline stages: checkpoint the blocks chosen in the whole model (``ac_every``
+    counts over all of them) that a stage holds (under their names in the model)."""
+    if plan.ac is None:
+        return None
+    chosen, policy = select_blocks(module, plan.ac_blocks, plan.ac_every), plan.ac
+
+    def apply(stage: nn.Module) -> None:
+        held = {n for n, _ in stage.named_modules()}
+        checkpoint_blocks(stage, [n for n in chosen if n in held], policy)
+
+    return apply
 
 
 def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> StageWrapper | None:
@@ -224,8 +291,18 @@ def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> StageWr
     if plan.data == "fsdp":
         return _FSDPStages(mesh, plan, _list_children(module))
     if plan.data == "ddp" and mesh.size("dp") > 1:
-        return _DDPStages(mesh, plan.ddp_options)
+        return _DDPStages(mesh, _ddp_options(plan))
     return None
+
+
+def _ddp_options(plan: ParallelPlan) -> dict[str, Any]:
+    """``ddp_options`` with the mixed precision's reduce dtype as DDP's gradient compression, for DDP
+    modules built before `plait.mixed_precision` is applied (pipeline stages; elsewhere DDP reads it
+    from the module)."""
+    mp = plan.precision
+    if mp is None or "gradient_compression" in plan.ddp_options:  # (checked to agree in validate)
+        return plan.ddp_options
+    return {**plan.ddp_options, "gradient_compression": _COMPRESSION_NAMES[mp.wire_dtype]}
 
 
 def _list_children(module: nn.Module) -> set[str]:

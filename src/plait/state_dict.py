@@ -12,6 +12,10 @@ over tensor parallelism, the tp shards), a pipeline gathers its stages across pp
 DDP and DataParallel ask their module. Any other module takes the default path: a
 tensor-parallel module's shards are gathered over tp (`plait.tp.state`), a plain module's
 state dict is copied. The checkpoint protocol (`plait.checkpoint.protocol`) has the same shape.
+
+The values given to `load_full_state_dict` may also be `plait.tensor_source.TensorSource`s (a
+tensor in a file, read on demand): tensor parallelism and FSDP then read only the rows each
+rank keeps; a layout that keeps whole tensors (DDP, a pipeline stage) reads its tensors whole.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.tensor_source import FullValue, whole
 from plait.tp import state as tp_state
 from plait.tp.apply import tp_module
 
@@ -43,16 +48,21 @@ def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     return {k: moved.setdefault(id(v), v.cpu()) for k, v in state.items()}
 
 
-def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, torch.Tensor]) -> None:
-    """Load full tensors under the original names into ``model`` in any layout: each rank takes
-    its own part, without communication (every rank passes the whole ``state``)."""
+def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue]) -> None:
+    """Load full tensors (or `plait.tensor_source.TensorSource`s) under the original names into
+    ``model`` in any layout: each rank takes its own part, without communication (every rank
+    passes the whole ``state``)."""
     own = getattr(model, "load_full_state_dict", None)
     if own is not None:
         own(state)
     elif tp_module(model) is not None:
         tp_state.load_full_state_dict(model, state)
     else:
-        model.load_state_dict(state)
+        read: dict[int, torch.Tensor] = {}  # a source under two names (tied) is read once
+        for v in state.values():
+            if id(v) not in read:
+                read[id(v)] = whole(v)
+        model.load_state_dict({k: read[id(v)] for k, v in state.items()})
 
 
 @torch.no_grad()

@@ -99,8 +99,7 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
                     ("--seq", cfg.batch.seq), ("--batch-size", cfg.batch.batch_size)):
         if v < 1:
             raise ValueError(f"{flag} {v}: must be an integer >= 1")
-    fsdp_only = (("--zero-stage", par.zero_stage != 3 and par.zero_stage),
-                 ("--mixed-precision", par.mixed_precision), ("--offload", par.offload),
+    fsdp_only = (("--zero-stage", par.zero_stage != 3 and par.zero_stage), ("--offload", par.offload),
                  ("--no-reshard-after-forward", not par.reshard_after_forward),
                  ("--no-backward-prefetch", not par.backward_prefetch), ("--dp", par.dp > 1 and par.dp))
     for flag, given in fsdp_only:
@@ -123,13 +122,14 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
                          f"{par.pp * par.tp}, got {par.nproc}")
     fsdp: dict[str, Any] = {}
     if par.strategy == "fsdp":
-        fsdp = dict(zero_stage=par.zero_stage, mixed_precision=par.mixed_precision, offload=par.offload,
+        fsdp = dict(zero_stage=par.zero_stage, offload=par.offload,
                     reshard_after_forward=par.reshard_after_forward, backward_prefetch=par.backward_prefetch)
     pipe: dict[str, Any] = {}
     if par.pp > 1:
         pipe = dict(pp_schedule=par.schedule, pp_microbatches=par.microbatches, pp_chunks=par.chunks)
     plan = ParallelPlan(data={"fsdp": "fsdp", "ddp": "ddp", "none": "none"}[par.strategy],
-                        sequence_parallel=par.sequence_parallel, seed=c.seed, **fsdp, **pipe)
+                        sequence_parallel=par.sequence_parallel, seed=c.seed,
+                        mixed_precision=par.mixed_precision, **fsdp, **pipe)
     mesh = {"pp": par.pp, "tp": par.tp, **({"dp": par.dp} if par.strategy == "fsdp" else {})}
     return plan, mesh
 

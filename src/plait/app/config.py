@@ -53,6 +53,7 @@ ModelName = Literal["tiny", "small", "25m", "50m", "100m"]
 Strategy = Literal["none", "dp", "ddp", "fsdp"]
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
 Precision = Literal["bf16", "fp16"]
+Checkpointing = Literal["none", "full", "selective"]  # "none", then plait.activation_checkpointing.POLICIES
 ZeroStage = Literal[1, 2, 3]
 
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
@@ -74,6 +75,9 @@ class ModelSection:
     hf_config: str | None = None
     """a transformers causal LM's config.json (or its folder): train that model, randomly initialised,
     instead of plait's GPT (needs plait[hf])"""
+    init_from: str | None = None
+    """start from the safetensors weights in this folder (as plait export writes them; for --hf-config
+    the transformers names); each rank reads its slices. With --resume a checkpoint found wins"""
 
 
 @dataclass
@@ -101,13 +105,18 @@ class ParallelSection:
     zero_stage: ZeroStage = 3
     """fsdp only: 1 shards optimizer state, 2 also gradients, 3 also parameters"""
     mixed_precision: Precision | None = None
-    """fsdp only: compute in this dtype, fp32 master weights"""
+    """compute in this dtype with fp32 master weights, any layout but dp (fp16: with dynamic loss scaling)"""
     offload: bool = False
     """fsdp only: parameter shards and optimizer state in CPU memory"""
     reshard_after_forward: bool = True
     """fsdp only: free gathered parameters after forward (gather again in backward)"""
     backward_prefetch: bool = True
     """fsdp only: gather the next unit during backward (off: lowest memory)"""
+    ac: Checkpointing = "none"
+    """activation checkpointing: keep each block's input only and recompute it in backward (full), or
+    keep its matmul and attention outputs too (selective)"""
+    ac_every: int = 1
+    """with --ac: checkpoint every k-th block only"""
 
 
 @dataclass
@@ -224,6 +233,8 @@ class TrainConfig:
             self._check_pipeline()
         self._check_model_fit()
         self._check_paths()
+        if self.model.init_from is not None:
+            self._check_init_from()
 
     def _check_choices(self) -> None:
         par = self.parallel
@@ -238,13 +249,15 @@ class TrainConfig:
                              f"got {par.mixed_precision!r}")
         if par.zero_stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage must be 1, 2 or 3, got {par.zero_stage}")
+        if par.ac not in get_args(Checkpointing):
+            raise ValueError(f"--ac must be one of {get_args(Checkpointing)}, got {par.ac!r}")
 
     def _check_ranges(self) -> None:
         par, opt, run = self.parallel, self.optimizer, self.run
         sec: object
         for sec, name in ((par, "nproc"), (run, "steps"), (self.data, "batch_size"), (run, "grad_accum"),
                           (run, "eval_batches"), (par, "tp"), (par, "dp"), (par, "pp"),
-                          (par, "microbatches"), (par, "chunks")):
+                          (par, "microbatches"), (par, "chunks"), (par, "ac_every")):
             _require(sec, name, getattr(sec, name) >= 1, "an integer >= 1")
         if self.checkpoint.keep < 1:
             raise ValueError(f"--keep must be >= 1 (the newest checkpoints kept), got {self.checkpoint.keep}")
@@ -272,17 +285,27 @@ class TrainConfig:
         if par.strategy in ("none", "dp") and par.tp > 1:
             raise ValueError(f"--tp needs one process per rank: use --strategy ddp or fsdp, not "
                              f"{par.strategy}")
+        if par.strategy == "dp" and par.mixed_precision:
+            raise ValueError(f"--mixed-precision {par.mixed_precision} with --strategy dp: DataParallel's "
+                             "threads would share the modules' low-precision copies; use --strategy ddp")
         if par.strategy != "fsdp":
             # Only FSDP reads these; anywhere else they would be dropped without a word.
-            for flag, given in (("--mixed-precision", par.mixed_precision), ("--offload", par.offload),
+            for flag, given in (("--offload", par.offload),
                                 ("--zero-stage", par.zero_stage != 3 and par.zero_stage),
                                 ("--no-reshard-after-forward", not par.reshard_after_forward),
                                 ("--no-backward-prefetch", not par.backward_prefetch)):
                 if given:
                     value = f" {given}" if not isinstance(given, bool) else ""
-                    raise ValueError(f"{flag}{value} applies to --strategy fsdp only (FSDP's sharding, "
-                                     f"mixed precision and offloading); --strategy {par.strategy} would "
+                    raise ValueError(f"{flag}{value} applies to --strategy fsdp only (FSDP's sharding "
+                                     f"and offloading); --strategy {par.strategy} would "
                                      "ignore it: use --strategy fsdp or drop the flag")
+        if par.ac == "none" and par.ac_every != 1:
+            raise ValueError(f"--ac-every {par.ac_every} chooses the blocks to checkpoint: it needs --ac "
+                             "full or selective; --ac none would ignore it")
+        if par.ac != "none" and par.strategy == "dp":
+            raise ValueError("--ac with --strategy dp: DataParallel's threads run the shared modules "
+                             "under torch.func.functional_call, which a recomputation in backward would not "
+                             "see; use --strategy ddp (or none)")
         if par.sequence_parallel and par.tp < 2:
             raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it "
                              f"needs --tp 2 or more, got --tp {par.tp}")
@@ -410,6 +433,23 @@ class TrainConfig:
                 raise ValueError(f"--pp {par.pp} x --chunks {par.chunks}: cutting the {what} "
                                  f"model's {len(segs)} segments into {n_stages} stages leaves pipeline rank "
                                  f"{rank} with only {held}, which holds no parameters; use fewer stages")
+
+    def _check_init_from(self) -> None:
+        """The weights against the model: config, names and shapes (file headers only), here,
+        before any rank starts; a run must not train from half of them."""
+        from plait.app import weights
+
+        assert self.model.init_from is not None
+        if self.model.hf_config is None:
+            kind, config = "gpt", dataclasses.asdict(self.gpt_config())
+            with torch.device("meta"):
+                model: torch.nn.Module = GPT(self.gpt_config())
+        else:
+            from plait.app import hf
+
+            loaded = hf.load_config(self.model.hf_config)
+            kind, config, model = "hf", loaded.to_dict(), hf.build(loaded, self.run.seed, device="meta")
+        weights.check_init_from(self.model.init_from, model, kind, config)
 
     def _check_paths(self) -> None:
         """Paths the run writes: found unusable only at the first write, after training started."""

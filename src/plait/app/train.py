@@ -75,13 +75,15 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
 
     # plait's GPT starts on the meta device: each strategy materializes only what this rank keeps.
     model = unwrapped_model(cfg, "meta" if cfg.model.hf_config is None else device)
-    # The config refused FSDP options under another strategy, so here they are FSDP's or defaults.
+    # The config refused FSDP options under another strategy, so here they are FSDP's or defaults;
+    # mixed precision applies to every strategy (FSDP's own, elsewhere plait.mixed_precision).
     plan = ParallelPlan(tp=plan_for(model, loss_parallel=cfg.model.hf_config is None) if par.tp > 1 else None,
                         sequence_parallel=par.sequence_parallel,
                         data="fsdp" if par.strategy == "fsdp" else "ddp", seed=cfg.run.seed,
                         zero_stage=par.zero_stage, mixed_precision=par.mixed_precision, offload=par.offload,
                         reshard_after_forward=par.reshard_after_forward,
-                        backward_prefetch=par.backward_prefetch)
+                        backward_prefetch=par.backward_prefetch,
+                        ac=None if par.ac == "none" else par.ac, ac_every=par.ac_every)
     if par.pp > 1:
         # With --tp the last stage computes the vocab-parallel loss (loss_fn unset).
         plan = dataclasses.replace(plan, pp_schedule=par.schedule, pp_microbatches=cfg.pipeline_microbatches,
@@ -96,12 +98,13 @@ def _mean_over(value: float, group: dist.ProcessGroup, size: int) -> float:
 
 
 def _forward_backward(model: nn.Module | Pipeline, x: torch.Tensor, y: torch.Tensor,
-                      cfg: TrainConfig, loss_fn: Callable) -> float:
-    """One optimizer step's gradients (left in ``.grad``); returns this rank's mean loss."""
+                      cfg: TrainConfig, loss_fn: Callable, scaler: plait.GradScaler) -> float:
+    """One optimizer step's gradients (left in ``.grad``, times the loss scale under fp16);
+    returns this rank's mean loss."""
     if isinstance(model, Pipeline):
         # Microbatches (x --grad-accum) run on the schedule; each stage's last backward reduces
         # the accumulated gradients over the data axes while it runs.
-        return model.step(x, y).item()
+        return model.step(x, y, loss_scale=scaler.get_scale() if scaler.enabled else None).item()
     loss_sum = 0.0
     for i, (xm, ym) in enumerate(zip(x.chunk(cfg.run.grad_accum), y.chunk(cfg.run.grad_accum))):
         # Only the last micro-batch communicates; the others accumulate locally.
@@ -109,7 +112,7 @@ def _forward_backward(model: nn.Module | Pipeline, x: torch.Tensor, y: torch.Ten
         quiet = no_sync if no_sync is not None and i < cfg.run.grad_accum - 1 else contextlib.nullcontext
         with quiet():
             loss = loss_fn(model(xm), ym) / cfg.run.grad_accum
-            loss.backward()
+            scaler.scale(loss).backward()
         loss_sum += loss.item()
     return loss_sum
 
@@ -148,7 +151,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     opt = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
                             betas=(0.9, 0.95))
     is_main = dist.get_rank() == 0
-    start = _maybe_resume(cfg, model, opt, sampler, log)
+    # fp16 needs dynamic loss scaling (bf16 has fp32's range): every rank skips the same steps.
+    scaler = plait.GradScaler(mesh, enabled=cfg.parallel.mixed_precision == "fp16")
+    start = _maybe_resume(cfg, model, opt, sampler, scaler, log)
+    if start == 0 and cfg.model.init_from is not None:  # a checkpoint found by --resume wins
+        _init_from(cfg, model, log)
     n_params = sum(p.numel() for p in unwrapped_model(cfg, "meta").parameters())
     log.info("%s, %s params, corpus %s (%.1f MB), %s %s, global batch %d x %d tokens",
              cfg.model.hf_config or cfg.model.name, f"{n_params:,}", corpus.source, len(corpus.train) / 1e6,
@@ -172,11 +179,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
         with comm.scope(f"step {step + 1}"):  # named in desync reports, timeouts and flight records
-            loss_sum = _forward_backward(model, x, y, cfg, loss_fn)
+            loss_sum = _forward_backward(model, x, y, cfg, loss_fn, scaler)
+            scaler.unscale_(opt)  # fp16: the true gradients, before clipping measures them
             # --grad-clip 0: no clipping (torch's formula would zero every gradient); the norm
             # is still measured for the metrics.
             grad_norm = float(clip_grad_norm_(model, cfg.optimizer.grad_clip or math.inf))
-            opt.step()
+            scaler.step(opt)  # skipped on every rank when any rank's gradients overflowed
+            scaler.update()
             last_loss = _mean_over(loss_sum, mesh.group(DATA_AXES), dp_size)
         losses.append(last_loss)
         if step == start:  # the first step this run took (after a resume, not step 0)
@@ -184,6 +193,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         dt = time.perf_counter() - t0
         record = {"step": step + 1, "loss": last_loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+        if scaler.enabled:
+            record.update(loss_scale=scaler.get_scale(), skipped=scaler.skipped)
+            if scaler.skipped and is_main:
+                log.warning("step %d: fp16 gradients overflowed on some rank; step skipped on every rank, "
+                            "loss scale now %g (%d skipped so far)", step + 1, scaler.get_scale(),
+                            scaler.skipped_steps)
         if cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.run.steps):
             eval_loss = _evaluate(model, val, cfg, device, mesh)
             record["eval_loss"] = eval_loss
@@ -201,6 +216,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.checkpoint.save_dir and due:
             meta = {"step": step + 1, "sampler": sampler.state_dict(), "config": dataclasses.asdict(cfg),
                     "identity": _identity(cfg, sampler), "layout": _layout(cfg)}
+            if scaler.enabled:
+                meta["grad_scaler"] = scaler.state_dict()  # the same on every rank (agreed)
             saving = checkpoint.save(Path(cfg.checkpoint.save_dir) / f"step_{step + 1:06d}", model, opt, meta,
                                      keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
             if step + 1 == cfg.run.steps:
@@ -211,6 +228,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     summary = {"first_loss": first_loss, "final_loss": last_loss, "eval_loss": eval_loss,
                "steps": cfg.run.steps, "tokens_per_s": cfg.run.steps * tokens_per_step / elapsed,
                "params": n_params, "strategy": cfg.parallel.strategy, "world": dist.get_world_size()}
+    if scaler.enabled:
+        summary.update(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps)
     log.info("done: loss %.3f -> %.3f, eval %s, %.0f tokens/s; metrics in %s", first_loss, last_loss,
              f"{eval_loss:.3f}" if eval_loss is not None else "-", summary["tokens_per_s"], metrics_path)
     if is_main:
@@ -220,7 +239,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _maybe_resume(cfg: TrainConfig, model: nn.Module | Pipeline, opt: torch.optim.Optimizer,
-                  sampler: BatchSampler, log: Any) -> int:
+                  sampler: BatchSampler, scaler: plait.GradScaler, log: Any) -> int:
     """Load the newest intact checkpoint of this run when ``--resume``; return the step to continue from.
 
     Corrupt ones are skipped with a warning (`checkpoint.choose`), another run's are refused
@@ -236,8 +255,21 @@ def _maybe_resume(cfg: TrainConfig, model: nn.Module | Pipeline, opt: torch.opti
     path, meta = found
     checkpoint.load(path, model, opt, check=False)  # choose() verified it on rank 0
     sampler.load_state_dict(meta["sampler"])
+    if scaler.enabled and "grad_scaler" in meta:  # an fp16 run's loss scale (others start afresh)
+        scaler.load_state_dict(meta["grad_scaler"])
     log.info("resumed from %s (step %d, written by %s)", path, meta["step"], meta.get("layout"))
     return int(meta["step"])
+
+
+def _init_from(cfg: TrainConfig, model: nn.Module | Pipeline, log: Any) -> None:
+    """Load the ``--init-from`` weights into the built layout (checked already by the config):
+    each rank reads from the files the part of each tensor it keeps (`plait.load_full_state_dict`
+    with `plait.app.weights.FileTensor` sources)."""
+    from plait.app import weights
+
+    assert cfg.model.init_from is not None
+    plait.load_full_state_dict(model, weights.init_sources(cfg.model.init_from, unwrapped_model(cfg, "meta")))
+    log.info("initialised from the weights in %s", cfg.model.init_from)
 
 
 def _identity(cfg: TrainConfig, sampler: BatchSampler) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from plait._torch_compat import queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import params_reached_by, plan_buckets
 from plait.mesh import Mesh
+from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         broadcast_buffers: broadcast buffers from the first rank before every forward.
         gradient_compression: ``None``, ``"bf16"`` or ``"fp16"``: all-reduce a half-precision
             copy of each bucket (half the bytes; gradients are pre-divided so fp16 does not
-            overflow).
+            overflow). On a module given `plait.mixed_precision`, the default follows the policy's
+            reduce dtype (fp32: none; bf16/fp16: that copy); an explicit value must agree with it.
         axis: the mesh axis (or axes) to average over.
     """
 
@@ -108,7 +110,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         self.src = self.mesh.group_ranks(axis)[0]
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
-        self.wire_dtype = _COMPRESSION[gradient_compression]
+        self.wire_dtype = _wire_dtype(module, gradient_compression)
 
         named = list(dict((id(p), (n, p)) for n, p in module.named_parameters()).values())
         self._check_same_model_everywhere(named)
@@ -390,3 +392,24 @@ class _JoinState:
 
 
 DDP = DistributedDataParallel
+
+
+def _wire_dtype(module: nn.Module, compression: str | None) -> torch.dtype | None:
+    """The dtype buckets are all-reduced in (None: the gradients' own), from ``gradient_compression``
+    and the reduce dtype of the module's `plait.mixed_precision` policy, which must agree."""
+    asked = _COMPRESSION[compression]
+    policy = precision_of(module)
+    if policy is None:
+        return asked
+    # The master gradients are fp32: reducing them "in fp32" is reducing them as they are.
+    wanted = None if policy.wire_dtype == torch.float32 else policy.wire_dtype
+    if wanted not in _COMPRESSION.values():
+        raise ValueError(f"DistributedDataParallel: the module's mixed precision reduces gradients in "
+                         f"{policy.wire_dtype}; DDP reduces the fp32 master gradients as they are or as a "
+                         "bf16 / fp16 copy: use MixedPrecision(reduce_dtype=torch.float32, torch.bfloat16 "
+                         "or torch.float16)")
+    if compression is not None and asked != wanted:
+        raise ValueError(f"DistributedDataParallel(gradient_compression={compression!r}) disagrees with the "
+                         f"module's mixed precision, which reduces gradients in {policy.wire_dtype}: drop "
+                         "the option (it follows the policy) or change the policy's reduce_dtype")
+    return wanted

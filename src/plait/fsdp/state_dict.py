@@ -21,7 +21,7 @@ so a rank briefly holds one unit, never the model.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +31,7 @@ from plait import comm
 from plait.checkpoint.protocol import state_layout
 from plait.dtensors import contiguous_stride, mesh_of
 from plait.fsdp.flat import FlatParam
+from plait.tensor_source import FullValue, flat_range, whole
 from plait.tp.state import checkpoint_entry, gather_full, restore_entry
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def full_state_dict(model: FSDP) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check_keys(model: FSDP, state: dict, expected: set[str], what: str) -> None:
+def _check_keys(model: FSDP, state: Mapping, expected: set[str], what: str) -> None:
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise KeyError(f"{what}(state=...): missing keys {missing[:8]}, unexpected keys {unexpected[:8]} "
@@ -86,25 +87,32 @@ def _check_keys(model: FSDP, state: dict, expected: set[str], what: str) -> None
 
 
 @torch.no_grad()
-def load_full_state_dict(model: FSDP, state: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(model: FSDP, state: Mapping[str, FullValue]) -> None:
     """Load full tensors (as `full_state_dict` returns them): each rank keeps its slice. No
-    communication: every rank holds the whole ``state``."""
+    communication: every rank holds the whole ``state``. Only the part of each tensor that falls
+    in this rank's shard is read, so a `plait.tensor_source.TensorSource` is asked for the rows
+    of that slice (over tensor parallelism: for the rank's tp shard, then cut)."""
     names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
     buffers = dict(model.module.state_dict())
     _check_keys(model, state, names | set(buffers), "load_full_state_dict")
     for flat in _flats(model):
-        full = torch.zeros(flat.padded, dtype=flat.shard.dtype)
+        lo, hi = flat.shard_range()
+        dest = flat.shard.detach()
+        dest.zero_()  # the padding past the last slot stays zero
         for s in flat.slots:
             value = _local_value(model, s.fqn, state[s.fqn], s.shape)
-            full[s.offset : s.offset + s.numel] = value.reshape(-1)
-        _scatter_flat(flat, full, flat.shard.detach())
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                dest[a - lo : b - lo].copy_(flat_range(value(), a - s.offset, b - s.offset))
     for name, b in buffers.items():
-        b.copy_(state[name])
+        b.copy_(whole(state[name]))
 
 
-def _local_value(model: FSDP, name: str, value: torch.Tensor, local: torch.Size) -> torch.Tensor:
-    """This rank's part of the full ``value`` before FSDP's cut: its tp shard (zero-padded like
-    the slot) over tensor parallelism, else ``value`` itself; checked against the full shape."""
+def _local_value(model: FSDP, name: str, value: FullValue,
+                 local: torch.Size) -> Callable[[], FullValue]:
+    """This rank's part of the full ``value`` before FSDP's cut, read when called: its tp shard
+    (zero-padded like the slot) over tensor parallelism, else ``value`` itself; the shape is
+    checked against the full one now."""
     spec = model.tp.specs.get(name) if model.tp is not None else None
     want = list(local)
     if spec is not None:
@@ -112,7 +120,7 @@ def _local_value(model: FSDP, name: str, value: torch.Tensor, local: torch.Size)
     if list(value.shape) != want:
         raise ValueError(f"load_full_state_dict: {name} has shape {tuple(value.shape)}, "
                          f"the model expects {tuple(want)}")
-    return spec.take(value) if spec is not None else value
+    return (lambda: spec.take(value)) if spec is not None else (lambda: value)
 
 
 # ---------------------------------------------------------------- sharded (DTensor) form

@@ -32,9 +32,13 @@ State: `full_state_dict` (gathered, CPU, original names) for export; `sharded_st
 protocol (``checkpoint_state``). ``state_dict()`` itself is nn.Module's: the flat shards under
 ``flat_<unit>_<group>`` plus buffers.
 
-Not covered yet: activation checkpointing inside a unit (its recomputed forward would re-enter
-the unit hooks), and parameters used on some ranks but not others in the same step (every
-rank must issue the same reductions). fp16 has no loss scaling of its own.
+Activation checkpointing (`plait.activation_checkpointing`, applied before wrapping) replaces a
+block's forward inside the unit's hooks, so its recomputation, in backward, runs after the unit's
+pre-backward hook has gathered the unit again (or kept it, ``reshard_after_forward=False``) and
+never re-enters the unit's own hooks; units nested inside a checkpointed block are called by the
+recomputation, hooks and all (one more gather and reshard each). Not covered yet: parameters
+used on some ranks but not others in the same step (every rank must issue the same reductions).
+fp16 needs loss scaling: `plait.GradScaler`.
 
 GPU behaviour (CPU offload): shards, their gradients and the optimizer state stay in host
 memory, the parameter shards pinned; each unit's shard is copied to the GPU (non-blocking) just before its
@@ -46,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,39 +60,13 @@ from plait.env import device as default_device
 from plait.fsdp.flat import FlatParam, ShardCfg
 from plait.fsdp.units import Unit, build_units, check_no_optimizer
 from plait.mesh import Mesh
+from plait.precision import MixedPrecision, parse_mixed_precision, precision_of
 from plait.tp.apply import TPInfo, tp_info
 
 if TYPE_CHECKING:
     from plait.clip import GradParts
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecision", "model_state_bytes"]
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Compute in ``param_dtype``; reduce gradients in ``reduce_dtype``; fp32 master shards."""
-
-    param_dtype: torch.dtype = torch.bfloat16
-    reduce_dtype: torch.dtype | None = torch.float32
-
-    def __post_init__(self) -> None:
-        if not self.param_dtype.is_floating_point:
-            raise ValueError(f"MixedPrecision.param_dtype must be a floating dtype, got {self.param_dtype}")
-
-
-_MP_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-             "float16": torch.float16}
-
-
-def _parse_mp(mp: MixedPrecision | str | None) -> MixedPrecision | None:
-    if mp is None or isinstance(mp, MixedPrecision):
-        return mp
-    if isinstance(mp, str) and mp.lower() in _MP_NAMES:
-        return MixedPrecision(param_dtype=_MP_NAMES[mp.lower()])
-    if isinstance(mp, str) and mp.lower() in ("fp32", "no", "none"):
-        return None
-    raise ValueError(f"FullyShardedDataParallel(mixed_precision=...) expects a MixedPrecision, 'bf16', "
-                     f"'fp16' or None; got {mp!r}")
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -114,6 +91,8 @@ class FullyShardedDataParallel(nn.Module):
         offload: keep shards, gradients and optimizer state in CPU memory.
         seed: initialisation seed for a meta-device module.
     """
+
+    casts_parameters = True  # its own mixed precision: `plait.mixed_precision` refuses to cast on top
 
     def __init__(
         self,
@@ -148,7 +127,11 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"FullyShardedDataParallel(backward_prefetch=...) expects True or False, "
                             f"got {backward_prefetch!r}")
         check_no_optimizer(module)
-        self.mp = _parse_mp(mixed_precision)
+        if precision_of(module) is not None:
+            raise ValueError("FullyShardedDataParallel: the module was given plait.mixed_precision, whose "
+                             "casts FSDP's gathered parameters would bypass; pass "
+                             "FullyShardedDataParallel(..., mixed_precision=...) instead")
+        self.mp = parse_mixed_precision(mixed_precision, "FullyShardedDataParallel(mixed_precision=...)")
         self.zero_stage, self.reshard_after_forward, self.mesh = zero_stage, reshard_after_forward, mesh
         dp = mesh.size("dp")
         self.cfg = ShardCfg(

@@ -55,7 +55,8 @@ class Pipeline:
     With ``stage_wrapper`` (handed in by `plait.parallelize`), each stage is then wrapped for data
     parallelism (DDP or FSDP): the stages' gradients accumulate over the microbatches and each
     stage's last backward of the step reduces them, overlapping with it. ``stages`` holds the
-    wrapped modules.
+    wrapped modules. ``activation_checkpointing`` (also from `plait.parallelize`) is called on each
+    stage before it is wrapped (`plait.activation_checkpointing`).
     """
 
     def __init__(self, module: nn.Module, mesh: Mesh, *, split: str | Sequence[str] = "auto",
@@ -63,7 +64,8 @@ class Pipeline:
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, chunks: int = 1, seed: int = 0,
                  device: torch.device | str | None = None, tp_plan: Mapping[str, Any] | None = None,
                  sequence_parallel: bool = False, p2p: str = "auto",
-                 stage_wrapper: StageWrapper | None = None) -> None:
+                 stage_wrapper: StageWrapper | None = None,
+                 activation_checkpointing: Callable[[nn.Module], None] | None = None) -> None:
         # Every check below runs before the first collective, so bad input never hangs a rank.
         if not isinstance(module, nn.Module):
             raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -110,6 +112,7 @@ class Pipeline:
         self._replay = Replay(module, segs, plan, self.device)
         self.tp_module: nn.Module | None = None
         self._inner = {s: ReplayStage(s, self._replay, [segs[i] for i in plan[s]]) for s in mine}
+        self._checkpointing = activation_checkpointing
         self.loss_fn = loss_fn = self._parallelize_stages(module, mesh, tp_plan, sequence_parallel, seed,
                                                           loss_fn, stage_wrapper)
         # Copies of weights shared with another pp rank, with the group that sums their gradients.
@@ -124,10 +127,13 @@ class Pipeline:
         # W's pulled into waits (a helper thread watches the receives): on Gloo only, where a
         # receive's wait() returns when the data is there (NCCL's returns at once, ordering streams),
         # and not when W communicates (sequence parallelism; data parallelism, whose collectives
-        # would then come in another order on each replica), which would desynchronize ranks.
+        # would then come in another order on each replica; a checkpointed tensor-parallel block
+        # that W recomputes, as on the first stage, whose B computes nothing), which would
+        # desynchronize ranks.
+        quiet_w = not sequence_parallel and not (tp_plan is not None and activation_checkpointing)
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
                              self.device, links=direction_groups(self.sched, mesh) if directed else None,
-                             fill_w=not sequence_parallel and backend == "gloo" and stage_wrapper is None,
+                             fill_w=quiet_w and backend == "gloo" and stage_wrapper is None,
                              carry=self._replay, **self._wrapped_stage_hooks())
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
@@ -136,8 +142,9 @@ class Pipeline:
     def _parallelize_stages(self, module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None,
                             sequence_parallel: bool, seed: int, loss_fn: Any,
                             wrapper: StageWrapper | None) -> Any:
-        """This rank's stages, in order: tensor parallelism, materialization, data parallelism
-        (`plait.parallelize` documents the order); returns the loss function to use."""
+        """This rank's stages, in order: tensor parallelism, materialization, activation
+        checkpointing, data parallelism (`plait.parallelize` documents the order); returns the loss
+        function to use."""
         my_segs = [seg for s in sorted(self._inner) for seg in self._inner[s].segments]
         if tp_plan is not None:
             # All of this rank's stages in one tensor_parallel call (one TPInfo, ties inside the rank
@@ -166,6 +173,9 @@ class Pipeline:
             if not is_meta(st):  # a wrapper that materializes places the stage itself
                 st.to(self.device)
         self.stages: dict[int, nn.Module] = dict(self._inner)
+        if self._checkpointing is not None:  # after tensor parallelism, before the wrapper
+            for st in self._inner.values():
+                self._checkpointing(st)
         # Each stage's state-dict keys (original names) before a wrapper may replace its tensors.
         self._state_keys = {s: set(st.state_dict(keep_vars=True)) for s, st in self._inner.items()}
         if wrapper is not None:  # data parallelism last, on each stage's final parameters
@@ -326,9 +336,17 @@ class Pipeline:
         return comm.all_gather_object(self.exec.timeline, self.group)
 
     # ------------------------------------------------------------------ steps
-    def step(self, inputs: Any, targets: Any) -> torch.Tensor:
-        """Forward and backward of the whole batch; returns its mean loss on every pp rank."""
-        return self._step(self.sched, inputs, targets, train=True)
+    def step(self, inputs: Any, targets: Any, *, loss_scale: float | None = None) -> torch.Tensor:
+        """Forward and backward of the whole batch; returns its mean loss on every pp rank.
+
+        ``loss_scale``: backward runs on the loss times this (fp16 loss scaling: pass
+        ``plait.GradScaler.get_scale()``, then unscale and step through the scaler); the returned
+        loss is not scaled."""
+        self.exec.loss_scale = loss_scale
+        try:
+            return self._step(self.sched, inputs, targets, train=True)
+        finally:
+            self.exec.loss_scale = None
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any = None) -> Any:

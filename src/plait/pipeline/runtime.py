@@ -91,6 +91,7 @@ class Executor:
             s: [p for p in st.parameters() if p.requires_grad] for s, st in stages.items()}
         self.grad_sync = grad_sync
         self.reduce_grads = True  # False: no backward of a step reduces (the pipeline's no_sync)
+        self.loss_scale: float | None = None  # multiplies the loss before backward (fp16 loss scaling)
         # signature -> {stage: input metadata, -1 - stage: output metadata}
         self.in_meta: dict[Any, dict[int, Meta]] = {}
         self.timeline: list[Slot] = []
@@ -277,6 +278,8 @@ class _Step:
             loss = ex.loss_fn(out, self.mb_targets[a.mb])
             self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
             out = loss / self.sched.microbatches  # mean over microbatches: the batch's mean loss
+            if ex.loss_scale is not None:  # backward runs on the scaled loss; loss_sum stays unscaled
+                out = out * ex.loss_scale
         out_t = as_tuple(out, f"the output of stage {a.stage}")
         if self.train:
             self.acts_in[key] = x

@@ -74,6 +74,26 @@ class RNGFork:
             self._set(self._saved)
             self._paused = True
 
+    @property
+    def entered(self) -> bool:
+        """Whether a region is running (its stream swapped in, or paused)."""
+        return self._depth > 0
+
+    # Activation checkpointing recomputes a block in backward: its regions must draw what they
+    # drew in forward, and the stream must then continue as if nothing had been recomputed.
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The per-rank stream's state between regions (the next region starts from it)."""
+        if self._depth:
+            raise RuntimeError("RNGFork.snapshot inside a region: the stream's state is the default "
+                               "generator's until the region exits")
+        return self._state
+
+    def restore(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        """Make the next region start from ``state`` (a `snapshot`)."""
+        if self._depth:
+            raise RuntimeError("RNGFork.restore inside a region")
+        self._state = state
+
 
 class SequenceShardGrads:
     """Sums, across the tp group, the gradients of replicated parameters that each rank applied

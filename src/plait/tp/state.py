@@ -16,6 +16,7 @@ from torch import nn
 
 from plait import comm
 from plait.dtensors import contiguous_stride, mesh_of
+from plait.tensor_source import FullValue, whole
 from plait.tp.apply import TPInfo, tp_info, tp_module
 from plait.tp.styles import ShardSpec
 
@@ -66,9 +67,10 @@ def gather_full(t: torch.Tensor, spec: ShardSpec | None, info: TPInfo | None) ->
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+def load_full_state_dict(model: nn.Module, state: Mapping[str, FullValue]) -> None:
     """Load full-size tensors (e.g. from `full_state_dict` or a single-process model) into a
-    tensor-parallel ``model``: each rank copies its slice. No communication. Keys as in
+    tensor-parallel ``model``: each rank copies its slice (of a `plait.tensor_source.TensorSource`
+    it reads only that slice; replicated tensors whole). No communication. Keys as in
     `full_state_dict`."""
     model = tp_module(model) or model
     info = tp_info(model)
@@ -77,7 +79,11 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    loaded: set[int] = set()
     for name, target in own.items():
+        if id(target) in loaded:  # a tied tensor, listed under each of its names, is read once
+            continue
+        loaded.add(id(target))
         spec = info.specs.get(name) if info is not None else None
         value = state[name]
         if spec is not None:
@@ -88,7 +94,7 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
         if value.shape != target.shape:
             raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)}, "
                              f"expected {tuple(target.shape)}")
-        target.copy_(value)
+        target.copy_(whole(value))
 
 
 def _check_not_fsdp(model: nn.Module, what: str) -> None:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.tensor_source import FullValue
 from plait.tp.collectives import (
     copy_to_tp,
     gather_from_sp,
@@ -99,8 +100,9 @@ class ShardSpec:
             offset += p
         return out
 
-    def take(self, full: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-        """This rank's (zero-padded) slice of ``full`` along ``dim`` (default: the spec's)."""
+    def take(self, full: FullValue, dim: int | None = None) -> torch.Tensor:
+        """This rank's (zero-padded) slice of ``full`` along ``dim`` (default: the spec's); a
+        `plait.tensor_source.TensorSource` is asked for this rank's rows only."""
         d = self.dim if dim is None else dim
         blocks = [full.narrow(d, s, k) for s, k in self.pieces()]
         if not self.contiguous:
@@ -109,7 +111,8 @@ class ShardSpec:
             return blocks[0].clone()
         shape = list(full.shape)
         shape[d] = self.local - self.valid
-        return torch.cat([blocks[0], full.new_zeros(shape)], dim=d)
+        pad = torch.zeros(shape, dtype=blocks[0].dtype, device=blocks[0].device)
+        return torch.cat([blocks[0], pad], dim=d)
 
 
 def make_spec(dim: int, full: int, n: int, rank: int, unit: int = 1,
