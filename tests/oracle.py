@@ -61,3 +61,15 @@ def train_losses(tmp: str, **layout) -> list[float]:
     from plait.app.train import TrainConfig, train
 
     return train(TrainConfig.from_flags(**TRAIN_BASE, metrics=f"{tmp}/m.jsonl", **layout))["losses"]
+
+
+def shard_pieces(fsdp):
+    """Per slot of an FSDP module's flat shards on this rank: (original name, flat, slice of the
+    rank's shard, slice of the flattened local parameter), for slots this rank holds part of."""
+    for unit in fsdp.units:
+        for flat in unit.flats:
+            lo, hi = flat.shard_range()
+            for slot in flat.slots:
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    yield slot.fqn, flat, slice(a - lo, b - lo), slice(a - slot.offset, b - slot.offset)

@@ -53,18 +53,14 @@ def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _pieces(net):
     """(original name, tensor this rank steps, slice of it, slice of the flattened local parameter)."""
+    from oracle import shard_pieces
+
     from plait.ddp.wrapper import DistributedDataParallel
     from plait.fsdp.wrapper import FullyShardedDataParallel
 
     if isinstance(net, FullyShardedDataParallel):
-        for unit in net.units:
-            for flat in unit.flats:
-                lo, hi = flat.shard_range()
-                for slot in flat.slots:
-                    a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                    if a < b:
-                        yield (slot.fqn, flat.shard, slice(a - lo, b - lo),
-                               slice(a - slot.offset, b - slot.offset))
+        for name, flat, mine, full in shard_pieces(net):
+            yield name, flat.shard, mine, full
         return
     inner = net.module if isinstance(net, DistributedDataParallel) else net
     for name, p in inner.named_parameters():

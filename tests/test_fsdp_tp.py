@@ -31,13 +31,9 @@ def _batch(step: int, vocab: int, b: int = 8, s: int = 16) -> tuple[torch.Tensor
 
 def _pieces(net):
     """(name, flat, slice of this rank's shard, slice of the flattened tp-local parameter)."""
-    for unit in net.units:
-        for flat in unit.flats:
-            lo, hi = flat.shard_range()
-            for slot in flat.slots:
-                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if a < b:
-                    yield slot.fqn, flat, slice(a - lo, b - lo), slice(a - slot.offset, b - slot.offset)
+    from oracle import shard_pieces
+
+    yield from shard_pieces(net)
 
 
 def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_stage: int = 3,

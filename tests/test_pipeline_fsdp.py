@@ -43,6 +43,8 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _pieces(pipe):
     """(original name, tensor this rank steps, its slice, slice of the flattened local parameter)."""
+    from oracle import shard_pieces
+
     from plait.fsdp.wrapper import FullyShardedDataParallel
 
     for stage in pipe.stages.values():
@@ -50,14 +52,8 @@ def _pieces(pipe):
             for name, p in stage.module.named_parameters():
                 yield name, p, slice(None), slice(None)
             continue
-        for unit in stage.units:
-            for flat in unit.flats:
-                lo, hi = flat.shard_range()
-                for slot in flat.slots:
-                    a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                    if a < b:
-                        yield (slot.fqn, flat.shard, slice(a - lo, b - lo),
-                               slice(a - slot.offset, b - slot.offset))
+        for name, flat, mine, full in shard_pieces(stage):
+            yield name, flat.shard, mine, full
 
 
 def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, accumulate: bool = False) -> dict:
