@@ -318,7 +318,7 @@ class _Frame:
                       for a in args)
         count = [0]
 
-        def capture(t: torch.Tensor) -> torch.Tensor:
+        def capture(t: torch.Tensor) -> None:
             i = count[0]
             count[0] += 1
             if i >= len(self.shapes) or self.shapes[i] != (t.shape, t.dtype, t.device):
@@ -328,7 +328,10 @@ class _Frame:
                 self.values[holder] = t.detach()
             if count[0] == len(self.shapes):
                 raise _Recomputed
-            return t
+            # Keep nothing in the recomputed graph (it is never run backward): a node holding its own
+            # output would form a cycle through autograd's C++ graph that no collector breaks, and
+            # every step would leak the block's activations.
+            return None
 
         reuse = contextlib.nullcontext() if self.kept is None else _Reuse(self.kept)
         with (self.rng.replay(), torch.enable_grad(), saved_tensors_hooks(capture, _same), reuse,
