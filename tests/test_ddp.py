@@ -246,3 +246,25 @@ def test_bucket_plan_small_at_both_ends_and_covers_everything():
     sums = [sum(sizes[i] for i in b) for b in plan]
     assert sums[0] <= mib and sums[-1] <= mib and sums[-2] <= 4 * mib
     assert all(s <= 25 * mib or len(b) == 1 for s, b in zip(sums, plan))  # only a lone giant exceeds
+
+
+def _deleted_ddp_is_freed() -> bool:
+    import gc
+    import weakref
+
+    import plait
+    from plait.testing import cached_mesh
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    ddp = plait.DDP(model, cached_mesh(dp=2))
+    ddp(torch.randn(3, 4)).sum().backward()
+    alive = weakref.ref(ddp)
+    del ddp, model
+    gc.collect()
+    return alive() is None
+
+
+def test_a_deleted_ddp_is_freed(pools):
+    # Its gradient hooks hold it weakly: a strong hook tied the wrapper to its parameters in a cycle
+    # through the tensors' C++ hooks, and every deleted model stayed in memory with its buckets.
+    assert pools[2].run(_deleted_ddp_is_freed) == [True, True]

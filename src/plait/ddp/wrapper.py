@@ -18,6 +18,7 @@ parallelism on the other axes.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -120,8 +121,12 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         self._where: dict[int, tuple[_Bucket, int]] = {
             id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)
         }
+        # Through a weak reference: a hook holding the wrapper would tie it to its parameters in a
+        # cycle through the tensors' C++ hooks that the collector cannot break, so a deleted DDP
+        # (and its buckets) would never be freed.
+        ready = weakref.WeakMethod(self._on_grad_ready)
         for _, p in trainable:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(lambda q, ready=ready: _call_alive(ready, q))
         self._no_sync = False
         self._sync_this_backward = False
         self._callback_queued = False
@@ -413,3 +418,10 @@ def _wire_dtype(module: nn.Module, compression: str | None) -> torch.dtype | Non
                          f"module's mixed precision, which reduces gradients in {policy.wire_dtype}: drop "
                          "the option (it follows the policy) or change the policy's reduce_dtype")
     return wanted
+
+
+def _call_alive(method: weakref.WeakMethod, p: nn.Parameter) -> None:
+    """Call a weakly held gradient hook if its wrapper still exists."""
+    fn = method()
+    if fn is not None:
+        fn(p)
