@@ -8,7 +8,7 @@ Reports:
   10th-90th percentiles, over ``--iters`` steps (default 30) after warm-up;
 * peak live memory per rank, measured separately for each implementation in its own fresh
   processes so neither sees the other's tensors: on CUDA the allocator's peak; on CPU one
-  tracker of live tensor-storage bytes (`LiveStorageBytes`, below) applied identically to
+  tracker of live tensor-storage bytes (`bench.live_memory.LiveStorageBytes`) applied identically to
   both, plus each process's peak RSS;
 * on CPU, the phase of each peak and the live bytes at backward start (model state plus every
   activation: the floor that one gathered block is added to);
@@ -26,9 +26,6 @@ import os
 import time
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import (
     Spread,
@@ -40,71 +37,10 @@ from bench.common import (
     spread,
     write_section,
 )
+from bench.live_memory import LiveStorageBytes
 
 MIB = 2**20
 IMPLS = ("plait", "plait_lowmem", "torch")
-
-
-# ---------------------------------------------------------------- the CPU memory tracker
-class LiveStorageBytes(TorchDispatchMode):
-    """Peak bytes of live tensor storage while active (CPU stand-in for the CUDA allocator peak).
-
-    It starts from every tensor alive in the process (so model state counts), then after every
-    dispatched op adds the storages the op touched or made and re-reads every known storage's
-    *current* size: storages resized to zero (how both FSDPs free gathered parameters) count
-    zero, and a storage counts while anything — Python or autograd's saved tensors — holds it.
-    Weak references only, so tracking never keeps memory alive. Slow; for one untimed step.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase = "forward"  # set by the caller; the phase of the peak is reported
-        self.peak_phase = self.phase
-        self.at_phase_start: dict[str, int] = {}  # live bytes at each phase's first op
-        self.refs: dict[int, StorageWeakRef] = {}
-        for obj in gc.get_objects():
-            if issubclass(type(obj), torch.Tensor):  # type(): some gc'd proxies warn on isinstance
-                self._add(obj)
-        self.peak = self.now()
-
-    def _add(self, t: object) -> None:
-        if isinstance(t, DTensor):
-            t = t._local_tensor  # the storage behind a DTensor (FSDP2 parameters, our checkpoint)
-        if not isinstance(t, torch.Tensor) or t.is_meta or t.device.type != "cpu":
-            return
-        st = t.untyped_storage()
-        ref = self.refs.get(st._cdata)
-        if ref is None or ref.expired():
-            self.refs[st._cdata] = StorageWeakRef(st)
-
-    def now(self) -> int:
-        total = 0
-        for key in list(self.refs):
-            ref = self.refs[key]
-            if ref.expired():
-                del self.refs[key]
-            else:
-                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        return total
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.phase not in self.at_phase_start:
-            self.at_phase_start[self.phase] = self.now()
-        out = func(*args, **(kwargs or {}))
-        for t in _leaves((args, kwargs, out)):
-            self._add(t)
-        now = self.now()
-        if now > self.peak:
-            self.peak, self.peak_phase = now, self.phase
-        return out
-
-
-def _leaves(obj) -> list:
-    if isinstance(obj, (list, tuple)):
-        return [x for o in obj for x in _leaves(o)]
-    if isinstance(obj, dict):
-        return [x for o in obj.values() for x in _leaves(o)]
-    return [obj]
 
 
 # ---------------------------------------------------------------- building both sides
