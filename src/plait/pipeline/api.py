@@ -297,7 +297,7 @@ class Pipeline:
         from plait.clip import grad_norm_parts
 
         # A weight two of this rank's stages share (tied embedding and LM head on one rank of a V)
-        # counts once too: `seen` starts with the other ranks' first owners' copies.
+        # counts once too; `seen` starts with this rank's copies of weights first owned on another rank.
         seen = {id(g) for g in self.grad_copies()}
         parts: GradParts = {}
         for s in sorted(self.stages):
