@@ -97,6 +97,15 @@ class Executor:
         self.timeline: list[Slot] = []
         self.t0 = 0.0  # perf_counter() when the last step started
         self.step_time = 0.0  # seconds from t0 until this rank's actions (and sends) finished
+        # id(schedule) -> (schedule, this rank's receives in send order): worked out once, not per step.
+        self._posting: dict[int, tuple[Schedule, list[Action]]] = {}
+
+    def receive_order(self, sched: Schedule) -> list[Action]:
+        """This rank's receives of ``sched`` in the order their senders send them (cached)."""
+        held = self._posting.get(id(sched))
+        if held is None or held[0] is not sched:
+            held = self._posting[id(sched)] = (sched, sched.receive_order(self.rank))
+        return held[1]
 
     def sync(self, stage: int, reduce: bool) -> AbstractContextManager[None]:
         """The context of one action on ``stage`` (see `GradSync`); nothing for unwrapped stages."""
@@ -221,7 +230,7 @@ class _Step:
     def run(self) -> None:
         # Post every receive now, in the order the peers send (what NCCL's matching by order needs);
         # waiting happens at the action, in list order.
-        for a in self.sched.receive_order(self.ex.rank):
+        for a in self.ex.receive_order(self.sched):
             self._post_recv(a)
         # With W's in the plan, a helper thread waits for the receives so that this thread can see
         # whether one has arrived and run a pending W instead of idling (see schedules.py).
