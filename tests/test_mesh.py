@@ -29,7 +29,7 @@ def _layout(pp: int, dp: int, fsdp: int, tp: int) -> dict:
 def test_rank_order_tp_innermost(pools):
     out = pools[8].run(_layout, 2, 1, 2, 2)
     # rank = (pp*fsdp + fsdp_i)*tp + tp_i
-    assert out[5]["coords"] == {"pp": 1, "dp": 0, "fsdp": 0, "tp": 1}
+    assert out[5]["coords"] == {"pp": 1, "dp": 0, "fsdp": 0, "cp": 0, "tp": 1}
     assert out[5]["tp_ranks"] == [4, 5]
     assert out[5]["dpfsdp_ranks"] == [5, 7]
     assert out[7]["dpfsdp_rank"] == 1
@@ -38,6 +38,21 @@ def test_rank_order_tp_innermost(pools):
     assert all(o["pp_lines"] == out[0]["pp_lines"] for o in out)
     assert [o["tp_sum"] for o in out] == [1, 1, 5, 5, 9, 9, 13, 13]
     assert out[0]["stats"]["all_reduce@tp"] == {"calls": 1, "bytes": 4, "wire_bytes": 4.0}
+
+
+def _cp_layout() -> dict:
+    m = cached_mesh(fsdp=2, cp=2, tp=2)
+    return {"coords": m.coords, "cp": m.group_ranks("cp"), "shards": m.group_ranks(("fsdp", "cp")),
+            "replicas": m.group_ranks(("dp", "cp")), "cp_rank": m.rank("cp")}
+
+
+def test_cp_sits_between_fsdp_and_tp(pools):
+    # rank = ((fsdp_i * cp + cp_i) * tp + tp_i: cp ranks are tp-neighbours apart
+    out = pools[8].run(_cp_layout)
+    assert out[5]["coords"] == {"pp": 0, "dp": 0, "fsdp": 1, "cp": 0, "tp": 1}
+    assert out[5]["cp"] == [5, 7] and out[7]["cp_rank"] == 1
+    assert out[5]["shards"] == [1, 3, 5, 7]  # FSDP shards over fsdp x cp
+    assert out[5]["replicas"] == [5, 7]  # DDP averages over dp x cp
 
 
 def _bad_mesh(**kw) -> None:

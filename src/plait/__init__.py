@@ -1,9 +1,10 @@
 """plait: train any PyTorch model on many devices with every classic form of parallelism."""
 
-from plait import comm
+from plait import comm, cp
 from plait.activation_checkpointing import activation_checkpointing
 from plait.check import CheckReport, check
 from plait.clip import clip_grad_norm_
+from plait.cp import context_parallel
 from plait.data_parallel import DataParallel
 from plait.ddp import DDP, DistributedDataParallel
 from plait.env import get_logger, init
@@ -43,6 +44,8 @@ __all__ = [
     "mixed_precision",
     "GradScaler",
     "tensor_parallel",
+    "context_parallel",
+    "cp",
     "gpt_plan",
     "plan_for",
     "loss_fn_for",

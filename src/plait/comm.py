@@ -543,6 +543,45 @@ def _point_to_point(what: str, t: torch.Tensor | None, peer: int, fn: Callable[[
         raise CollectiveError(f"{what} failed{on_fail(e)}: {e}") from e
 
 
+class _Works:
+    """Several in-flight point-to-point operations, awaited as one."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
+             group: dist.ProcessGroup | None = None, tag: int = 0) -> Handle:
+    """Send ``send`` to global rank ``dst`` while receiving ``recv`` from global rank ``src``, on
+    ``group`` (one step of a ring). Both go in one batch, so on NCCL a ring of ranks that all send
+    first cannot deadlock; ``tag`` tells apart exchanges in flight together on Gloo (NCCL matches
+    them in the order they are issued, the same on every rank)."""
+    info = _info(group)
+    for t in (send, recv):
+        _check_device("exchange", t, group, info)
+    _record("send", group, send.numel() * send.element_size(), 1.0)
+    _record("recv", group, recv.numel() * recv.element_size(), 0.0)
+    what = (f"exchange on {describe(group)}: send of a {tuple(send.shape)} {send.dtype} tensor to rank "
+            f"{dst}, recv of a {tuple(recv.shape)} from rank {src}")
+    ops = [dist.P2POp(dist.isend, send, dst, group, tag), dist.P2POp(dist.irecv, recv, src, group, tag)]
+    return _point_to_point(what, send, dst, lambda: _Works(dist.batch_isend_irecv(ops)))
+
+
+def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Rank i sends chunk j (along dim 0, equal chunks) of ``inp`` to rank j, which stores it as
+    chunk i of ``out``. Counted: the full tensor logically, all chunks but one's own on the wire."""
+    n = _n(group)
+    _record("all_to_all", group, inp.numel() * inp.element_size(), (n - 1) / n)
+    if n == 1:
+        out.copy_(inp)
+        return
+    _run("all_to_all", inp, group, lambda: dist.all_to_all_single(out, inp, group=group), False)
+
+
 def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send a small picklable object (e.g. shapes and dtypes) to global rank ``dst``."""
     _record("send_object", group, 0, 0.0)

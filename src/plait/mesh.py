@@ -1,11 +1,13 @@
 """The device mesh: named parallel axes mapped onto process groups.
 
-Rank order is ``pp`` (outermost), ``dp``, ``fsdp``, ``tp`` (innermost)::
+Rank order is ``pp`` (outermost), ``dp``, ``fsdp``, ``cp``, ``tp`` (innermost)::
 
-    rank = ((pp_i * dp + dp_i) * fsdp + fsdp_i) * tp + tp_i
+    rank = (((pp_i * dp + dp_i) * fsdp + fsdp_i) * cp + cp_i) * tp + tp_i
 
 Tensor parallelism sits innermost because it talks on every layer, so its ranks should be
-neighbours on one machine (consecutive local ranks share a node under torchrun). Pipeline
+neighbours on one machine (consecutive local ranks share a node under torchrun). Context
+parallelism (``cp``: the sequence split across ranks) passes key/value blocks around a ring in
+every attention layer, the next heaviest traffic, so it sits next to tp. Pipeline
 parallelism only sends activations between neighbouring stages, so it tolerates the slowest
 links and sits outermost.
 
@@ -26,21 +28,24 @@ from plait import comm
 
 __all__ = ["Mesh", "AXES"]
 
-AXES: tuple[str, ...] = ("pp", "dp", "fsdp", "tp")
+AXES: tuple[str, ...] = ("pp", "dp", "fsdp", "cp", "tp")
 
 
 class Mesh:
-    """Named axes ``pp``, ``dp``, ``fsdp``, ``tp`` over the default process group.
+    """Named axes ``pp``, ``dp``, ``fsdp``, ``cp``, ``tp`` over the default process group.
 
     One degree may be ``-1``, meaning "whatever is left of the world size". Build it once
-    (after `plait.init()`) and pass it explicitly to each strategy.
+    (after `plait.init()`) and pass it explicitly to each strategy. ``cp`` comes last among the
+    arguments (so positional calls written before it existed keep their meaning) but sits
+    between fsdp and tp in rank order.
     """
 
-    def __init__(self, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1) -> None:
+    def __init__(self, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1, cp: int = 1) -> None:
         if not dist.is_initialized():
             raise RuntimeError("plait.Mesh needs a process group: call plait.init() first")
         world = dist.get_world_size()
-        self.shape: dict[str, int] = _resolve_degrees({"pp": pp, "dp": dp, "fsdp": fsdp, "tp": tp}, world)
+        degrees = {"pp": pp, "dp": dp, "fsdp": fsdp, "cp": cp, "tp": tp}
+        self.shape: dict[str, int] = _resolve_degrees(degrees, world)
         self.world_size = world
         self.global_rank = dist.get_rank()
         self.coords: dict[str, int] = self._coords_of(self.global_rank)
@@ -158,7 +163,7 @@ def _resolve_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:
     if product != world:
         raise ValueError(
             f"Mesh({described}): the product of the degrees is {product} but the world size is "
-            f"{world}; pp*dp*fsdp*tp must equal the number of processes"
+            f"{world}; pp*dp*fsdp*cp*tp must equal the number of processes"
         )
     return degrees
 

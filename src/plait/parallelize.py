@@ -15,6 +15,12 @@ The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to ev
    and the data-parallel groups (which differ only in the ``dp``/``fsdp`` coordinate) hold
    shards of identical shape. In a pipeline, one call covers all of this rank's stages (ties
    inside the rank stay ties).
+1b. **Context parallel** (``cp`` axis, ``plan.cp``: `plait.context_parallel`) hooks the attention
+   modules, whatever tensor parallelism made of them (each rank then attends its local heads
+   over the whole sequence), before checkpointing, so that recomputed attention is context
+   parallel too. The cp ranks hold replicas that see different tokens: step 3 averages their
+   gradients (DDP over dp x cp) or shards over them (FSDP over fsdp x cp), so a mesh with cp > 1
+   needs ``data='ddp'`` or ``'fsdp'``. In a pipeline each stage's attention is hooked.
 2. **Activation checkpointing** (``plan.ac``: `plait.activation_checkpointing`) next: after
    tensor parallelism, whose collectives and per-rank random streams the recomputed forward must
    repeat (it finds those streams in the blocks), and before data parallelism, whose hooks sit
@@ -48,11 +54,13 @@ import torch
 from torch import nn
 
 from plait.activation_checkpointing import check_options, checkpoint_blocks, select_blocks
+from plait.cp.apply import ALGORITHMS, context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
 from plait.fsdp.wrapper import FullyShardedDataParallel
 from plait.materialize import is_meta, materialize
 from plait.mesh import Mesh
+from plait.models.gpt import Rotary
 from plait.names import matches
 from plait.pipeline.api import Pipeline
 from plait.pipeline.arguments import P2P_MODES
@@ -66,7 +74,8 @@ from plait.tp.styles import Style
 __all__ = ["ParallelPlan", "parallelize", "ORDER"]
 
 DATA_STRATEGIES = ("ddp", "fsdp", "none")
-ORDER = ("pipeline split", "tensor parallel", "activation checkpointing", "data parallel (DDP or FSDP)")
+ORDER = ("pipeline split", "tensor parallel", "context parallel", "activation checkpointing",
+         "data parallel (DDP or FSDP)")
 # Pipeline options and their defaults: read only when the mesh has pp > 1.
 PIPELINE_DEFAULTS: dict[str, Any] = {"pp_split": "auto", "pp_schedule": "1f1b", "pp_microbatches": 4,
                                      "pp_chunks": 1, "loss_fn": None, "p2p": "auto"}
@@ -86,6 +95,7 @@ class ParallelPlan:
 
     tp: Mapping[str, Style] | None = None  # module-name pattern -> style; None: no tensor parallel
     sequence_parallel: bool = False
+    cp: str | None = None  # context parallel algorithm: "ring", "allgather", "ulysses"; None: off
     ac: str | None = None  # activation checkpointing: "full", "selective" or None (off)
     ac_every: int = 1  # checkpoint every k-th block only
     ac_blocks: Sequence[type | str] | None = None  # None: each child of the outermost nn.ModuleLists
@@ -128,6 +138,9 @@ class ParallelPlan:
         if self.data != "ddp" and self.ddp_options:
             raise ValueError(f"ParallelPlan(ddp_options={self.ddp_options!r}) applies to data='ddp'; "
                              f"got data={self.data!r}")
+        if self.cp is not None and self.cp not in ALGORITHMS:
+            raise ValueError(f"ParallelPlan(cp=...) must be one of {tuple(ALGORITHMS)} or None, got "
+                             f"{self.cp!r}")
         _check_precision(self)
         _check_pipeline_fields(self)
         check_options(self.ac, self.ac_every, self.ac_blocks, where="ParallelPlan(ac=...)")
@@ -202,13 +215,15 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
                         seed=plan.seed, device=device(), tp_plan=plan.tp,
                         sequence_parallel=plan.sequence_parallel, p2p=plan.p2p,
                         stage_wrapper=_stage_wrapper(module, mesh, plan),
-                        activation_checkpointing=_stage_checkpointing(module, plan))
+                        activation_checkpointing=_stage_steps(module, mesh, plan))
         if plan.precision is not None and plan.data != "fsdp":  # each stage casts its own parameters
             mixed_precision(pipe, plan.precision)
         return pipe
     if plan.tp is not None:  # 1. tensor parallel
         module = tensor_parallel(module, mesh, plan.tp, sequence_parallel=plan.sequence_parallel,
                                  seed=plan.seed, strict=False, check=plan.tp_check)
+    if plan.cp is not None:  # 1b. context parallel
+        context_parallel(module, mesh, plan.cp)
     if plan.ac is not None:  # 2. activation checkpointing
         checkpoint_blocks(module, select_blocks(module, plan.ac_blocks, plan.ac_every), plan.ac)
     if plan.data == "fsdp":  # 3. data parallel
@@ -220,7 +235,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
         materialize(module, plan.seed, lambda _name, _attr, full, _t: full.to(dev))
     if plan.precision is not None:  # fp32 masters, low-precision compute; DDP reads its reduce dtype
         mixed_precision(module, plan.precision)
-    if plan.data == "ddp" and mesh.size("dp") > 1:
+    if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:
         return DistributedDataParallel(module, mesh, **plan.ddp_options)
     return module
 
@@ -231,6 +246,8 @@ def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
     plan.validate()  # again: its fields may have been changed since it was made
     if mesh.size("tp") > 1 and plan.tp is None:
         raise ValueError(f"parallelize: {mesh} has tp={mesh.size('tp')} but the plan has no tp styles")
+    if mesh.size("cp") > 1:
+        _check_cp(module, mesh, plan)
     if plan.data == "ddp" and mesh.size("fsdp") > 1:
         raise ValueError(f"parallelize: data='ddp' uses the dp axis, but {mesh} has fsdp="
                          f"{mesh.size('fsdp')}; use data='fsdp' or put those ranks on dp")
@@ -258,6 +275,21 @@ def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
                          "get their buffers broadcast once, when wrapped")
 
 
+def _check_cp(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
+    n = mesh.size("cp")
+    if plan.cp is None:
+        raise ValueError(f"parallelize: {mesh} has cp={n} but the plan names no context-parallel algorithm; "
+                         f"set ParallelPlan(cp=...) to one of {tuple(ALGORITHMS)}")
+    if plan.data == "none":
+        raise ValueError(f"parallelize: cp={n} ranks hold the same parameters and see different tokens, so "
+                         "their gradients must be averaged; data='none' would leave each rank with its own: "
+                         "use data='ddp' or 'fsdp'")
+    if mesh.size("pp") > 1 and not any(isinstance(m, Rotary) for m in module.modules()):
+        raise ValueError("parallelize: context parallelism inside a pipeline gives positions to plait GPT's "
+                         f"rotary modules only; {type(module).__name__} has none (its positions are computed "
+                         "in its forward, which pipeline stages replay on local tokens)")
+
+
 def _check_units(module: nn.Module, units: Sequence[type | str]) -> None:
     names = [n for n, _ in module.named_modules() if n]
     for u in units:
@@ -272,16 +304,21 @@ def _fsdp_options(plan: ParallelPlan, units: Sequence[type | str] | None) -> dic
                 offload=plan.offload, seed=plan.seed)
 
 
-def _stage_checkpointing(module: nn.Module, plan: ParallelPlan) -> Callable[[nn.Module], None] | None:
-    """Step 2 for pipeline stages: checkpoint the blocks chosen in the whole model (``ac_every``
-    counts over all of them) that a stage holds (under their names in the model)."""
-    if plan.ac is None:
+def _stage_steps(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Callable[[nn.Module], None] | None:
+    """Steps 1b and 2 for pipeline stages: context parallelism, then checkpointing of the blocks
+    chosen in the whole model (``ac_every`` counts over all of them) that a stage holds (under
+    their names in the model)."""
+    if plan.ac is None and plan.cp is None:
         return None
-    chosen, policy = select_blocks(module, plan.ac_blocks, plan.ac_every), plan.ac
+    chosen = select_blocks(module, plan.ac_blocks, plan.ac_every) if plan.ac is not None else []
+    policy, algorithm = plan.ac, plan.cp
 
     def apply(stage: nn.Module) -> None:
-        held = {n for n, _ in stage.named_modules()}
-        checkpoint_blocks(stage, [n for n in chosen if n in held], policy)
+        if algorithm is not None and has_attention(stage):
+            context_parallel(stage, mesh, algorithm, positions="rotary")
+        if policy is not None:
+            held = {n for n, _ in stage.named_modules()}
+            checkpoint_blocks(stage, [n for n in chosen if n in held], policy)
 
     return apply
 
@@ -290,7 +327,7 @@ def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> StageWr
     """Step 3 for pipeline stages: what `Pipeline` wraps each stage in (None: no data parallelism)."""
     if plan.data == "fsdp":
         return _FSDPStages(mesh, plan, _list_children(module))
-    if plan.data == "ddp" and mesh.size("dp") > 1:
+    if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:
         return _DDPStages(mesh, _ddp_options(plan))
     return None
 

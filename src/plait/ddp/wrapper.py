@@ -73,7 +73,9 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
             copy of each bucket (half the bytes; gradients are pre-divided so fp16 does not
             overflow). On a module given `plait.mixed_precision`, the default follows the policy's
             reduce dtype (fp32: none; bf16/fp16: that copy); an explicit value must agree with it.
-        axis: the mesh axis (or axes) to average over.
+        axis: the mesh axis (or axes) to average over. The default, ``("dp", "cp")``, is the
+            ``dp`` group when the mesh has no context parallelism; with it, gradients are averaged
+            over the ranks holding other tokens of the sequence too.
     """
 
     def __init__(
@@ -85,7 +87,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         gradient_compression: str | None = None,
-        axis: str | tuple[str, ...] = "dp",
+        axis: str | tuple[str, ...] = ("dp", "cp"),
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):

@@ -66,7 +66,12 @@ from plait.tp.apply import TPInfo, tp_info
 if TYPE_CHECKING:
     from plait.clip import GradParts
 
-__all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecision", "model_state_bytes"]
+__all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecision", "model_state_bytes", "SHARD_AXES"]
+
+# Parameters are sharded over fsdp and cp together: context-parallel ranks hold the same
+# replicas and see different tokens of the same batch, like data-parallel ones (torchtitan's
+# layout), so they may as well hold different shards. With cp=1 this is the fsdp group.
+SHARD_AXES = ("fsdp", "cp")
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -115,7 +120,7 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(mesh, Mesh):
             raise TypeError(f"FullyShardedDataParallel(mesh=...) expects a plait.Mesh, "
                             f"got {type(mesh).__name__}")
-        if mesh.size("fsdp") == 1 and mesh.size("dp") > 1:
+        if mesh.size(SHARD_AXES) == 1 and mesh.size("dp") > 1:
             raise ValueError(
                 f"FullyShardedDataParallel shards over the mesh's 'fsdp' axis, but {mesh} has fsdp=1 "
                 f"and dp={mesh.size('dp')}: nothing would be sharded; use Mesh(fsdp=...) (hybrid: "
@@ -135,8 +140,8 @@ class FullyShardedDataParallel(nn.Module):
         self.zero_stage, self.reshard_after_forward, self.mesh = zero_stage, reshard_after_forward, mesh
         dp = mesh.size("dp")
         self.cfg = ShardCfg(
-            stage=zero_stage, group=mesh.group("fsdp"), dp_group=mesh.group("dp") if dp > 1 else None,
-            world=mesh.size("fsdp"), rank=mesh.rank("fsdp"), replicas=dp, device=default_device(),
+            stage=zero_stage, group=mesh.group(SHARD_AXES), dp_group=mesh.group("dp") if dp > 1 else None,
+            world=mesh.size(SHARD_AXES), rank=mesh.rank(SHARD_AXES), replicas=dp, device=default_device(),
             param_dtype=self.mp.param_dtype if self.mp else None,
             reduce_dtype=self.mp.reduce_dtype if self.mp else None, offload=offload)
         self.backward_prefetch = backward_prefetch

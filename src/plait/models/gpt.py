@@ -114,11 +114,16 @@ class Rotary(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Rotate ``x`` of shape (batch, seq, heads, head_dim) by position."""
-        s = x.shape[1]
-        cos = self.cos[start : start + s, None, :].to(x.dtype)
-        sin = self.sin[start : start + s, None, :].to(x.dtype)
+    def forward(self, x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x`` of shape (batch, seq, heads, head_dim) by position: ``start``,
+        ``start + 1``... or, given, the ``positions`` (seq,) of its tokens."""
+        if positions is None:
+            s = x.shape[1]
+            cos = self.cos[start : start + s, None, :].to(x.dtype)
+            sin = self.sin[start : start + s, None, :].to(x.dtype)
+        else:
+            cos = self.cos[positions + start, None, :].to(x.dtype)
+            sin = self.sin[positions + start, None, :].to(x.dtype)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
         return out.flatten(-2)

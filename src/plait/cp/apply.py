@@ -1,0 +1,264 @@
+"""`context_parallel`: the sequence split across the ``cp`` ranks, under a model's own code.
+
+Nothing in the model changes. Its attention modules (by default every module whose class name
+ends in ``Attention``, the outermost ones) get a forward pre-hook that enters a torch function
+mode and a forward hook that leaves it; inside, a call to
+``torch.nn.functional.scaled_dot_product_attention`` on this rank's queries, keys and values
+(b, heads, local tokens, d) runs one of `ALGORITHMS` over the cp group instead. Module hooks
+fire again when activation checkpointing recomputes a block, so recomputation is context
+parallel too.
+
+Positions: each rank holds two chunks of the sequence (`plait.cp.layout`), so positions are not
+``0 .. local - 1``. plait's GPT gets its rotary modules' positions from the layout; a model
+whose ``forward`` takes ``position_ids`` (transformers' causal LMs) gets them as that argument
+when the caller does not pass them. Any other model must say ``positions="none"`` (it has no
+position-dependent code) or it is refused: local positions would train silently wrong.
+
+What cannot be honoured is refused when it is seen: an attention mask (padding, packed
+sequences), attention dropout, keys of another length than the queries (a KV cache).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from plait.cp.gather import allgather_attention, ulysses_attention
+from plait.cp.group import CPGroup
+from plait.cp.layout import Layout
+from plait.cp.ring import ring_attention
+from plait.mesh import Mesh
+from plait.names import matches
+
+__all__ = ["context_parallel", "ALGORITHMS", "POSITIONS", "shard", "unshard", "cp_info",
+           "ContextParallelInfo", "has_attention"]
+
+ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
+    "ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+POSITIONS = ("auto", "rotary", "position_ids", "none")
+_ATTR = "_plait_cp"
+
+
+@dataclass(frozen=True)
+class ContextParallelInfo:
+    """What `context_parallel` installed on a model (``cp_info(model)``)."""
+
+    cp: CPGroup
+    algorithm: str
+    positions: str
+    attention: tuple[str, ...]  # the hooked modules' names
+
+    def sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+             scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        """``scaled_dot_product_attention`` over the whole sequence, for this rank's tokens."""
+        where = f"context parallelism ({self.algorithm})"
+        if attn_mask is not None:
+            raise ValueError(f"{where}: the attention got an explicit mask (padding or packed sequences), "
+                             "which is not supported across ranks; train on unpadded full sequences "
+                             "(causal or not)")
+        if dropout_p:
+            raise ValueError(f"{where}: attention dropout (dropout_p={dropout_p}) is not supported; set the "
+                             "model's attention dropout to 0")
+        if query.dim() != 4 or key.shape[-2] != query.shape[-2]:
+            raise ValueError(f"{where}: queries {tuple(query.shape)} and keys {tuple(key.shape)} must be "
+                             "(batch, heads, tokens, dim) of the same tokens (no KV cache or "
+                             "cross-attention)")
+        if key.shape[1] != query.shape[1] and not enable_gqa:
+            raise ValueError(f"{where}: {query.shape[1]} query heads but {key.shape[1]} key heads, and "
+                             "enable_gqa is off")
+        layout = self.cp.layout_of_local(query.shape[-2])
+        return ALGORITHMS[self.algorithm](query, key, value, self.cp, layout, causal=is_causal, scale=scale)
+
+
+class _Intercept(TorchFunctionMode):
+    """Routes scaled_dot_product_attention to the context-parallel algorithm."""
+
+    def __init__(self, info: ContextParallelInfo) -> None:
+        super().__init__()
+        self.info = info
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is F.scaled_dot_product_attention:
+            return self.info.sdpa(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def cp_info(model: nn.Module) -> ContextParallelInfo | None:
+    """What `context_parallel` installed on ``model`` (or a wrapper of it), else None."""
+    for mod in model.modules():
+        info = getattr(mod, _ATTR, None)
+        if isinstance(info, ContextParallelInfo):
+            return info
+    return None
+
+
+def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, positions: str = "auto",
+                     attention: Sequence[type | str] | None = None) -> nn.Module:
+    """Make ``model``'s attention context parallel over ``mesh``'s ``cp`` axis, in place; return it.
+
+    Each rank then runs the model on its shard of every sequence (`shard` cuts them: inputs and
+    targets alike) and gets its shard of the outputs. The ``cp`` ranks hold the same parameters
+    and see different tokens, so their gradients must be averaged as data-parallel ones are:
+    `plait.DDP` averages over dp and cp, and `plait.FSDP` shards over fsdp and cp, by default.
+
+    Args:
+        algorithm: ``"ring"`` (K/V blocks passed around the ring, overlapped with attention),
+            ``"allgather"`` (gather all K/V: cheap with few KV heads) or ``"ulysses"``
+            (all-to-all to a head split; heads must divide by cp).
+        positions: ``"auto"`` (plait GPT's rotary modules, else a ``position_ids`` argument of
+            ``forward``, else refused), one of those two by name, or ``"none"``.
+        attention: the modules whose forward calls scaled_dot_product_attention, as classes or
+            name patterns (default: the outermost modules whose class name ends in ``Attention``).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"context_parallel(algorithm=...) must be one of {tuple(ALGORITHMS)}, got "
+                         f"{algorithm!r}")
+    if positions not in POSITIONS:
+        raise ValueError(f"context_parallel(positions=...) must be one of {POSITIONS}, got {positions!r}")
+    if cp_info(model) is not None:
+        raise ValueError("context_parallel: the model is already context parallel")
+    targets = _attention_modules(model, attention)
+    rotaries = _rotaries(model)
+    mode = _positions_mode(model, positions, rotaries)
+    info = ContextParallelInfo(CPGroup.of(mesh), algorithm, mode, tuple(n for n, _ in targets))
+    setattr(model, _ATTR, info)
+    for _, mod in targets:
+        _hook(mod, info)
+    if mode == "rotary":
+        for rot in rotaries:
+            _give_positions(rot, info.cp)
+    elif mode == "position_ids":
+        model.register_forward_pre_hook(_position_ids_hook(info.cp), with_kwargs=True)
+    return model
+
+
+def _attention_modules(model: nn.Module,
+                       attention: Sequence[type | str] | None) -> list[tuple[str, nn.Module]]:
+    named = list(model.named_modules())
+    if attention is None:
+        found = [(n, m) for n, m in named if type(m).__name__.endswith("Attention")]
+        what = "no module whose class name ends in 'Attention'"
+    else:
+        found = [(n, m) for n, m in named
+                 if any(isinstance(m, a) if isinstance(a, type) else matches(a, n) for a in attention)]
+        what = f"no module matching attention={list(attention)!r}"
+    outer = [(n, m) for n, m in found if not any(n != o and n.startswith(o + ".") for o, _ in found if o)]
+    if not outer:
+        raise ValueError(f"context_parallel: {type(model).__name__} has {what}; name the modules that call "
+                         "scaled_dot_product_attention with attention=[...]")
+    return outer
+
+
+def has_attention(model: nn.Module, attention: Sequence[type | str] | None = None) -> bool:
+    """Whether ``model`` holds a module `context_parallel` would hook (a pipeline stage may not)."""
+    try:
+        _attention_modules(model, attention)
+    except ValueError:
+        return False
+    return True
+
+
+def _rotaries(model: nn.Module) -> list[nn.Module]:
+    from plait.models.gpt import Rotary
+
+    return [m for m in model.modules() if isinstance(m, Rotary)]
+
+
+def _positions_mode(model: nn.Module, positions: str, rotaries: list[nn.Module]) -> str:
+    takes_ids = "position_ids" in inspect.signature(model.forward).parameters
+    if positions == "auto":
+        if rotaries:
+            return "rotary"
+        if takes_ids:
+            return "position_ids"
+        raise ValueError(f"context_parallel: cannot tell how {type(model).__name__} learns token positions "
+                         "(no plait rotary modules, no position_ids argument). Each rank holds two chunks "
+                         "of the sequence, so positions counted locally would be wrong; pass "
+                         "positions='none' if the model has no position-dependent computation")
+    if positions == "rotary" and not rotaries:
+        raise ValueError(f"context_parallel(positions='rotary'): {type(model).__name__} has no plait rotary "
+                         "modules")
+    if positions == "position_ids" and not takes_ids:
+        raise ValueError(f"context_parallel(positions='position_ids'): {type(model).__name__}.forward takes "
+                         "no position_ids")
+    return positions
+
+
+def _hook(mod: nn.Module, info: ContextParallelInfo) -> None:
+    active: list[_Intercept] = []
+
+    def enter(_m: nn.Module, _args: Any) -> None:
+        mode = _Intercept(info)
+        mode.__enter__()
+        active.append(mode)
+
+    def leave(_m: nn.Module, _args: Any, _out: Any) -> None:
+        active.pop().__exit__(None, None, None)
+
+    mod.register_forward_pre_hook(enter)
+    mod.register_forward_hook(leave, always_call=True)
+
+
+def _give_positions(rotary: nn.Module, cp: CPGroup) -> None:
+    """plait GPT's rotary tables read at this rank's positions."""
+    original = type(rotary).forward
+
+    def forward(x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = cp.layout_of_local(x.shape[1]).positions(device=x.device)
+        return original(rotary, x, start, positions)
+
+    rotary.forward = forward
+
+
+def _position_ids_hook(cp: CPGroup) -> Callable[..., Any]:
+    def hook(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("labels") is not None:
+            raise ValueError("context parallelism: labels=... makes the model shift them by one inside its "
+                             "loss, which crosses the chunk boundaries of a rank's shard; pass targets "
+                             "already shifted (next tokens) to your loss instead")
+        if kwargs.get("position_ids") is None:
+            ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            if not isinstance(ids, torch.Tensor):
+                raise ValueError("context parallelism: found no input_ids to derive position_ids from")
+            pos = cp.layout_of_local(ids.shape[1]).positions(device=ids.device)
+            kwargs = {**kwargs, "position_ids": pos.unsqueeze(0).expand(ids.shape[0], -1)}
+        return args, kwargs
+
+    return hook
+
+
+def _layout_for(t: torch.Tensor, mesh: Mesh, dim: int) -> Layout:
+    layout = CPGroup.of(mesh).layout(t.shape[dim])
+    if not layout.even:
+        chunks = 2 * layout.size
+        raise ValueError(f"context parallelism over cp={layout.size} cuts each sequence into {chunks} "
+                         f"equal chunks; {t.shape[dim]} tokens do not divide by {chunks} (pad or crop the "
+                         "sequences)")
+    return layout
+
+
+def shard(t: torch.Tensor, mesh: Mesh, dim: int = 1) -> torch.Tensor:
+    """This cp rank's tokens of a full-sequence tensor (inputs, targets, ...) along ``dim``."""
+    return _layout_for(t, mesh, dim).shard(t, dim)
+
+
+def unshard(t: torch.Tensor, mesh: Mesh, dim: int = 1) -> torch.Tensor:
+    """The full sequence from every cp rank's shard ``t`` (an all-gather over cp; not
+    differentiable: for outputs to inspect, such as logits in a test)."""
+    from plait import comm
+
+    cp = CPGroup.of(mesh)
+    layout = cp.layout(t.shape[dim] * cp.size)
+    moved = t.movedim(dim, 0).contiguous()
+    out = moved.new_empty((cp.size, *moved.shape))
+    comm.all_gather_into(out.view(-1), moved.view(-1), cp.group)
+    return layout.unshard([p.movedim(0, dim) for p in out], dim=dim)

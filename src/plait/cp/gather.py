@@ -1,0 +1,156 @@
+"""The two algorithms that move whole tensors instead of passing blocks around a ring.
+
+* **All-gather KV** (Llama 3's choice for grouped-query attention, where K and V are a small
+  part of the activations): every rank gathers the whole sequence's keys and values and
+  attends its own queries to them; backward reduce-scatters their gradients to their owners.
+  Bytes per layer: an all-gather of K, V forward and a reduce-scatter of dK, dV backward.
+* **All-to-all (Ulysses)**: an all-to-all trades the sequence split for a head split, so each
+  rank attends the whole sequence with ``heads / cp`` heads, and a second all-to-all trades
+  back. Bytes per layer: all-to-alls of Q, K, V and of the output forward, the same backward.
+
+Ranks may hold different lengths (a sequence that does not split evenly): the collectives carry
+equal chunks, padded to the longest rank's length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plait import comm
+from plait.cp.group import CPGroup
+from plait.cp.kernel import FULL, PARTIAL, block_forward
+from plait.cp.layout import Layout, Span
+
+__all__ = ["allgather_attention", "ulysses_attention"]
+
+
+def _longest(layout: Layout) -> int:
+    return max(layout.local_len(r) for r in range(layout.size))
+
+
+def _padded(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` to ``length``."""
+    if t.shape[dim] == length:
+        return t
+    shape = list(t.shape)
+    shape[dim] = length - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def _to_sequence(per_rank: torch.Tensor, layout: Layout, dim: int) -> torch.Tensor:
+    """Every rank's padded shard (``per_rank[r]``) -> the full sequence in order, along ``dim``
+    (counted in a shard, which has lost the leading rank dimension)."""
+    parts = [per_rank[r].narrow(dim, 0, layout.local_len(r)) for r in range(layout.size)]
+    return layout.unshard(parts, dim=dim)
+
+
+def _to_ranks(full: torch.Tensor, layout: Layout, dim: int) -> torch.Tensor:
+    """The inverse of `_to_sequence`: (ranks, ...) of each rank's tokens, padded."""
+    longest = _longest(layout)
+    shards = [_padded(torch.cat([full.narrow(dim, s.start, s.length) for s in layout.spans(r)], dim=dim),
+                      longest, dim) for r in range(layout.size)]
+    return torch.stack(shards)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of this rank's tokens (along dim ``dim``) into the full sequence; backward
+    reduce-scatters the gradient back to the owners."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cp: CPGroup, layout: Layout, dim: int) -> torch.Tensor:
+        ctx.cp, ctx.layout, ctx.dim = cp, layout, dim
+        shard = _padded(t, _longest(layout), dim).contiguous()
+        out = shard.new_empty((cp.size, *shard.shape))
+        comm.all_gather_into(out.view(-1), shard.view(-1), cp.group)
+        return _to_sequence(out, layout, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cp, layout, dim = ctx.cp, ctx.layout, ctx.dim
+        full = _to_ranks(grad.contiguous(), layout, dim).contiguous()
+        mine = full.new_empty(full.shape[1:])
+        comm.reduce_scatter_into(mine.view(-1), full.view(-1), cp.group)
+        return mine.narrow(dim, 0, layout.local_len()), None, None, None
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup, layout: Layout,
+                        causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """This rank's queries (b, heads, local, d) against the whole sequence's keys and values,
+    gathered from the ranks of ``cp`` (each holding its tokens as ``layout`` says)."""
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    kv = _GatherSequence.apply(torch.stack((k, v)), cp, layout, 3)
+    assert isinstance(kv, torch.Tensor)
+    first, second = layout.spans()
+    outs = []
+    halves = ((q.narrow(2, 0, first.length), first), (q.narrow(2, first.length, second.length), second))
+    for q_part, span in halves:
+        # Causal: the keys before the chunk's end, the last chunk-length of them masked.
+        keys = Span(0, span.end) if causal else Span(0, layout.seq_len)
+        kv_seen = kv.narrow(3, 0, keys.length)
+        out, _ = block_forward(q_part, kv_seen[0], kv_seen[1], s, span, keys, PARTIAL if causal else FULL)
+        outs.append(out)
+    return torch.cat(outs, dim=2).to(q.dtype)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """(b, heads, local, d) with every head -> (b, heads / cp, seq, d) with this rank's heads."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cp: CPGroup, layout: Layout) -> torch.Tensor:
+        ctx.cp, ctx.layout = cp, layout
+        return _seq_to_heads(t, cp, layout)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _heads_to_seq(grad, ctx.cp, ctx.layout), None, None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cp: CPGroup, layout: Layout) -> torch.Tensor:
+        ctx.cp, ctx.layout = cp, layout
+        return _heads_to_seq(t, cp, layout)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _seq_to_heads(grad, ctx.cp, ctx.layout), None, None
+
+
+def _seq_to_heads(t: torch.Tensor, cp: CPGroup, layout: Layout) -> torch.Tensor:
+    n = cp.size
+    b, h, _, d = t.shape
+    longest = _longest(layout)
+    send = _padded(t, longest, 2).reshape(b, n, h // n, longest, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)  # recv[r]: rank r's tokens of this rank's heads
+    comm.all_to_all_into(recv, send, cp.group)
+    return _to_sequence(recv, layout, 2)
+
+
+def _heads_to_seq(t: torch.Tensor, cp: CPGroup, layout: Layout) -> torch.Tensor:
+    b, hn, _, d = t.shape
+    send = _to_ranks(t.contiguous(), layout, 2).contiguous()  # send[r]: rank r's tokens, this rank's heads
+    recv = torch.empty_like(send)  # recv[r]: this rank's tokens of rank r's heads
+    comm.all_to_all_into(recv, send, cp.group)
+    whole = recv.transpose(0, 1).reshape(b, cp.size * hn, -1, d)
+    return whole.narrow(2, 0, layout.local_len())
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup, layout: Layout,
+                      causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """Attention over the whole sequence computed head-parallel: ``heads / cp`` heads per rank."""
+    n = cp.size
+    if q.shape[1] % n or k.shape[1] % n:
+        raise ValueError(f"all-to-all (Ulysses) context parallelism splits the heads over cp={n}: "
+                         f"{q.shape[1]} query "
+                         f"and {k.shape[1]} key/value heads must both divide by {n}; use the 'ring' or "
+                         "'allgather' algorithm")
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    qh, kh, vh = (_SequenceToHeads.apply(t, cp, layout) for t in (q, k, v))
+    assert isinstance(qh, torch.Tensor) and isinstance(kh, torch.Tensor) and isinstance(vh, torch.Tensor)
+    whole = Span(0, layout.seq_len)
+    out, _ = block_forward(qh, kh, vh, s, whole, whole, PARTIAL if causal else FULL)
+    back = _HeadsToSequence.apply(out.to(q.dtype), cp, layout)
+    assert isinstance(back, torch.Tensor)
+    return back
