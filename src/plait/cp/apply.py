@@ -84,9 +84,11 @@ class _Intercept(TorchFunctionMode):
     def __init__(self, info: ContextParallelInfo) -> None:
         super().__init__()
         self.info = info
+        self.calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is F.scaled_dot_product_attention:
+            self.calls += 1
             return self.info.sdpa(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
@@ -125,13 +127,18 @@ def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, p
         raise ValueError(f"context_parallel(positions=...) must be one of {POSITIONS}, got {positions!r}")
     if cp_info(model) is not None:
         raise ValueError("context_parallel: the model is already context parallel")
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+    if implementation != "sdpa":
+        raise ValueError(f"context_parallel: {type(model).__name__} computes attention with "
+                         f"{implementation!r}; context parallelism replaces torch's "
+                         "scaled_dot_product_attention call: load the model with attn_implementation='sdpa'")
     targets = _attention_modules(model, attention)
     rotaries = _rotaries(model)
     mode = _positions_mode(model, positions, rotaries)
     info = ContextParallelInfo(CPGroup.of(mesh), algorithm, mode, tuple(n for n, _ in targets))
     setattr(model, _ATTR, info)
-    for _, mod in targets:
-        _hook(mod, info)
+    for name, mod in targets:
+        _hook(mod, name, info)
     if mode == "rotary":
         for rot in rotaries:
             _give_positions(rot, info.cp)
@@ -192,7 +199,7 @@ def _positions_mode(model: nn.Module, positions: str, rotaries: list[nn.Module])
     return positions
 
 
-def _hook(mod: nn.Module, info: ContextParallelInfo) -> None:
+def _hook(mod: nn.Module, name: str, info: ContextParallelInfo) -> None:
     active: list[_Intercept] = []
 
     def enter(_m: nn.Module, _args: Any) -> None:
@@ -201,7 +208,13 @@ def _hook(mod: nn.Module, info: ContextParallelInfo) -> None:
         active.append(mode)
 
     def leave(_m: nn.Module, _args: Any, _out: Any) -> None:
-        active.pop().__exit__(None, None, None)
+        mode = active.pop()
+        mode.__exit__(None, None, None)
+        if not mode.calls:  # it attended its local tokens only: refuse rather than train wrong
+            raise ValueError(f"context parallelism: {name or 'the model'} ({type(mod).__name__}) ran without "
+                             "calling torch.nn.functional.scaled_dot_product_attention, so it attended only "
+                             "this rank's tokens; context parallelism replaces that call (a transformers "
+                             "model: load it with attn_implementation='sdpa')")
 
     mod.register_forward_pre_hook(enter)
     mod.register_forward_hook(leave, always_call=True)
