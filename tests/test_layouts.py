@@ -37,6 +37,10 @@ LAYOUTS = {
     "pp2-fsdp2-zero2-zb": dict(strategy="fsdp", nproc=4, pp=2, zero_stage=2, schedule="zb-h1"),
     "pp2-dp2-grad-accum2": dict(strategy="ddp", nproc=4, pp=2, microbatches=2, grad_accum=2),
     "pp2-fsdp2-tp2": dict(strategy="fsdp", nproc=8, pp=2, tp=2),
+    "cp2-dp2-ring": dict(strategy="ddp", nproc=4, cp=2),
+    "cp2-fsdp2-allgather": dict(strategy="fsdp", nproc=4, cp=2, cp_algorithm="allgather"),
+    "cp2-tp2-sp-ulysses": dict(strategy="ddp", nproc=4, cp=2, tp=2, sequence_parallel=True,
+                               cp_algorithm="ulysses"),
 }
 
 

@@ -117,6 +117,11 @@ def test_grad_clip_zero_means_no_clipping(tmp_path):
     (dict(strategy="dp", nproc=2, pp=2), "--pp combines"),
     (dict(strategy="ddp", nproc=2, pp=2, batch_size=6, microbatches=4), "--microbatches"),
     (dict(resume=True, pp=2, nproc=2), "--resume needs --save-dir"),
+    (dict(strategy="ddp", nproc=2, cp=2, seq_len=30), "--seq-len 30 must be divisible by 4"),
+    (dict(cp_algorithm="ulysses"), "--cp 1 would ignore it"),
+    (dict(strategy="ddp", nproc=8, cp=4, tp=2, cp_algorithm="ulysses"), "2 attention heads over --cp 4"),
+    (dict(strategy="dp", nproc=2, cp=2), "--cp 2 needs one process per rank"),
+    (dict(strategy="ddp", nproc=8, cp=2, tp=4, sequence_parallel=True, seq_len=36), "divisible by 8"),
 ])
 def test_bad_config_is_rejected_before_launch(kwargs, match):
     with pytest.raises(ValueError, match=match):

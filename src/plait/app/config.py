@@ -53,6 +53,7 @@ ModelName = Literal["tiny", "small", "25m", "50m", "100m"]
 Strategy = Literal["none", "dp", "ddp", "fsdp"]
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
 Precision = Literal["bf16", "fp16"]
+CPAlgorithm = Literal["ring", "allgather", "ulysses"]  # plait.cp.ALGORITHMS
 Checkpointing = Literal["none", "full", "selective"]  # "none", then plait.activation_checkpointing.POLICIES
 ZeroStage = Literal[1, 2, 3]
 
@@ -87,11 +88,16 @@ class ParallelSection:
     strategy: Strategy = "ddp"
     """on the data axes: none (one process) | dp (threads) | ddp | fsdp"""
     nproc: int = 2
-    """processes (threads for dp); the data-parallel size is nproc / (pp * tp)"""
+    """processes (threads for dp); the data-parallel size is nproc / (pp * cp * tp)"""
     tp: int = 1
     """tensor-parallel degree"""
     sequence_parallel: bool = False
     """split norms and dropout over the tp ranks along the sequence (needs tp >= 2)"""
+    cp: int = 1
+    """context-parallel degree: each sequence split over this many ranks, attention included"""
+    cp_algorithm: CPAlgorithm = "ring"
+    """with --cp: ring (K/V passed around, overlapped) | allgather (all K/V gathered) | ulysses
+    (all-to-all to a head split)"""
     pp: int = 1
     """pipeline stages"""
     schedule: ScheduleName = "1f1b"
@@ -256,7 +262,7 @@ class TrainConfig:
         par, opt, run = self.parallel, self.optimizer, self.run
         sec: object
         for sec, name in ((par, "nproc"), (run, "steps"), (self.data, "batch_size"), (run, "grad_accum"),
-                          (run, "eval_batches"), (par, "tp"), (par, "dp"), (par, "pp"),
+                          (run, "eval_batches"), (par, "tp"), (par, "dp"), (par, "pp"), (par, "cp"),
                           (par, "microbatches"), (par, "chunks"), (par, "ac_every")):
             _require(sec, name, getattr(sec, name) >= 1, "an integer >= 1")
         if self.checkpoint.keep < 1:
@@ -306,6 +312,12 @@ class TrainConfig:
             raise ValueError("--ac with --strategy dp: DataParallel's threads run the shared modules "
                              "under torch.func.functional_call, which a recomputation in backward would not "
                              "see; use --strategy ddp (or none)")
+        if par.cp > 1 and par.strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"--cp {par.cp} needs one process per rank and gradients averaged over the cp "
+                             f"ranks: use --strategy ddp or fsdp, not {par.strategy}")
+        if par.cp == 1 and par.cp_algorithm != "ring":
+            raise ValueError(f"--cp-algorithm {par.cp_algorithm} chooses how --cp splits attention; --cp 1 "
+                             "would ignore it: add --cp 2 or more")
         if par.sequence_parallel and par.tp < 2:
             raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it "
                              f"needs --tp 2 or more, got --tp {par.tp}")
@@ -315,9 +327,9 @@ class TrainConfig:
         if par.chunks > 1 and par.pp < 2:
             raise ValueError(f"--chunks {par.chunks} sets pipeline stages per rank: it needs --pp 2 or "
                              f"more, got --pp {par.pp}")
-        if par.nproc % (par.pp * par.tp * par.dp):
-            raise ValueError(f"--nproc {par.nproc} is not divisible by --pp {par.pp} x --tp {par.tp} x "
-                             f"--dp {par.dp}")
+        if par.nproc % (par.pp * par.cp * par.tp * par.dp):
+            raise ValueError(f"--nproc {par.nproc} is not divisible by --pp {par.pp} x --cp {par.cp} x "
+                             f"--tp {par.tp} x --dp {par.dp}")
         if self.data.batch_size % (self.data_parallel_size * self.run.grad_accum):
             raise ValueError(f"--batch-size {self.data.batch_size} must be divisible by the data-parallel "
                              f"size {self.data_parallel_size} x --grad-accum {self.run.grad_accum}")
@@ -363,9 +375,12 @@ class TrainConfig:
                 have = ", ".join(f"{n} {what}" for what, n in sizes.items())
                 raise ValueError(f"--tp {par.tp}: tensor parallelism splits the {self.model.name} model's "
                                  f"{have} evenly over the tp ranks; --tp must divide them all: one of {fits}")
-        if par.sequence_parallel and seq_len % par.tp:
-            raise ValueError(f"--sequence-parallel splits the sequence over --tp {par.tp}: the sequence "
-                             f"length {seq_len} (--seq-len) must be divisible by it")
+        if par.cp > 1:
+            self._check_cp(seq_len, gcfg)
+        if par.sequence_parallel and seq_len % (par.tp * par.cp):
+            cut = f"each --cp {par.cp} rank's share of " if par.cp > 1 else ""
+            raise ValueError(f"--sequence-parallel splits {cut}the sequence over --tp {par.tp}: the sequence "
+                             f"length {seq_len} (--seq-len) must be divisible by {par.cp * par.tp}")
         if par.pp > 1 and self.model.hf_config is None:
             with torch.device("meta"):
                 self._check_stages(GPT(gcfg))
@@ -382,6 +397,27 @@ class TrainConfig:
                 f"{VAL_FRACTION:.0%} of the corpus ({held_out} of {total} bytes read from "
                 f"{data.path or 'the standard library'}, --max-bytes {data.max_bytes}) must hold one; use "
                 f"--seq-len below {held_out - 1} or a larger corpus")
+
+    def _check_cp(self, seq_len: int, gcfg: GPTConfig) -> None:
+        par = self.parallel
+        if seq_len % (2 * par.cp):
+            raise ValueError(f"--cp {par.cp} cuts each sequence into {2 * par.cp} equal chunks (two per "
+                             f"rank, balancing causal attention); --seq-len {seq_len} must be divisible by "
+                             f"{2 * par.cp}")
+        if par.cp_algorithm == "ulysses":
+            if self.model.hf_config is None:
+                heads = gcfg.n_heads  # plait's GPT repeats its KV heads to the query heads
+            else:
+                from plait.app import hf
+
+                heads = getattr(hf.load_config(self.model.hf_config), "num_attention_heads", 0)
+            if (heads // par.tp) % par.cp:
+                raise ValueError(f"--cp-algorithm ulysses splits each rank's {heads // par.tp} attention "
+                                 f"heads over --cp {par.cp}; they must divide evenly (or use ring or "
+                                 "allgather)")
+        if par.pp > 1 and self.model.hf_config is not None:
+            raise ValueError("--cp with --pp: pipeline stages of a transformers model compute positions "
+                             "locally; context parallelism in a pipeline supports plait's GPT only")
 
     def _check_hf_model(self) -> None:
         """A transformers model against the corpus and the layout, on a meta-device copy: its
@@ -460,7 +496,7 @@ class TrainConfig:
     @property
     def data_parallel_size(self) -> int:
         """Ranks that see different data (threads of dp share one process but split the batch)."""
-        return self.parallel.nproc // (self.parallel.tp * self.parallel.pp)
+        return self.parallel.nproc // (self.parallel.tp * self.parallel.pp * self.parallel.cp)
 
     @property
     def pipeline_microbatches(self) -> int:
@@ -486,8 +522,8 @@ class TrainConfig:
     def mesh(self) -> Mesh:
         par = self.parallel
         if par.strategy == "fsdp":
-            return Mesh(pp=par.pp, dp=par.dp, fsdp=-1, tp=par.tp)
-        return Mesh(pp=par.pp, dp=-1, tp=par.tp)
+            return Mesh(pp=par.pp, dp=par.dp, fsdp=-1, tp=par.tp, cp=par.cp)
+        return Mesh(pp=par.pp, dp=-1, tp=par.tp, cp=par.cp)
 
     def flags(self) -> dict[str, Any]:
         """The flat view, keyed like the flags (``from_flags(**cfg.flags())`` gives the same config)."""

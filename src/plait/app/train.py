@@ -35,6 +35,8 @@ from plait.tp.apply import loss_fn_for
 __all__ = ["TrainConfig", "parse_args", "train", "build_model", "lr_at", "cli_main"]
 
 DATA_AXES = ("dp", "fsdp")  # ranks along these axes see different data
+# ... and along these different tokens: each rank's loss is the mean over its own tokens.
+LOSS_AXES = ("dp", "fsdp", "cp")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -83,7 +85,8 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
                         zero_stage=par.zero_stage, mixed_precision=par.mixed_precision, offload=par.offload,
                         reshard_after_forward=par.reshard_after_forward,
                         backward_prefetch=par.backward_prefetch,
-                        ac=None if par.ac == "none" else par.ac, ac_every=par.ac_every)
+                        ac=None if par.ac == "none" else par.ac, ac_every=par.ac_every,
+                        cp=par.cp_algorithm if par.cp > 1 else None)
     if par.pp > 1:
         # With --tp the last stage computes the vocab-parallel loss (loss_fn unset).
         plan = dataclasses.replace(plan, pp_schedule=par.schedule, pp_microbatches=cfg.pipeline_microbatches,
@@ -122,17 +125,26 @@ def _evaluate(model: nn.Module | Pipeline, sampler: BatchSampler, cfg: TrainConf
     total = 0.0
     if isinstance(model, Pipeline):
         for i in range(cfg.run.eval_batches):
-            x, y = sampler.batch_at(i)
-            total += float(model.eval_step(x.to(device), y.to(device)))
-        return _mean_over(total / cfg.run.eval_batches, mesh.group(DATA_AXES), mesh.size(DATA_AXES))
+            x, y = _tokens(sampler.batch_at(i), device, mesh)
+            total += float(model.eval_step(x, y))
+        return _mean_over(total / cfg.run.eval_batches, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES))
     loss_fn = loss_fn_for(model)
     model.eval()
     with torch.no_grad():
         for i in range(cfg.run.eval_batches):
-            x, y = sampler.batch_at(i)
-            total += loss_fn(model(x.to(device)), y.to(device)).item()
+            x, y = _tokens(sampler.batch_at(i), device, mesh)
+            total += loss_fn(model(x), y).item()
     model.train()
-    return _mean_over(total / cfg.run.eval_batches, mesh.group(DATA_AXES), mesh.size(DATA_AXES))
+    return _mean_over(total / cfg.run.eval_batches, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES))
+
+
+def _tokens(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+            mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets on the device; with context parallelism, this rank's tokens of them."""
+    x, y = (t.to(device) for t in batch)
+    if mesh.size("cp") > 1:
+        x, y = plait.cp.shard(x, mesh), plait.cp.shard(y, mesh)
+    return x, y
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -175,8 +187,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        x, y = next(sampler)
-        x, y = x.to(device), y.to(device)
+        x, y = _tokens(next(sampler), device, mesh)
         opt.zero_grad(set_to_none=True)
         with comm.scope(f"step {step + 1}"):  # named in desync reports, timeouts and flight records
             loss_sum = _forward_backward(model, x, y, cfg, loss_fn, scaler)
@@ -186,7 +197,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             grad_norm = float(clip_grad_norm_(model, cfg.optimizer.grad_clip or math.inf))
             scaler.step(opt)  # skipped on every rank when any rank's gradients overflowed
             scaler.update()
-            last_loss = _mean_over(loss_sum, mesh.group(DATA_AXES), dp_size)
+            last_loss = _mean_over(loss_sum, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES))
         losses.append(last_loss)
         if step == start:  # the first step this run took (after a resume, not step 0)
             first_loss = last_loss
@@ -296,7 +307,8 @@ def _layout(cfg: TrainConfig) -> dict[str, Any]:
     """How the run was spread over ranks: recorded in checkpoints, not compared on resume."""
     par = cfg.parallel
     return {"world_size": dist.get_world_size(), "strategy": par.strategy, "pp": par.pp, "tp": par.tp,
-            "data_parallel": cfg.data_parallel_size, "hybrid_dp": par.dp, "zero_stage": par.zero_stage}
+            "cp": par.cp, "data_parallel": cfg.data_parallel_size, "hybrid_dp": par.dp,
+            "zero_stage": par.zero_stage}
 
 
 def _progress(cfg: TrainConfig, is_main: bool, start: int):
