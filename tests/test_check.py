@@ -111,3 +111,8 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
     assert "compares processes" in capsys.readouterr().err
     assert _exit_code(["test_check:tiny_gpt", "--nproc", "3", "--tp", "2"]) == 2
     assert "--nproc 3 is not divisible" in capsys.readouterr().err
+    # Flags plait train reads but the comparison does not build are refused, not dropped.
+    for flags, says in ((["--cp", "2"], "--cp 2: plait check does not build"),
+                        (["--ac", "full"], "--ac full: plait check does not build")):
+        assert _exit_code(["test_check:tiny_gpt", *flags]) == 2
+        assert says in capsys.readouterr().err
