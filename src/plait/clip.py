@@ -40,10 +40,29 @@ def clip_grad_norm_(model: nn.Module | Any, max_norm: float, norm_type: float = 
 
 
 def grad_norm_parts(model: nn.Module | Any) -> GradParts:
-    """The wrapper's own description, or, for a (tensor-parallel) module, one made here."""
+    """The wrapper's own description, or, for a (tensor-parallel) module, one made here. Experts
+    split over ep ranks (`plait.expert_parallel`) are disjoint over ep as well."""
     own = getattr(model, "grad_norm_parts", None)
     if own is not None:
         return own()
+    return _experts_apart(model, _module_parts(model))
+
+
+def _experts_apart(model: nn.Module, parts: GradParts) -> GradParts:
+    from plait.ep.apply import ep_info, placement_of
+
+    info = ep_info(model)
+    if info is None or info.placement.ep_size == 1:
+        return parts
+    experts = {id(p.grad) for p in model.parameters() if p.grad is not None and placement_of(p) is not None}
+    out: GradParts = {}
+    for key, grads in parts.items():
+        out.setdefault(key, []).extend(g for g in grads if id(g) not in experts)
+        out.setdefault((*key, info.placement.ep), []).extend(g for g in grads if id(g) in experts)
+    return out
+
+
+def _module_parts(model: nn.Module) -> GradParts:
     from plait.tp.apply import tp_info, tp_module
 
     inner, info = tp_module(model), tp_info(model)

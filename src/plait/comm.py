@@ -582,6 +582,30 @@ def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
     _run("all_to_all", inp, group, lambda: dist.all_to_all_single(out, inp, group=group), False)
 
 
+def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                 group: dist.ProcessGroup | None = None) -> None:
+    """Rank i sends rows ``in_splits[j]`` (along dim 0, in order) of ``inp`` to rank j, and stores
+    what rank j sends it as the ``out_splits[j]`` rows of ``out`` in rank order (split sizes
+    agreed beforehand). Counted: ``inp`` logically, the rows sent to other ranks on the wire."""
+    n = _n(group)
+    row = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
+    mine = dist.get_rank(group) if n > 1 else 0
+    sent = inp.numel() * inp.element_size()
+    _record("all_to_all", group, sent, 0.0)
+    with _lock:
+        _stats.ops[("all_to_all", group_label(group))].wire_bytes += (sum(in_splits) - in_splits[mine]) * row
+    if n == 1:
+        out.copy_(inp)
+        return
+    info = _info(group)
+    for t in (inp, out):
+        _check_device("all_to_all", t, group, info)
+    # Logged without a shape: each rank's sizes are its own (the desync check compares records).
+    _run("all_to_all", None, group, lambda: dist.all_to_all_single(
+        out, inp, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=group), False,
+        f"variable splits, {inp.dtype}")
+
+
 def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send a small picklable object (e.g. shapes and dtypes) to global rank ``dst``."""
     _record("send_object", group, 0, 0.0)

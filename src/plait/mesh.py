@@ -29,6 +29,9 @@ from plait import comm
 __all__ = ["Mesh", "AXES"]
 
 AXES: tuple[str, ...] = ("pp", "dp", "fsdp", "cp", "tp")
+# Groups folded out of the data axes for expert parallelism (not axes of their own: the ranks of
+# one ep group are data-parallel ranks that hold different experts).
+FOLDED: tuple[str, ...] = ("ep", "edp")
 
 
 class Mesh:
@@ -40,7 +43,8 @@ class Mesh:
     between fsdp and tp in rank order.
     """
 
-    def __init__(self, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1, cp: int = 1) -> None:
+    def __init__(self, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1, cp: int = 1,
+                 ep: int = 1) -> None:
         if not dist.is_initialized():
             raise RuntimeError("plait.Mesh needs a process group: call plait.init() first")
         world = dist.get_world_size()
@@ -49,28 +53,45 @@ class Mesh:
         self.world_size = world
         self.global_rank = dist.get_rank()
         self.coords: dict[str, int] = self._coords_of(self.global_rank)
+        data = self.shape["dp"] * self.shape["fsdp"]
+        if not isinstance(ep, int) or ep < 1 or data % ep:
+            raise ValueError(f"Mesh(ep={ep}): expert parallelism folds its groups out of the data axes, "
+                             f"dp x fsdp = {data} ranks here; ep must be a positive integer dividing {data}")
+        self.ep = ep
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._group_ranks: dict[tuple[str, ...], list[int]] = {}
         self._build_groups()
+        self._build_expert_groups()
 
     # ----------------------------------------------------------------- queries
     def size(self, axes: str | Sequence[str]) -> int:
-        """Number of ranks along one axis or the product over several."""
+        """Number of ranks along one axis or the product over several (or in a `FOLDED` group)."""
+        if axes in FOLDED:
+            return len(self._group_ranks[(str(axes), "folded")])
         return math.prod(self.shape[a] for a in self._axes(axes))
 
     def rank(self, axes: str | Sequence[str]) -> int:
-        """This rank's index along one axis (or flattened over several, row-major)."""
+        """This rank's index along one axis (or flattened over several, row-major; or in a
+        `FOLDED` group)."""
+        if axes in FOLDED:
+            return self._group_ranks[(str(axes), "folded")].index(self.global_rank)
         idx = 0
         for a in self._axes(axes):
             idx = idx * self.shape[a] + self.coords[a]
         return idx
 
     def group(self, axes: str | Sequence[str]) -> dist.ProcessGroup:
-        """The process group of ranks that differ from this one only along ``axes``."""
+        """The process group of ranks that differ from this one only along ``axes``; or ``"ep"``:
+        the data ranks that share tokens among their experts (``ep`` consecutive data ranks), and
+        ``"edp"``: the ranks holding the same experts (the other data ranks, and cp ranks)."""
+        if axes in FOLDED:
+            return self._groups[(str(axes), "folded")]
         return self._groups[self._key(axes)]
 
     def group_ranks(self, axes: str | Sequence[str]) -> list[int]:
         """Global ranks of `group(axes)`, ordered by their index along ``axes``."""
+        if axes in FOLDED:
+            return list(self._group_ranks[(str(axes), "folded")])
         return list(self._group_ranks[self._key(axes)])
 
     def all_group_ranks(self, axis: str) -> list[list[int]]:
@@ -98,6 +119,7 @@ class Mesh:
 
     def __repr__(self) -> str:
         degrees = ", ".join(f"{a}={self.shape[a]}" for a in AXES)
+        degrees += f", ep={self.ep}" if self.ep > 1 else ""
         return f"Mesh({degrees}; rank {self.global_rank} at {self.coords})"
 
     # --------------------------------------------------------------- internals
@@ -138,6 +160,30 @@ class Mesh:
                 if pg is not None:
                     self._groups[key] = pg
                     self._group_ranks[key] = ranks
+
+
+    def _build_expert_groups(self) -> None:
+        """The ``ep`` and ``edp`` groups: data index ``d = dp_i * fsdp + fsdp_i`` splits into
+        ``d // ep`` (which ep group) and ``d % ep`` (the rank within it, which experts it holds)."""
+        if self.ep == 1:  # every rank holds every expert
+            self._groups[("ep", "folded")] = self.group(())
+            self._group_ranks[("ep", "folded")] = self.group_ranks(())
+            self._groups[("edp", "folded")] = self.group(("dp", "fsdp", "cp"))
+            self._group_ranks[("edp", "folded")] = self.group_ranks(("dp", "fsdp", "cp"))
+            return
+        lines: dict[tuple[str, tuple[int, ...]], list[tuple[tuple[int, ...], int]]] = {}
+        for r in range(self.world_size):
+            c = self._coords_of(r)
+            d = c["dp"] * self.shape["fsdp"] + c["fsdp"]
+            ep_key, edp_key = (c["pp"], c["cp"], c["tp"], d // self.ep), (c["pp"], c["tp"], d % self.ep)
+            lines.setdefault(("ep", ep_key), []).append(((d % self.ep,), r))
+            lines.setdefault(("edp", edp_key), []).append(((d // self.ep, c["cp"]), r))
+        for (name, _), members in sorted(lines.items()):  # the same order on every rank
+            ranks = [r for _, r in sorted(members)]
+            pg = comm.new_group(ranks, name)
+            if pg is not None:
+                self._groups[(name, "folded")] = pg
+                self._group_ranks[(name, "folded")] = ranks
 
 
 def _resolve_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:

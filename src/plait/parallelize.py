@@ -21,6 +21,9 @@ The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to ev
    parallel too. The cp ranks hold replicas that see different tokens: step 3 averages their
    gradients (DDP over dp x cp) or shards over them (FSDP over fsdp x cp), so a mesh with cp > 1
    needs ``data='ddp'`` or ``'fsdp'``. In a pipeline each stage's attention is hooked.
+1c. **Expert parallel** (a model with plait MoE layers; the mesh's ``ep`` groups, folded out of
+   the data axes): each rank keeps its ep index's experts and exchanges tokens with all-to-alls
+   (`plait.expert_parallel`); DDP sums expert gradients over the ranks holding the same experts.
 2. **Activation checkpointing** (``plan.ac``: `plait.activation_checkpointing`) next: after
    tensor parallelism, whose collectives and per-rank random streams the recomputed forward must
    repeat (it finds those streams in the blocks), and before data parallelism, whose hooks sit
@@ -57,10 +60,12 @@ from plait.activation_checkpointing import check_options, checkpoint_blocks, sel
 from plait.cp.apply import ALGORITHMS, context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
+from plait.ep.apply import expert_parallel
 from plait.fsdp.wrapper import FullyShardedDataParallel
 from plait.materialize import is_meta, materialize
 from plait.mesh import Mesh
 from plait.models.gpt import Rotary
+from plait.models.moe import moe_layers
 from plait.names import matches
 from plait.pipeline.api import Pipeline
 from plait.pipeline.arguments import P2P_MODES
@@ -74,8 +79,8 @@ from plait.tp.styles import Style
 __all__ = ["ParallelPlan", "parallelize", "ORDER"]
 
 DATA_STRATEGIES = ("ddp", "fsdp", "none")
-ORDER = ("pipeline split", "tensor parallel", "context parallel", "activation checkpointing",
-         "data parallel (DDP or FSDP)")
+ORDER = ("pipeline split", "tensor parallel", "context parallel", "expert parallel",
+         "activation checkpointing", "data parallel (DDP or FSDP)")
 # Pipeline options and their defaults: read only when the mesh has pp > 1.
 PIPELINE_DEFAULTS: dict[str, Any] = {"pp_split": "auto", "pp_schedule": "1f1b", "pp_microbatches": 4,
                                      "pp_chunks": 1, "loss_fn": None, "p2p": "auto"}
@@ -224,6 +229,8 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
                                  seed=plan.seed, strict=False, check=plan.tp_check)
     if plan.cp is not None:  # 1b. context parallel
         context_parallel(module, mesh, plan.cp)
+    if moe_layers(module):  # 1c. expert parallel (ep=1: the experts are only marked)
+        expert_parallel(module, mesh)
     if plan.ac is not None:  # 2. activation checkpointing
         checkpoint_blocks(module, select_blocks(module, plan.ac_blocks, plan.ac_every), plan.ac)
     if plan.data == "fsdp":  # 3. data parallel
@@ -248,6 +255,9 @@ def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
         raise ValueError(f"parallelize: {mesh} has tp={mesh.size('tp')} but the plan has no tp styles")
     if mesh.size("cp") > 1:
         _check_cp(module, mesh, plan)
+    if mesh.ep > 1 and not moe_layers(module):
+        raise ValueError(f"parallelize: {mesh} has ep={mesh.ep} but {type(module).__name__} has no plait MoE "
+                         "layers whose experts it could split")
     if plan.data == "ddp" and mesh.size("fsdp") > 1:
         raise ValueError(f"parallelize: data='ddp' uses the dp axis, but {mesh} has fsdp="
                          f"{mesh.size('fsdp')}; use data='fsdp' or put those ranks on dp")
@@ -308,7 +318,8 @@ def _stage_steps(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Callable[
     """Steps 1b and 2 for pipeline stages: context parallelism, then checkpointing of the blocks
     chosen in the whole model (``ac_every`` counts over all of them) that a stage holds (under
     their names in the model)."""
-    if plan.ac is None and plan.cp is None:
+    experts = bool(moe_layers(module))
+    if plan.ac is None and plan.cp is None and not experts:
         return None
     chosen = select_blocks(module, plan.ac_blocks, plan.ac_every) if plan.ac is not None else []
     policy, algorithm = plan.ac, plan.cp
@@ -316,6 +327,8 @@ def _stage_steps(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Callable[
     def apply(stage: nn.Module) -> None:
         if algorithm is not None and has_attention(stage):
             context_parallel(stage, mesh, algorithm, positions="rotary")
+        if experts and moe_layers(stage):
+            expert_parallel(stage, mesh)
         if policy is not None:
             held = {n for n, _ in stage.named_modules()}
             checkpoint_blocks(stage, [n for n in chosen if n in held], policy)

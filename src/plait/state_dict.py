@@ -42,8 +42,8 @@ def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
         state = own()
     elif tp_module(model) is not None:
         state = tp_state.full_state_dict(model)
-    else:
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:  # (a wrapper's own method comes here for its module: experts are gathered once)
+        state = _with_other_experts(model, {k: v.detach().clone() for k, v in model.state_dict().items()})
     moved: dict[int, torch.Tensor] = {}  # a tensor listed under two names (tied) moves once
     return {k: moved.setdefault(id(v), v.cpu()) for k, v in state.items()}
 
@@ -62,7 +62,28 @@ def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue])
         for v in state.values():
             if id(v) not in read:
                 read[id(v)] = whole(v)
-        model.load_state_dict({k: read[id(v)] for k, v in state.items()})
+        model.load_state_dict({k: read[id(v)] for k, v in state.items() if not _elsewhere(model, k)})
+
+
+def _with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with the experts other ep ranks hold (`plait.expert_parallel`), gathered over ep."""
+    from plait.ep.apply import ep_info
+
+    info = ep_info(model)
+    if info is None or info.placement.ep_size == 1:
+        return state
+    mine = {k: state[k] for k in info.local if k in state}
+    where = info.placement
+    gathered = union_over(mine, where.ep, where.ep_ranks)
+    return {**state, **gathered}
+
+
+def _elsewhere(model: nn.Module, key: str) -> bool:
+    """Whether ``key`` is an expert another ep rank holds."""
+    from plait.ep.apply import ep_info
+
+    info = ep_info(model)
+    return info is not None and key.startswith(info.absent)
 
 
 @torch.no_grad()

@@ -32,13 +32,13 @@ __all__ = ["RankPool", "RankFailure", "cached_mesh", "DeviceAudit"]
 _mesh_cache: dict[tuple[int, ...], Any] = {}
 
 
-def cached_mesh(pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1, cp: int = 1):
+def cached_mesh(pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1):
     """A `plait.Mesh` reused across tasks in one worker (process groups are costly to make)."""
     from plait.mesh import Mesh
 
-    key = (pp, dp, fsdp, tp, cp)
+    key = (pp, dp, fsdp, tp, cp, ep)
     if key not in _mesh_cache:
-        _mesh_cache[key] = Mesh(pp=pp, dp=dp, fsdp=fsdp, tp=tp, cp=cp)
+        _mesh_cache[key] = Mesh(pp=pp, dp=dp, fsdp=fsdp, tp=tp, cp=cp, ep=ep)
     return _mesh_cache[key]
 
 

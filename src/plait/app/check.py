@@ -108,15 +108,17 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
             raise ValueError(f"{flag}{value} applies to --strategy fsdp only; --strategy {par.strategy} "
                              "would ignore it: use --strategy fsdp or drop the flag")
     # Flags plait train reads that this comparison does not build: refused, not dropped.
-    unsupported = (("--cp", par.cp > 1 and par.cp, "each rank's outputs would be a shard of the sequence, "
-                    "which the per-module comparison does not reassemble"),
-                   ("--cp-algorithm", par.cp_algorithm != "ring" and par.cp_algorithm, "it needs --cp"),
-                   ("--ac", par.ac != "none" and par.ac, "checkpointing recomputes the same values; compare "
-                    "the layout without it"),
-                   ("--ac-every", par.ac_every != 1 and par.ac_every, "it needs --ac"))
-    for flag, given, why in unsupported:
-        if given:
-            raise ValueError(f"{flag} {given}: plait check does not build this into the layout it compares "
+    unsupported: tuple[tuple[str, object, str], ...] = (
+        ("--cp", par.cp > 1 and par.cp,
+         "each rank's outputs would be a shard of the sequence, which the per-module comparison does not "
+         "reassemble"),
+        ("--cp-algorithm", par.cp_algorithm != "ring" and par.cp_algorithm, "it needs --cp"),
+        ("--ac", par.ac != "none" and par.ac,
+         "checkpointing recomputes the same values; compare the layout without it"),
+        ("--ac-every", par.ac_every != 1 and par.ac_every, "it needs --ac"))
+    for flag, refused, why in unsupported:
+        if refused:
+            raise ValueError(f"{flag} {refused}: plait check does not build this into the layout it compares "
                              f"({why}); drop the flag")
     if par.sequence_parallel and par.tp < 2:
         raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "

@@ -30,6 +30,7 @@ from plait import comm
 from plait._torch_compat import queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import params_reached_by, plan_buckets
+from plait.ep.apply import placement_of
 from plait.mesh import Mesh
 from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
@@ -55,6 +56,30 @@ class _Bucket:
     wire: torch.Tensor | None = None  # what is actually all-reduced (compressed copy or buffer)
     handle: comm.Handle | None = None
     ready: set[int] = field(default_factory=set)
+
+
+def _check_experts_placed(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
+    """An MoE model's experts get gradients only where tokens were routed to them: refuse one
+    whose experts `plait.expert_parallel` did not mark (DDP would wait for their gradients)."""
+    from plait.models.moe import moe_layers
+
+    if moe_layers(module) and not any(placement_of(p) is not None for _, p in named):
+        raise ValueError("DistributedDataParallel: the model has MoE layers; apply "
+                         "plait.expert_parallel(model, mesh) first (with ep=1 it only marks the experts, "
+                         "whose gradients may be missing on a rank that routed them no token)")
+
+
+def average_gradients_by(grads: list[torch.Tensor], group: Any, divisor: float) -> None:
+    """Sum ``grads`` over ``group`` in one coalesced all-reduce, in place, then divide."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, group)
+    flat.div_(divisor)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 class DistributedDataParallel(WrappedModuleState, nn.Module):
@@ -115,7 +140,11 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.wire_dtype = _wire_dtype(module, gradient_compression)
 
-        named = list(dict((id(p), (n, p)) for n, p in module.named_parameters()).values())
+        everything = list(dict((id(p), (n, p)) for n, p in module.named_parameters()).values())
+        _check_experts_placed(module, everything)
+        # Expert parameters (plait.expert_parallel) differ across ep ranks: reduced on their own.
+        named = [(n, p) for n, p in everything if placement_of(p) is None]
+        self._experts = [(n, p) for n, p in everything if placement_of(p) is not None and p.requires_grad]
         self._check_same_model_everywhere(named)
         self._broadcast_state()
         trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -129,6 +158,9 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         ready = weakref.WeakMethod(self._on_grad_ready)
         for _, p in trainable:
             p.register_post_accumulate_grad_hook(lambda q, ready=ready: _call_alive(ready, q))
+        expert_ready = weakref.WeakMethod(self._on_expert_grad)
+        for _, p in self._experts:
+            p.register_post_accumulate_grad_hook(lambda q, ready=expert_ready: _call_alive(ready, q))
         self._no_sync = False
         self._sync_this_backward = False
         self._callback_queued = False
@@ -156,8 +188,13 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
 
     @torch.no_grad()
     def _broadcast_state(self) -> None:
-        tensors = [p for p in self.module.parameters()] + [b for b in self.module.buffers()]
+        dense = [p for p in self.module.parameters() if placement_of(p) is None]
+        tensors = dense + list(self.module.buffers())
         broadcast_coalesced(tensors, self.src, self.group)
+        if self._experts:  # each expert from the first of the ranks holding it
+            where = placement_of(self._experts[0][1])
+            assert where is not None
+            broadcast_coalesced([p for _, p in self._experts], where.edp_ranks[0], where.edp)
 
     def _make_buckets(self, trainable: list[tuple[str, nn.Parameter]], cap: int) -> list[_Bucket]:
         # Launch order is reverse registration order (roughly the order backward finishes
@@ -230,6 +267,26 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         return sum(len(x.params) for x in self._buckets[: b.index]) + i
 
     # ------------------------------------------------------------------ backward
+    def _on_expert_grad(self, p: nn.Parameter) -> None:
+        if self._sync_this_backward and not self._callback_queued:
+            self._callback_queued = True
+            queue_end_of_backward(self._finish_backward)
+
+    def _reduce_experts(self) -> None:
+        """Sum each expert's gradient over the ranks holding it, divided as the dense ones are.
+        A rank that routed no token to an expert has no gradient for it: it sends zeros and a flag,
+        and an expert with no gradient anywhere keeps none, as in one process."""
+        where = placement_of(self._experts[0][1])
+        assert where is not None
+        dev = comm.device_of(where.edp)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self._experts]
+        had = torch.tensor([float(p.grad is not None) for _, p in self._experts], device=dev)
+        with comm.operation("DDP expert gradients"):
+            comm.all_reduce(had, where.edp)
+            average_gradients_by(grads, where.edp, self._divisor)
+        for (_, p), g, n in zip(self._experts, grads, had.tolist()):
+            p.grad = g if n else None
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._sync_this_backward:
             return
@@ -283,6 +340,8 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
                 f"{' ...' if len(names) > 8 else ''}. If they are legitimately unused, pass "
                 "find_unused_parameters=True; if they should not train, set requires_grad=False."
             )
+        if self._experts:
+            self._reduce_experts()
         globally_used = None
         if self._used_flags is not None:
             with comm.operation("DDP unused-parameter flags"):

@@ -9,6 +9,7 @@ Module names (what plans key on)::
     tok_emb
     layers.{i}.attn_norm   layers.{i}.attn.{q_proj,k_proj,v_proj,o_proj}
     layers.{i}.mlp_norm    layers.{i}.mlp.{gate_proj,up_proj,down_proj}
+                           (MoE: layers.{i}.mlp.router, .experts.{e}.{gate,up,down}_proj, .shared.*)
     norm  lm_head          (lm_head shares tok_emb.weight when tie_embeddings)
 """
 
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from plait.models.moe import MoE
 
 __all__ = ["GPTConfig", "GPT", "PRESETS"]
 
@@ -37,6 +40,15 @@ class GPTConfig:
     dropout: float = 0.0
     tie_embeddings: bool = False
     rope_base: float = 10000.0
+    # Mixture of experts (plait.models.moe): 0 experts is the dense MLP.
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    d_expert: int | None = None  # each expert's hidden size; None: d_ff
+    gating: str = "softmax"  # or "sigmoid"
+    aux_loss_coef: float = 0.0  # load-balancing loss weight (0: off)
+    bias_update_rate: float = 0.0  # auxiliary-loss-free balancing step (0: off)
+    capacity_factor: float | None = None  # None: dropless
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -55,6 +67,12 @@ class GPTConfig:
             )
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("GPTConfig: the head dimension must be even for rotary embeddings")
+        if self.n_experts < 0 or self.n_shared_experts < 0:
+            raise ValueError(f"GPTConfig: n_experts={self.n_experts} and "
+                             f"n_shared_experts={self.n_shared_experts} must be >= 0")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"GPTConfig: top_k={self.top_k} must be between 1 and "
+                             f"n_experts={self.n_experts}")
 
     @property
     def head_dim(self) -> int:
@@ -177,7 +195,9 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg) if not cfg.n_experts else MoE(
+            cfg.d_model, cfg.d_expert or cfg.d_ff or 0, cfg.n_experts, cfg.top_k, cfg.n_shared_experts,
+            cfg.gating, cfg.aux_loss_coef, cfg.bias_update_rate, cfg.capacity_factor)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,120 @@
+"""`expert_parallel`: an MoE model's experts split over the mesh's ``ep`` groups.
+
+The ep groups are folded out of the data axes (`plait.Mesh(ep=...)`): ``ep`` data-parallel ranks
+that see different tokens share their tokens among their experts. Rank j of an ep group keeps
+experts ``j * E/ep ..`` of every MoE layer and drops the others' modules (so its state holds its
+experts under their global indices, ``layers.0.mlp.experts.5...``, and a checkpoint reloads into
+any other ep degree); its layers' `MoE.experts_forward` becomes an `ExpertDispatch`.
+
+Gradients: dense parameters are averaged over all data ranks as usual (DDP over dp x cp, FSDP
+over fsdp x cp). An expert's gradient already sums its ep group's tokens (the dispatch's
+backward), so DDP sums it over ``edp`` (the ranks holding the same experts) and divides by the
+same count as the dense ones; an expert that got no token anywhere keeps ``grad=None``, as in one
+process. Each expert parameter carries an `ExpertPlacement` that tells DDP, FSDP (which leaves
+experts unsharded), clipping (disjoint over ep) and `plait.full_state_dict` (gathered over ep)
+how to treat it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from plait.ep.dispatch import ExpertDispatch
+from plait.mesh import Mesh
+from plait.models.moe import MoE, moe_layers
+
+__all__ = ["expert_parallel", "ExpertPlacement", "ExpertParallelInfo", "ep_info", "placement_of"]
+
+_ATTR = "_plait_ep"
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where an expert parameter's copies and siblings are."""
+
+    edp: dist.ProcessGroup  # ranks holding the same experts: its gradient is summed here
+    ep: dist.ProcessGroup  # ranks holding the other experts of the layer
+    ep_size: int
+    ep_ranks: tuple[int, ...]
+    edp_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExpertParallelInfo:
+    placement: ExpertPlacement
+    local: tuple[str, ...]  # this rank's expert state keys (names in the model)
+    absent: tuple[str, ...]  # prefixes of the experts other ep ranks hold
+
+
+class _Elsewhere(nn.Module):
+    """An expert another ep rank holds."""
+
+    def __init__(self, index: int, owner: int) -> None:
+        super().__init__()
+        self.index, self.owner = index, owner
+
+    def forward(self, *_: object) -> None:
+        raise RuntimeError(f"expert {self.index} lives on ep rank {self.owner}; its tokens go there")
+
+
+def placement_of(p: nn.Parameter | object) -> ExpertPlacement | None:
+    found = getattr(p, "_plait_expert", None)
+    return found if isinstance(found, ExpertPlacement) else None
+
+
+def ep_info(model: nn.Module | object) -> ExpertParallelInfo | None:
+    modules = model.modules() if isinstance(model, nn.Module) else []
+    for mod in modules:
+        info = getattr(mod, _ATTR, None)
+        if isinstance(info, ExpertParallelInfo):
+            return info
+    return None
+
+
+def expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
+    """Split ``model``'s experts over ``mesh``'s ep groups, in place; return it. With ep=1 every
+    rank keeps every expert, and the experts are only marked (their gradients, summed over the
+    data ranks, may be missing where a rank routed no token to them)."""
+    layers = _moe_layers(model)
+    if ep_info(model) is not None:
+        raise ValueError("expert_parallel: the model is already expert parallel")
+    n, j = mesh.size("ep"), mesh.rank("ep")
+    for name, moe in layers:
+        if moe.n_experts % n:
+            raise ValueError(f"expert_parallel: {name} has {moe.n_experts} experts, which do not split "
+                             f"evenly over ep={n}")
+    placement = ExpertPlacement(mesh.group("edp"), mesh.group("ep"), n, tuple(mesh.group_ranks("ep")),
+                                tuple(mesh.group_ranks("edp")))
+    local: list[str] = []
+    absent: list[str] = []
+    for name, moe in layers:
+        per = moe.n_experts // n
+        mine = range(j * per, (j + 1) * per)
+        for e in range(moe.n_experts):
+            prefix = f"{name}.experts.{e}" if name else f"experts.{e}"
+            if e in mine:
+                for pname, p in moe.experts[e].named_parameters():
+                    p._plait_expert = placement  # type: ignore[attr-defined]
+                    local.append(f"{prefix}.{pname}")
+            else:
+                moe.experts[e] = _Elsewhere(e, e // per)
+                absent.append(prefix + ".")
+        if n > 1:
+            moe.experts_forward = ExpertDispatch(moe.experts, moe.n_experts, j * per,  # type: ignore[method-assign]
+                                                 mesh.group("ep"), n)
+    setattr(model, _ATTR, ExpertParallelInfo(placement, tuple(local), tuple(absent)))
+    return model
+
+
+def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+    if not found:
+        foreign = [n for n, m in model.named_modules() if "expert" in type(m).__name__.lower()]
+        hint = (f" (its {foreign[0]!r} holds experts in a form plait does not place: only plait's MoE layers "
+                "are split)") if foreign else ""
+        raise ValueError(f"expert_parallel: {type(model).__name__} has no plait MoE layers{hint}")
+    assert moe_layers(model)
+    return found

@@ -1,0 +1,101 @@
+"""Expert-parallel token dispatch: an MoE layer's routed tokens to the ranks holding their
+experts and the outputs back, with all-to-alls of variable sizes.
+
+The rank of ``ep`` index j holds experts ``j * E/ep .. (j+1) * E/ep - 1``. The layer hands over its
+routed tokens sorted by expert with each expert's count. Per layer and direction:
+
+1. the counts go first (an all-to-all of ``E`` integers per rank), so every rank knows how
+   many rows it receives from each rank for each of its experts;
+2. the tokens go to their experts' ranks (all-to-all, ``in_splits[j]`` rows to rank j);
+3. the rank regroups what it received (by source, then expert) by expert, runs each local
+   expert once on all its rows, and restores the order;
+4. the outputs go back the way they came.
+
+Backward runs the two all-to-alls in reverse (`_AllToAll`), so an expert's gradient gathers
+every token of the ep group that was routed to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+
+__all__ = ["ExpertDispatch"]
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, in_splits: list[int], out_splits: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all_v(out, x.contiguous(), out_splits, in_splits, group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        in_splits, out_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        comm.all_to_all_v(back, grad.contiguous(), in_splits, out_splits, ctx.group)
+        return back, None, None, None
+
+
+class ExpertDispatch:
+    """`MoE.experts_forward` over an ep group: ``local`` are this rank's experts (global indices
+    ``first .. first + len(local) - 1``) of ``n_experts``."""
+
+    def __init__(self, experts: nn.ModuleList, n_experts: int, first: int, group: dist.ProcessGroup | None,
+                 size: int) -> None:
+        self.experts, self.n_experts, self.first = experts, n_experts, first
+        self.group, self.size = group, size
+        self.per_rank = n_experts // size
+        self.last_counts: torch.Tensor | None = None  # (ep, local experts) rows received, last forward
+
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        n, per = self.size, self.per_rank
+        send_counts = counts.reshape(n, per).to(torch.int64)
+        dev = comm.device_of(self.group)
+        recv_counts = torch.empty_like(send_counts, device=dev)
+        with comm.operation("MoE token counts"):
+            comm.all_to_all_into(recv_counts, send_counts.to(dev), self.group)
+        recv_counts = recv_counts.cpu()
+        self.last_counts = recv_counts
+        in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        with comm.operation("MoE dispatch"):
+            received = _AllToAll.apply(tokens, in_splits, out_splits, self.group)
+        assert isinstance(received, torch.Tensor)
+        outputs = self._compute(received, recv_counts)
+        with comm.operation("MoE combine"):
+            back = _AllToAll.apply(outputs, out_splits, in_splits, self.group)
+        assert isinstance(back, torch.Tensor)
+        return back
+
+    def _compute(self, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Run each local expert on its rows (received by source, then expert) in one call."""
+        sizes = recv_counts.reshape(-1).tolist()  # (source, expert) blocks in arrival order
+        blocks = list(received.split(sizes))
+        per = self.per_rank
+        outs: list[torch.Tensor | None] = [None] * len(blocks)
+        for e in range(per):
+            mine = [s * per + e for s in range(self.size)]
+            rows = torch.cat([blocks[i] for i in mine])
+            if not rows.shape[0]:
+                for i in mine:
+                    outs[i] = blocks[i]
+                continue
+            y = self.experts[self.first + e](rows)
+            for i, part in zip(mine, y.split([sizes[i] for i in mine])):
+                outs[i] = part
+        return torch.cat([o for o in outs if o is not None]) if blocks else received
+
+
+def expert_ranges(n_experts: int, size: int) -> Sequence[range]:
+    """The global expert indices each ep rank holds."""
+    per = n_experts // size
+    return [range(j * per, (j + 1) * per) for j in range(size)]

@@ -1,0 +1,158 @@
+"""Mixture of experts and expert parallelism.
+
+One process: the layer against a token-by-token computation, the auxiliary loss's gradient
+against the same loss added explicitly, capacity dropping and its reported rate, and the
+auxiliary-loss-free bias moving towards balance.
+
+Expert parallelism against one process, float64, dropless, the auxiliary loss on: ep=2, ep=4,
+and ep=2 inside 4 data ranks (two ep groups). The oracle runs each data rank's share of the
+global batch on its own and averages their losses (the auxiliary loss is a per-batch statistic,
+which every rank computes on its own tokens, as Megatron does), so the layouts must match it
+exactly: this rank's logits, the gradient norm, and every parameter, gathered over ep, after
+each of two SGD steps (SGD: a wrong gradient scale cannot hide), at ``rtol=1e-9``. Uneven
+routing (every token to one expert, the others getting none) runs under AdamW, where an expert
+with no gradient must be left alone as in one process, not stepped with a zero gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import loss64
+
+from plait.testing import cached_mesh
+
+TOL = {"rtol": 1e-9, "atol": 1e-12}
+MOE = {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 32,
+       "n_experts": 4, "top_k": 2, "n_shared_experts": 1, "aux_loss_coef": 0.01}
+
+
+def _gpt(**kw):
+    import plait
+    from plait.models.gpt import GPT, GPTConfig
+
+    return plait.init_weights(GPT(GPTConfig(**{**MOE, **kw})), seed=3).to(torch.float64)
+
+
+def test_moe_layer_matches_token_by_token():
+    from plait.models.moe import MoE
+
+    torch.manual_seed(0)
+    for gating in ("softmax", "sigmoid"):
+        moe = MoE(8, 16, n_experts=4, top_k=2, n_shared_experts=1, gating=gating).double()
+        x = torch.randn(3, 5, 8, dtype=torch.float64)
+        got = moe(x)
+        flat = x.reshape(-1, 8)
+        scores = moe.router(flat)
+        scores = scores.softmax(-1) if gating == "softmax" else scores.sigmoid()
+        want = []
+        for t in range(flat.shape[0]):
+            top = torch.topk(scores[t], 2).indices
+            w = scores[t, top] / scores[t, top].sum()
+            want.append(sum(w[i] * moe.experts[int(e)](flat[t]) for i, e in enumerate(top)) + moe.shared(flat[t]))
+        torch.testing.assert_close(got.reshape(-1, 8), torch.stack(want), **TOL)
+
+
+def test_aux_loss_reaches_the_router_without_changing_the_output():
+    from plait.models.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(8, 16, n_experts=4, top_k=2, aux_loss_coef=0.1).double()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    out = moe(x)
+    moe.eval()
+    torch.testing.assert_close(out, moe(x), **TOL)  # the same forward without the auxiliary loss
+    moe.train()
+    out.sum().backward()
+    got = moe.router.weight.grad.clone()
+    moe.zero_grad()
+    # The same gradient from the loss written out: sum(out) + 0.1 * E * sum(f_i * P_i).
+    moe.aux_loss_coef = 0.0
+    flat = x.reshape(-1, 8)
+    probs = moe.router(flat).softmax(-1)
+    share = torch.bincount(torch.topk(probs, 2).indices.reshape(-1), minlength=4).double() / (12 * 2)
+    (moe(x).sum() + 0.1 * 4 * (share * probs.mean(0)).sum()).backward()
+    torch.testing.assert_close(got, moe.router.weight.grad, **TOL)
+
+
+def test_capacity_drops_and_reports_the_rate():
+    from plait.models.moe import MoE
+
+    moe = MoE(8, 16, n_experts=4, top_k=1, capacity_factor=1.0).double()
+    with torch.no_grad():
+        moe.expert_bias[0] = 10.0  # every token chooses expert 0: 12 assignments, capacity 3
+    x = torch.randn(12, 8, dtype=torch.float64)
+    out = moe(x)
+    assert moe.last_drop_rate == pytest.approx(9 / 12)
+    kept = (out.abs().sum(-1) > 0).sum().item()
+    assert kept == 3  # the first three tokens, first come first served; the rest get no expert output
+    assert out[:3].abs().sum() > 0 and out[3:].abs().sum() == 0
+
+
+def test_bias_balancing_moves_towards_the_less_loaded_experts():
+    from plait.models.moe import MoE, update_balance
+
+    moe = MoE(8, 16, n_experts=4, top_k=1, bias_update_rate=0.01)
+    with torch.no_grad():
+        moe.expert_bias[0] = 1.0
+    moe(torch.randn(20, 8))
+    update_balance(moe)
+    assert moe.expert_bias[0] == pytest.approx(0.99)  # overloaded: down
+    assert all(b == pytest.approx(0.01) for b in moe.expert_bias[1:].tolist())  # idle: up
+    assert moe.load is None  # the counts restart
+
+
+def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randint(0, 64, (b, 17), generator=torch.Generator().manual_seed(100 + step))
+    return w[:, :-1], w[:, 1:]
+
+
+def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = None, steps: int = 2,
+               skew: bool = False) -> dict:
+    import plait
+    from plait.models.moe import moe_layers, set_aux_loss_scale
+
+    mesh = cached_mesh(dp=dp, ep=ep)
+    oracle, model = _gpt(**(cfg_kw or {})), _gpt(**(cfg_kw or {}))
+    set_aux_loss_scale(oracle, 1 / mesh.size("dp"))  # its shards' losses are divided by their count
+    if skew:
+        for moe in moe_layers(oracle) + moe_layers(model):
+            moe.expert_bias[0] = 100.0
+    net = plait.parallelize(model, mesh, plait.ParallelPlan())
+    make = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if optimizer == "sgd" else torch.optim.AdamW
+    opt_ref, opt = make(oracle.parameters()), make(net.parameters())
+    rank, size = mesh.rank("dp"), mesh.size("dp")
+    held = sum(p.numel() for p in net.parameters())
+    for step in range(steps):
+        idx, tgt = _batch(step)
+        shards = list(zip(idx.chunk(size), tgt.chunk(size)))
+        for x, y in shards:  # each data rank's share on its own, losses averaged
+            (loss64(oracle(x), y) / size).backward()
+        x, y = shards[rank]
+        logits = net(x)
+        if step == 0:
+            with torch.no_grad():
+                torch.testing.assert_close(logits, oracle(x), **TOL)
+        loss64(logits, y).backward()
+        want_norm = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e9)
+        torch.testing.assert_close(plait.clip_grad_norm_(net, 1e9).double(), want_norm, **TOL)
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+        full = plait.full_state_dict(net)
+        for name, want in oracle.state_dict().items():
+            torch.testing.assert_close(full[name], want, **TOL, msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
+    return {"held": held, "full": sum(p.numel() for p in oracle.parameters())}
+
+
+@pytest.mark.parametrize("dp,ep", [(2, 2), (4, 4), (4, 2)], ids=["ep2", "ep4", "dp4-ep2"])
+def test_expert_parallel_trains_like_one_process(pools, dp, ep):
+    out = pools[dp].run(_ep_parity, dp, ep)
+    assert out[0]["held"] < out[0]["full"]  # each rank holds only its share of the experts
+
+
+def test_all_tokens_to_one_expert_and_experts_with_none(pools):
+    # top-1 routing with expert 0's selection bias far above the scores: every token of every
+    # rank goes to expert 0 (held by ep rank 0 of 4), experts 1-3 get nothing.
+    pools[4].run(_ep_parity, 4, 4, "adamw", {"top_k": 1, "aux_loss_coef": 0.0, "n_shared_experts": 0,
+                                              "bias_update_rate": 0.0}, 2, True)
