@@ -49,7 +49,8 @@ def test_moe_layer_matches_token_by_token():
         for t in range(flat.shape[0]):
             top = torch.topk(scores[t], 2).indices
             w = scores[t, top] / scores[t, top].sum()
-            want.append(sum(w[i] * moe.experts[int(e)](flat[t]) for i, e in enumerate(top)) + moe.shared(flat[t]))
+            routed = sum(w[i] * moe.experts[int(e)](flat[t]) for i, e in enumerate(top))
+            want.append(routed + moe.shared(flat[t]))
         torch.testing.assert_close(got.reshape(-1, 8), torch.stack(want), **TOL)
 
 
@@ -141,7 +142,8 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
             o.zero_grad()
         full = plait.full_state_dict(net)
         for name, want in oracle.state_dict().items():
-            torch.testing.assert_close(full[name], want, **TOL, msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
+            torch.testing.assert_close(full[name], want, **TOL,
+                                       msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
     return {"held": held, "full": sum(p.numel() for p in oracle.parameters())}
 
 

@@ -14,8 +14,9 @@ Routing:
 * Load balancing by an auxiliary loss ``aux_loss_coef * E * sum_i f_i * P_i`` (Switch
   Transformer: ``f_i`` the share of assignments expert i got, ``P_i`` its mean router weight),
   added to the gradients in backward without changing the forward's output, so the caller's loss
-  stays the language-model loss (weighted by ``aux_loss_scale``: `set_aux_loss_scale`); and/or DeepSeek-V3's auxiliary-loss-free balancing: a per-expert
-  bias added to the scores only to choose experts, moved by ``bias_update_rate`` towards balance
+  stays the language-model loss (weighted by ``aux_loss_scale``: `set_aux_loss_scale`); and/or
+  DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores only to
+  choose experts, moved by ``bias_update_rate`` towards balance
   by `update_balance` (after an optimizer step, from the counts the router saw).
 * ``capacity_factor=None``: dropless, every routed token is computed. Otherwise each expert
   takes at most ``ceil(capacity_factor * tokens * k / E)`` tokens, first come first served;
