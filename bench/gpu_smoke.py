@@ -11,6 +11,11 @@ compares the per-step losses with the same model trained plainly on one device, 
 tolerance (looser for bf16 compute). The last check runs 2 ranks on one device. One line per
 check (PASS / FAIL / SKIP, seconds, detail), then a markdown summary. Without CUDA and without
 ``--cpu`` nothing can be checked: every line is SKIP and the exit code is 2.
+
+On CUDA only, ``cp-vs-torch`` then runs ``bench/cp.py``'s variants on 2 GPUs: plait's ring attention
+at cp=2 against torch's own ``context_parallel``, which replaces only the CUDA attention kernels
+(on CPU it cannot run, so ``--cpu`` leaves it out): the step-time ratio (target <= 0.95) and the
+first steps' losses, which must agree.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # a source checkout
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # a source checkout
 
 import plait  # noqa: E402
 from plait.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
@@ -180,6 +186,53 @@ def check_two_ranks_one_device(dev: torch.device, ref: list[float]) -> str:
     return "2 ranks, DDP: " + compare(losses, ref, RTOL_FP32)
 
 
+def _cp_ranks(out: str, sizes: dict) -> None:
+    """One rank of bench/cp.py's variants, a GPU each (NCCL); rank 0 writes the results."""
+    import json
+
+    from bench.cp import timing_job
+
+    plait.init(timeout_s=300)
+    res = timing_job(sizes)
+    if torch.distributed.get_rank() == 0:
+        Path(out).write_text(json.dumps(res))
+
+
+def compare_cp_with_torch(dev: torch.device, ref: list[float]) -> str:
+    import json
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))  # bench/ as a package, here and in the spawned ranks
+    from bench.common import paired_ratios, spread
+    from bench.cp import DEFAULTS
+    from plait.app.launch import spawn
+
+    if dev.type != "cuda":
+        raise Skip("CUDA only: torch's context_parallel replaces CUDA attention kernels (plait bench cp "
+                   "records what it raises on CPU)")
+    if torch.cuda.device_count() < 2:  # cp=2 is 2 ranks, and NCCL refuses two ranks on one GPU
+        raise Skip(f"needs 2 GPUs for cp=2, found {torch.cuda.device_count()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "cp.json")
+        spawn(_cp_ranks, 2, (out, {**DEFAULTS, "iters": 10}))
+        res = json.loads(Path(out).read_text())
+    if res["torch_error"] is not None:
+        raise AssertionError(f"torch's context_parallel failed: {res['torch_error']}")
+    t, lo = res["times"], res["losses"]
+    mine, theirs = lo["cp2"][:STEPS], lo["torch"][:STEPS]  # rank 0's: the same tokens on both sides
+    worst = max(abs(m - w) / abs(w) for m, w in zip(mine, theirs, strict=True))
+    if not worst <= RTOL_FP32:
+        raise AssertionError(f"rank 0's losses, plait {mine} and torch {theirs}, differ: relative "
+                             f"{worst:.2e} > {RTOL_FP32:.0e}")
+    r, eff = spread(paired_ratios(t["cp2"], t["torch"])), spread(paired_ratios(t["cp1"], t["cp2"]))
+    return (f"step time plait ring cp=2 / torch context_parallel cp=2: median {r.median:.3f} (p10-p90 "
+            f"{r.p10:.3f}-{r.p90:.3f}, target <= 0.95); cp=2 efficiency T(cp=1, dp=2) / T(cp=2) "
+            f"{eff.median:.3f} (target >= 0.85); {len(mine)} steps' losses agree to {worst:.1e}")
+
+
+# Comparisons with torch that need CUDA: run after the checks, on CUDA only.
+COMPARISONS: dict[str, Callable[[torch.device, list[float]], str]] = {"cp-vs-torch": compare_cp_with_torch}
+
 CHECKS: dict[str, Callable[[torch.device, list[float]], str]] = {
     "ddp": check_ddp,
     "fsdp-zero1": lambda dev, ref: _fsdp(dev, ref, 1),
@@ -224,14 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run the checks on CPU + Gloo")
-    parser.add_argument("--only", default=None, help=f"comma-separated subset of {', '.join(CHECKS)}")
+    every = {**CHECKS, **COMPARISONS}
+    parser.add_argument("--only", default=None, help=f"comma-separated subset of {', '.join(every)}")
     args = parser.parse_args(argv)
-    names = list(CHECKS) if args.only is None else args.only.split(",")
-    unknown = [n for n in names if n not in CHECKS]
+    names = list(every) if args.only is None else args.only.split(",")
+    unknown = [n for n in names if n not in every]
     if unknown:
-        parser.error(f"--only: unknown checks {unknown}; choose from {list(CHECKS)}")
+        parser.error(f"--only: unknown checks {unknown}; choose from {list(every)}")
     if not args.cpu and not torch.cuda.is_available():
-        results = [Result(n, "SKIP", 0.0, "no CUDA device (pass --cpu to run on CPU + Gloo)") for n in names]
+        results = [Result(n, "SKIP", 0.0, "no CUDA device" if n in COMPARISONS else
+                          "no CUDA device (pass --cpu to run on CPU + Gloo)") for n in names]
         for r in results:
             print(f"SKIP  {r.name:22} {r.seconds:7.2f}s  {r.detail}")
         print(summary(results, "no CUDA"))
@@ -241,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     dev = plait.init(backend="gloo" if args.cpu else None)  # one process: world size 1
     where = "CPU, Gloo" if dev.type == "cpu" else f"{torch.cuda.get_device_name(dev)}, NCCL"
     ref = train(fresh_model(dev), dev)
-    results = [run_check(n, CHECKS[n], dev, ref) for n in names]
+    results = [run_check(n, CHECKS[n], dev, ref) for n in names if n in CHECKS]
+    # On CPU a comparison runs (to say why it skips) only when asked for by name.
+    asked = [n for n in names if n in COMPARISONS and (dev.type == "cuda" or args.only is not None)]
+    results += [run_check(n, COMPARISONS[n], dev, ref) for n in asked]
     print(summary(results, where))
     return 1 if any(r.status == "FAIL" for r in results) else 0
 
