@@ -109,20 +109,20 @@ def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = None, steps: int = 2,
-               skew: bool = False) -> dict:
+               skew: bool = False, fsdp: int = 1) -> dict:
     import plait
     from plait.models.moe import moe_layers, set_aux_loss_scale
 
-    mesh = cached_mesh(dp=dp, ep=ep)
+    mesh = cached_mesh(dp=dp, fsdp=fsdp, ep=ep)
     oracle, model = _gpt(**(cfg_kw or {})), _gpt(**(cfg_kw or {}))
-    set_aux_loss_scale(oracle, 1 / mesh.size("dp"))  # its shards' losses are divided by their count
+    set_aux_loss_scale(oracle, 1 / mesh.size(("dp", "fsdp")))  # its shards' losses are divided by their count
     if skew:
         for moe in moe_layers(oracle) + moe_layers(model):
             moe.expert_bias[0] = 100.0
-    net = plait.parallelize(model, mesh, plait.ParallelPlan())
+    net = plait.parallelize(model, mesh, plait.ParallelPlan(data="fsdp" if fsdp > 1 else "ddp"))
     make = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if optimizer == "sgd" else torch.optim.AdamW
     opt_ref, opt = make(oracle.parameters()), make(net.parameters())
-    rank, size = mesh.rank("dp"), mesh.size("dp")
+    rank, size = mesh.rank(("dp", "fsdp")), mesh.size(("dp", "fsdp"))
     held = sum(p.numel() for p in net.parameters())
     for step in range(steps):
         idx, tgt = _batch(step)
@@ -147,9 +147,10 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
     return {"held": held, "full": sum(p.numel() for p in oracle.parameters())}
 
 
-@pytest.mark.parametrize("dp,ep", [(2, 2), (4, 4), (4, 2)], ids=["ep2", "ep4", "dp4-ep2"])
-def test_expert_parallel_trains_like_one_process(pools, dp, ep):
-    out = pools[dp].run(_ep_parity, dp, ep)
+@pytest.mark.parametrize("dp,fsdp,ep", [(2, 1, 2), (4, 1, 4), (4, 1, 2), (1, 2, 2), (1, 4, 2)],
+                         ids=["ep2", "ep4", "dp4-ep2", "fsdp2-ep2", "fsdp4-ep2"])
+def test_expert_parallel_trains_like_one_process(pools, dp, fsdp, ep):
+    out = pools[dp * fsdp].run(_ep_parity, dp, ep, fsdp=fsdp)
     assert out[0]["held"] < out[0]["full"]  # each rank holds only its share of the experts
 
 

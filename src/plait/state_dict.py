@@ -32,7 +32,7 @@ from plait.tensor_source import FullValue, whole
 from plait.tp import state as tp_state
 from plait.tp.apply import tp_module
 
-__all__ = ["full_state_dict", "load_full_state_dict", "union_over"]
+__all__ = ["full_state_dict", "load_full_state_dict", "union_over", "with_other_experts", "held_elsewhere"]
 
 
 def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
@@ -43,7 +43,7 @@ def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     elif tp_module(model) is not None:
         state = tp_state.full_state_dict(model)
     else:  # (a wrapper's own method comes here for its module: experts are gathered once)
-        state = _with_other_experts(model, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        state = with_other_experts(model, {k: v.detach().clone() for k, v in model.state_dict().items()})
     moved: dict[int, torch.Tensor] = {}  # a tensor listed under two names (tied) moves once
     return {k: moved.setdefault(id(v), v.cpu()) for k, v in state.items()}
 
@@ -62,10 +62,10 @@ def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue])
         for v in state.values():
             if id(v) not in read:
                 read[id(v)] = whole(v)
-        model.load_state_dict({k: read[id(v)] for k, v in state.items() if not _elsewhere(model, k)})
+        model.load_state_dict({k: read[id(v)] for k, v in state.items() if not held_elsewhere(model, k)})
 
 
-def _with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with the experts other ep ranks hold (`plait.expert_parallel`), gathered over ep."""
     from plait.ep.apply import ep_info
 
@@ -78,7 +78,7 @@ def _with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) 
     return {**state, **gathered}
 
 
-def _elsewhere(model: nn.Module, key: str) -> bool:
+def held_elsewhere(model: nn.Module, key: str) -> bool:
     """Whether ``key`` is an expert another ep rank holds."""
     from plait.ep.apply import ep_info
 

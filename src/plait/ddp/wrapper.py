@@ -30,7 +30,7 @@ from plait import comm
 from plait._torch_compat import queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import params_reached_by, plan_buckets
-from plait.ep.apply import placement_of
+from plait.ep.apply import placement_of, reduce_expert_grads
 from plait.mesh import Mesh
 from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
@@ -67,19 +67,6 @@ def _check_experts_placed(module: nn.Module, named: list[tuple[str, nn.Parameter
         raise ValueError("DistributedDataParallel: the model has MoE layers; apply "
                          "plait.expert_parallel(model, mesh) first (with ep=1 it only marks the experts, "
                          "whose gradients may be missing on a rank that routed them no token)")
-
-
-def average_gradients_by(grads: list[torch.Tensor], group: Any, divisor: float) -> None:
-    """Sum ``grads`` over ``group`` in one coalesced all-reduce, in place, then divide."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group)
-    flat.div_(divisor)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 class DistributedDataParallel(WrappedModuleState, nn.Module):
@@ -272,21 +259,6 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
             self._callback_queued = True
             queue_end_of_backward(self._finish_backward)
 
-    def _reduce_experts(self) -> None:
-        """Sum each expert's gradient over the ranks holding it, divided as the dense ones are.
-        A rank that routed no token to an expert has no gradient for it: it sends zeros and a flag,
-        and an expert with no gradient anywhere keeps none, as in one process."""
-        where = placement_of(self._experts[0][1])
-        assert where is not None
-        dev = comm.device_of(where.edp)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self._experts]
-        had = torch.tensor([float(p.grad is not None) for _, p in self._experts], device=dev)
-        with comm.operation("DDP expert gradients"):
-            comm.all_reduce(had, where.edp)
-            average_gradients_by(grads, where.edp, self._divisor)
-        for (_, p), g, n in zip(self._experts, grads, had.tolist()):
-            p.grad = g if n else None
-
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._sync_this_backward:
             return
@@ -340,8 +312,8 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
                 f"{' ...' if len(names) > 8 else ''}. If they are legitimately unused, pass "
                 "find_unused_parameters=True; if they should not train, set requires_grad=False."
             )
-        if self._experts:
-            self._reduce_experts()
+        if self._experts:  # summed over the ranks holding the same experts, divided as the rest
+            reduce_expert_grads([p for _, p in self._experts], self._divisor)
         globally_used = None
         if self._used_flags is not None:
             with comm.operation("DDP unused-parameter flags"):

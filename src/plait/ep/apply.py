@@ -19,14 +19,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait import comm
 from plait.ep.dispatch import ExpertDispatch
 from plait.mesh import Mesh
 from plait.models.moe import MoE, moe_layers
 
-__all__ = ["expert_parallel", "ExpertPlacement", "ExpertParallelInfo", "ep_info", "placement_of"]
+__all__ = ["expert_parallel", "ExpertPlacement", "ExpertParallelInfo", "ep_info", "placement_of",
+           "reduce_expert_grads"]
 
 _ATTR = "_plait_ep"
 
@@ -63,6 +66,29 @@ class _Elsewhere(nn.Module):
 def placement_of(p: nn.Parameter | object) -> ExpertPlacement | None:
     found = getattr(p, "_plait_expert", None)
     return found if isinstance(found, ExpertPlacement) else None
+
+
+@torch.no_grad()
+def reduce_expert_grads(params: list[nn.Parameter], divisor: float) -> None:
+    """Sum each expert parameter's gradient over the ranks holding it (its `ExpertPlacement`'s
+    edp group), in one coalesced all-reduce, and divide by ``divisor`` (what the dense gradients
+    are divided by). A rank that routed no token to an expert has no gradient for it: it sends
+    zeros and a flag, and an expert with no gradient anywhere keeps none, as in one process."""
+    if not params:
+        return
+    where = placement_of(params[0])
+    assert where is not None
+    dev = comm.device_of(where.edp)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(
+        [float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)])
+    with comm.operation("expert gradients"):
+        comm.all_reduce(flat.to(dev) if flat.device != dev else flat, where.edp)
+    offset = 0
+    had = flat[-len(params):].tolist()
+    for p, g, n in zip(params, grads, had):
+        p.grad = (flat[offset: offset + g.numel()].view_as(g) / divisor) if n else None
+        offset += g.numel()
 
 
 def ep_info(model: nn.Module | object) -> ExpertParallelInfo | None:

@@ -28,9 +28,10 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from plait import comm
-from plait.checkpoint.protocol import state_layout
+from plait.checkpoint.protocol import load_module_state, module_state, state_layout
 from plait.dtensors import contiguous_stride, mesh_of
 from plait.fsdp.flat import FlatParam
+from plait.state_dict import held_elsewhere, with_other_experts
 from plait.tensor_source import FullValue, flat_range, whole
 from plait.tp.state import checkpoint_entry, gather_full, restore_entry
 
@@ -74,9 +75,9 @@ def full_state_dict(model: FSDP) -> dict[str, torch.Tensor]:
             value = value.to("cpu", copy=True)
             for name in (s.fqn, *s.aliases):  # a tied weight under each of its names, as in state_dict()
                 out[name] = value
-    for name, b in model.module.state_dict().items():  # only buffers remain registered
+    for name, b in model.module.state_dict().items():  # only buffers (and experts) remain registered
         out[name] = b.detach().cpu().clone()
-    return out
+    return with_other_experts(model.module, out)
 
 
 def _check_keys(model: FSDP, state: Mapping, expected: set[str], what: str) -> None:
@@ -94,6 +95,7 @@ def load_full_state_dict(model: FSDP, state: Mapping[str, FullValue]) -> None:
     of that slice (over tensor parallelism: for the rank's tp shard, then cut)."""
     names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
     buffers = dict(model.module.state_dict())
+    state = {k: v for k, v in state.items() if not held_elsewhere(model.module, k)}
     _check_keys(model, state, names | set(buffers), "load_full_state_dict")
     for flat in _flats(model):
         lo, hi = flat.shard_range()
@@ -222,6 +224,8 @@ def sharded_state_dict(model: FSDP, optimizer: torch.optim.Optimizer | None = No
                     optim_sd[f"{s.fqn}.{key}"] = torch.as_tensor(value).detach().clone()
     for name, b in model.module.state_dict().items():
         model_sd[name] = b.detach().clone()
+    if optimizer is not None:  # the experts' state: whole tensors, like a plain module's
+        optim_sd.update(module_state(model.module, optimizer)["optim"])
     return {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
 
 
@@ -248,3 +252,5 @@ def load_sharded_state_dict(model: FSDP, state: dict, optimizer: torch.optim.Opt
         optimizer.state[flat.shard] = new
     for name, b in buffers.items():
         b.copy_(model_sd[name])
+    if optimizer is not None:  # the experts' state (the module's only parameters left)
+        load_module_state(model.module, optimizer, state)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from plait.ep.apply import placement_of
 from plait.fsdp.flat import GRAD_HOOKS_ATTR, FlatParam, ShardCfg, Slot
 from plait.materialize import Keep, materialize
 from plait.names import matches
@@ -107,7 +108,7 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
     info: dict[int, tuple[nn.Parameter, Slot, list[str]]] = {}
     for mname, mod in module.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
-            if p is None:
+            if p is None or placement_of(p) is not None:  # experts stay whole (plait.expert_parallel)
                 continue
             fqn = f"{mname}.{attr}" if mname else attr
             if id(p) not in info:
@@ -148,6 +149,13 @@ def _keep_shard(where: dict[int, tuple[FlatParam, Slot]], cfg: ShardCfg) -> Keep
     def keep(name: str, attr: str, full: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
         if not isinstance(t, nn.Parameter):
             return full.to(cfg.device)
+        placed = placement_of(t)
+        if placed is not None:  # an expert: whole, on the device, still marked
+            if not t.is_meta and t.device == cfg.device:
+                return t
+            kept = nn.Parameter(full.to(cfg.device), requires_grad=t.requires_grad)
+            kept._plait_expert = placed  # type: ignore[attr-defined]
+            return kept
         flat, slot = where[id(t)]
         lo, hi = flat.shard_range()
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)

@@ -57,6 +57,7 @@ from torch import nn
 
 from plait._torch_compat import queue_end_of_backward
 from plait.env import device as default_device
+from plait.ep.apply import ep_info, placement_of, reduce_expert_grads
 from plait.fsdp.flat import FlatParam, ShardCfg
 from plait.fsdp.units import Unit, build_units, check_no_optimizer
 from plait.mesh import Mesh
@@ -148,7 +149,14 @@ class FullyShardedDataParallel(nn.Module):
         # A tensor-parallel module (plait.tp, applied first): its tp shards are this
         # wrapper's parameters like any other; only the gradient norm needs the tp layout.
         self.tp: TPInfo | None = tp_info(module)
+        if placed_experts(module) and (self.mp is not None or offload):
+            raise ValueError("FullyShardedDataParallel: expert-parallel experts stay whole on the device, "
+                             "outside FSDP's shards, so FSDP's mixed precision and offloading would not "
+                             "reach them; train them in fp32 on the device (drop mixed_precision / offload)")
         self.units: list[Unit] = build_units(module, units, self.cfg, seed)
+        # Experts (plait.expert_parallel) stay the module's own parameters, whole: ranks of the
+        # shard group hold different ones. Their gradients are summed over edp at backward's end.
+        self._experts = [p for p in placed_experts(module) if p.requires_grad]
         if self.tp is not None:
             _mark_tp_ranges(self.units, self.tp)
         self.module = module
@@ -270,6 +278,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def _end_backward(self) -> None:
         self._backward_queued = False
+        if self._sync and self._experts:  # divided as the flat shards' reductions divide
+            reduce_expert_grads(self._experts, float(self.cfg.world * self.cfg.replicas))
         self._inflight.clear()
         self._reduced.clear()
         for unit in self.units:
@@ -306,14 +316,15 @@ class FullyShardedDataParallel(nn.Module):
         they are not summed over dp); on a tensor-parallel module the tp-sharded slots are also
         disjoint over tp, while replicated ones, equal on every tp rank, count once."""
         have = [(f, g) for u in self.units for f in u.flats if (g := f.shard.grad) is not None]
+        experts = _expert_parts(self.module, self._experts)
         if self.tp is None or self.tp.size == 1:
-            return {(self.cfg.group,): [g for _, g in have]}
+            return {(self.cfg.group,): [g for _, g in have], **experts}
         sharded: list[torch.Tensor] = []
         replicated: list[torch.Tensor] = []
         for f, g in have:
             for a, b, is_shard in f.tp_ranges:
                 (sharded if is_shard else replicated).append(g[a:b])
-        return {(self.cfg.group, self.tp.group): sharded, (self.cfg.group,): replicated}
+        return {(self.cfg.group, self.tp.group): sharded, (self.cfg.group,): replicated, **experts}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer gathered in full, on CPU, under the original names,
@@ -359,6 +370,19 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def placed_experts(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if placement_of(p) is not None]
+
+
+def _expert_parts(module: nn.Module, experts: list[nn.Parameter]) -> GradParts:
+    """Expert gradients for the norm: whole and disjoint over ep (equal over edp)."""
+    info = ep_info(module)
+    if info is None:
+        return {}
+    grads = [p.grad for p in experts if p.grad is not None]
+    return {(info.placement.ep,) if info.placement.ep_size > 1 else (): grads}
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
