@@ -63,6 +63,17 @@ def test_zero3_checkpoint_resumes_context_parallel_and_back(pools, oracle, zero3
     assert losses == pytest.approx(oracle[3:], rel=1e-4)
 
 
+def test_expert_parallel_checkpoint_resumes_on_other_ep_degrees(pools, tmp_path):
+    # Experts are saved under their global index by the rank holding them, with their Adam state.
+    moe = dict(experts=4, top_k=2, aux_loss_coef=0.0)
+    oracle = train_losses(str(tmp_path / "one"), strategy="none", nproc=1, **moe)
+    folder, losses = _saved_at_step_3(pools[2], tmp_path / "ep2", strategy="ddp", nproc=2, ep=2, **moe)
+    assert losses == pytest.approx(oracle, rel=1e-4)
+    for world, layout in ((4, dict(strategy="fsdp", nproc=4, ep=4)), (1, dict(strategy="none", nproc=1))):
+        resumed = _resume(pools, folder, tmp_path / f"to{world}", world, **layout, **moe)
+        assert resumed == pytest.approx(oracle[3:], rel=1e-4), layout
+
+
 def test_resume_without_save_dir_is_rejected():
     with pytest.raises(ValueError, match="--resume needs --save-dir"):
         TrainConfig.from_flags(resume=True)

@@ -122,6 +122,12 @@ def test_grad_clip_zero_means_no_clipping(tmp_path):
     (dict(strategy="ddp", nproc=8, cp=4, tp=2, cp_algorithm="ulysses"), "2 attention heads over --cp 4"),
     (dict(strategy="dp", nproc=2, cp=2), "--cp 2 needs one process per rank"),
     (dict(strategy="ddp", nproc=8, cp=2, tp=4, sequence_parallel=True, seq_len=36), "divisible by 8"),
+    (dict(top_k=1), "--top-k 1 configures mixture-of-experts blocks"),
+    (dict(ep=2), "--ep 2 splits experts over ranks: it needs --experts"),
+    (dict(experts=6, ep=4, nproc=4), "--ep 4 splits the 6 experts evenly"),
+    (dict(experts=4, ep=4, nproc=2), "folds its groups out of the 2 data-parallel ranks"),
+    (dict(experts=4, top_k=5), "1 <= top-k <= experts"),
+    (dict(experts=4, strategy="fsdp", nproc=2, mixed_precision="bf16"), "stay whole outside FSDP's shards"),
 ])
 def test_bad_config_is_rejected_before_launch(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -155,8 +155,16 @@ def _initial(t: torch.Tensor, name: str, mod: nn.Module, key: str, seed: int,
     return cache[qual][attr]
 
 
+# Marks plait puts on a parameter that its materialized replacement keeps (an expert's placement).
+_KEPT_MARKS = ("_plait_expert",)
+
+
 def _place(new: torch.Tensor | None, old: torch.Tensor) -> torch.Tensor | None:
-    """Wrap a parameter's replacement as a parameter with the same requires_grad."""
+    """Wrap a parameter's replacement as a parameter with the same requires_grad and marks."""
     if new is None or new is old or not isinstance(old, nn.Parameter) or isinstance(new, nn.Parameter):
         return new
-    return nn.Parameter(new, requires_grad=old.requires_grad)
+    param = nn.Parameter(new, requires_grad=old.requires_grad)
+    for mark in _KEPT_MARKS:
+        if hasattr(old, mark):
+            setattr(param, mark, getattr(old, mark))
+    return param

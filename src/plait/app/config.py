@@ -76,6 +76,18 @@ class ModelSection:
     hf_config: str | None = None
     """a transformers causal LM's config.json (or its folder): train that model, randomly initialised,
     instead of plait's GPT (needs plait[hf])"""
+    experts: int = 0
+    """mixture of experts: routed experts per MoE block of plait's GPT (0: dense MLPs)"""
+    top_k: int = 2
+    """with --experts: experts each token is routed to"""
+    shared_experts: int = 0
+    """with --experts: experts every token goes through as well"""
+    capacity_factor: float | None = None
+    """with --experts: drop assignments past capacity_factor x the even share per expert (None: dropless)"""
+    aux_loss_coef: float = 0.01
+    """with --experts: weight of the load-balancing loss (0: off)"""
+    bias_update_rate: float = 0.0
+    """with --experts: DeepSeek-V3's loss-free balancing, the routing bias step per optimizer step (0: off)"""
     init_from: str | None = None
     """start from the safetensors weights in this folder (as plait export writes them; for --hf-config
     the transformers names); each rank reads its slices. With --resume a checkpoint found wins"""
@@ -93,6 +105,8 @@ class ParallelSection:
     """tensor-parallel degree"""
     sequence_parallel: bool = False
     """split norms and dropout over the tp ranks along the sequence (needs tp >= 2)"""
+    ep: int = 1
+    """expert-parallel degree: experts split over this many of the data-parallel ranks (needs --experts)"""
     cp: int = 1
     """context-parallel degree: each sequence split over this many ranks, attention included"""
     cp_algorithm: CPAlgorithm = "ring"
@@ -263,6 +277,7 @@ class TrainConfig:
         sec: object
         for sec, name in ((par, "nproc"), (run, "steps"), (self.data, "batch_size"), (run, "grad_accum"),
                           (run, "eval_batches"), (par, "tp"), (par, "dp"), (par, "pp"), (par, "cp"),
+                          (par, "ep"),
                           (par, "microbatches"), (par, "chunks"), (par, "ac_every")):
             _require(sec, name, getattr(sec, name) >= 1, "an integer >= 1")
         if self.checkpoint.keep < 1:
@@ -312,6 +327,7 @@ class TrainConfig:
             raise ValueError("--ac with --strategy dp: DataParallel's threads run the shared modules "
                              "under torch.func.functional_call, which a recomputation in backward would not "
                              "see; use --strategy ddp (or none)")
+        self._check_experts()
         if par.cp > 1 and par.strategy not in ("ddp", "fsdp"):
             raise ValueError(f"--cp {par.cp} needs one process per rank and gradients averaged over the cp "
                              f"ranks: use --strategy ddp or fsdp, not {par.strategy}")
@@ -379,8 +395,9 @@ class TrainConfig:
             self._check_cp(seq_len, gcfg)
         if par.sequence_parallel and seq_len % (par.tp * par.cp):
             cut = f"each --cp {par.cp} rank's share of " if par.cp > 1 else ""
+            by = f"{par.cp * par.tp} (--cp x --tp)" if par.cp > 1 else "it"
             raise ValueError(f"--sequence-parallel splits {cut}the sequence over --tp {par.tp}: the sequence "
-                             f"length {seq_len} (--seq-len) must be divisible by {par.cp * par.tp}")
+                             f"length {seq_len} (--seq-len) must be divisible by {by}")
         if par.pp > 1 and self.model.hf_config is None:
             with torch.device("meta"):
                 self._check_stages(GPT(gcfg))
@@ -397,6 +414,44 @@ class TrainConfig:
                 f"{VAL_FRACTION:.0%} of the corpus ({held_out} of {total} bytes read from "
                 f"{data.path or 'the standard library'}, --max-bytes {data.max_bytes}) must hold one; use "
                 f"--seq-len below {held_out - 1} or a larger corpus")
+
+    def _check_experts(self) -> None:
+        m, par = self.model, self.parallel
+        if not m.experts:
+            defaults = ModelSection()
+            for name in ("top_k", "shared_experts", "capacity_factor", "aux_loss_coef", "bias_update_rate"):
+                if getattr(m, name) != getattr(defaults, name):
+                    raise ValueError(f"--{name.replace('_', '-')} {getattr(m, name)} configures "
+                                     "mixture-of-experts blocks; without --experts the model has none: add "
+                                     "--experts E")
+            if par.ep > 1:
+                raise ValueError(f"--ep {par.ep} splits experts over ranks: it needs --experts")
+            return
+        if m.hf_config is not None:
+            raise ValueError("--experts builds MoE blocks in plait's GPT; with --hf-config the model is the "
+                             "transformers one: drop one of them")
+        if m.experts < 0 or not 1 <= m.top_k <= m.experts or m.shared_experts < 0:
+            raise ValueError(f"--experts {m.experts} --top-k {m.top_k} --shared-experts {m.shared_experts}: "
+                             "need experts >= 1, 1 <= top-k <= experts, shared-experts >= 0")
+        if m.capacity_factor is not None and not m.capacity_factor > 0:
+            raise ValueError(f"--capacity-factor {m.capacity_factor}: must be > 0 (leave it unset: dropless)")
+        if par.strategy == "dp":
+            raise ValueError("--experts with --strategy dp: use ddp, fsdp or none")
+        if m.experts % par.ep:
+            raise ValueError(f"--ep {par.ep} splits the {m.experts} experts evenly: it must divide --experts")
+        data = par.nproc // (par.pp * par.cp * par.tp)
+        if par.ep > 1 and data % par.ep:
+            raise ValueError(f"--ep {par.ep} folds its groups out of the {data} data-parallel ranks "
+                             "(--nproc / (--pp x --cp x --tp)): it must divide them")
+        if par.strategy == "fsdp" and (par.mixed_precision or par.offload):
+            raise ValueError("--experts with --strategy fsdp: the experts stay whole outside FSDP's shards, "
+                             "where --mixed-precision and --offload would not reach them")
+        if par.tp > 1:
+            raise ValueError("--experts with --tp: plait's MoE blocks have no tensor-parallel plan yet; use "
+                             "--ep to split the experts")
+        if par.pp > 1 and m.bias_update_rate:
+            raise ValueError("--bias-update-rate with --pp: the balancing step reads every stage's routing "
+                             "counts, which pipeline stages keep apart; use the auxiliary loss")
 
     def _check_cp(self, seq_len: int, gcfg: GPTConfig) -> None:
         par = self.parallel
@@ -516,14 +571,18 @@ class TrainConfig:
         return min(HF_DEFAULT_SEQ_LEN, longest or HF_DEFAULT_SEQ_LEN)
 
     def gpt_config(self) -> GPTConfig:
-        base = PRESETS[self.model.name]
-        return dataclasses.replace(base, seq_len=self.model.seq_len or base.seq_len)
+        base, m = PRESETS[self.model.name], self.model
+        moe: dict[str, Any] = {} if not m.experts else dict(
+            n_experts=m.experts, top_k=m.top_k, n_shared_experts=m.shared_experts,
+            capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef,
+            bias_update_rate=m.bias_update_rate)
+        return dataclasses.replace(base, seq_len=m.seq_len or base.seq_len, **moe)
 
     def mesh(self) -> Mesh:
         par = self.parallel
         if par.strategy == "fsdp":
-            return Mesh(pp=par.pp, dp=par.dp, fsdp=-1, tp=par.tp, cp=par.cp)
-        return Mesh(pp=par.pp, dp=-1, tp=par.tp, cp=par.cp)
+            return Mesh(pp=par.pp, dp=par.dp, fsdp=-1, tp=par.tp, cp=par.cp, ep=par.ep)
+        return Mesh(pp=par.pp, dp=-1, tp=par.tp, cp=par.cp, ep=par.ep)
 
     def flags(self) -> dict[str, Any]:
         """The flat view, keyed like the flags (``from_flags(**cfg.flags())`` gives the same config)."""

@@ -29,6 +29,7 @@ from plait.app.data import BatchSampler, load_corpus
 from plait.clip import clip_grad_norm_
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, lm_loss
+from plait.models.moe import MoE, moe_layers, update_balance
 from plait.pipeline import Pipeline
 from plait.tp.apply import loss_fn_for
 
@@ -138,6 +139,23 @@ def _evaluate(model: nn.Module | Pipeline, sampler: BatchSampler, cfg: TrainConf
     return _mean_over(total / cfg.run.eval_batches, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES))
 
 
+def _moe_layers(model: nn.Module | Pipeline) -> list[MoE]:
+    modules = model.stages.values() if isinstance(model, Pipeline) else [model]
+    return [m for mod in modules for m in moe_layers(mod)]
+
+
+def _balance_experts(layers: list[MoE], mesh: Mesh) -> None:
+    """DeepSeek-V3's balancing step on the routing counts of every data rank (summed), so every
+    replica moves its biases alike."""
+    group = mesh.group(LOSS_AXES)
+    counts = [layer.load if layer.load is not None else torch.zeros_like(layer.expert_bias)
+              for layer in layers]
+    flat = torch.cat([c.to(torch.float64).reshape(-1) for c in counts]).to(comm.device_of(group))
+    comm.all_reduce(flat, group)
+    for layer, total in zip(layers, flat.split([c.numel() for c in counts])):
+        update_balance(layer, [total.to(layer.expert_bias.device)])
+
+
 def _tokens(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
             mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets on the device; with context parallelism, this rank's tokens of them."""
@@ -156,6 +174,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes)
     model = build_model(cfg, mesh, device)
     loss_fn = lm_loss if isinstance(model, Pipeline) else loss_fn_for(model)
+    moe = _moe_layers(model)
+    for layer in moe:  # each forward's balancing loss weighs what its micro-batch's loss weighs
+        parts = cfg.pipeline_microbatches if isinstance(model, Pipeline) else cfg.run.grad_accum
+        layer.aux_loss_scale = 1 / parts
     seq = cfg.seq_len
     sampler = BatchSampler(corpus.train, seq, cfg.data.batch_size, dp_rank, dp_size, seed=cfg.run.seed)
     val = BatchSampler(corpus.val, seq, cfg.data.batch_size, dp_rank, dp_size, seed=cfg.run.seed + 1)
@@ -197,6 +219,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             grad_norm = float(clip_grad_norm_(model, cfg.optimizer.grad_clip or math.inf))
             scaler.step(opt)  # skipped on every rank when any rank's gradients overflowed
             scaler.update()
+            if cfg.model.bias_update_rate:
+                _balance_experts(moe, mesh)
             last_loss = _mean_over(loss_sum, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES))
         losses.append(last_loss)
         if step == start:  # the first step this run took (after a resume, not step 0)
@@ -204,6 +228,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         dt = time.perf_counter() - t0
         record = {"step": step + 1, "loss": last_loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+        if moe and cfg.model.capacity_factor is not None:
+            record["moe_drop_rate"] = sum(layer.last_drop_rate for layer in moe) / len(moe)
         if scaler.enabled:
             record.update(loss_scale=scaler.get_scale(), skipped=scaler.skipped)
             if scaler.skipped and is_main:

@@ -102,6 +102,8 @@ class MoE(nn.Module):
             self.expert_bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_meta:  # a shape-only run (a pipeline's dry run): routing needs values
+            return torch.empty_like(x)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         weights, chosen, scores = self.route(tokens)
