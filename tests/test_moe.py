@@ -109,17 +109,20 @@ def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = None, steps: int = 2,
-               skew: bool = False, fsdp: int = 1) -> dict:
+               skew: bool = False, fsdp: int = 1, tp: int = 1, sp: bool = False) -> dict:
     import plait
     from plait.models.moe import moe_layers, set_aux_loss_scale
+    from plait.models.plans import gpt_plan
 
-    mesh = cached_mesh(dp=dp, fsdp=fsdp, ep=ep)
+    mesh = cached_mesh(dp=dp, fsdp=fsdp, ep=ep, tp=tp)
     oracle, model = _gpt(**(cfg_kw or {})), _gpt(**(cfg_kw or {}))
     set_aux_loss_scale(oracle, 1 / mesh.size(("dp", "fsdp")))  # its shards' losses are divided by their count
     if skew:
         for moe in moe_layers(oracle) + moe_layers(model):
             moe.expert_bias[0] = 100.0
-    net = plait.parallelize(model, mesh, plait.ParallelPlan(data="fsdp" if fsdp > 1 else "ddp"))
+    tp_plan = gpt_plan(model.cfg, loss_parallel=False) if tp > 1 else None
+    net = plait.parallelize(model, mesh, plait.ParallelPlan(data="fsdp" if fsdp > 1 else "ddp", tp=tp_plan,
+                                                            sequence_parallel=sp))
     make = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if optimizer == "sgd" else torch.optim.AdamW
     opt_ref, opt = make(oracle.parameters()), make(net.parameters())
     rank, size = mesh.rank(("dp", "fsdp")), mesh.size(("dp", "fsdp"))
@@ -154,8 +157,47 @@ def test_expert_parallel_trains_like_one_process(pools, dp, fsdp, ep):
     assert out[0]["held"] < out[0]["full"]  # each rank holds only its share of the experts
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_expert_parallel_with_tensor_parallel(pools, sp):
+    # Attention split by heads; MoE blocks replicated over tp (on sequence shards under SP),
+    # their experts split over ep within each tp coordinate.
+    pools[4].run(_ep_parity, 2, 2, tp=2, sp=sp)
+
+
 def test_all_tokens_to_one_expert_and_experts_with_none(pools):
     # top-1 routing with expert 0's selection bias far above the scores: every token of every
     # rank goes to expert 0 (held by ep rank 0 of 4), experts 1-3 get nothing.
     pools[4].run(_ep_parity, 4, 4, "adamw", {"top_k": 1, "aux_loss_coef": 0.0, "n_shared_experts": 0,
                                               "bias_update_rate": 0.0}, 2, True)
+
+
+def _all_to_all_bytes() -> dict:
+    """The all-to-all bytes plait.comm counted for one forward and backward at ep=2, and the
+    theory from the routing each layer saw."""
+    import plait
+    from plait import comm
+    from plait.models.moe import moe_layers
+
+    mesh = cached_mesh(dp=2, ep=2)
+    net = plait.parallelize(_gpt(), mesh, plait.ParallelPlan())
+    x, y = _batch(0)[0].chunk(2)[mesh.rank("dp")], _batch(0)[1].chunk(2)[mesh.rank("dp")]
+    comm.reset_stats()
+    loss64(net(x), y).backward()
+    stats = comm.stats()
+    d, k, experts, row = 32, 2, 4, 32 * 8  # d_model, top-k, experts, bytes of one float64 row
+    logical = wire = 0
+    for moe in moe_layers(net):
+        received = moe.experts_forward.last_counts  # (source rank, local expert) rows
+        sent = x.numel() * k  # dropless: every assignment of this rank's tokens
+        mine = received[mesh.rank("ep")].sum().item()  # rows this rank sent itself
+        # counts first (E int64 each way), then tokens out and outputs back, forward and backward
+        logical += experts * 8 + 2 * (sent + received.sum().item()) * row
+        wire += experts * 8 // 2 + 2 * ((sent - mine) + (received.sum().item() - mine)) * row
+    return {"counted": stats.total("all_to_all", "ep"), "logical": logical, "theory_wire": wire,
+            "wire": stats.total("all_to_all", "ep", key="wire_bytes"), "d": d}
+
+
+def test_counted_all_to_all_bytes_equal_theory_for_the_measured_routing(pools):
+    for out in pools[2].run(_all_to_all_bytes):
+        assert out["counted"] == out["logical"]
+        assert out["wire"] == out["theory_wire"]

@@ -230,7 +230,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     if plan.cp is not None:  # 1b. context parallel
         context_parallel(module, mesh, plan.cp)
     if moe_layers(module):  # 1c. expert parallel (ep=1: the experts are only marked)
-        expert_parallel(module, mesh)
+        expert_parallel(module, mesh, plan.sequence_parallel)
     if plan.ac is not None:  # 2. activation checkpointing
         checkpoint_blocks(module, select_blocks(module, plan.ac_blocks, plan.ac_every), plan.ac)
     if plan.data == "fsdp":  # 3. data parallel
@@ -255,6 +255,10 @@ def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
         raise ValueError(f"parallelize: {mesh} has tp={mesh.size('tp')} but the plan has no tp styles")
     if mesh.size("cp") > 1:
         _check_cp(module, mesh, plan)
+    if mesh.size("cp") > 1 and any(m.aux_loss_coef for m in moe_layers(module)):
+        raise ValueError("parallelize: an MoE balancing loss with context parallelism: each cp rank would "
+                         "count the assignments of its part of the sequence only; set aux_loss_coef=0 (or "
+                         "use bias balancing)")
     if mesh.ep > 1 and not moe_layers(module):
         raise ValueError(f"parallelize: {mesh} has ep={mesh.ep} but {type(module).__name__} has no plait MoE "
                          "layers whose experts it could split")
@@ -322,13 +326,13 @@ def _stage_steps(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Callable[
     if plan.ac is None and plan.cp is None and not experts:
         return None
     chosen = select_blocks(module, plan.ac_blocks, plan.ac_every) if plan.ac is not None else []
-    policy, algorithm = plan.ac, plan.cp
+    policy, algorithm, sequence_parallel = plan.ac, plan.cp, plan.sequence_parallel
 
     def apply(stage: nn.Module) -> None:
         if algorithm is not None and has_attention(stage):
             context_parallel(stage, mesh, algorithm, positions="rotary")
         if experts and moe_layers(stage):
-            expert_parallel(stage, mesh)
+            expert_parallel(stage, mesh, sequence_parallel)
         if policy is not None:
             held = {n for n, _ in stage.named_modules()}
             checkpoint_blocks(stage, [n for n in chosen if n in held], policy)

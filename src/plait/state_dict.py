@@ -41,7 +41,7 @@ def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     if own is not None:
         state = own()
     elif tp_module(model) is not None:
-        state = tp_state.full_state_dict(model)
+        state = with_other_experts(model, tp_state.full_state_dict(model))
     else:  # (a wrapper's own method comes here for its module: experts are gathered once)
         state = with_other_experts(model, {k: v.detach().clone() for k, v in model.state_dict().items()})
     moved: dict[int, torch.Tensor] = {}  # a tensor listed under two names (tied) moves once
@@ -56,7 +56,7 @@ def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue])
     if own is not None:
         own(state)
     elif tp_module(model) is not None:
-        tp_state.load_full_state_dict(model, state)
+        tp_state.load_full_state_dict(model, {k: v for k, v in state.items() if not held_elsewhere(model, k)})
     else:
         read: dict[int, torch.Tensor] = {}  # a source under two names (tied) is read once
         for v in state.values():

@@ -446,9 +446,10 @@ class TrainConfig:
         if par.strategy == "fsdp" and (par.mixed_precision or par.offload):
             raise ValueError("--experts with --strategy fsdp: the experts stay whole outside FSDP's shards, "
                              "where --mixed-precision and --offload would not reach them")
-        if par.tp > 1:
-            raise ValueError("--experts with --tp: plait's MoE blocks have no tensor-parallel plan yet; use "
-                             "--ep to split the experts")
+        if par.cp > 1 and m.aux_loss_coef:
+            raise ValueError("--experts with --cp: each cp rank would count the balancing loss's assignments "
+                             "over its part of the sequence only; add --aux-loss-coef 0 (--bias-update-rate "
+                             "balances without it)")
         if par.pp > 1 and m.bias_update_rate:
             raise ValueError("--bias-update-rate with --pp: the balancing step reads every stage's routing "
                              "counts, which pipeline stages keep apart; use the auxiliary loss")

@@ -17,6 +17,7 @@ how to treat it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,10 +101,13 @@ def ep_info(model: nn.Module | object) -> ExpertParallelInfo | None:
     return None
 
 
-def expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
+def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> nn.Module:
     """Split ``model``'s experts over ``mesh``'s ep groups, in place; return it. With ep=1 every
     rank keeps every expert, and the experts are only marked (their gradients, summed over the
-    data ranks, may be missing where a rank routed no token to them)."""
+    data ranks, may be missing where a rank routed no token to them).
+
+    ``sequence_parallel``: the MoE blocks run on the tp ranks' sequence shards (plait's GPT plan
+    replicates them over tp), so the balancing loss counts its assignments over the tp group."""
     layers = _moe_layers(model)
     if ep_info(model) is not None:
         raise ValueError("expert_parallel: the model is already expert parallel")
@@ -128,11 +132,23 @@ def expert_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
             else:
                 moe.experts[e] = _Elsewhere(e, e // per)
                 absent.append(prefix + ".")
+        if sequence_parallel and mesh.size("tp") > 1:
+            moe.token_statistics = _summed_over(mesh.group("tp"))  # type: ignore[method-assign,assignment]
         if n > 1:
             moe.experts_forward = ExpertDispatch(moe.experts, moe.n_experts, j * per,  # type: ignore[method-assign]
                                                  mesh.group("ep"), n)
     setattr(model, _ATTR, ExpertParallelInfo(placement, tuple(local), tuple(absent)))
     return model
+
+
+def _summed_over(group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+    def token_statistics(counts: torch.Tensor) -> torch.Tensor:
+        total = counts.detach().to(comm.device_of(group), copy=True)
+        with comm.operation("MoE balancing counts"):
+            comm.all_reduce(total, group)
+        return total.to(counts.device)
+
+    return token_statistics
 
 
 def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

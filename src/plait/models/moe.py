@@ -154,11 +154,21 @@ class MoE(nn.Module):
         keep = rank_in_expert < capacity
         return keep, counts.clamp(max=capacity)
 
+    def token_statistics(self, counts: torch.Tensor) -> torch.Tensor:
+        """The balancing loss's counts (assignments per expert, then tokens) over the tokens of
+        one batch. Here, this forward's; a layout that splits a sequence's tokens over ranks
+        (sequence parallelism) replaces it with their sum over those ranks."""
+        return counts
+
     def _aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, n: int) -> torch.Tensor:
         assigned = torch.bincount(chosen.reshape(-1), minlength=self.n_experts).to(scores.dtype)
-        share = assigned / (n * self.top_k)
+        counts = self.token_statistics(torch.cat([assigned, assigned.new_full((1,), n)]))
+        assigned, total = counts[:-1], counts[-1]
+        share = assigned / (total * self.top_k)
         probs = scores / scores.sum(-1, keepdim=True) if self.gating == "sigmoid" else scores
-        return self.aux_loss_coef * self.n_experts * (share * probs.mean(0)).sum()
+        # This forward's tokens' share of the mean router weight: over ranks that each hold part
+        # of the tokens, the parts add up to the whole batch's loss.
+        return self.aux_loss_coef * self.n_experts * (share * probs.sum(0) / total).sum()
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

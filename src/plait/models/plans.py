@@ -40,11 +40,24 @@ def gpt_plan(cfg: object, *, loss_parallel: bool = True) -> dict[str, Style]:
     Attention is split by heads (q/k/v by output, o by input, in units of ``head_dim`` so a
     head never straddles ranks), the MLP by hidden units, embedding and lm_head by vocabulary.
     ``loss_parallel=False`` gathers the logits instead (then the plain `lm_loss` applies).
+
+    MoE blocks (``n_experts > 0``) are not split by tp: router and experts run replicated on
+    each tp rank, on the rank's sequence shard under sequence parallelism (their gradients then
+    summed over tp, as a norm's are); split the experts over ranks with expert parallelism.
     """
     cfg = getattr(cfg, "cfg", cfg)
     hd = getattr(cfg, "head_dim", None)
     if not isinstance(hd, int):
         raise TypeError(f"gpt_plan(cfg=...) expects a GPTConfig or a GPT, got {type(cfg).__name__}")
+    if getattr(cfg, "n_experts", 0):
+        mlp: dict[str, Style] = {"layers.*.mlp.router": SequenceParallel(),
+                                 "layers.*.mlp.experts.*.*": SequenceParallel(),
+                                 "layers.*.mlp.shared.*": SequenceParallel()}
+    else:
+        mlp = {"layers.*.mlp": ParallelRegion(),
+               "layers.*.mlp.gate_proj": ColwiseParallel(input_comm=False),
+               "layers.*.mlp.up_proj": ColwiseParallel(input_comm=False),
+               "layers.*.mlp.down_proj": RowwiseParallel()}
     return {
         "tok_emb": VocabParallelEmbedding(),
         "drop": SequenceParallel(),
@@ -56,10 +69,7 @@ def gpt_plan(cfg: object, *, loss_parallel: bool = True) -> dict[str, Style]:
         "layers.*.attn.o_proj": RowwiseParallel(unit=hd, what="attention heads"),
         "layers.*.drop": SequenceParallel(),
         "layers.*.mlp_norm": SequenceParallel(),
-        "layers.*.mlp": ParallelRegion(),
-        "layers.*.mlp.gate_proj": ColwiseParallel(input_comm=False),
-        "layers.*.mlp.up_proj": ColwiseParallel(input_comm=False),
-        "layers.*.mlp.down_proj": RowwiseParallel(),
+        **mlp,
         "norm": SequenceParallel(),
         "lm_head": VocabParallelOutput(gather_output=not loss_parallel),
     }
