@@ -201,3 +201,20 @@ def test_counted_all_to_all_bytes_equal_theory_for_the_measured_routing(pools):
     for out in pools[2].run(_all_to_all_bytes):
         assert out["counted"] == out["logical"]
         assert out["wire"] == out["theory_wire"]
+
+
+def _transformers_moe_refused() -> str:
+    import plait
+
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    with pytest.raises(ValueError, match="holds its experts as fused tensors") as e:
+        plait.parallelize(transformers.MixtralForCausalLM(cfg), cached_mesh(dp=2, ep=2), plait.ParallelPlan())
+    return str(e.value)
+
+
+def test_transformers_moe_with_fused_experts_is_refused_by_name(pools):
+    # transformers 5 keeps each layer's experts in 3-D tensors (MixtralExperts.gate_up_proj ...).
+    assert "model.layers.0.mlp.experts" in pools[2].run(_transformers_moe_refused)[0]

@@ -60,7 +60,7 @@ from plait.activation_checkpointing import check_options, checkpoint_blocks, sel
 from plait.cp.apply import ALGORITHMS, context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
-from plait.ep.apply import expert_parallel
+from plait.ep.apply import expert_parallel, no_moe_reason
 from plait.fsdp.wrapper import FullyShardedDataParallel
 from plait.materialize import is_meta, materialize
 from plait.mesh import Mesh
@@ -260,8 +260,7 @@ def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
                          "count the assignments of its part of the sequence only; set aux_loss_coef=0 (or "
                          "use bias balancing)")
     if mesh.ep > 1 and not moe_layers(module):
-        raise ValueError(f"parallelize: {mesh} has ep={mesh.ep} but {type(module).__name__} has no plait MoE "
-                         "layers whose experts it could split")
+        raise ValueError(f"parallelize: {mesh} has ep={mesh.ep}, but {no_moe_reason(module)}")
     if plan.data == "ddp" and mesh.size("fsdp") > 1:
         raise ValueError(f"parallelize: data='ddp' uses the dp axis, but {mesh} has fsdp="
                          f"{mesh.size('fsdp')}; use data='fsdp' or put those ranks on dp")

@@ -154,9 +154,19 @@ def _summed_over(group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Ten
 def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
     if not found:
-        foreign = [n for n, m in model.named_modules() if "expert" in type(m).__name__.lower()]
-        hint = (f" (its {foreign[0]!r} holds experts in a form plait does not place: only plait's MoE layers "
-                "are split)") if foreign else ""
-        raise ValueError(f"expert_parallel: {type(model).__name__} has no plait MoE layers{hint}")
+        raise ValueError(f"expert_parallel: {no_moe_reason(model)}")
     assert moe_layers(model)
     return found
+
+
+def no_moe_reason(model: nn.Module) -> str:
+    """Why ``model``'s experts cannot be split: it has none plait places."""
+    foreign = [(n, m) for n, m in model.named_modules() if "expert" in type(m).__name__.lower()]
+    if not foreign:
+        return f"{type(model).__name__} has no plait MoE layers"
+    name, mod = foreign[0]
+    fused = [f"{k} {tuple(p.shape)}" for k, p in mod.named_parameters(recurse=False)]
+    form = (f"as fused tensors ({', '.join(fused)}: one tensor holds every expert)" if fused
+            else "in a form plait does not place")
+    return (f"{type(model).__name__} holds its experts {form} at {name!r}, not as modules; expert "
+            "parallelism places plait's MoE layers (GPTConfig(n_experts=...)) only")
