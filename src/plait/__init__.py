@@ -8,6 +8,7 @@ from plait.cp import context_parallel
 from plait.data_parallel import DataParallel
 from plait.ddp import DDP, DistributedDataParallel
 from plait.env import get_logger, init
+from plait.ep import expert_parallel
 from plait.fsdp import FSDP, FullyShardedDataParallel, ZeroRedundancyOptimizer
 from plait.materialize import init_weights
 from plait.mesh import Mesh
@@ -45,6 +46,7 @@ __all__ = [
     "GradScaler",
     "tensor_parallel",
     "context_parallel",
+    "expert_parallel",
     "cp",
     "gpt_plan",
     "plan_for",

@@ -21,7 +21,10 @@ def _bench_package_root() -> Path:
 def cmd_bench(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="plait bench", description="plait vs PyTorch, one run, ratios")
     parser.add_argument("name", choices=BENCHES)
-    args, rest = parser.parse_known_args(argv)
+    # A bench's own options (and its --help) come after its name: parse only up to it.
+    head = argv[:1] if argv and argv[0] in BENCHES else argv
+    args = parser.parse_args(head)
+    rest = argv[1:] if head is not argv else []
     root = _bench_package_root()
     sys.path.insert(0, str(root))
     module = importlib.import_module(f"bench.{args.name}")
