@@ -109,7 +109,8 @@ def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = None, steps: int = 2,
-               skew: bool = False, fsdp: int = 1, tp: int = 1, sp: bool = False) -> dict:
+               skew: bool = False, fsdp: int = 1, tp: int = 1, sp: bool = False,
+               experts: str = "replicate") -> dict:
     import plait
     from plait.models.moe import moe_layers, set_aux_loss_scale
     from plait.models.plans import gpt_plan
@@ -120,7 +121,7 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
     if skew:
         for moe in moe_layers(oracle) + moe_layers(model):
             moe.expert_bias[0] = 100.0
-    tp_plan = gpt_plan(model.cfg, loss_parallel=False) if tp > 1 else None
+    tp_plan = gpt_plan(model.cfg, loss_parallel=False, experts=experts) if tp > 1 else None
     net = plait.parallelize(model, mesh, plait.ParallelPlan(data="fsdp" if fsdp > 1 else "ddp", tp=tp_plan,
                                                             sequence_parallel=sp))
     make = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if optimizer == "sgd" else torch.optim.AdamW
@@ -157,11 +158,14 @@ def test_expert_parallel_trains_like_one_process(pools, dp, fsdp, ep):
     assert out[0]["held"] < out[0]["full"]  # each rank holds only its share of the experts
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_expert_parallel_with_tensor_parallel(pools, sp):
-    # Attention split by heads; MoE blocks replicated over tp (on sequence shards under SP),
-    # their experts split over ep within each tp coordinate.
-    pools[4].run(_ep_parity, 2, 2, tp=2, sp=sp)
+@pytest.mark.parametrize("sp,experts", [(False, "replicate"), (True, "replicate"), (False, "split")],
+                         ids=["tp2", "tp2-sp", "tp2-split-experts"])
+def test_expert_parallel_with_tensor_parallel(pools, sp, experts):
+    # Attention split by heads; MoE blocks replicated over tp (on sequence shards under SP) or
+    # each expert split by hidden units; experts split over ep within each tp coordinate.
+    out = pools[4].run(_ep_parity, 2, 2, tp=2, sp=sp, experts=experts)
+    if experts == "split":  # a quarter of each layer's experts: half by ep, half of each by tp
+        assert out[0]["held"] < out[0]["full"] / 2
 
 
 def test_all_tokens_to_one_expert_and_experts_with_none(pools):
@@ -218,3 +222,18 @@ def _transformers_moe_refused() -> str:
 def test_transformers_moe_with_fused_experts_is_refused_by_name(pools):
     # transformers 5 keeps each layer's experts in 3-D tensors (MixtralExperts.gate_up_proj ...).
     assert "model.layers.0.mlp.experts" in pools[2].run(_transformers_moe_refused)[0]
+
+
+def _split_experts_with_sp_refused() -> str:
+    import plait
+    from plait.models.plans import gpt_plan
+
+    model = _gpt()
+    plan = plait.ParallelPlan(tp=gpt_plan(model.cfg, experts="split"), sequence_parallel=True)
+    with pytest.raises(ValueError, match="tensor-parallel experts") as e:
+        plait.parallelize(model, cached_mesh(tp=2), plan)
+    return str(e.value)
+
+
+def test_tensor_parallel_experts_with_sequence_parallelism_are_refused(pools):
+    assert "not a sequence" in pools[2].run(_split_experts_with_sp_refused)[0]

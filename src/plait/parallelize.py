@@ -74,7 +74,7 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.wrapping import StageWrapper
 from plait.precision import MixedPrecision, check_castable, mixed_precision, parse_mixed_precision
 from plait.tp.apply import tensor_parallel
-from plait.tp.styles import Style
+from plait.tp.styles import ParallelRegion, Style
 
 __all__ = ["ParallelPlan", "parallelize", "ORDER"]
 
@@ -255,6 +255,13 @@ def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
         raise ValueError(f"parallelize: {mesh} has tp={mesh.size('tp')} but the plan has no tp styles")
     if mesh.size("cp") > 1:
         _check_cp(module, mesh, plan)
+    split_experts = [p for p, st in (plan.tp or {}).items()
+                     if ".experts." in p and isinstance(st, ParallelRegion)]
+    if plan.sequence_parallel and split_experts:
+        raise ValueError(f"parallelize: tensor-parallel experts ({split_experts[0]!r}) with "
+                         "sequence parallelism: an expert's rows are the tokens routed to it, not a sequence "
+                         "that SP's all-gather and reduce-scatter could cut; use gpt_plan(experts='replicate') "
+                         "or sequence_parallel=False")
     if mesh.size("cp") > 1 and any(m.aux_loss_coef for m in moe_layers(module)):
         raise ValueError("parallelize: an MoE balancing loss with context parallelism: each cp rank would "
                          "count the assignments of its part of the sequence only; set aux_loss_coef=0 (or "

@@ -34,25 +34,43 @@ def plan_for(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Styl
     return causal_lm_plan(model, loss_parallel=loss_parallel)
 
 
-def gpt_plan(cfg: object, *, loss_parallel: bool = True) -> dict[str, Style]:
+EXPERT_TP = ("replicate", "split")
+
+
+def gpt_plan(cfg: object, *, loss_parallel: bool = True, experts: str = "replicate") -> dict[str, Style]:
     """The Megatron plan for `plait.models.gpt.GPT` (pass its `GPTConfig` or the model).
 
     Attention is split by heads (q/k/v by output, o by input, in units of ``head_dim`` so a
     head never straddles ranks), the MLP by hidden units, embedding and lm_head by vocabulary.
     ``loss_parallel=False`` gathers the logits instead (then the plain `lm_loss` applies).
 
-    MoE blocks (``n_experts > 0``) are not split by tp: router and experts run replicated on
-    each tp rank, on the rank's sequence shard under sequence parallelism (their gradients then
-    summed over tp, as a norm's are); split the experts over ranks with expert parallelism.
+    MoE blocks (``n_experts > 0``): with ``experts="replicate"`` router and experts run
+    replicated on each tp rank, on the rank's sequence shard under sequence parallelism (their
+    gradients then summed over tp, as a norm's are). ``experts="split"`` splits every expert (and
+    the shared one) by hidden units like a dense MLP, the router replicated and seeing every
+    token on every tp rank; each expert call ends in an all-reduce over tp, so not with sequence
+    parallelism (whose reduce-scatter would cut routed rows, not the sequence).
+    Split experts over ranks with expert parallelism either way.
     """
+    if experts not in EXPERT_TP:
+        raise ValueError(f"gpt_plan(experts=...) must be one of {EXPERT_TP}, got {experts!r}")
     cfg = getattr(cfg, "cfg", cfg)
     hd = getattr(cfg, "head_dim", None)
     if not isinstance(hd, int):
         raise TypeError(f"gpt_plan(cfg=...) expects a GPTConfig or a GPT, got {type(cfg).__name__}")
-    if getattr(cfg, "n_experts", 0):
-        mlp: dict[str, Style] = {"layers.*.mlp.router": SequenceParallel(),
-                                 "layers.*.mlp.experts.*.*": SequenceParallel(),
-                                 "layers.*.mlp.shared.*": SequenceParallel()}
+    if getattr(cfg, "n_experts", 0) and experts == "split":
+        # A region per expert, not around the block: the router reads the block's input too,
+        # replicated, and a region's f would sum that gradient over tp.
+        mlp: dict[str, Style] = {}
+        for part in ("experts.*", "shared"):
+            mlp[f"layers.*.mlp.{part}"] = ParallelRegion()
+            mlp[f"layers.*.mlp.{part}.gate_proj"] = ColwiseParallel(input_comm=False)
+            mlp[f"layers.*.mlp.{part}.up_proj"] = ColwiseParallel(input_comm=False)
+            mlp[f"layers.*.mlp.{part}.down_proj"] = RowwiseParallel()
+    elif getattr(cfg, "n_experts", 0):
+        mlp = {"layers.*.mlp.router": SequenceParallel(),
+               "layers.*.mlp.experts.*.*": SequenceParallel(),
+               "layers.*.mlp.shared.*": SequenceParallel()}
     else:
         mlp = {"layers.*.mlp": ParallelRegion(),
                "layers.*.mlp.gate_proj": ColwiseParallel(input_comm=False),
