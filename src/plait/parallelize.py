@@ -260,8 +260,8 @@ def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
     if plan.sequence_parallel and split_experts:
         raise ValueError(f"parallelize: tensor-parallel experts ({split_experts[0]!r}) with "
                          "sequence parallelism: an expert's rows are the tokens routed to it, not a sequence "
-                         "that SP's all-gather and reduce-scatter could cut; use gpt_plan(experts='replicate') "
-                         "or sequence_parallel=False")
+                         "that SP's all-gather and reduce-scatter could cut; use "
+                         "gpt_plan(experts='replicate') or sequence_parallel=False")
     if mesh.size("cp") > 1 and any(m.aux_loss_coef for m in moe_layers(module)):
         raise ValueError("parallelize: an MoE balancing loss with context parallelism: each cp rank would "
                          "count the assignments of its part of the sequence only; set aux_loss_coef=0 (or "
