@@ -13,6 +13,12 @@ the block's output is ``softmax(s) @ v``. Two blocks' results merge as::
 
 The backward of one block needs only the *final* output and lse of the whole row (flash
 attention's trick): ``p = exp(s - lse)`` is then that block's share of the full softmax.
+
+On CPU, blocks whose mask torch's fused kernel can express (all keys visible, or the causal
+diagonal of a chunk against itself) run through it
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and take
+the log-sum-exp): tiled, never holding a block's whole score matrix, and it stops at the
+causal diagonal. Other blocks, and other devices, use the plain operations below.
 """
 
 from __future__ import annotations
@@ -53,11 +59,26 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, qs: Span, ks: Span, 
     return s
 
 
+def _fused(q: torch.Tensor, qs: Span, ks: Span, kind: str) -> bool:
+    """Whether torch's fused CPU kernel computes this block: every key visible, or a chunk's
+    causal diagonal (its top-left-aligned mask)."""
+    return q.device.type == "cpu" and (kind == FULL or (kind == PARTIAL and qs == ks))
+
+
+def _heads(t: torch.Tensor, h: int) -> torch.Tensor:
+    """K or V with its heads repeated to the query heads (the fused kernel takes equal heads)."""
+    return t if t.shape[1] == h else t.repeat_interleave(h // t.shape[1], dim=1)
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, qs: Span, ks: Span,
                   kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (b, h, lq, d), lse (b, h, lq)) of queries ``q`` at ``qs`` against keys at ``ks``,
     both in the accumulation dtype. A row that sees no key has lse -inf and output 0."""
     b, h, lq, d = q.shape
+    if _fused(q, qs, ks, kind):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _heads(k, h), _heads(v, h), 0.0, kind == PARTIAL, scale=scale)
+        return out.to(_acc_dtype(q)), lse.to(_acc_dtype(q))
     s = _scores(q, k, scale, qs, ks, kind)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
@@ -72,6 +93,15 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     final ``out`` and ``lse`` (over every block) and the gradient ``dout`` of the final output."""
     b, h, lq, d = q.shape
     hk, g = k.shape[1], h // k.shape[1]
+    if _fused(q, qs, ks, kind):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype).contiguous(), q, _heads(k, h), _heads(v, h), out.to(q.dtype).contiguous(),
+            lse.to(torch.promote_types(q.dtype, torch.float32)).contiguous(), 0.0, kind == PARTIAL,
+            scale=scale)
+        acc = _acc_dtype(q)
+        lk = k.shape[2]
+        return (dq.to(acc), dk.reshape(b, hk, g, lk, d).sum(2).to(acc),
+                dv.reshape(b, hk, g, lk, v.shape[-1]).sum(2).to(acc))
     s = _scores(q, k, scale, qs, ks, kind)
     acc = s.dtype
     p = torch.exp(s - lse.to(acc).view(b, hk, g, lq, 1))
