@@ -250,9 +250,9 @@ def theory(a: dict, algorithm: str, cp: int) -> dict[str, float]:
 
 
 def score_elements(seq: int, cp: int) -> tuple[int, int]:
-    """Query-key scores the ring kernel computes for one sequence on one rank, and how many of them
-    lie in masked blocks: it computes every block a query chunk sees any key of, whole, masking
-    the causal diagonal's blocks, and skips the blocks it sees none of."""
+    """Query-key scores in the blocks the ring kernel attends for one sequence on one rank, and how
+    many of them lie in the causal diagonal's blocks: it attends every block a query chunk sees any
+    key of and skips the blocks it sees none of."""
     from plait.cp.kernel import NONE, PARTIAL, visibility
     from plait.cp.layout import Layout
 
@@ -347,14 +347,14 @@ torch's `context_parallel` (`torch.distributed.tensor.experimental`, torch {torc
 Scaling efficiency = T(cp=1) / T(cp=2) with the same global batch on the same 2 ranks: the standard
 T(1 rank) / (2 T(2 ranks)) for the same work, with cp=1 run as dp=2 (each rank half the sequences,
 whole) so both use both cores and the same kernel. Per rank both hold B·S/2 tokens, so all but
-attention is the same work. Attention is not: the kernel computes every block of query-key scores
-a query chunk sees any key of, whole, masking the blocks on the causal diagonal (which cost more per
-score than unmasked ones: the mask is built and applied), and skips only the blocks it sees none of.
-With 2 chunks per rank at cp=1 a rank computes {c1:,} scores per layer and head, {m1 / c1:.0%} of
-them in masked blocks; with 4 finer chunks at cp=2 {c2:,} ({c2 / c1:.3f}x), {m2 / c2:.0%} masked. So
-cp=2 does less attention work per rank than cp=1 with this kernel, and an efficiency above 1 means
-that saving outweighs the ring's communication, not that the ring is free. The sdpa rows compare
-with torch's fused CPU kernel (small tiles, stopping at the causal diagonal).
+attention is the same work, nearly: the ring kernel attends each query chunk to each key chunk it
+sees any key of, skipping the others, and runs every such block through torch's fused CPU kernel
+(all keys visible, or the chunk's own causal diagonal, where it stops at the diagonal). With 2
+chunks per rank at cp=1 a rank's blocks hold {c1:,} scores per layer and head, {m1 / c1:.0%} of them
+in diagonal blocks (about half of which the fused kernel skips); with 4 finer chunks at cp=2
+{c2:,} ({c2 / c1:.3f}x), {m2 / c2:.0%} diagonal. What is left is the ring's cost: the transfers it
+does not hide and the merging of blocks. The sdpa rows compare with torch's fused kernel called
+once on each whole sequence (no blocks to merge).
 
 {_timing_table(r0)}
 
