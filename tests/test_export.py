@@ -180,10 +180,20 @@ def test_init_from_gives_every_layout_the_files_weights_reading_its_slices(pools
     assert layout != "ddp4" or read == [1.0] * 4  # a full replica reads everything, once
 
 
-def test_init_from_into_a_pipeline_x_tp_trains_as_one_process(pools, runs, exported, tmp_path):
+@pytest.fixture(scope="module")
+def one_process_from_tied(runs, exported, tmp_path_factory) -> list[float]:
+    """Three steps in one process from the tied Llama's exported weights: what the next two tests
+    compare with (the same run for both, so made once)."""
+    return _train(str(tmp_path_factory.mktemp("one")), strategy="none", nproc=1, steps=3,
+                  hf_config=runs["tied-fsdp2-tp2"]["flags"]["hf_config"],
+                  init_from=str(exported["tied-fsdp2-tp2"]))
+
+
+def test_init_from_into_a_pipeline_x_tp_trains_as_one_process(pools, runs, exported, one_process_from_tied,
+                                                              tmp_path):
     flags = dict(hf_config=runs["tied-fsdp2-tp2"]["flags"]["hf_config"],
                  init_from=str(exported["tied-fsdp2-tp2"]), steps=3)
-    one = _train(str(tmp_path), strategy="none", nproc=1, **flags)
+    one = one_process_from_tied
     four = pools[4].run(_train, str(tmp_path / "pp"), nproc=4, pp=2, tp=2, **PIPE, **flags)[0]
     # It starts from the trained weights: 5.18 on the first batch, where the model's own
     # initialisation gives 5.44 (both measured; seeded, so deterministic).
@@ -192,12 +202,12 @@ def test_init_from_into_a_pipeline_x_tp_trains_as_one_process(pools, runs, expor
     assert four == pytest.approx(one, rel=1e-5)
 
 
-def test_resume_wins_over_init_from(runs, exported, tmp_path):
+def test_resume_wins_over_init_from(runs, exported, one_process_from_tied, tmp_path):
     hf_config, weights = runs["tied-fsdp2-tp2"]["flags"]["hf_config"], exported["tied-fsdp2-tp2"]
     other = _damaged(weights, tmp_path / "other", lambda t: t.update(
         {k: torch.zeros_like(v) for k, v in t.items() if k.endswith("norm.weight")}))
     flags = dict(hf_config=hf_config, strategy="none", nproc=1)
-    straight = _train(str(tmp_path / "a"), init_from=str(weights), steps=3, **flags)
+    straight = one_process_from_tied  # 3 steps from `weights`, in one process
     _train(str(tmp_path / "b"), init_from=str(weights), save_dir=str(tmp_path / "ckpt"), **flags)
     # Resuming continues the checkpoint: the other --init-from weights (zeroed norms) are not read.
     resumed = _train(str(tmp_path / "c"), init_from=other, save_dir=str(tmp_path / "ckpt"), resume=True,

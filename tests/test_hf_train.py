@@ -32,8 +32,15 @@ def _losses(tmp_path, name: str, *flags: str) -> list[float]:
     return [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
 
 
-def test_tensor_parallel_llama_trains_as_one_process(tmp_path, llama_config):
-    one = _losses(tmp_path, "one", "--hf-config", llama_config, "--strategy", "none", "--nproc", "1")
+@pytest.fixture(scope="module")
+def one_process(llama_config, tmp_path_factory) -> list[float]:
+    """The one-process run every layout is compared with: the same run for each, so made once."""
+    return _losses(tmp_path_factory.mktemp("one"), "one", "--hf-config", llama_config, "--strategy", "none",
+                   "--nproc", "1")
+
+
+def test_tensor_parallel_llama_trains_as_one_process(tmp_path, llama_config, one_process):
+    one = one_process
     tp = _losses(tmp_path, "tp", "--hf-config", llama_config, "--nproc", "2", "--tp", "2",
                  "--sequence-parallel")
     assert len(one) == len(tp) == 4
@@ -43,8 +50,8 @@ def test_tensor_parallel_llama_trains_as_one_process(tmp_path, llama_config):
 
 
 
-def test_pipelined_llama_trains_as_one_process(tmp_path, llama_config):
-    one = _losses(tmp_path, "one", "--hf-config", llama_config, "--strategy", "none", "--nproc", "1")
+def test_pipelined_llama_trains_as_one_process(tmp_path, llama_config, one_process):
+    one = one_process
     pp = _losses(tmp_path, "pp", "--hf-config", llama_config, "--nproc", "2", "--pp", "2", "--schedule",
                  "zb-h1", "--microbatches", "2")
     # float32: microbatches sum the gradients in another order (measured <= 1e-6 here).
