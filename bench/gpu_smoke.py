@@ -136,6 +136,25 @@ def check_pipeline(dev: torch.device, ref: list[float]) -> str:
     return compare(losses, ref, RTOL_FP32)
 
 
+def check_context_parallel(dev: torch.device, ref: list[float]) -> str:
+    """plait's ring attention at cp=1 under DDP: its kernel, on this device, on the whole sequence."""
+    mesh = plait.Mesh(cp=1)
+    model = plait.DDP(plait.context_parallel(fresh_model(dev), mesh, "ring"), mesh)
+    return compare(train(model, dev, lambda out, y: lm_loss(out, plait.cp.shard(y, mesh))), ref, RTOL_FP32)
+
+
+def check_experts(dev: torch.device, ref: list[float]) -> str:
+    """An MoE GPT (top-2 of 4 experts) through parallelize's expert path and DDP, against the same
+    model trained plainly on this device (its own reference: the dense one's losses differ)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, n_experts=4, top_k=2, n_shared_experts=1, aux_loss_coef=0.01)
+    want = train(plait.init_weights(GPT(cfg), SEED).to(dev), dev)
+    model = plait.init_weights(GPT(cfg), SEED).to(dev)
+    net = plait.parallelize(model, plait.Mesh(dp=1), plait.ParallelPlan())
+    return "MoE, " + compare(train(net, dev), want, RTOL_FP32)
+
+
 def check_data_parallel(dev: torch.device, ref: list[float]) -> str:
     devices: list = list(range(torch.cuda.device_count())) if dev.type == "cuda" else ["cpu", "cpu"]
     model = plait.DataParallel(fresh_model(dev), devices)
@@ -242,6 +261,8 @@ CHECKS: dict[str, Callable[[torch.device, list[float]], str]] = {
     "fsdp-offload": check_fsdp_offload,
     "tensor-parallel": check_tensor_parallel,
     "pipeline-pp1": check_pipeline,
+    "context-parallel-cp1": check_context_parallel,
+    "experts": check_experts,
     "data-parallel": check_data_parallel,
     "two-ranks-one-device": check_two_ranks_one_device,
 }

@@ -20,7 +20,7 @@ def test_every_check_passes_on_cpu():
     res = _run("--cpu")
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")]
-    assert len(lines) == 10 and all(line.startswith("PASS") for line in lines), res.stdout
+    assert len(lines) == 12 and all(line.startswith("PASS") for line in lines), res.stdout
     assert "| check | result | seconds | detail |" in res.stdout
 
 

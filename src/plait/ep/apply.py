@@ -83,8 +83,9 @@ def reduce_expert_grads(params: list[nn.Parameter], divisor: float) -> None:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(
         [float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)])
+    flat = flat.to(dev)  # (a no-op where the gradients already live on the group's device)
     with comm.operation("expert gradients"):
-        comm.all_reduce(flat.to(dev) if flat.device != dev else flat, where.edp)
+        comm.all_reduce(flat, where.edp)
     offset = 0
     had = flat[-len(params):].tolist()
     for p, g, n in zip(params, grads, had):
