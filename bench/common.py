@@ -83,6 +83,22 @@ def spread(xs: list[float]) -> Spread:
     return Spread(statistics.median(xs), pct[1], pct[4], pct[14], pct[17], len(xs))
 
 
+def run_on_ranks(world: int, job: Callable[[dict], object], args: dict) -> tuple[list, float]:
+    """``job(args)`` on every rank of a fresh ``world``-rank pool: (each rank's result, wall
+    seconds). Records the 1-minute load before and after in ``args["load"]``: other jobs share the
+    cores, so times are relative."""
+    from plait.testing import RankPool
+
+    t0, load0 = time.time(), os.getloadavg()[0]
+    pool = RankPool(world, timeout_s=900)
+    try:
+        res = pool.run(job, args)
+    finally:
+        pool.close()
+    args["load"] = (load0, os.getloadavg()[0])
+    return res, time.time() - t0
+
+
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

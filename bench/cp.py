@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench.common import alternate, markdown_table, median, paired_ratios, spread, write_section
+from bench.common import alternate, markdown_table, median, paired_ratios, run_on_ranks, spread, write_section
 from bench.live_memory import PeakMeter
 
 WORLD = 2
@@ -218,16 +217,8 @@ def main(argv: list[str]) -> int:
     a = {k: getattr(ns, k) for k in DEFAULTS}
     if a["seq_len"] % (2 * WORLD) or a["batch"] % WORLD:
         p.error(f"--seq-len must divide by {2 * WORLD} (zigzag chunks) and --batch by {WORLD} (dp=2)")
-    from plait.testing import RankPool
-
-    t0, load0 = time.time(), os.getloadavg()[0]
-    pool = RankPool(WORLD, timeout_s=900)
-    try:
-        res = pool.run(timing_job, a)
-    finally:
-        pool.close()
-    a["load"] = (load0, os.getloadavg()[0])  # other jobs share the cores: times are relative
-    body = report(a, res, time.time() - t0)
+    res, wall = run_on_ranks(WORLD, timing_job, a)
+    body = report(a, res, wall)
     print(body)
     if not ns.no_write:
         write_section("cp", "Context parallel: plait ring attention at cp=2 vs torch context_parallel and "

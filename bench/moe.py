@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench.common import alternate, markdown_table, median, paired_ratios, spread, write_section
+from bench.common import alternate, markdown_table, median, paired_ratios, run_on_ranks, spread, write_section
 
 WORLD = 2
 MIB = 2**20
@@ -158,16 +157,8 @@ def main(argv: list[str]) -> int:
     a = {k: getattr(ns, k) for k in DEFAULTS} | {"no_torch": ns.no_torch}
     if a["experts"] % WORLD or a["batch"] % WORLD:
         p.error(f"--experts and --batch must divide by {WORLD} (ep=2, dp=2)")
-    from plait.testing import RankPool
-
-    t0, load0 = time.time(), os.getloadavg()[0]
-    pool = RankPool(WORLD, timeout_s=900)
-    try:
-        res = pool.run(timing_job, a)
-    finally:
-        pool.close()
-    a["load"] = (load0, os.getloadavg()[0])  # other jobs share the cores: times are relative
-    body = report(a, res, time.time() - t0)
+    res, wall = run_on_ranks(WORLD, timing_job, a)
+    body = report(a, res, wall)
     print(body)
     if not ns.no_write:
         write_section("moe", "Expert parallel: plait ep=2 vs replicated experts (plait DDP, torch DDP)", body,

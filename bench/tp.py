@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 
-from bench.common import alternate, markdown_table, median, paired_ratios, spread, write_section
+from bench.common import alternate, markdown_table, median, paired_ratios, run_on_ranks, spread, write_section
 
 WORLD = 2
 MIB = 2**20
@@ -243,16 +242,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-write", action="store_true", help="print only; do not update bench/results")
     a = p.parse_args(argv)
     args = {k: getattr(a, k) for k in ("model", "seq_len", "batch", "iters", "warmup")}
-    from plait.testing import RankPool
-
-    t0, load0 = time.time(), os.getloadavg()[0]
-    pool = RankPool(WORLD, timeout_s=900)
-    try:
-        res = pool.run(timing_job, args)[0]
-    finally:
-        pool.close()
-    args["load"] = (load0, os.getloadavg()[0])  # other jobs share the cores: times are relative
-    body = _report(args, res, time.time() - t0)
+    res, wall = run_on_ranks(WORLD, timing_job, args)
+    body = _report(args, res[0], wall)
     print(body)
     if not a.no_write:
         write_section("tp", "Tensor parallel: plait vs PyTorch DTensor (parallelize_module), tp=2", body,

@@ -52,6 +52,17 @@ def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def step_and_compare(net, oracle: nn.Module, optimizers: tuple, tol: dict, when: str) -> None:
+    """Step (and zero) both optimizers, then compare every tensor of ``net``, gathered in full
+    whatever its layout, with the single-process ``oracle``'s (``when`` names the step)."""
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+    full = plait.full_state_dict(net)
+    for name, want in oracle.state_dict().items():
+        torch.testing.assert_close(full[name], want, **tol, msg=lambda m, n=name: f"{when}, {n}: {m}")
+
+
 TRAIN_BASE = dict(model="tiny", steps=6, warmup=1, batch_size=8, seq_len=32, eval_every=0, progress=False,
                   max_bytes=200_000, lr=1e-2)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import loss64
+from oracle import loss64, step_and_compare
 
 from plait.testing import cached_mesh
 
@@ -149,14 +149,7 @@ def _model_parity(algorithm: str, fsdp: int = 1, tp: int = 1, pp: int = 1, cfg_k
                 torch.testing.assert_close(logits, plait.cp.shard(want_logits[mine].detach(), mesh), **TOL)
             loss = loss_fn(logits, y)
             loss.backward()
-        opt_ref.step()
-        opt.step()
-        opt_ref.zero_grad()
-        opt.zero_grad()
-        full = plait.full_state_dict(net)
-        for name, want in oracle.state_dict().items():
-            torch.testing.assert_close(full[name], want, **TOL,
-                                       msg=lambda m, n=name, s=step: f"after SGD step {s + 1}, {n}: {m}")
+        step_and_compare(net, oracle, (opt_ref, opt), TOL, f"after SGD step {step + 1}")
         losses.append(float(loss) if loss is not None else float("nan"))
     return losses
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from oracle import step_and_compare
 
 from plait.testing import cached_mesh
 
@@ -61,12 +62,7 @@ def _parity(family: str, algorithm: str) -> bool:
         if step == 0:
             torch.testing.assert_close(got.logits, plait.cp.shard(want.logits.detach(), mesh), **TOL)
         _loss(got, plait.cp.shard(tgt, mesh)).backward()
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-        full = plait.full_state_dict(net)
-        for name, value in oracle.state_dict().items():
-            torch.testing.assert_close(full[name], value, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        step_and_compare(net, oracle, (opt_ref, opt), TOL, f"after SGD step {step + 1}")
     return True
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import loss64
+from oracle import loss64, step_and_compare
 
 from plait.testing import cached_mesh
 
@@ -141,13 +141,7 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
         loss64(logits, y).backward()
         want_norm = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e9)
         torch.testing.assert_close(plait.clip_grad_norm_(net, 1e9).double(), want_norm, **TOL)
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-        full = plait.full_state_dict(net)
-        for name, want in oracle.state_dict().items():
-            torch.testing.assert_close(full[name], want, **TOL,
-                                       msg=lambda m, n=name, s=step: f"step {s}, {n}: {m}")
+        step_and_compare(net, oracle, (opt_ref, opt), TOL, f"step {step}")
     return {"held": held, "full": sum(p.numel() for p in oracle.parameters())}
 
 

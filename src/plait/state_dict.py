@@ -32,7 +32,8 @@ from plait.tensor_source import FullValue, whole
 from plait.tp import state as tp_state
 from plait.tp.apply import tp_module
 
-__all__ = ["full_state_dict", "load_full_state_dict", "union_over", "with_other_experts", "held_elsewhere"]
+__all__ = ["full_state_dict", "load_full_state_dict", "union_over", "with_other_experts",
+           "without_others_experts"]
 
 
 def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
@@ -56,13 +57,13 @@ def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue])
     if own is not None:
         own(state)
     elif tp_module(model) is not None:
-        tp_state.load_full_state_dict(model, {k: v for k, v in state.items() if not held_elsewhere(model, k)})
+        tp_state.load_full_state_dict(model, without_others_experts(model, state))
     else:
         read: dict[int, torch.Tensor] = {}  # a source under two names (tied) is read once
         for v in state.values():
             if id(v) not in read:
                 read[id(v)] = whole(v)
-        model.load_state_dict({k: read[id(v)] for k, v in state.items() if not held_elsewhere(model, k)})
+        model.load_state_dict({k: read[id(v)] for k, v in without_others_experts(model, state).items()})
 
 
 def with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -78,12 +79,14 @@ def with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) -
     return {**state, **gathered}
 
 
-def held_elsewhere(model: nn.Module, key: str) -> bool:
-    """Whether ``key`` is an expert another ep rank holds."""
+def without_others_experts(model: nn.Module, state: Mapping[str, FullValue]) -> dict[str, FullValue]:
+    """``state`` without the experts other ep ranks hold (`plait.expert_parallel`)."""
     from plait.ep.apply import ep_info
 
     info = ep_info(model)
-    return info is not None and key.startswith(info.absent)
+    if info is None or not info.absent:
+        return dict(state)
+    return {k: v for k, v in state.items() if not k.startswith(info.absent)}
 
 
 @torch.no_grad()

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from plait import comm
 from plait.cp.gather import allgather_attention, ulysses_attention
 from plait.cp.group import CPGroup
 from plait.cp.layout import Layout
@@ -267,8 +268,6 @@ def shard(t: torch.Tensor, mesh: Mesh, dim: int = 1) -> torch.Tensor:
 def unshard(t: torch.Tensor, mesh: Mesh, dim: int = 1) -> torch.Tensor:
     """The full sequence from every cp rank's shard ``t`` (an all-gather over cp; not
     differentiable: for outputs to inspect, such as logits in a test)."""
-    from plait import comm
-
     cp = CPGroup.of(mesh)
     layout = cp.layout(t.shape[dim] * cp.size)
     moved = t.movedim(dim, 0).contiguous()

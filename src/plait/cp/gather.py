@@ -94,28 +94,19 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: C
     return torch.cat(outs, dim=2).to(q.dtype)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """(b, heads, local, d) with every head -> (b, heads / cp, seq, d) with this rank's heads."""
+class _Swap(torch.autograd.Function):
+    """The sequence split traded for a head split (``to_heads``: (b, heads, local, d) with every
+    head -> (b, heads / cp, seq, d) with this rank's heads) or back; backward is the other trade."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, cp: CPGroup, layout: Layout) -> torch.Tensor:
-        ctx.cp, ctx.layout = cp, layout
-        return _seq_to_heads(t, cp, layout)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _heads_to_seq(grad, ctx.cp, ctx.layout), None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, cp: CPGroup, layout: Layout) -> torch.Tensor:
-        ctx.cp, ctx.layout = cp, layout
-        return _heads_to_seq(t, cp, layout)
+    def forward(ctx: Any, t: torch.Tensor, cp: CPGroup, layout: Layout, to_heads: bool) -> torch.Tensor:
+        ctx.cp, ctx.layout, ctx.to_heads = cp, layout, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(t, cp, layout)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _seq_to_heads(grad, ctx.cp, ctx.layout), None, None
+        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return back(grad, ctx.cp, ctx.layout), None, None, None
 
 
 def _seq_to_heads(t: torch.Tensor, cp: CPGroup, layout: Layout) -> torch.Tensor:
@@ -147,10 +138,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPG
                          f"and {k.shape[1]} key/value heads must both divide by {n}; use the 'ring' or "
                          "'allgather' algorithm")
     s = q.shape[-1] ** -0.5 if scale is None else scale
-    qh, kh, vh = (_SequenceToHeads.apply(t, cp, layout) for t in (q, k, v))
+    qh, kh, vh = (_Swap.apply(t, cp, layout, True) for t in (q, k, v))
     assert isinstance(qh, torch.Tensor) and isinstance(kh, torch.Tensor) and isinstance(vh, torch.Tensor)
     whole = Span(0, layout.seq_len)
     out, _ = block_forward(qh, kh, vh, s, whole, whole, PARTIAL if causal else FULL)
-    back = _HeadsToSequence.apply(out.to(q.dtype), cp, layout)
+    back = _Swap.apply(out.to(q.dtype), cp, layout, False)
     assert isinstance(back, torch.Tensor)
     return back

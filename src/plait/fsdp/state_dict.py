@@ -31,7 +31,7 @@ from plait import comm
 from plait.checkpoint.protocol import load_module_state, module_state, state_layout
 from plait.dtensors import contiguous_stride, mesh_of
 from plait.fsdp.flat import FlatParam
-from plait.state_dict import held_elsewhere, with_other_experts
+from plait.state_dict import with_other_experts, without_others_experts
 from plait.tensor_source import FullValue, flat_range, whole
 from plait.tp.state import checkpoint_entry, gather_full, restore_entry
 
@@ -95,7 +95,7 @@ def load_full_state_dict(model: FSDP, state: Mapping[str, FullValue]) -> None:
     of that slice (over tensor parallelism: for the rank's tp shard, then cut)."""
     names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
     buffers = dict(model.module.state_dict())
-    state = {k: v for k, v in state.items() if not held_elsewhere(model.module, k)}
+    state = without_others_experts(model.module, state)
     _check_keys(model, state, names | set(buffers), "load_full_state_dict")
     for flat in _flats(model):
         lo, hi = flat.shard_range()

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.models.moe import MoE
+from plait.models.moe import MoE, SwiGLU
 
 __all__ = ["GPTConfig", "GPT", "PRESETS"]
 
@@ -177,16 +177,10 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
-class MLP(nn.Module):
+class MLP(SwiGLU):
     def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
         assert cfg.d_ff is not None  # filled in by GPTConfig.__post_init__
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(cfg.d_model, cfg.d_ff)
 
 
 class Block(nn.Module):

@@ -33,13 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MoE", "ExpertMLP", "GATINGS", "update_balance", "moe_layers", "set_aux_loss_scale"]
+__all__ = ["MoE", "SwiGLU", "GATINGS", "update_balance", "moe_layers", "set_aux_loss_scale"]
 
 GATINGS = ("softmax", "sigmoid")
 
 
-class ExpertMLP(nn.Module):
-    """One SwiGLU expert (the dense MLP's shape, its own hidden size)."""
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: each expert, and plait GPT's dense MLP."""
 
     def __init__(self, d_model: int, d_hidden: int) -> None:
         super().__init__()
@@ -84,8 +84,8 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.bias_update_rate, self.capacity_factor = (aux_loss_coef, bias_update_rate,
                                                                            capacity_factor)
         self.router = nn.Linear(d_model, n_experts, bias=False)
-        self.experts = nn.ModuleList(ExpertMLP(d_model, d_hidden) for _ in range(n_experts))
-        self.shared = ExpertMLP(d_model, d_hidden * n_shared_experts) if n_shared_experts else None
+        self.experts = nn.ModuleList(SwiGLU(d_model, d_hidden) for _ in range(n_experts))
+        self.shared = SwiGLU(d_model, d_hidden * n_shared_experts) if n_shared_experts else None
         # Chooses experts only (DeepSeek-V3's balancing); saved with the model.
         self.register_buffer("expert_bias", torch.zeros(n_experts))
         # Assignments per expert since the last update_balance: not a buffer, which data parallelism
