@@ -61,3 +61,14 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """The structure with ``fn`` applied to each tensor (other leaves kept)."""
     leaves, spec = tree_flatten(obj)
     return tree_unflatten([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def register_fake_backend() -> None:
+    """Make the ``"fake"`` process-group backend available.
+
+    `plait plan --dry-run` stands one process in for any rank of a world of thousands: every
+    group is made and every collective returns at once, touching nothing (the tensors live on
+    the meta device). torch ships that backend but registers it only when its testing module
+    is imported.
+    """
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")

@@ -77,7 +77,8 @@ def new_group(ranks: Sequence[int], label: str, checked: bool = True) -> dist.Pr
     """
     ranks = sorted(ranks)
     pg = dist.new_group(ranks, timeout=timeout())
-    with_checker = checked and len(ranks) > 1
+    # A dry run's fake groups carry nothing to compare (and a Gloo companion would wait for peers).
+    with_checker = checked and len(ranks) > 1 and _settings["device"].type != "meta"
     checker = dist.new_group(ranks, timeout=timeout(), backend="gloo") if with_checker else None
     if dist.get_rank() not in ranks:
         return None
@@ -174,6 +175,31 @@ def reset_stats() -> CommStats:
     with _lock:
         old, _stats = _stats, CommStats()
     return old
+
+
+_saved: list[tuple[dict[str, Any], dict[int, GroupInfo], list[dist.ProcessGroup], CommStats]] = []
+
+
+def enter_dry_run(mailbox: dict[tuple[int, int], list[Any]]) -> None:
+    """`plait.env.dry_run`'s side: meta-device groups without desync checks, counts from zero,
+    objects sent kept in ``mailbox`` (source, destination) -> objects for the rehearsal of their
+    destination, and this process's real groups and settings put aside until `leave_dry_run`."""
+    global _stats
+    _saved.append((dict(_settings), dict(_groups), list(_made), _stats))
+    _groups.clear()
+    _made.clear()
+    _stats = CommStats()
+    _settings.update(mode="off", device=torch.device("meta"), mailbox=mailbox)
+
+
+def leave_dry_run() -> None:
+    global _stats
+    settings, groups, made, _stats = _saved.pop()
+    _settings.clear()
+    _settings.update(settings)
+    _groups.clear()
+    _groups.update(groups)
+    _made[:] = made
 
 
 def configure(desync_check: str | None = None, run_dir: str | None = None, timeout_s: float | None = None,
@@ -567,6 +593,8 @@ def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
     _record("recv", group, recv.numel() * recv.element_size(), 0.0)
     what = (f"exchange on {describe(group)}: send of a {tuple(send.shape)} {send.dtype} tensor to rank "
             f"{dst}, recv of a {tuple(recv.shape)} from rank {src}")
+    if send.is_meta:  # a dry run: the fake backend cannot batch point-to-point work; nothing moves anyway
+        return Handle(None, what)
     ops = [dist.P2POp(dist.isend, send, dst, group, tag), dist.P2POp(dist.irecv, recv, src, group, tag)]
     return _point_to_point(what, send, dst, lambda: _Works(dist.batch_isend_irecv(ops)))
 
@@ -609,6 +637,10 @@ def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int]
 def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send a small picklable object (e.g. shapes and dtypes) to global rank ``dst``."""
     _record("send_object", group, 0, 0.0)
+    mail = _settings.get("mailbox")
+    if mail is not None:  # a dry run: kept for the rehearsal of rank dst (fake groups carry nothing)
+        mail.setdefault((dist.get_rank(), dst), []).append(obj)
+        return
     what = f"send of an object to rank {dst} on {describe(group)}"
     _point_to_point(what, None, dst, lambda: dist.send_object_list([obj], dst=dst))
 
@@ -617,6 +649,13 @@ def recv_object(src: int, group: dist.ProcessGroup | None = None) -> Any:
     """Receive what `send_object` sent from global rank ``src``."""
     box: list[Any] = [None]
     _record("recv_object", group, 0, 0.0)
+    mail = _settings.get("mailbox")
+    if mail is not None:
+        sent = mail.get((src, dist.get_rank()))
+        if not sent:
+            raise RuntimeError(f"dry run of rank {dist.get_rank()}: rank {src} sent it no object; rehearse "
+                               "the ranks that send first (pipeline stages in order) with the same mailbox")
+        return sent.pop(0)
     what = f"recv of an object from rank {src} on {describe(group)}"
     _point_to_point(what, None, src, lambda: dist.recv_object_list(box, src=src))
     return box[0]

@@ -22,15 +22,18 @@ import re
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from plait import comm
+from plait._torch_compat import register_fake_backend
 
 __all__ = ["init", "get_logger", "seed_everything", "Launch", "launch_from_env", "device", "free_port",
-           "set_rank_env"]
+           "set_rank_env", "dry_run", "is_dry_run"]
 
 DEFAULT_TIMEOUT_S = 300.0
 _THREAD_JOIN_S = 2.0  # at exit, for each plait thread still running (daemon threads may be blocked)
@@ -216,8 +219,49 @@ def _shutdown() -> None:
 
 
 def device() -> torch.device:
-    """The device `init()` chose (cpu when `init()` has not run)."""
+    """The device `init()` chose (cpu when `init()` has not run; meta in a `dry_run`)."""
     return _state.get("device", torch.device("cpu"))  # type: ignore[return-value]
+
+
+def is_dry_run() -> bool:
+    """Inside `dry_run`: tensors on the meta device stand for materialized ones."""
+    return device().type == "meta"
+
+
+@contextlib.contextmanager
+def dry_run(world_size: int, rank: int = 0,
+            mailbox: dict[tuple[int, int], list[Any]] | None = None) -> Iterator[torch.device]:
+    """Stand this one process in for ``rank`` of a world of ``world_size``, with nothing allocated.
+
+    The default process group is torch's fake backend (every collective returns at once and moves
+    nothing), plait's device is the meta device, and a meta tensor counts as materialized: a
+    layout builds exactly as on that rank (the same groups, shards and wrappers, each collective
+    counted by `plait.comm`), but every tensor is a shape. Collectives' values are not real, so
+    only what does not depend on them can be trusted: shapes, bytes, counts. Objects a rank sends
+    (`plait.comm.send_object`: a pipeline stage's output shapes) go to ``mailbox``, where the dry
+    run of their destination, given the same mailbox, receives them. Refused when a process group
+    exists already; everything is torn down on exit.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("plait.env.dry_run: a process group is initialised already; a dry run makes "
+                           "its own fake one (run it in a process of its own)")
+    if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
+        raise ValueError(f"plait.env.dry_run: need world_size >= 1 and 0 <= rank < world_size, got "
+                         f"world_size={world_size}, rank={rank}")
+    register_fake_backend()
+    saved = dict(_state)
+    meta = torch.device("meta")
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    comm.enter_dry_run({} if mailbox is None else mailbox)
+    _state.clear()
+    _state.update(device=meta, timeout_s=DEFAULT_TIMEOUT_S)
+    try:
+        yield meta
+    finally:
+        comm.leave_dry_run()
+        dist.destroy_process_group()
+        _state.clear()
+        _state.update(saved)
 
 
 class _RankFilter(logging.Filter):

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from plait.env import is_dry_run
+
 __all__ = ["init_weights", "owner_modules", "full_values", "is_meta", "module_seed", "materialize", "Keep"]
 
 # What a strategy keeps of one tensor: (owner's qualified name, attribute, full value, the
@@ -41,7 +43,9 @@ def owner_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn
 
 
 def is_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    """Whether ``module`` still waits to be materialized: it has meta tensors, outside a dry run
+    (`plait.env.dry_run`, where meta tensors stand for materialized ones)."""
+    return not is_dry_run() and any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
 def full_values(mod: nn.Module, name: str, seed: int) -> dict[str, torch.Tensor]:
@@ -146,7 +150,7 @@ def _initial(t: torch.Tensor, name: str, mod: nn.Module, key: str, seed: int,
              first_owner: dict[int, tuple[str, nn.Module, str]] | None,
              cache: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
     """A meta tensor's oracle value (its first owner's `full_values`), else the tensor itself."""
-    if not t.is_meta:
+    if not t.is_meta or is_dry_run():  # in a dry run a meta tensor is its own (shape-only) value
         return t.detach()
     qual, src, attr = first_owner.get(id(t), (name, mod, key)) if first_owner else (name, mod, key)
     if qual not in cache:  # one owner module's full tensors at a time

@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from plait._torch_compat import map_tensors
+from plait.materialize import is_meta
 
 __all__ = ["MixedPrecision", "mixed_precision", "precision_of", "parse_mixed_precision", "check_castable",
            "DTYPES", "CASTS_ITSELF"]
@@ -141,7 +142,7 @@ def _check_target(m: nn.Module, mp: MixedPrecision) -> None:
         raise ValueError("mixed_precision: FSDP casts its own gathered parameters; pass "
                          "FullyShardedDataParallel(..., mixed_precision=...) (or ParallelPlan(data='fsdp', "
                          "mixed_precision=...)) instead")
-    if any(p.is_meta for p in m.parameters()):
+    if is_meta(m):
         raise ValueError("mixed_precision: the module has meta-device parameters; materialize it first "
                          "(plait.parallelize does, in its data-parallel step)")
     for sub in m.modules():  # DDP: the dtype its buckets are all-reduced in (None: the gradients')

@@ -95,21 +95,21 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
     return parallelize(model, mesh, plan)
 
 
-def _mean_over(value: float, group: dist.ProcessGroup, size: int) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=comm.device_of(group))
+def _mean_over(value: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    t = value.detach().to(torch.float64).reshape(1).to(comm.device_of(group))
     comm.all_reduce(t, group)
-    return t.item() / size
+    return t[0] / size
 
 
 def _forward_backward(model: nn.Module | Pipeline, x: torch.Tensor, y: torch.Tensor,
-                      cfg: TrainConfig, loss_fn: Callable, scaler: plait.GradScaler) -> float:
+                      cfg: TrainConfig, loss_fn: Callable, scaler: plait.GradScaler) -> torch.Tensor:
     """One optimizer step's gradients (left in ``.grad``, times the loss scale under fp16);
-    returns this rank's mean loss."""
+    returns this rank's mean loss (a tensor: reading it would wait for the device)."""
     if isinstance(model, Pipeline):
         # Microbatches (x --grad-accum) run on the schedule; each stage's last backward reduces
         # the accumulated gradients over the data axes while it runs.
-        return model.step(x, y, loss_scale=scaler.get_scale() if scaler.enabled else None).item()
-    loss_sum = 0.0
+        return model.step(x, y, loss_scale=scaler.get_scale() if scaler.enabled else None)
+    loss_sum = torch.zeros((), device=x.device)
     for i, (xm, ym) in enumerate(zip(x.chunk(cfg.run.grad_accum), y.chunk(cfg.run.grad_accum))):
         # Only the last micro-batch communicates; the others accumulate locally.
         no_sync = getattr(model, "no_sync", None)  # DDP and FSDP; DataParallel has nothing to defer
@@ -117,8 +117,27 @@ def _forward_backward(model: nn.Module | Pipeline, x: torch.Tensor, y: torch.Ten
         with quiet():
             loss = loss_fn(model(xm), ym) / cfg.run.grad_accum
             scaler.scale(loss).backward()
-        loss_sum += loss.item()
+        loss_sum = loss_sum + loss.detach()
     return loss_sum
+
+
+def train_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               cfg: TrainConfig, mesh: Mesh, loss_fn: Callable, scaler: plait.GradScaler,
+               moe: list[MoE]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training step of ``plait train`` (what ``plait plan`` rehearses): gradients, clipping,
+    the optimizer step; returns the loss averaged over the data ranks and the gradient norm, as
+    tensors (the caller reads them)."""
+    opt.zero_grad(set_to_none=True)
+    loss_sum = _forward_backward(model, x, y, cfg, loss_fn, scaler)
+    scaler.unscale_(opt)  # fp16: the true gradients, before clipping measures them
+    # --grad-clip 0: no clipping (torch's formula would zero every gradient); the norm is still
+    # measured for the metrics.
+    grad_norm = clip_grad_norm_(model, cfg.optimizer.grad_clip or math.inf)
+    scaler.step(opt)  # skipped on every rank when any rank's gradients overflowed
+    scaler.update()
+    if cfg.model.bias_update_rate:
+        _balance_experts(moe, mesh)
+    return _mean_over(loss_sum, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES)), grad_norm
 
 
 def _evaluate(model: nn.Module | Pipeline, sampler: BatchSampler, cfg: TrainConfig, device: torch.device,
@@ -128,7 +147,8 @@ def _evaluate(model: nn.Module | Pipeline, sampler: BatchSampler, cfg: TrainConf
         for i in range(cfg.run.eval_batches):
             x, y = _tokens(sampler.batch_at(i), device, mesh)
             total += float(model.eval_step(x, y))
-        return _mean_over(total / cfg.run.eval_batches, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES))
+        return float(_mean_over(torch.tensor(total / cfg.run.eval_batches), mesh.group(LOSS_AXES),
+                                mesh.size(LOSS_AXES)))
     loss_fn = loss_fn_for(model)
     model.eval()
     with torch.no_grad():
@@ -136,7 +156,8 @@ def _evaluate(model: nn.Module | Pipeline, sampler: BatchSampler, cfg: TrainConf
             x, y = _tokens(sampler.batch_at(i), device, mesh)
             total += loss_fn(model(x), y).item()
     model.train()
-    return _mean_over(total / cfg.run.eval_batches, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES))
+    return float(_mean_over(torch.tensor(total / cfg.run.eval_batches), mesh.group(LOSS_AXES),
+                            mesh.size(LOSS_AXES)))
 
 
 def _moe_layers(model: nn.Module | Pipeline) -> list[MoE]:
@@ -210,18 +231,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         x, y = _tokens(next(sampler), device, mesh)
-        opt.zero_grad(set_to_none=True)
         with comm.scope(f"step {step + 1}"):  # named in desync reports, timeouts and flight records
-            loss_sum = _forward_backward(model, x, y, cfg, loss_fn, scaler)
-            scaler.unscale_(opt)  # fp16: the true gradients, before clipping measures them
-            # --grad-clip 0: no clipping (torch's formula would zero every gradient); the norm
-            # is still measured for the metrics.
-            grad_norm = float(clip_grad_norm_(model, cfg.optimizer.grad_clip or math.inf))
-            scaler.step(opt)  # skipped on every rank when any rank's gradients overflowed
-            scaler.update()
-            if cfg.model.bias_update_rate:
-                _balance_experts(moe, mesh)
-            last_loss = _mean_over(loss_sum, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES))
+            mean_loss, norm = train_step(model, opt, x, y, cfg, mesh, loss_fn, scaler, moe)
+            last_loss, grad_norm = float(mean_loss), float(norm)
         losses.append(last_loss)
         if step == start:  # the first step this run took (after a resume, not step 0)
             first_loss = last_loss

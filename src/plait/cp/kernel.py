@@ -61,8 +61,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, qs: Span, ks: Span, 
 
 def _fused(q: torch.Tensor, qs: Span, ks: Span, kind: str) -> bool:
     """Whether torch's fused CPU kernel computes this block: every key visible, or a chunk's
-    causal diagonal (its top-left-aligned mask)."""
-    return q.device.type == "cpu" and (kind == FULL or (kind == PARTIAL and qs == ks))
+    causal diagonal (its top-left-aligned mask). A dry run's meta tensors take the same path (the
+    kernel has a shape-only form), so `plait plan` sees what a CPU run keeps."""
+    return q.device.type in ("cpu", "meta") and (kind == FULL or (kind == PARTIAL and qs == ks))
 
 
 def _heads(t: torch.Tensor, h: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from plait._torch_compat import queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import params_reached_by, plan_buckets
 from plait.ep.apply import placement_of, reduce_expert_grads
+from plait.materialize import is_meta
 from plait.mesh import Mesh
 from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
@@ -114,7 +115,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
             raise ValueError(
                 f"gradient_compression must be one of None, 'bf16', 'fp16'; got {gradient_compression!r}"
             )
-        if any(p.is_meta for p in module.parameters()):
+        if is_meta(module):
             raise ValueError("DistributedDataParallel needs a materialized module; this one has meta "
                              "parameters (use FullyShardedDataParallel for meta-device init)")
         self.module = module

@@ -1,0 +1,350 @@
+"""One rank's training step, rehearsed on the meta device: what `plait plan` predicts from.
+
+`rehearse` builds the layout exactly as `plait train` does (the same `build_model`, the same
+step), inside `plait.env.dry_run`: one process stands in for one rank of the full world, every
+process group is a fake one and every tensor a shape. It runs two steps (the first makes the
+optimizer state) and measures the second:
+
+* memory: live tensor storage op by op (`plait.live_memory.LiveStorageBytes` on the meta device),
+  its peak and what the peak is made of: parameters, gradients, optimizer state, communication
+  buffers (DDP's buckets), FSDP's gathered units, and activations (everything else: tensors
+  saved for backward and the temporaries of the moment);
+* activations per block: the live bytes each transformer block adds in its first forward;
+* floating-point operations per phase (`torch.utils.flop_counter`), recomputation included;
+* communication: `plait.comm`'s own count of every collective, per axis (calls, logical and wire
+  bytes), the figure a real run's counters give.
+
+Nothing is allocated and no value is real, so only shapes, bytes and counts are read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import (
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from plait import comm, env
+from plait.app.config import TrainConfig
+from plait.live_memory import LiveStorageBytes, storage_key
+from plait.mesh import Mesh
+from plait.pipeline import Pipeline
+
+__all__ = ["Rehearsal", "rehearse", "step_once", "CATEGORIES", "stage_ranks", "rehearse_stages", "measured"]
+
+# What the peak is made of, in the order reports show them.
+CATEGORIES = ("parameters", "gradients", "optimizer state", "communication buffers", "fsdp gathered units",
+              "activations")
+
+
+@dataclass
+class Rehearsal:
+    """One rank's measured step. Bytes per category at the peak, the peak itself, the state sizes
+    between steps, per-block activation bytes, FLOPs and communication per axis."""
+
+    rank: int
+    stage: int  # pp coordinate
+    peak: int
+    at_peak: dict[str, int]
+    parameters: int
+    gradients: int
+    optimizer: int
+    block_activations: list[int]
+    flops: float
+    flops_by_phase: dict[str, float]
+    comm: dict[str, dict[str, float]]  # "op@axis" -> calls, bytes, wire_bytes
+    microbatches_in_flight: int = 1
+    peak_phase: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def stage_ranks(cfg: TrainConfig) -> list[int]:
+    """One rank per pipeline stage coordinate (the first of each): ranks of one stage hold the same
+    shapes, so one stands in for all."""
+    per_stage = cfg.parallel.nproc // cfg.parallel.pp
+    return [s * per_stage for s in range(cfg.parallel.pp)]
+
+
+def _tensors_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _keys(tensors: Iterable[torch.Tensor]) -> set[int]:
+    return {storage_key(t) for t in tensors}
+
+
+def _fsdp_flats(model: nn.Module | Pipeline) -> list[Any]:
+    from plait.fsdp.wrapper import FullyShardedDataParallel
+
+    mods = [model] if isinstance(model, nn.Module) else list(model.stages.values())
+    return [f for m in mods for sub in m.modules() if isinstance(sub, FullyShardedDataParallel)
+            for u in sub.units for f in u.flats]
+
+
+def _ddp_buckets(model: nn.Module | Pipeline) -> list[torch.Tensor]:
+    from plait.ddp.wrapper import DistributedDataParallel
+
+    mods = [model] if isinstance(model, nn.Module) else list(model.stages.values())
+    found: list[torch.Tensor] = []
+    for m in mods:
+        for sub in m.modules():
+            if isinstance(sub, DistributedDataParallel):
+                found.extend(b.buffer for b in sub._buckets)
+    return found
+
+
+def _buffers(model: nn.Module | Pipeline) -> list[torch.Tensor]:
+    mods = [model] if isinstance(model, nn.Module) else list(model.stages.values())
+    return [b for m in mods for b in m.buffers()]
+
+
+def _blocks(model: nn.Module | Pipeline) -> list[nn.Module]:
+    """The repeated blocks (children of the outermost ModuleLists), as activation checkpointing
+    picks them."""
+    mods = [model] if isinstance(model, nn.Module) else list(model.stages.values())
+    out: list[nn.Module] = []
+    for m in mods:
+        for sub in m.modules():
+            if isinstance(sub, nn.ModuleList) and not any(sub is b or sub in list(b.modules()) for b in out):
+                out.extend(sub)
+                break
+    return out
+
+
+def step_once(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: TrainConfig, mesh: Mesh,
+              device: torch.device) -> None:
+    """One `plait train` step on this rank's share of a global batch of token ids."""
+    import plait
+    from plait.app.train import _moe_layers, _tokens, train_step
+    from plait.models.gpt import lm_loss
+    from plait.tp.apply import loss_fn_for
+
+    per_rank = cfg.data.batch_size // mesh.size(("dp", "fsdp"))
+    vocab = 256
+    x = torch.randint(0, vocab, (per_rank, cfg.seq_len), device=device)
+    y = torch.randint(0, vocab, (per_rank, cfg.seq_len), device=device)
+    x, y = _tokens((x, y), device, mesh)
+    loss_fn = lm_loss if isinstance(model, Pipeline) else loss_fn_for(model)
+    scaler = plait.GradScaler(mesh, enabled=cfg.parallel.mixed_precision == "fp16")
+    train_step(model, opt, x, y, cfg, mesh, loss_fn, scaler, _moe_layers(model))
+
+
+def make_optimizer(model: nn.Module | Pipeline, cfg: TrainConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
+                             betas=(0.9, 0.95))
+
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+# torch's FLOP counter knows the CUDA flash kernels but not the CPU one that real CPU steps run:
+# without these, a CPU run's attention would count nothing.
+@register_flop_formula(_CPU_FLASH, get_raw=True)
+def _cpu_flash_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                     **kwargs: Any) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+@register_flop_formula(_CPU_FLASH_BACKWARD, get_raw=True)
+def _cpu_flash_backward_flops(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta() -> Iterator[None]:
+    """On the meta device, `scaled_dot_product_attention` has no fused kernel to pick and falls back
+    to the composite that materializes the attention matrix, which no device runs. Inside, it runs
+    the fused kernel's own op instead (the CPU one; CUDA's flash kernel keeps the same tensors for
+    backward: the output and a log-sum-exp per row). Registered below autograd's dispatch for meta
+    tensors only, so a recomputation in backward takes the same path."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("scaled_dot_product_attention", _fused_sdpa, "AutogradMeta")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+def _fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> torch.Tensor:
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    return _CPU_FLASH(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+class StepMeter(LiveStorageBytes):
+    """Live storage (`LiveStorageBytes`) and floating-point operations of every op, by the formulas
+    of torch's FLOP counter (its own mode installs module hooks that a split backward cannot run
+    under)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        return out
+
+
+class _BlockMeter:
+    """Live bytes each block adds in its forward (the first forward of the step only)."""
+
+    def __init__(self, tracker: LiveStorageBytes, blocks: list[nn.Module]) -> None:
+        self.tracker, self.added = tracker, [0] * len(blocks)
+        self.done = [False] * len(blocks)
+        self._handles = []
+        for i, b in enumerate(blocks):
+            self._handles.append(b.register_forward_pre_hook(self._pre(i)))
+            self._handles.append(b.register_forward_hook(self._post(i)))
+        self._start = [0] * len(blocks)
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if not self.done[i] and torch.is_grad_enabled():
+                self._start[i] = self.tracker.now()
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            if not self.done[i] and torch.is_grad_enabled():
+                self.added[i] = self.tracker.now() - self._start[i]
+                self.done[i] = True
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def measure_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: TrainConfig, mesh: Mesh,
+                 device: torch.device, scan_gc: bool) -> dict[str, Any]:
+    """Run one more step under the live-memory tracker, the FLOP counter and fresh comm counts;
+    return the raw figures (shared by the rehearsal on meta and the measured run on a device)."""
+    params = list(model.parameters())
+    buffers = _buffers(model)
+    state = _tensors_of(opt)
+    flats = _fsdp_flats(model)
+    # Without the garbage collector's view (meta tensors outside the layout would count), the
+    # roots are everything a step starts with: the state, and the wrappers' persistent buffers.
+    kept = [*_ddp_buckets(model), *(f.buf for f in flats), *(f.shard for f in flats)]
+    roots = None if scan_gc else [*params, *buffers, *state, *kept]
+    comm.reset_stats()
+    tracker = StepMeter(device.type, roots=roots, keep_peak_storages=True)
+    meter = _BlockMeter(tracker, _blocks(model))
+    with tracker:
+        step_once(model, opt, cfg, mesh, device)
+    meter.remove()
+    stats = comm.reset_stats().as_dict()
+    grads = [p.grad for p in params if p.grad is not None]
+    groups = {"parameters": _keys([*params, *buffers]), "gradients": _keys(grads),
+              "optimizer state": _keys(_tensors_of(opt)), "communication buffers": _keys(_ddp_buckets(model)),
+              "fsdp gathered units": _keys(f.buf for f in flats)}
+    at_peak = dict.fromkeys(CATEGORIES, 0)
+    for key, size in tracker.peak_storages.items():
+        where = next((name for name, keys in groups.items() if key in keys), "activations")
+        at_peak[where] += size
+    return dict(peak=tracker.peak, at_peak=at_peak,
+                start=tracker.start, parameters=_bytes([*params, *buffers]), gradients=_bytes(grads),
+                optimizer=_bytes(_tensors_of(opt)), block_activations=meter.added,
+                flops=float(tracker.flops), comm=stats, peak_phase=tracker.peak_phase)
+
+
+def rehearse(cfg: TrainConfig, rank: int = 0, mailbox: dict[tuple[int, int], list[Any]] | None = None
+             ) -> Rehearsal:
+    """`plait train`'s step under ``cfg`` as rank ``rank`` would run it, on the meta device. A later
+    pipeline stage needs the ``mailbox`` its earlier stages' rehearsals filled (`rehearse_stages`)."""
+    from plait.app.train import build_model
+
+    with env.dry_run(cfg.parallel.nproc, rank, mailbox) as meta, fused_attention_on_meta():
+        mesh = cfg.mesh()
+        model = build_model(cfg, mesh, meta)
+        opt = make_optimizer(model, cfg)
+        step_once(model, opt, cfg, mesh, meta)  # the optimizer state exists from the second step on
+        raw = measure_step(model, opt, cfg, mesh, meta, scan_gc=False)
+        in_flight = _in_flight(model, mesh)
+        stage = mesh.coords["pp"]
+        del model, opt
+    return Rehearsal(rank=rank, stage=stage, peak=raw["peak"], at_peak=raw["at_peak"],
+                     parameters=raw["parameters"], gradients=raw["gradients"], optimizer=raw["optimizer"],
+                     block_activations=raw["block_activations"], flops=raw["flops"],
+                     flops_by_phase={}, comm=raw["comm"], microbatches_in_flight=in_flight,
+                     peak_phase=raw["peak_phase"])
+
+
+def rehearse_stages(cfg: TrainConfig) -> list[Rehearsal]:
+    """One rehearsal per pipeline stage, in stage order (each receives what the one before sent)."""
+    mailbox: dict[tuple[int, int], list[Any]] = {}
+    return [rehearse(cfg, r, mailbox) for r in stage_ranks(cfg)]
+
+
+def _in_flight(model: nn.Module | Pipeline, mesh: Mesh) -> int:
+    """The most microbatches whose activations this rank holds at once (1 without a pipeline)."""
+    if not isinstance(model, Pipeline):
+        return 1
+    from plait.pipeline.actions import Kind
+
+    held = most = 0
+    for a in model.sched.actions[mesh.coords["pp"]]:
+        if a.kind == Kind.F:
+            held += 1
+            most = max(most, held)
+        elif a.kind in (Kind.BW, Kind.W):
+            held -= 1
+    return most
+
+
+def measured(args: dict[str, Any]) -> dict[str, Any]:
+    """On each rank of a real job (a `plait.testing.RankPool`): the same step as `rehearse`,
+    measured on the rank's device (CPU: live storage of every tensor in the process), then
+    ``args["timed"]`` more steps timed. The validation's other side."""
+    import time
+
+    import torch.distributed as dist
+
+    from plait.app.train import build_model
+
+    cfg = TrainConfig.from_flags(**args["flags"])
+    device = env.device()
+    mesh = cfg.mesh()
+    model = build_model(cfg, mesh, device)
+    opt = make_optimizer(model, cfg)
+    step_once(model, opt, cfg, mesh, device)
+    raw = measure_step(model, opt, cfg, mesh, device, scan_gc=True)
+    times = []
+    for _ in range(args.get("timed", 0)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step_once(model, opt, cfg, mesh, device)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    raw.update(times=times, rank=dist.get_rank(), stage=mesh.coords["pp"])
+    mesh.destroy() if hasattr(mesh, "destroy") else None
+    return raw
