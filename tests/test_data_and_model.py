@@ -69,6 +69,8 @@ def test_presets_span_tiny_to_100m():
         with torch.device("meta"):
             sizes[name] = GPT(cfg).num_parameters()
     assert sizes["tiny"] < 1e6 and 20e6 <= sizes["25m"] <= 30e6 and 90e6 <= sizes["100m"] <= 130e6
+    # Llama 3's own parameter counts (untied embeddings).
+    assert sizes["llama3-8b"] == 8_030_261_248 and sizes["llama3-70b"] == 70_553_706_496
 
 
 def test_gqa_and_bad_config():

@@ -1,4 +1,4 @@
-"""The `plait` command: train, run, bench, check, export."""
+"""The `plait` command: train, run, bench, check, export, plan."""
 
 from __future__ import annotations
 
@@ -37,16 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     from plait.app import export as _export
     from plait.app import run as _run
     from plait.app import train as _train
+    from plait.app.plan import cli as _plan
 
     commands = {"train": _train.cli_main, "run": _run.cli_main, "bench": cmd_bench, "check": _check.cli_main,
-                "export": _export.cli_main}
+                "export": _export.cli_main, "plan": _plan.cli_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: plait {" + ",".join(commands) + "} ...\n"
               "  train  train the built-in GPT on the built-in corpus under any layout\n"
               "  run    launch a script on one or many machines (wraps torch.distributed.run)\n"
               "  bench  plait vs PyTorch side by side: " + ", ".join(BENCHES) + "\n"
               "  check  a model in a layout against one process, step by step (FACTORY = module:function)\n"
-              "  export a checkpoint as safetensors weights, under the model's own names")
+              "  export a checkpoint as safetensors weights, under the model's own names\n"
+              "  plan   memory and step time of a layout on a cluster before renting it; --search ranks them")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return int(commands[argv[0]](argv[1:]) or 0)
 

@@ -49,7 +49,7 @@ __all__ = ["ModelSection", "ParallelSection", "OptimizerSection", "DataSection",
            "RunSection", "TrainConfig", "parse_args", "given_flags", "to_toml"]
 
 # The choices the command line offers; tests keep them equal to PRESETS and SCHEDULES.
-ModelName = Literal["tiny", "small", "25m", "50m", "100m"]
+ModelName = Literal["tiny", "small", "25m", "50m", "100m", "llama3-8b", "llama3-70b"]
 Strategy = Literal["none", "dp", "ddp", "fsdp"]
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
 Precision = Literal["bf16", "fp16"]
@@ -69,10 +69,12 @@ class ModelSection:
     """The model: plait's GPT at one of its preset sizes."""
 
     name: Annotated[ModelName, tyro.conf.arg(name="model")] = "tiny"
-    """the preset: tiny | small | 25m | 50m | 100m"""
+    """the preset: tiny | small | 25m | 50m | 100m | llama3-8b | llama3-70b (Llama 3's shapes)"""
     seq_len: int | None = None
     """tokens per sequence; None: the preset's (with --hf-config 128, fewer if the model's positions end
     sooner)"""
+    layers: int | None = None
+    """blocks of plait's GPT; None: the preset's"""
     hf_config: str | None = None
     """a transformers causal LM's config.json (or its folder): train that model, randomly initialised,
     instead of plait's GPT (needs plait[hf])"""
@@ -286,6 +288,10 @@ class TrainConfig:
             _require(sec, name, getattr(sec, name) >= 0, "an integer >= 0 (0: off)")
         seq_len = self.model.seq_len
         _require(self.model, "seq_len", seq_len is None or seq_len >= 1, "an integer >= 1")
+        _require(self.model, "layers", self.model.layers is None or self.model.layers >= 1, "an integer >= 1")
+        if self.model.layers is not None and self.model.hf_config is not None:
+            raise ValueError("--layers sets the blocks of plait's GPT; --hf-config's model has its own "
+                             "(edit num_hidden_layers in its config)")
         _require(run, "seed", 0 <= run.seed < 2**32, "an integer in [0, 2**32)")
         _require(self.data, "max_bytes", self.data.max_bytes >= MIN_CORPUS_BYTES,
                  f"an integer >= {MIN_CORPUS_BYTES} (the smallest corpus the loader accepts)")
@@ -577,7 +583,8 @@ class TrainConfig:
             n_experts=m.experts, top_k=m.top_k, n_shared_experts=m.shared_experts,
             capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef,
             bias_update_rate=m.bias_update_rate)
-        return dataclasses.replace(base, seq_len=m.seq_len or base.seq_len, **moe)
+        return dataclasses.replace(base, seq_len=m.seq_len or base.seq_len,
+                                   n_layers=m.layers or base.n_layers, **moe)
 
     def mesh(self) -> Mesh:
         par = self.parallel

@@ -85,6 +85,12 @@ PRESETS: dict[str, GPTConfig] = {
     "25m": GPTConfig(seq_len=256, d_model=512, n_layers=8, n_heads=8),
     "50m": GPTConfig(seq_len=256, d_model=640, n_layers=10, n_heads=10),
     "100m": GPTConfig(seq_len=512, d_model=768, n_layers=14, n_heads=12),
+    # Llama 3's shapes (the same blocks: RMSNorm, rotary attention with grouped KV heads, SwiGLU),
+    # for planning layouts of models that size (`plait plan`).
+    "llama3-8b": GPTConfig(vocab_size=128256, seq_len=8192, d_model=4096, n_layers=32, n_heads=32,
+                           n_kv_heads=8, d_ff=14336, rope_base=500000.0),
+    "llama3-70b": GPTConfig(vocab_size=128256, seq_len=8192, d_model=8192, n_layers=80, n_heads=64,
+                            n_kv_heads=8, d_ff=28672, rope_base=500000.0),
 }
 
 

@@ -40,7 +40,8 @@ from plait.live_memory import LiveStorageBytes, storage_key
 from plait.mesh import Mesh
 from plait.pipeline import Pipeline
 
-__all__ = ["Rehearsal", "rehearse", "step_once", "CATEGORIES", "stage_ranks", "rehearse_stages", "measured"]
+__all__ = ["Rehearsal", "rehearse", "step_once", "CATEGORIES", "stage_ranks", "rehearse_stages",
+           "rehearse_layout", "measured", "build_only"]
 
 # What the peak is made of, in the order reports show them.
 CATEGORIES = ("parameters", "gradients", "optimizer state", "communication buffers", "fsdp gathered units",
@@ -299,10 +300,83 @@ def rehearse(cfg: TrainConfig, rank: int = 0, mailbox: dict[tuple[int, int], lis
                      peak_phase=raw["peak_phase"])
 
 
+def build_only(cfg: TrainConfig) -> dict[str, Any]:
+    """`plait plan --dry-run`: the layout built at full size on the meta device, as the first rank of
+    each pipeline stage holds it, with its optimizer state made (one step on stand-in gradients):
+    the true per-rank parameter, gradient and optimizer bytes of the real sharding. No forward
+    runs, so any world size and any model size take seconds."""
+    import time
+
+    from plait.app.train import build_model
+
+    stages = []
+    mailbox: dict[tuple[int, int], list[Any]] = {}
+    for rank in stage_ranks(cfg):
+        t0 = time.perf_counter()
+        with env.dry_run(cfg.parallel.nproc, rank, mailbox) as meta:
+            mesh = cfg.mesh()
+            model = build_model(cfg, mesh, meta)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = make_optimizer(model, cfg)
+            for p in params:
+                p.grad = torch.empty_like(p)
+            opt.step()
+            stages.append({"stage": mesh.coords["pp"], "rank": rank, "mesh": dict(mesh.shape),
+                           "parameters": sum(p.numel() for p in model.parameters()),
+                           "parameter_bytes": _bytes([*model.parameters(), *_buffers(model)]),
+                           "gradient_bytes": _bytes(p.grad for p in params if p.grad is not None),
+                           "optimizer_bytes": _bytes(_tensors_of(opt)),
+                           "groups": len(comm.created_groups()), "seconds": time.perf_counter() - t0})
+            del model, opt, params
+    return {"world": cfg.parallel.nproc, "stages": stages}
+
+
 def rehearse_stages(cfg: TrainConfig) -> list[Rehearsal]:
     """One rehearsal per pipeline stage, in stage order (each receives what the one before sent)."""
     mailbox: dict[tuple[int, int], list[Any]] = {}
     return [rehearse(cfg, r, mailbox) for r in stage_ranks(cfg)]
+
+
+def rehearse_layout(cfg: TrainConfig) -> list[Rehearsal]:
+    """The rehearsals of ``cfg``'s pipeline stages, at the model's full depth or, for a deep GPT,
+    extrapolated from two shallow ones: every block of plait's GPT is the same, so each figure
+    (bytes by category, FLOPs, collectives' calls and bytes) is an affine function of the blocks
+    per stage; two depths give it exactly (the calls of size-capped buckets only
+    nearly). The peak too, as long as it falls at the same point of the step at both depths (the
+    start of backward, or the last stage's loss), as it does."""
+    layers = cfg.gpt_config().n_layers if cfg.model.hf_config is None else None
+    pp = cfg.parallel.pp * max(cfg.parallel.chunks, 1)
+    d1, d2 = 2 * pp, 3 * pp  # not one block: FSDP's first and last units are then one and the same
+    if layers is None or layers <= d2 or layers % pp:
+        return rehearse_stages(cfg)
+    lo, hi = (rehearse_stages(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layers=d)))
+              for d in (d1, d2))
+    t = (layers - d1) / (d2 - d1)
+    out = [_extrapolate(a, b, t, layers // pp) for a, b in zip(lo, hi)]
+    # Where the peak fell elsewhere at the two depths (its parts then move apart), the line through
+    # them says nothing: rehearse the full depth instead.
+    if any(v < 0 for r in out for v in r.at_peak.values()):
+        return rehearse_stages(cfg)
+    return out
+
+
+def _extrapolate(a: Rehearsal, b: Rehearsal, t: float, blocks: int) -> Rehearsal:
+    def at(x: float, y: float) -> float:
+        return x + t * (y - x)
+
+    def whole(x: float, y: float) -> int:
+        return round(at(x, y))
+
+    comm_stats = {k: {f: at(a.comm.get(k, {}).get(f, 0.0), v[f]) for f in v} for k, v in b.comm.items()}
+    per_block = b.block_activations[-1] if b.block_activations else 0
+    return Rehearsal(rank=b.rank, stage=b.stage, peak=whole(a.peak, b.peak),
+                     at_peak={c: whole(a.at_peak[c], b.at_peak[c]) for c in CATEGORIES},
+                     parameters=whole(a.parameters, b.parameters), gradients=whole(a.gradients, b.gradients),
+                     optimizer=whole(a.optimizer, b.optimizer), block_activations=[per_block] * blocks,
+                     flops=at(a.flops, b.flops), flops_by_phase={}, comm=comm_stats,
+                     microbatches_in_flight=b.microbatches_in_flight, peak_phase=b.peak_phase,
+                     extra={"extrapolated_from_blocks_per_stage": [len(a.block_activations),
+                                                                   len(b.block_activations)]})
 
 
 def _in_flight(model: nn.Module | Pipeline, mesh: Mesh) -> int:
@@ -333,6 +407,8 @@ def measured(args: dict[str, Any]) -> dict[str, Any]:
 
     cfg = TrainConfig.from_flags(**args["flags"])
     device = env.device()
+    # What the process held before this layout (a pool's earlier tasks) is not this step's.
+    baseline = LiveStorageBytes(device.type).start if device.type == "cpu" else 0
     mesh = cfg.mesh()
     model = build_model(cfg, mesh, device)
     opt = make_optimizer(model, cfg)
@@ -345,6 +421,7 @@ def measured(args: dict[str, Any]) -> dict[str, Any]:
         step_once(model, opt, cfg, mesh, device)
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    raw.update(times=times, rank=dist.get_rank(), stage=mesh.coords["pp"])
+    raw.update(times=times, rank=dist.get_rank(), stage=mesh.coords["pp"], peak=raw["peak"] - baseline,
+               baseline=baseline)
     mesh.destroy() if hasattr(mesh, "destroy") else None
     return raw

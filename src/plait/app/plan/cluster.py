@@ -1,0 +1,160 @@
+"""The machines a plan is for: devices, memory, speed and links, with presets for common GPUs.
+
+Figures are per device. ``peak_tflops`` is the dense matmul peak in the training dtype (bf16 on
+GPUs, fp32 on CPUs) and ``efficiency`` the share of it a training step reaches on matmul-heavy
+work; bandwidths are what one device sends per second in a ring collective (bus bandwidth),
+within a node (NVLink) and between nodes (one network adapter per device). ``overlap`` is the
+share of data-parallel communication hidden behind compute (asynchronous buckets and prefetched
+gathers on separate streams; about none on CPU, where Gloo's threads share the cores).
+
+`calibrate` measures the CPU figures of this machine with one short job (`plait plan
+--calibrate`): a matmul rate, an all-reduce's latency and bandwidth at two sizes, and the memory
+bandwidth an optimizer step sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Cluster", "PRESETS", "load_cluster", "calibrate"]
+
+GIB = 2**30
+
+
+@dataclass
+class Cluster:
+    name: str = "h100"
+    devices_per_node: int = 8
+    nodes: int = 1
+    memory_gib: float = 79.6
+    peak_tflops: float = 989.0
+    efficiency: float = 0.45
+    intra_gbps: float = 360.0
+    intra_latency_us: float = 10.0
+    inter_gbps: float = 45.0
+    inter_latency_us: float = 25.0
+    memory_gbps: float = 3350.0
+    overlap: float = 0.8
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GIB)
+
+    def flops_per_s(self) -> float:
+        return self.peak_tflops * 1e12 * self.efficiency
+
+    def link(self, within_node: bool) -> tuple[float, float]:
+        """(latency in seconds, bandwidth in bytes/s) of a link within a node or between nodes."""
+        if within_node:
+            return self.intra_latency_us * 1e-6, self.intra_gbps * 1e9
+        return self.inter_latency_us * 1e-6, self.inter_gbps * 1e9
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Public figures: dense bf16 peaks, NVLink / InfiniBand bus bandwidths reached by NCCL's ring
+# all-reduce (about 80% of the links' rate), HBM bandwidths.
+PRESETS: dict[str, Cluster] = {
+    "h100": Cluster(),
+    "h200": Cluster(name="h200", memory_gib=139.8, memory_gbps=4800.0),
+    "a100-80g": Cluster(name="a100-80g", memory_gib=79.2, peak_tflops=312.0, efficiency=0.5, intra_gbps=230.0,
+                        inter_gbps=22.0, memory_gbps=2039.0),
+    "a100-40g": Cluster(name="a100-40g", memory_gib=39.4, peak_tflops=312.0, efficiency=0.5, intra_gbps=230.0,
+                        inter_gbps=22.0, memory_gbps=1555.0),
+    # A laptop-class CPU node: one process per core; `calibrate` measures the real figures.
+    "cpu": Cluster(name="cpu", devices_per_node=2, memory_gib=8.0, peak_tflops=0.05, efficiency=1.0,
+                   intra_gbps=2.0, intra_latency_us=50.0, inter_gbps=1.0, inter_latency_us=100.0,
+                   memory_gbps=10.0, overlap=0.0),
+}
+
+
+def load_cluster(preset: str, overrides: dict[str, Any]) -> Cluster:
+    """A preset name or a JSON file (as `calibrate` writes), with any field overridden."""
+    if preset in PRESETS:
+        base = PRESETS[preset]
+    elif Path(preset).is_file():
+        try:
+            base = Cluster(**json.loads(Path(preset).read_text()))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--cluster {preset}: not a cluster file ({e})") from None
+    else:
+        raise ValueError(f"--cluster {preset}: neither a preset ({', '.join(PRESETS)}) nor a JSON file")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = set(given) - {f.name for f in dataclasses.fields(Cluster)}
+    if unknown:
+        raise ValueError(f"unknown cluster fields {sorted(unknown)}")
+    for k, v in given.items():
+        if k not in ("name",) and not v > 0:
+            raise ValueError(f"--{k.replace('_', '-')} {v}: must be > 0")
+    return dataclasses.replace(base, **given)
+
+
+def _timed(fn: Any, repeat: int) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` runs, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _calibration_job(args: dict[str, Any]) -> dict[str, float]:
+    """On every rank at once (the cores are shared as in a real job): a matmul rate, an all-reduce
+    at two sizes, and a memory-bound update."""
+    import torch.distributed as dist
+
+    from plait import comm
+
+    n = args["matmul"]
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    dist.barrier()
+    t_mm = _timed(lambda: a @ b, 5)
+    out = {"flops_per_s": 2 * n**3 / t_mm}
+    small, large = torch.zeros(256), torch.zeros(args["allreduce_floats"])
+    if dist.get_world_size() > 1:
+        t_small = _timed(lambda: comm.all_reduce(small), 10)
+        t_large = _timed(lambda: comm.all_reduce(large), 5)
+        w = dist.get_world_size()
+        wire = 2 * (w - 1) / w * large.numel() * 4  # what one rank sends in a ring all-reduce
+        out.update(latency_s=t_small, bytes_per_s=wire / max(t_large - t_small, 1e-9))
+    big = torch.zeros(args["allreduce_floats"])
+    other = torch.ones_like(big)
+    t_mem = _timed(lambda: big.add_(other), 5)
+    out["memory_bytes_per_s"] = 3 * big.numel() * 4 / t_mem  # two reads and a write
+    return out
+
+
+def calibrate(world: int, memory_gib: float = 8.0, matmul: int = 512,
+              allreduce_floats: int = 1 << 22) -> Cluster:
+    """This machine's CPU figures, measured with ``world`` ranks running at once."""
+    from plait.testing import RankPool
+
+    pool = RankPool(world, timeout_s=300)
+    try:
+        res = pool.run(_calibration_job, {"matmul": matmul, "allreduce_floats": allreduce_floats})
+    finally:
+        pool.close()
+
+    def mean(key: str, default: float) -> float:
+        vals = [r[key] for r in res if key in r]
+        return sum(vals) / len(vals) if vals else default
+
+    latency, bw = mean("latency_s", 50e-6), mean("bytes_per_s", 1e9)
+    return Cluster(name=f"cpu-calibrated-{world}", devices_per_node=world, nodes=1, memory_gib=memory_gib,
+                   peak_tflops=mean("flops_per_s", 1e10) / 1e12, efficiency=1.0, intra_gbps=bw / 1e9,
+                   intra_latency_us=latency * 1e6, inter_gbps=bw / 1e9, inter_latency_us=latency * 1e6,
+                   memory_gbps=mean("memory_bytes_per_s", 1e10) / 1e9, overlap=0.0)

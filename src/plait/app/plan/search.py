@@ -1,0 +1,116 @@
+"""`plait plan --search`: every layout of a world size, checked, rehearsed and ranked.
+
+Candidates are the data-parallel strategies (DDP; FSDP at ZeRO-1, 2 and 3) crossed with the
+tensor-parallel degrees that fit in a node, the pipeline degrees, context parallelism for long
+sequences, and activation checkpointing off or full; pipelines take 1F1B and zero-bubble H1
+with as many microbatches as the per-pipeline batch allows up to 4 per stage. Each is refused
+first by `plait train`'s own checks (the reason is theirs), then by a lower bound on its model
+states (parameters, gradients and Adam's moments, the ZeRO paper's count) against the memory,
+and only then rehearsed; a rehearsed layout over the memory is rejected with its peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from plait.app.plan.cluster import Cluster
+from plait.app.plan.predict import Prediction, _layout_flags, predict
+from plait.app.plan.rehearse import rehearse_layout
+
+__all__ = ["SearchResult", "search", "candidates", "model_states_bound"]
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Prediction] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)  # flags and reason
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, d = [], 1
+    while d <= limit:
+        out.append(d)
+        d *= 2
+    return out
+
+
+def candidates(world: int, devices_per_node: int, seq_len: int) -> list[dict[str, Any]]:
+    """Layout flags to try for ``world`` ranks (the rest of each layout is the given flags')."""
+    out: list[dict[str, Any]] = []
+    for tp in _powers_of_two(min(devices_per_node, world)):
+        for pp in [p for p in _powers_of_two(world // tp) if p <= 16]:
+            for cp in [c for c in (1, 2, 4, 8) if world % (tp * pp * c) == 0 and (c == 1 or seq_len >= 4096)]:
+                data = world // (tp * pp * cp)
+                strategies: list[dict[str, Any]] = [{"strategy": "ddp", "zero_stage": 3}]
+                if data > 1 or cp > 1:
+                    strategies += [{"strategy": "fsdp", "zero_stage": z} for z in (1, 2, 3)]
+                for strat in strategies:
+                    for ac in ("none", "full"):
+                        base = dict(nproc=world, tp=tp, pp=pp, cp=cp, ac=ac, sequence_parallel=tp > 1, dp=1,
+                                    chunks=1, **strat)
+                        if pp == 1:
+                            out.append(base)
+                            continue
+                        for schedule in ("1f1b", "zb-h1"):
+                            if schedule == "zb-h1" and strat.get("zero_stage") == 3:
+                                continue  # refused by plait train (W after ZeRO-3's reshard)
+                            out.append(dict(base, schedule=schedule, microbatches=4 * pp))
+    return out
+
+
+def model_states_bound(n_params: int, flags: dict[str, Any], mixed: bool) -> float:
+    """Bytes per rank of parameters, gradients and Adam's two moments alone (the ZeRO paper's count:
+    fp32 16 bytes per parameter, mixed precision the same plus 2 for the low-precision copy),
+    split by the layout; a lower bound on the peak."""
+    shard = n_params / (flags.get("tp", 1) * flags.get("pp", 1))
+    data = flags["nproc"] // (flags.get("tp", 1) * flags.get("pp", 1) * flags.get("cp", 1))
+    n = data * flags.get("cp", 1)
+    if flags["strategy"] == "ddp":
+        return 16 * shard
+    per_param = {1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[flags.get("zero_stage", 3)]
+    return (per_param + (2 / n if mixed else 0)) * shard
+
+
+def search(cfg: Any, cluster: Cluster, world: int, progress: bool = True) -> SearchResult:
+    """Rank the layouts of ``world`` ranks for ``cfg``'s model and batch (a `PlanConfig`)."""
+    from tqdm import tqdm
+
+    result = SearchResult()
+    base = cfg.train_config(nproc=1, tp=1, pp=1, cp=1)
+    n_params = _parameter_count(base)
+    tried = candidates(world, cluster.devices_per_node, base.seq_len)
+    for flags in tqdm(tried, desc="plait plan --search", disable=not progress, unit="layout"):
+        try:
+            train = cfg.train_config(**flags)
+        except ValueError as e:
+            result.rejected.append({"flags": flags, "reason": str(e)})
+            continue
+        bound = model_states_bound(n_params, flags, train.parallel.mixed_precision is not None)
+        if bound > cluster.memory_bytes:
+            result.rejected.append({"flags": _layout_flags(train), "reason": (
+                f"model states alone need {bound / 2**30:.1f} GiB per rank, the device has "
+                f"{cluster.memory_gib:g}")})
+            continue
+        try:
+            p = predict(train, rehearse_layout(train), cluster)
+        except (ValueError, RuntimeError) as e:
+            result.rejected.append({"flags": _layout_flags(train), "reason": str(e).splitlines()[0]})
+            continue
+        if p.fits:
+            result.ranked.append(p)
+        else:
+            result.rejected.append({"flags": p.flags, "reason": p.reasons[0]})
+    result.ranked.sort(key=lambda p: p.step_s)
+    return result
+
+
+def _parameter_count(train: Any) -> int:
+    from plait.app.train import unwrapped_model
+
+    with torch.device("meta"):
+        model = unwrapped_model(dataclasses.replace(train), "meta")
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,95 @@
+"""`plait plan`: the rehearsal on the meta device against the same step measured on real ranks.
+
+Each layout below runs for real on a pool of Gloo ranks (live tensor storage of every tensor in
+the process, `plait.comm`'s counts), and is rehearsed in this process on a fake world; the
+predicted peak per rank must be within 5% of the measured one and the bytes of every collective,
+per axis, equal. The 4-block models are rehearsed at 2 and 3 blocks and extrapolated, so the
+extrapolation is measured too. Step time needs a quiet machine: `plait bench plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+
+import pytest
+
+from plait.app.cli import main
+from plait.app.config import TrainConfig
+from plait.app.plan.rehearse import build_only, measured, rehearse_layout, stage_ranks
+
+WORLD2 = [
+    {"strategy": "ddp"},
+    {"strategy": "fsdp"},
+    {"strategy": "fsdp", "zero_stage": 1},
+    {"strategy": "fsdp", "zero_stage": 2, "ac": "full"},
+    {"tp": 2, "sequence_parallel": True},
+    {"tp": 2, "ac": "selective"},
+    {"pp": 2, "schedule": "1f1b"},
+    {"pp": 2, "schedule": "zb-h1"},
+    {"cp": 2},
+]
+
+
+def _flags(extra: dict) -> dict:
+    return {"model": "tiny", "layers": 4, "nproc": 2, "batch_size": 8, **extra}
+
+
+@pytest.mark.parametrize("extra", WORLD2, ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
+def test_rehearsal_predicts_measured_memory_and_bytes(pools, extra):
+    flags = _flags(extra)
+    cfg = TrainConfig.from_flags(**flags)
+    real = pools[2].run(measured, {"flags": flags, "timed": 0})
+    predicted = rehearse_layout(cfg)
+    assert [p.rank for p in predicted] == stage_ranks(cfg)
+    for p in predicted:
+        m = real[p.rank]
+        assert p.peak == pytest.approx(m["peak"], rel=0.05), (p.at_peak, m["at_peak"])
+        sent = {k: v["bytes"] for k, v in m["comm"].items()}
+        assert {k: round(v["bytes"]) for k, v in p.comm.items()} == sent
+        assert p.flops == pytest.approx(m["flops"], rel=1e-9)
+        assert p.parameters == m["parameters"] and p.optimizer == m["optimizer"]
+
+
+def test_dry_run_of_thousands_of_ranks_allocates_nothing():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cfg = TrainConfig.from_flags(model="llama3-8b", nproc=2048, strategy="fsdp", tp=8, sequence_parallel=True,
+                                 batch_size=256, mixed_precision="bf16")
+    report = build_only(cfg)
+    (stage,) = report["stages"]
+    # 8.03B parameters over tp=8 x fsdp=256 ranks, up to FSDP's padding of each flat parameter.
+    share = 8_030_261_248 / 2048
+    assert share <= stage["parameters"] <= share * 1.01
+    # fp32 master shards; Adam's two fp32 moments per parameter (and a step count per tensor).
+    assert stage["parameter_bytes"] >= 4 * stage["parameters"]
+    assert 8 * stage["parameters"] <= stage["optimizer_bytes"] <= 8 * stage["parameters"] + 4096
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 1024  # the full model is 32 GB in fp32
+
+
+def test_cli_json_and_refusals(capsys, tmp_path):
+    picture = tmp_path / "memory.png"
+    assert main(["plan", "--model", "tiny", "--nproc", "2", "--strategy", "fsdp", "--cluster", "cpu",
+                 "--batch-size", "8", "--json", "--picture", str(picture)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    pred = out["prediction"]
+    assert pred["fits"] and pred["step_s"] > 0 and picture.stat().st_size > 0
+    assert set(pred["memory"][0]["at_peak"]) >= {"parameters", "gradients", "optimizer state", "activations"}
+    assert pred["comm_bytes"]["fsdp"] > 0
+    # plait train's own refusals, before anything runs.
+    assert main(["plan", "--model", "tiny", "--nproc", "2", "--tp", "3"]) == 2
+    assert "--nproc 2 is not divisible" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny", "--nproc", "64", "--batch-size", "64", "--cluster", "cpu",
+                 "--nodes", "1"]) == 2
+    assert "the cluster has 2 devices" in capsys.readouterr().err
+
+
+def test_search_ranks_fitting_layouts_and_names_the_rest(capsys):
+    # A device of 4 MiB: the tiny model's replicas do not fit, its shards may.
+    assert main(["plan", "--model", "tiny", "--cluster", "cpu", "--nproc", "2", "--memory-gib", "0.004",
+                 "--batch-size", "8", "--search", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    steps = [p["step_s"] for p in out["ranked"]]
+    assert steps == sorted(steps) and all(p["peak_bytes"] <= 0.004 * 2**30 for p in out["ranked"])
+    reasons = [r["reason"] for r in out["rejected"]]
+    assert any("GiB per rank" in r for r in reasons)
