@@ -13,6 +13,8 @@ import json
 import resource
 
 import pytest
+import torch
+from torch import nn
 
 from plait.app.cli import main
 from plait.app.config import TrainConfig
@@ -27,6 +29,7 @@ WORLD2 = [
     {"tp": 2, "ac": "selective"},
     {"pp": 2, "schedule": "1f1b"},
     {"pp": 2, "schedule": "zb-h1"},
+    {"pp": 2, "schedule": "interleaved", "chunks": 2},
     {"cp": 2},
 ]
 
@@ -93,3 +96,42 @@ def test_search_ranks_fitting_layouts_and_names_the_rest(capsys):
     assert steps == sorted(steps) and all(p["peak_bytes"] <= 0.004 * 2**30 for p in out["ranked"])
     reasons = [r["reason"] for r in out["rejected"]]
     assert any("GiB per rank" in r for r in reasons)
+
+
+class _MLPLanguageModel(nn.Module):
+    """Not plait's GPT: an embedding, two residual MLP blocks and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                                    for _ in range(2))
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def mlp_lm() -> nn.Module:
+    return _MLPLanguageModel()
+
+
+def test_factory_and_hf_config_models_are_planned(capsys, tmp_path):
+    params = sum(p.numel() for p in mlp_lm().parameters())
+    assert main(["plan", "tests.test_plan:mlp_lm", "--nproc", "2", "--strategy", "fsdp", "--seq-len", "16",
+                 "--batch-size", "4", "--cluster", "cpu", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["prediction"]["memory"][0]
+    # ZeRO-3 over 2 ranks: half the fp32 parameters (up to padding), Adam's two moments of them.
+    assert params * 2 <= memory["parameters"] <= params * 2 + 64
+    assert memory["activations_per_block"] and memory["at_peak"]["activations"] > 0
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(tmp_path)
+    assert main(["plan", "--hf-config", str(tmp_path), "--nproc", "2", "--tp", "2", "--seq-len", "32",
+                 "--batch-size", "4", "--cluster", "cpu", "--json"]) == 0
+    pred = json.loads(capsys.readouterr().out)["prediction"]
+    assert pred["comm_bytes"]["tp"] > 0 and pred["fits"]

@@ -180,6 +180,18 @@ def reset_stats() -> CommStats:
 _saved: list[tuple[dict[str, Any], dict[int, GroupInfo], list[dist.ProcessGroup], CommStats]] = []
 
 
+class MailNotSent(RuntimeError):
+    """A dry run's `recv_object` of an object its sender's dry run has not sent yet: rehearse the
+    sender, then this rank again (a pipeline whose stages alternate between ranks needs rounds)."""
+
+
+def _next_mail(key: tuple[str, int, int]) -> int:
+    """How many objects this dry run has sent or received so far on this (direction, src, dst)."""
+    counts = _settings.setdefault("mail_counts", {})
+    counts[key] = counts.get(key, -1) + 1
+    return counts[key]
+
+
 def enter_dry_run(mailbox: dict[tuple[int, int], list[Any]]) -> None:
     """`plait.env.dry_run`'s side: meta-device groups without desync checks, counts from zero,
     objects sent kept in ``mailbox`` (source, destination) -> objects for the rehearsal of their
@@ -189,7 +201,7 @@ def enter_dry_run(mailbox: dict[tuple[int, int], list[Any]]) -> None:
     _groups.clear()
     _made.clear()
     _stats = CommStats()
-    _settings.update(mode="off", device=torch.device("meta"), mailbox=mailbox)
+    _settings.update(mode="off", device=torch.device("meta"), mailbox=mailbox, mail_counts={})
 
 
 def leave_dry_run() -> None:
@@ -639,7 +651,10 @@ def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> N
     _record("send_object", group, 0, 0.0)
     mail = _settings.get("mailbox")
     if mail is not None:  # a dry run: kept for the rehearsal of rank dst (fake groups carry nothing)
-        mail.setdefault((dist.get_rank(), dst), []).append(obj)
+        key = (dist.get_rank(), dst)
+        sent, i = mail.setdefault(key, []), _next_mail(("send", *key))
+        if i == len(sent):  # a rank rehearsed again sends the same objects again: kept once
+            sent.append(obj)
         return
     what = f"send of an object to rank {dst} on {describe(group)}"
     _point_to_point(what, None, dst, lambda: dist.send_object_list([obj], dst=dst))
@@ -651,11 +666,12 @@ def recv_object(src: int, group: dist.ProcessGroup | None = None) -> Any:
     _record("recv_object", group, 0, 0.0)
     mail = _settings.get("mailbox")
     if mail is not None:
-        sent = mail.get((src, dist.get_rank()))
-        if not sent:
-            raise RuntimeError(f"dry run of rank {dist.get_rank()}: rank {src} sent it no object; rehearse "
-                               "the ranks that send first (pipeline stages in order) with the same mailbox")
-        return sent.pop(0)
+        key = (src, dist.get_rank())
+        sent, i = mail.get(key, []), _next_mail(("recv", *key))
+        if i >= len(sent):
+            raise MailNotSent(f"dry run of rank {dist.get_rank()}: rank {src} has not sent it object {i + 1} "
+                              f"yet; rehearse rank {src} (with the same mailbox) first")
+        return sent[i]
     what = f"recv of an object from rank {src} on {describe(group)}"
     _point_to_point(what, None, src, lambda: dist.recv_object_list(box, src=src))
     return box[0]

@@ -250,6 +250,7 @@ def dry_run(world_size: int, rank: int = 0,
                          f"world_size={world_size}, rank={rank}")
     register_fake_backend()
     saved = dict(_state)
+    hook = sys.excepthook  # torch prefixes the rank to tracebacks for each group it starts: not ours
     meta = torch.device("meta")
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     comm.enter_dry_run({} if mailbox is None else mailbox)
@@ -260,6 +261,7 @@ def dry_run(world_size: int, rank: int = 0,
     finally:
         comm.leave_dry_run()
         dist.destroy_process_group()
+        sys.excepthook = hook
         _state.clear()
         _state.update(saved)
 

@@ -7,7 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHES = ("ddp", "fsdp", "tp", "pp", "cp", "moe", "checkpoint", "memory")
+BENCHES = ("ddp", "fsdp", "tp", "pp", "cp", "moe", "checkpoint", "memory", "plan")
 
 
 def _bench_package_root() -> Path:

@@ -54,6 +54,11 @@ def unwrapped_model(cfg: TrainConfig, device: torch.device | str) -> nn.Module:
     the layout to materialize its own part), or the ``--hf-config`` transformers model, built
     whole with its own initialisation under the seed (transformers' norms cannot be materialized
     from the meta device, so each rank builds it and keeps its slices)."""
+    make_model = getattr(cfg, "make_model", None)  # `plait plan FACTORY`: the user's function, on meta
+    if make_model is not None:
+        if str(device) != "meta":
+            raise ValueError("a FACTORY model is built on the meta device only (plait plan)")
+        return make_model()
     if cfg.model.hf_config is not None:
         from plait.app import hf
 

@@ -3,6 +3,7 @@
     plait plan --model llama3-8b --nproc 64 --strategy fsdp --tp 2 --ac full --batch-size 64
     plait plan --model llama3-70b --cluster h100 --nodes 16 --batch-size 256 --search
     plait plan --model llama3-70b --nproc 4096 --tp 8 --pp 8 --strategy fsdp --dry-run
+    plait plan mymodels:build --nproc 8 --strategy fsdp --seq-len 2048 --batch-size 16
 
 The layout flags are `plait train`'s (the same names, checks and refusals). The prediction is a
 rehearsal of the step on the meta device (`plait.app.plan.rehearse`): exact memory and bytes for
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import tyro
 
@@ -76,6 +78,8 @@ class PlanSection:
 
 @dataclass
 class PlanConfig:
+    factory: Annotated[str | None, tyro.conf.Positional, tyro.conf.arg(metavar="FACTORY")] = None
+    """package.module:function returning the model to plan instead of --model (built on the meta device)"""
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
@@ -85,7 +89,12 @@ class PlanConfig:
     def train_config(self, **parallel: Any) -> TrainConfig:
         """The `plait train` config these flags stand for (its checks refuse what cannot run)."""
         par = dataclasses.replace(self.parallel, **parallel)
-        return TrainConfig(model=self.model, parallel=par, data=DataSection(batch_size=self.plan.batch_size))
+        data = DataSection(batch_size=self.plan.batch_size)
+        if self.factory is not None:
+            from plait.app.plan.factory import FactoryTrainConfig
+
+            return FactoryTrainConfig(model=self.model, parallel=par, data=data, factory=self.factory)
+        return TrainConfig(model=self.model, parallel=par, data=data)
 
     def cluster_for(self, world: int | None) -> Cluster:
         c = self.cluster
@@ -166,6 +175,8 @@ def _search(cfg: PlanConfig) -> int:
 
 def cli_main(argv: list[str]) -> int:
     cfg = parse_args(argv)
+    if os.getcwd() not in sys.path:  # FACTORY names a module the way `python -m` would find it
+        sys.path.insert(0, os.getcwd())
     try:
         if cfg.plan.calibrate:
             from plait.app.plan.cluster import calibrate

@@ -8,8 +8,8 @@ share of data-parallel communication hidden behind compute (asynchronous buckets
 gathers on separate streams; about none on CPU, where Gloo's threads share the cores).
 
 `calibrate` measures the CPU figures of this machine with one short job (`plait plan
---calibrate`): a matmul rate, an all-reduce's latency and bandwidth at two sizes, and the memory
-bandwidth an optimizer step sees.
+--calibrate`): a matmul rate, the host time per op of a small model's step beyond its FLOPs, an
+all-reduce's latency and bandwidth at two sizes, and the memory bandwidth an optimizer step sees.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Cluster:
     inter_latency_us: float = 25.0
     memory_gbps: float = 3350.0
     overlap: float = 0.8
+    op_overhead_us: float = 0.0  # host time per op not hidden behind the device (GPUs queue kernels ahead)
 
     @property
     def world_size(self) -> int:
@@ -76,7 +77,7 @@ PRESETS: dict[str, Cluster] = {
     # A laptop-class CPU node: one process per core; `calibrate` measures the real figures.
     "cpu": Cluster(name="cpu", devices_per_node=2, memory_gib=8.0, peak_tflops=0.05, efficiency=1.0,
                    intra_gbps=2.0, intra_latency_us=50.0, inter_gbps=1.0, inter_latency_us=100.0,
-                   memory_gbps=10.0, overlap=0.0),
+                   memory_gbps=10.0, overlap=0.0, op_overhead_us=20.0),
 }
 
 
@@ -96,7 +97,7 @@ def load_cluster(preset: str, overrides: dict[str, Any]) -> Cluster:
     if unknown:
         raise ValueError(f"unknown cluster fields {sorted(unknown)}")
     for k, v in given.items():
-        if k not in ("name",) and not v > 0:
+        if k not in ("name", "overlap", "op_overhead_us") and not v > 0:
             raise ValueError(f"--{k.replace('_', '-')} {v}: must be > 0")
     return dataclasses.replace(base, **given)
 
@@ -120,22 +121,49 @@ def _calibration_job(args: dict[str, Any]) -> dict[str, float]:
     from plait import comm
 
     n = args["matmul"]
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, device="cpu"), torch.randn(n, n, device="cpu")
     dist.barrier()
     t_mm = _timed(lambda: a @ b, 5)
     out = {"flops_per_s": 2 * n**3 / t_mm}
-    small, large = torch.zeros(256), torch.zeros(args["allreduce_floats"])
+    dev = comm.device_of(None)
+    small, large = torch.zeros(256, device=dev), torch.zeros(args["allreduce_floats"], device=dev)
     if dist.get_world_size() > 1:
-        t_small = _timed(lambda: comm.all_reduce(small), 10)
-        t_large = _timed(lambda: comm.all_reduce(large), 5)
+        # Back to back, as a step issues them: the ranks' skew is paid once, not per call.
+        t_small = _timed(lambda: [comm.all_reduce(small) for _ in range(20)], 3) / 20
+        t_large = _timed(lambda: [comm.all_reduce(large) for _ in range(3)], 3) / 3
         w = dist.get_world_size()
         wire = 2 * (w - 1) / w * large.numel() * 4  # what one rank sends in a ring all-reduce
         out.update(latency_s=t_small, bytes_per_s=wire / max(t_large - t_small, 1e-9))
-    big = torch.zeros(args["allreduce_floats"])
+    big = torch.zeros(args["allreduce_floats"], device="cpu")
     other = torch.ones_like(big)
     t_mem = _timed(lambda: big.add_(other), 5)
     out["memory_bytes_per_s"] = 3 * big.numel() * 4 / t_mem  # two reads and a write
+    out["op_overhead_s"] = _op_overhead(out["flops_per_s"])
     return out
+
+
+def _op_overhead(flops_per_s: float) -> float:
+    """Host seconds per op beyond its FLOPs: a small model's training step (plait's tiny GPT, one
+    process, AdamW) timed, less its FLOPs at the matmul rate, over its op count."""
+    import plait
+    from plait.app.plan.rehearse import StepMeter
+    from plait.models.gpt import GPT, PRESETS, lm_loss
+
+    model = plait.init_weights(GPT(PRESETS["tiny"]), 0)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, 256, (4, 64), device="cpu")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(x), x).backward()
+        opt.step()
+
+    step()
+    meter = StepMeter("cpu")
+    with meter:
+        step()
+    t = _timed(step, 5)
+    return max(0.0, (t - meter.flops / flops_per_s) / max(meter.ops, 1))
 
 
 def calibrate(world: int, memory_gib: float = 8.0, matmul: int = 512,
@@ -157,4 +185,5 @@ def calibrate(world: int, memory_gib: float = 8.0, matmul: int = 512,
     return Cluster(name=f"cpu-calibrated-{world}", devices_per_node=world, nodes=1, memory_gib=memory_gib,
                    peak_tflops=mean("flops_per_s", 1e10) / 1e12, efficiency=1.0, intra_gbps=bw / 1e9,
                    intra_latency_us=latency * 1e6, inter_gbps=bw / 1e9, inter_latency_us=latency * 1e6,
-                   memory_gbps=mean("memory_bytes_per_s", 1e10) / 1e9, overlap=0.0)
+                   memory_gbps=mean("memory_bytes_per_s", 1e10) / 1e9, overlap=0.0,
+                   op_overhead_us=mean("op_overhead_s", 20e-6) * 1e6)

@@ -3,13 +3,15 @@
 Memory is the rehearsal's own: the peak of live storage on each pipeline stage's rank, broken
 down by what holds it. Time is a model over the rehearsal's counts:
 
-* compute: the step's FLOPs (recomputation included) at the cluster's rate;
+* compute: the step's FLOPs (recomputation included) at the cluster's rate, plus the host time
+  of its ops where the device does not hide it (CPUs);
 * communication, axis by axis, alpha-beta: each collective's calls times the link's latency
-  (``n - 1`` steps of a ring) plus the bytes one rank sends (`plait.comm`'s wire bytes) over the
-  link's bandwidth. An axis whose ranks fit in one node uses the node's links, else the
-  network's (ranks are laid out pp, dp, fsdp, cp, tp from outermost to innermost, as
-  `plait.Mesh` does). Data-parallel traffic (dp, fsdp, edp) overlaps compute by the cluster's
-  ``overlap``; tensor-, context- and expert-parallel traffic sits on the critical path;
+  (one small collective's time, as `calibrate` measures it) plus the bytes one rank sends
+  (`plait.comm`'s wire bytes) over the link's bandwidth. An axis whose ranks fit in one node
+  uses the node's links, else the network's (ranks are laid out pp, dp, fsdp, cp, tp from
+  outermost to innermost, as `plait.Mesh` does). Data-parallel traffic (dp, fsdp, edp) overlaps
+  compute by the cluster's ``overlap``; tensor-, context- and expert-parallel traffic sits on
+  the critical path;
 * the pipeline: the schedule's own replay (`Schedule.simulate`) with each stage's forward and
   backward durations and the transfer time of its activations, so the bubble is the schedule's;
 * the optimizer step: memory-bound, the bytes it reads and writes at the memory bandwidth.
@@ -81,24 +83,13 @@ def axis_time(cfg: TrainConfig, comm: dict[str, dict[str, float]], cluster: Clus
         if not axes or op.startswith("recv"):  # a receive's time is its sender's
             continue
         latency, bandwidth = cluster.link(_within_node(cfg, axes, cluster))
-        n = _group_size(cfg, axes)
-        steps = 1 if op.startswith("send") else max(n - 1, 1)
-        out[label] = out.get(label, 0.0) + s["calls"] * steps * latency + s["wire_bytes"] / bandwidth
+        out[label] = out.get(label, 0.0) + s["calls"] * latency + s["wire_bytes"] / bandwidth
     return out
-
-
-def _group_size(cfg: TrainConfig, axes: list[str]) -> int:
-    par = cfg.parallel
-    data = par.nproc // (par.pp * par.cp * par.tp)
-    sizes = {"pp": par.pp, "cp": par.cp, "tp": par.tp, "ep": par.ep, "edp": data // par.ep,
-             "dp": par.dp if par.strategy == "fsdp" else data,
-             "fsdp": data // par.dp if par.strategy == "fsdp" else 1}
-    return math.prod(sizes[a] for a in axes)
 
 
 def _stage_times(cfg: TrainConfig, r: Rehearsal, cluster: Cluster) -> dict[str, float]:
     per_axis = axis_time(cfg, r.comm, cluster)
-    compute = r.flops / cluster.flops_per_s()
+    compute = r.flops / cluster.flops_per_s() + r.ops * cluster.op_overhead_us * 1e-6
     dp = sum(t for label, t in per_axis.items() if set(_axis_names(label)) <= set(DATA_PARALLEL))
     blocking = sum(t for label, t in per_axis.items()
                    if not set(_axis_names(label)) <= set(DATA_PARALLEL) and "pp" not in _axis_names(label))
@@ -182,8 +173,9 @@ def _pipeline_span(cfg: TrainConfig, stages: list[Rehearsal], times: list[dict[s
     sched = make_schedule(par.schedule, par.pp, cfg.pipeline_microbatches, par.chunks)
     m = cfg.pipeline_microbatches
     back = _BACKWARD[par.ac]
-    unit = [(t["compute"] + t["blocking"]) / m / (1 + back) for t in times]
     per_rank = len(stages)
+    chunks = sched.stages // sched.ranks  # stages per rank: each action is one chunk's share
+    unit = [(t["compute"] + t["blocking"]) / m / chunks / (1 + back) for t in times]
 
     def cost(a: Any) -> float:
         u = unit[sched.stage_rank(a.stage) % per_rank]

@@ -62,10 +62,10 @@ class Rehearsal:
     optimizer: int
     block_activations: list[int]
     flops: float
-    flops_by_phase: dict[str, float]
     comm: dict[str, dict[str, float]]  # "op@axis" -> calls, bytes, wire_bytes
     microbatches_in_flight: int = 1
     peak_phase: str = ""
+    ops: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -206,9 +206,11 @@ class StepMeter(LiveStorageBytes):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.flops = 0
+        self.ops = 0  # dispatched ops: each costs host time, which dominates small models
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.ops += 1
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             self.flops += formula(*args, **(kwargs or {}), out_val=out)
@@ -275,7 +277,7 @@ def measure_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: T
     return dict(peak=tracker.peak, at_peak=at_peak,
                 start=tracker.start, parameters=_bytes([*params, *buffers]), gradients=_bytes(grads),
                 optimizer=_bytes(_tensors_of(opt)), block_activations=meter.added,
-                flops=float(tracker.flops), comm=stats, peak_phase=tracker.peak_phase)
+                flops=float(tracker.flops), ops=tracker.ops, comm=stats, peak_phase=tracker.peak_phase)
 
 
 def rehearse(cfg: TrainConfig, rank: int = 0, mailbox: dict[tuple[int, int], list[Any]] | None = None
@@ -296,8 +298,8 @@ def rehearse(cfg: TrainConfig, rank: int = 0, mailbox: dict[tuple[int, int], lis
     return Rehearsal(rank=rank, stage=stage, peak=raw["peak"], at_peak=raw["at_peak"],
                      parameters=raw["parameters"], gradients=raw["gradients"], optimizer=raw["optimizer"],
                      block_activations=raw["block_activations"], flops=raw["flops"],
-                     flops_by_phase={}, comm=raw["comm"], microbatches_in_flight=in_flight,
-                     peak_phase=raw["peak_phase"])
+                     comm=raw["comm"], microbatches_in_flight=in_flight,
+                     peak_phase=raw["peak_phase"], ops=raw["ops"])
 
 
 def build_only(cfg: TrainConfig) -> dict[str, Any]:
@@ -332,9 +334,24 @@ def build_only(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def rehearse_stages(cfg: TrainConfig) -> list[Rehearsal]:
-    """One rehearsal per pipeline stage, in stage order (each receives what the one before sent)."""
+    """One rehearsal per pipeline stage, in stage order, each receiving the shapes the one before sent.
+    With several stages per rank (interleaved, V schedules) the chain of shapes goes round the ranks
+    more than once: a rank that waits for shapes not sent yet is rehearsed again in the next round,
+    after its senders."""
     mailbox: dict[tuple[int, int], list[Any]] = {}
-    return [rehearse(cfg, r, mailbox) for r in stage_ranks(cfg)]
+    done: dict[int, Rehearsal] = {}
+    ranks = stage_ranks(cfg)
+    for _ in range(2 * max(cfg.parallel.chunks, 2) + 1):
+        for r in ranks:
+            if r not in done:
+                try:
+                    done[r] = rehearse(cfg, r, mailbox)
+                except comm.MailNotSent:
+                    continue
+        if len(done) == len(ranks):
+            return [done[r] for r in ranks]
+    raise RuntimeError(f"plait plan: the pipeline's stages never received their shapes (ranks "
+                       f"{sorted(set(ranks) - set(done))}); this schedule cannot be rehearsed")
 
 
 def rehearse_layout(cfg: TrainConfig) -> list[Rehearsal]:
@@ -344,7 +361,8 @@ def rehearse_layout(cfg: TrainConfig) -> list[Rehearsal]:
     per stage; two depths give it exactly (the calls of size-capped buckets only
     nearly). The peak too, as long as it falls at the same point of the step at both depths (the
     start of backward, or the last stage's loss), as it does."""
-    layers = cfg.gpt_config().n_layers if cfg.model.hf_config is None else None
+    own_gpt = cfg.model.hf_config is None and getattr(cfg, "make_model", None) is None
+    layers = cfg.gpt_config().n_layers if own_gpt else None
     pp = cfg.parallel.pp * max(cfg.parallel.chunks, 1)
     d1, d2 = 2 * pp, 3 * pp  # not one block: FSDP's first and last units are then one and the same
     if layers is None or layers <= d2 or layers % pp:
@@ -373,8 +391,9 @@ def _extrapolate(a: Rehearsal, b: Rehearsal, t: float, blocks: int) -> Rehearsal
                      at_peak={c: whole(a.at_peak[c], b.at_peak[c]) for c in CATEGORIES},
                      parameters=whole(a.parameters, b.parameters), gradients=whole(a.gradients, b.gradients),
                      optimizer=whole(a.optimizer, b.optimizer), block_activations=[per_block] * blocks,
-                     flops=at(a.flops, b.flops), flops_by_phase={}, comm=comm_stats,
+                     flops=at(a.flops, b.flops), comm=comm_stats,
                      microbatches_in_flight=b.microbatches_in_flight, peak_phase=b.peak_phase,
+                     ops=whole(a.ops, b.ops),
                      extra={"extrapolated_from_blocks_per_stage": [len(a.block_activations),
                                                                    len(b.block_activations)]})
 
