@@ -131,12 +131,16 @@ def predict(cfg: TrainConfig, stages: list[Rehearsal], cluster: Cluster) -> Pred
             label = key.partition("@")[2]
             comm_bytes[label] = max(comm_bytes.get(label, 0.0), _sent(r, label))
     fits = peak <= cluster.memory_bytes
-    reasons = [] if fits else [f"needs {peak / 2**30:.1f} GiB per rank, the device has "
-                               f"{cluster.memory_gib:g}"]
+    reasons = [] if fits else [f"needs {size(peak)} per rank, the device has {cluster.memory_gib:g} GiB"]
     tokens = cfg.data.batch_size * cfg.seq_len
     return Prediction(flags=_layout_flags(cfg), world=par.nproc, peak_bytes=peak, memory=memory, step_s=step,
                       time=time, comm_bytes=comm_bytes, tokens_per_s=tokens / step if step > 0 else math.inf,
                       fits=fits, reasons=reasons)
+
+
+def size(n: float) -> str:
+    """Bytes for people: GiB, or MiB below one."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _sent(r: Rehearsal, label: str) -> float:
@@ -147,7 +151,9 @@ def _layout_flags(cfg: TrainConfig) -> dict[str, Any]:
     par = cfg.parallel
     flags: dict[str, Any] = {"strategy": par.strategy, "nproc": par.nproc}
     if par.strategy == "fsdp":
-        flags.update(zero_stage=par.zero_stage, dp=par.dp)
+        flags["zero_stage"] = par.zero_stage
+        if par.dp > 1:
+            flags["dp"] = par.dp
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(par, name) > 1:
             flags[name] = getattr(par, name)

@@ -6,7 +6,7 @@ from typing import Any
 
 from plait.app.config import TrainConfig
 from plait.app.plan.cluster import Cluster
-from plait.app.plan.predict import Prediction, breakdown_rows
+from plait.app.plan.predict import Prediction, breakdown_rows, size
 from plait.app.plan.rehearse import CATEGORIES
 
 __all__ = ["format_prediction", "format_search", "format_dry_run", "write_picture", "layout_text"]
@@ -14,8 +14,7 @@ __all__ = ["format_prediction", "format_search", "format_dry_run", "write_pictur
 GIB, MIB = 2**30, 2**20
 
 
-def _b(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
+_b = size
 
 
 def _s(t: float) -> str:

@@ -1,12 +1,13 @@
 """`plait plan --search`: every layout of a world size, checked, rehearsed and ranked.
 
 Candidates are the data-parallel strategies (DDP; FSDP at ZeRO-1, 2 and 3) crossed with the
-tensor-parallel degrees that fit in a node, the pipeline degrees, context parallelism for long
-sequences, and activation checkpointing off or full; pipelines take 1F1B and zero-bubble H1
-with as many microbatches as the per-pipeline batch allows up to 4 per stage. Each is refused
-first by `plait train`'s own checks (the reason is theirs), then by a lower bound on its model
-states (parameters, gradients and Adam's moments, the ZeRO paper's count) against the memory,
-and only then rehearsed; a rehearsed layout over the memory is rejected with its peak.
+tensor-parallel degrees that fit in a node (with sequence parallelism), the pipeline degrees
+(the given ``--schedule``, 1F1B by default, with 4 microbatches per stage), and context
+parallelism for sequences of 32k tokens and more. Each is refused first by `plait train`'s own
+checks (the reason is theirs), then by a lower bound on its model states (parameters, gradients
+and Adam's moments, the ZeRO paper's count) against the memory, and only then rehearsed; a
+rehearsed layout over the memory is rehearsed again with full activation checkpointing (unless
+``--ac`` was given), and rejected with its peak if that does not fit either.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from plait.app.plan.cluster import Cluster
-from plait.app.plan.predict import Prediction, _layout_flags, predict
+from plait.app.plan.predict import Prediction, _layout_flags, predict, size
 from plait.app.plan.rehearse import rehearse_layout
 
 __all__ = ["SearchResult", "search", "candidates", "model_states_bound"]
@@ -38,27 +39,22 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def candidates(world: int, devices_per_node: int, seq_len: int) -> list[dict[str, Any]]:
+def candidates(world: int, devices_per_node: int, seq_len: int, schedule: str = "1f1b",
+               long_sequence: int = 32768) -> list[dict[str, Any]]:
     """Layout flags to try for ``world`` ranks (the rest of each layout is the given flags')."""
     out: list[dict[str, Any]] = []
     for tp in _powers_of_two(min(devices_per_node, world)):
         for pp in [p for p in _powers_of_two(world // tp) if p <= 16]:
-            for cp in [c for c in (1, 2, 4, 8) if world % (tp * pp * c) == 0 and (c == 1 or seq_len >= 4096)]:
+            for cp in [c for c in (1, 2, 4, 8) if world % (tp * pp * c) == 0
+                       and (c == 1 or seq_len >= long_sequence)]:
                 data = world // (tp * pp * cp)
                 strategies: list[dict[str, Any]] = [{"strategy": "ddp", "zero_stage": 3}]
                 if data > 1 or cp > 1:
                     strategies += [{"strategy": "fsdp", "zero_stage": z} for z in (1, 2, 3)]
                 for strat in strategies:
-                    for ac in ("none", "full"):
-                        base = dict(nproc=world, tp=tp, pp=pp, cp=cp, ac=ac, sequence_parallel=tp > 1, dp=1,
-                                    chunks=1, **strat)
-                        if pp == 1:
-                            out.append(base)
-                            continue
-                        for schedule in ("1f1b", "zb-h1"):
-                            if schedule == "zb-h1" and strat.get("zero_stage") == 3:
-                                continue  # refused by plait train (W after ZeRO-3's reshard)
-                            out.append(dict(base, schedule=schedule, microbatches=4 * pp))
+                    base = dict(nproc=world, tp=tp, pp=pp, cp=cp, sequence_parallel=tp > 1, dp=1, chunks=1,
+                                **strat)
+                    out.append(base if pp == 1 else dict(base, schedule=schedule, microbatches=4 * pp))
     return out
 
 
@@ -82,30 +78,39 @@ def search(cfg: Any, cluster: Cluster, world: int, progress: bool = True) -> Sea
     result = SearchResult()
     base = cfg.train_config(nproc=1, tp=1, pp=1, cp=1)
     n_params = _parameter_count(base)
-    tried = candidates(world, cluster.devices_per_node, base.seq_len)
+    tried = candidates(world, cluster.devices_per_node, base.seq_len, cfg.parallel.schedule)
+    checkpointing = [cfg.parallel.ac] if "ac" in cfg.given else ["none", "full"]
     for flags in tqdm(tried, desc="plait plan --search", disable=not progress, unit="layout"):
-        try:
-            train = cfg.train_config(**flags)
-        except ValueError as e:
-            result.rejected.append({"flags": flags, "reason": str(e)})
-            continue
-        bound = model_states_bound(n_params, flags, train.parallel.mixed_precision is not None)
-        if bound > cluster.memory_bytes:
-            result.rejected.append({"flags": _layout_flags(train), "reason": (
-                f"model states alone need {bound / 2**30:.1f} GiB per rank, the device has "
-                f"{cluster.memory_gib:g}")})
-            continue
-        try:
-            p = predict(train, rehearse_layout(train), cluster)
-        except (ValueError, RuntimeError) as e:
-            result.rejected.append({"flags": _layout_flags(train), "reason": str(e).splitlines()[0]})
-            continue
-        if p.fits:
-            result.ranked.append(p)
-        else:
-            result.rejected.append({"flags": p.flags, "reason": p.reasons[0]})
+        for ac in checkpointing:
+            verdict = _try(cfg, dict(flags, ac=ac), n_params, cluster)
+            if isinstance(verdict, Prediction):
+                result.ranked.append(verdict)
+                break
+            if ac == checkpointing[-1] or not verdict.get("memory"):  # only memory is worth a retry
+                result.rejected.append(verdict)
+                break
     result.ranked.sort(key=lambda p: p.step_s)
     return result
+
+
+def _try(cfg: Any, flags: dict[str, Any], n_params: int, cluster: Cluster) -> Prediction | dict[str, Any]:
+    """The prediction of one layout, or why it was rejected (``memory``: for want of memory)."""
+    try:
+        train = cfg.train_config(**flags)
+    except ValueError as e:
+        return {"flags": flags, "reason": str(e)}
+    bound = model_states_bound(n_params, flags, train.parallel.mixed_precision is not None)
+    if bound > cluster.memory_bytes:
+        # Checkpointing changes activations only: no retry.
+        return {"flags": _layout_flags(train), "reason": (
+            f"model states alone need {size(bound)} per rank, the device has {cluster.memory_gib:g} GiB")}
+    try:
+        p = predict(train, rehearse_layout(train), cluster)
+    except (ValueError, RuntimeError) as e:
+        return {"flags": _layout_flags(train), "reason": str(e).splitlines()[0]}
+    if not p.fits:
+        return {"flags": p.flags, "memory": True, "reason": p.reasons[0]}
+    return p
 
 
 def _parameter_count(train: Any) -> int:
