@@ -46,7 +46,7 @@ def _layout(extra: dict[str, Any]) -> str:
 
 def run_world(world: int, models: list[str], timed: int, batch: int) -> list[dict[str, Any]]:
     from plait.app.config import TrainConfig
-    from plait.app.plan.cluster import calibrate, reference_flags
+    from plait.app.plan.calibrate import calibrate, reference_flags
     from plait.app.plan.predict import predict
     from plait.app.plan.rehearse import measured, rehearse_layout
     from plait.testing import RankPool

@@ -1,7 +1,8 @@
 """`plait plan`: the rehearsal on the meta device against the same step measured on real ranks.
 
 Each layout below runs for real on a pool of Gloo ranks (live tensor storage of every tensor in
-the process, `plait.comm`'s counts), and is rehearsed in this process on a fake world; the
+the process, `plait.comm`'s counts), and is rehearsed on a fake world in a process of its own (a
+dry run makes the default process group, which other test modules may have made here); the
 predicted peak per rank must be within 5% of the measured one and the bytes of every collective,
 per axis, equal. The 4-block models are rehearsed at 2 and 3 blocks and extrapolated, so the
 extrapolation is measured too. Step time needs a quiet machine: `plait bench plan`.
@@ -9,8 +10,14 @@ extrapolation is measured too. Step time needs a quiet machine: `plait bench pla
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import multiprocessing
 import resource
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -34,16 +41,40 @@ WORLD2 = [
 ]
 
 
+@pytest.fixture(scope="module")
+def planner() -> Iterator[ProcessPoolExecutor]:
+    """A fresh process for dry runs (they refuse to start where a process group exists)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        yield ex
+
+
+def _rehearsals(flags: dict) -> list:
+    return rehearse_layout(TrainConfig.from_flags(**flags))
+
+
+def _plan_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["plan", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def _dry_run_report(flags: dict) -> tuple[dict[str, Any], float]:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report = build_only(TrainConfig.from_flags(**flags))
+    return report, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
 def _flags(extra: dict) -> dict:
     return {"model": "tiny", "layers": 4, "nproc": 2, "batch_size": 8, **extra}
 
 
 @pytest.mark.parametrize("extra", WORLD2, ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
-def test_rehearsal_predicts_measured_memory_and_bytes(pools, extra):
+def test_rehearsal_predicts_measured_memory_and_bytes(pools, planner, extra):
     flags = _flags(extra)
     cfg = TrainConfig.from_flags(**flags)
     real = pools[2].run(measured, {"flags": flags, "timed": 0})
-    predicted = rehearse_layout(cfg)
+    predicted = planner.submit(_rehearsals, flags).result()
     assert [p.rank for p in predicted] == stage_ranks(cfg)
     for p in predicted:
         m = real[p.rank]
@@ -54,11 +85,10 @@ def test_rehearsal_predicts_measured_memory_and_bytes(pools, extra):
         assert p.parameters == m["parameters"] and p.optimizer == m["optimizer"]
 
 
-def test_dry_run_of_thousands_of_ranks_allocates_nothing():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    cfg = TrainConfig.from_flags(model="llama3-8b", nproc=2048, strategy="fsdp", tp=8, sequence_parallel=True,
-                                 batch_size=256, mixed_precision="bf16")
-    report = build_only(cfg)
+def test_dry_run_of_thousands_of_ranks_allocates_nothing(planner):
+    flags = dict(model="llama3-8b", nproc=2048, strategy="fsdp", tp=8, sequence_parallel=True, batch_size=256,
+                 mixed_precision="bf16")
+    report, grown_mib = planner.submit(_dry_run_report, flags).result()
     (stage,) = report["stages"]
     # 8.03B parameters over tp=8 x fsdp=256 ranks, up to FSDP's padding of each flat parameter.
     share = 8_030_261_248 / 2048
@@ -66,37 +96,40 @@ def test_dry_run_of_thousands_of_ranks_allocates_nothing():
     # fp32 master shards; Adam's two fp32 moments per parameter (and a step count per tensor).
     assert stage["parameter_bytes"] >= 4 * stage["parameters"]
     assert 8 * stage["parameters"] <= stage["optimizer_bytes"] <= 8 * stage["parameters"] + 4096
-    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mib < 1024  # the full model is 32 GB in fp32
 
 
-def test_cli_json_and_refusals(capsys, tmp_path):
+def test_cli_json_and_refusals(planner, tmp_path):
     picture = tmp_path / "memory.png"
-    assert main(["plan", "--model", "tiny", "--nproc", "2", "--strategy", "fsdp", "--cluster", "cpu",
-                 "--batch-size", "8", "--json", "--picture", str(picture)]) == 0
-    out = json.loads(capsys.readouterr().out)
-    pred = out["prediction"]
+    argv = ["--model", "tiny", "--nproc", "2", "--strategy", "fsdp", "--cluster", "cpu", "--batch-size", "8",
+            "--json", "--picture", str(picture)]
+    code, out, _ = planner.submit(_plan_cli, argv).result()
+    assert code == 0
+    pred = json.loads(out)["prediction"]
     assert pred["fits"] and pred["step_s"] > 0 and picture.stat().st_size > 0
     assert set(pred["memory"][0]["at_peak"]) >= {"parameters", "gradients", "optimizer state", "activations"}
     assert pred["comm_bytes"]["fsdp"] > 0
     # plait train's own refusals, before anything runs.
-    assert main(["plan", "--model", "tiny", "--nproc", "2", "--tp", "3"]) == 2
-    assert "--nproc 2 is not divisible" in capsys.readouterr().err
-    assert main(["plan", "--model", "tiny", "--nproc", "64", "--batch-size", "64", "--cluster", "cpu",
-                 "--nodes", "1"]) == 2
-    assert "the cluster has 2 devices" in capsys.readouterr().err
+    code, _, err = planner.submit(_plan_cli, ["--model", "tiny", "--nproc", "2", "--tp", "3"]).result()
+    assert code == 2 and "--nproc 2 is not divisible" in err
+    code, _, err = planner.submit(_plan_cli, ["--model", "tiny", "--nproc", "64", "--batch-size", "64",
+                                              "--cluster", "cpu", "--nodes", "1"]).result()
+    assert code == 2 and "the cluster has 2 devices" in err
 
 
-def test_search_ranks_fitting_layouts_and_names_the_rest(capsys):
+def test_search_ranks_fitting_layouts_and_names_the_rest(planner):
     # A device of 2.9 MiB: only some layouts of the tiny model fit, with checkpointing.
-    assert main(["plan", "--model", "tiny", "--cluster", "cpu", "--nproc", "2", "--memory-gib", "0.0029",
-                 "--batch-size", "8", "--search", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    steps = [p["step_s"] for p in out["ranked"]]
-    assert steps and steps == sorted(steps) and all(p["peak_bytes"] <= 0.0029 * 2**30 for p in out["ranked"])
+    argv = ["--model", "tiny", "--cluster", "cpu", "--nproc", "2", "--memory-gib", "0.0029",
+            "--batch-size", "8", "--search", "--json"]
+    code, out, _ = planner.submit(_plan_cli, argv).result()
+    assert code == 0
+    found = json.loads(out)
+    steps = [p["step_s"] for p in found["ranked"]]
+    assert steps and steps == sorted(steps)
+    assert all(p["peak_bytes"] <= 0.0029 * 2**30 for p in found["ranked"])
     # Layouts that fit only with activation checkpointing are ranked with it.
-    assert any(p["flags"].get("ac") == "full" for p in out["ranked"])
-    reasons = [r["reason"] for r in out["rejected"]]
+    assert any(p["flags"].get("ac") == "full" for p in found["ranked"])
+    reasons = [r["reason"] for r in found["rejected"]]
     assert any(r.startswith("needs ") and "per rank, the device has 0.0029 GiB" in r for r in reasons)
 
 
@@ -121,11 +154,13 @@ def mlp_lm() -> nn.Module:
     return _MLPLanguageModel()
 
 
-def test_factory_and_hf_config_models_are_planned(capsys, tmp_path):
+def test_factory_and_hf_config_models_are_planned(planner, tmp_path):
     params = sum(p.numel() for p in mlp_lm().parameters())
-    assert main(["plan", "tests.test_plan:mlp_lm", "--nproc", "2", "--strategy", "fsdp", "--seq-len", "16",
-                 "--batch-size", "4", "--cluster", "cpu", "--json"]) == 0
-    memory = json.loads(capsys.readouterr().out)["prediction"]["memory"][0]
+    code, out, _ = planner.submit(_plan_cli, ["tests.test_plan:mlp_lm", "--nproc", "2", "--strategy", "fsdp",
+                                              "--seq-len", "16", "--batch-size", "4", "--cluster", "cpu",
+                                              "--json"]).result()
+    assert code == 0
+    memory = json.loads(out)["prediction"]["memory"][0]
     # ZeRO-3 over 2 ranks: half the fp32 parameters (up to padding), Adam's two moments of them.
     assert params * 2 <= memory["parameters"] <= params * 2 + 64
     assert memory["activations_per_block"] and memory["at_peak"]["activations"] > 0
@@ -133,7 +168,9 @@ def test_factory_and_hf_config_models_are_planned(capsys, tmp_path):
     transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=64).save_pretrained(tmp_path)
-    assert main(["plan", "--hf-config", str(tmp_path), "--nproc", "2", "--tp", "2", "--seq-len", "32",
-                 "--batch-size", "4", "--cluster", "cpu", "--json"]) == 0
-    pred = json.loads(capsys.readouterr().out)["prediction"]
+    code, out, _ = planner.submit(_plan_cli, ["--hf-config", str(tmp_path), "--nproc", "2", "--tp", "2",
+                                              "--seq-len", "32", "--batch-size", "4", "--cluster", "cpu",
+                                              "--json"]).result()
+    assert code == 0
+    pred = json.loads(out)["prediction"]
     assert pred["comm_bytes"]["tp"] > 0 and pred["fits"]

@@ -150,7 +150,7 @@ def _evaluate(model: nn.Module | Pipeline, sampler: BatchSampler, cfg: TrainConf
     total = 0.0
     if isinstance(model, Pipeline):
         for i in range(cfg.run.eval_batches):
-            x, y = _tokens(sampler.batch_at(i), device, mesh)
+            x, y = rank_tokens(sampler.batch_at(i), device, mesh)
             total += float(model.eval_step(x, y))
         return float(_mean_over(torch.tensor(total / cfg.run.eval_batches), mesh.group(LOSS_AXES),
                                 mesh.size(LOSS_AXES)))
@@ -158,14 +158,14 @@ def _evaluate(model: nn.Module | Pipeline, sampler: BatchSampler, cfg: TrainConf
     model.eval()
     with torch.no_grad():
         for i in range(cfg.run.eval_batches):
-            x, y = _tokens(sampler.batch_at(i), device, mesh)
+            x, y = rank_tokens(sampler.batch_at(i), device, mesh)
             total += loss_fn(model(x), y).item()
     model.train()
     return float(_mean_over(torch.tensor(total / cfg.run.eval_batches), mesh.group(LOSS_AXES),
                             mesh.size(LOSS_AXES)))
 
 
-def _moe_layers(model: nn.Module | Pipeline) -> list[MoE]:
+def moe_layers_of(model: nn.Module | Pipeline) -> list[MoE]:
     modules = model.stages.values() if isinstance(model, Pipeline) else [model]
     return [m for mod in modules for m in moe_layers(mod)]
 
@@ -182,7 +182,7 @@ def _balance_experts(layers: list[MoE], mesh: Mesh) -> None:
         update_balance(layer, [total.to(layer.expert_bias.device)])
 
 
-def _tokens(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+def rank_tokens(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
             mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets on the device; with context parallelism, this rank's tokens of them."""
     x, y = (t.to(device) for t in batch)
@@ -200,7 +200,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes)
     model = build_model(cfg, mesh, device)
     loss_fn = lm_loss if isinstance(model, Pipeline) else loss_fn_for(model)
-    moe = _moe_layers(model)
+    moe = moe_layers_of(model)
     for layer in moe:  # each forward's balancing loss weighs what its micro-batch's loss weighs
         parts = cfg.pipeline_microbatches if isinstance(model, Pipeline) else cfg.run.grad_accum
         layer.aux_loss_scale = 1 / parts
@@ -235,7 +235,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        x, y = _tokens(next(sampler), device, mesh)
+        x, y = rank_tokens(next(sampler), device, mesh)
         with comm.scope(f"step {step + 1}"):  # named in desync reports, timeouts and flight records
             mean_loss, norm = train_step(model, opt, x, y, cfg, mesh, loss_fn, scaler, moe)
             last_loss, grad_norm = float(mean_loss), float(norm)

@@ -179,7 +179,7 @@ def cli_main(argv: list[str]) -> int:
         sys.path.insert(0, os.getcwd())
     try:
         if cfg.plan.calibrate:
-            from plait.app.plan.cluster import calibrate
+            from plait.app.plan.calibrate import calibrate
 
             found = calibrate(cfg.parallel.nproc)
             Path(cfg.plan.calibrate).write_text(json.dumps(found.as_dict(), indent=2) + "\n")

@@ -133,7 +133,7 @@ def predict(cfg: TrainConfig, stages: list[Rehearsal], cluster: Cluster) -> Pred
     fits = peak <= cluster.memory_bytes
     reasons = [] if fits else [f"needs {size(peak)} per rank, the device has {cluster.memory_gib:g} GiB"]
     tokens = cfg.data.batch_size * cfg.seq_len
-    return Prediction(flags=_layout_flags(cfg), world=par.nproc, peak_bytes=peak, memory=memory, step_s=step,
+    return Prediction(flags=layout_flags(cfg), world=par.nproc, peak_bytes=peak, memory=memory, step_s=step,
                       time=time, comm_bytes=comm_bytes, tokens_per_s=tokens / step if step > 0 else math.inf,
                       fits=fits, reasons=reasons)
 
@@ -147,7 +147,7 @@ def _sent(r: Rehearsal, label: str) -> float:
     return sum(s["wire_bytes"] for key, s in r.comm.items() if key.partition("@")[2] == label)
 
 
-def _layout_flags(cfg: TrainConfig) -> dict[str, Any]:
+def layout_flags(cfg: TrainConfig) -> dict[str, Any]:
     par = cfg.parallel
     flags: dict[str, Any] = {"strategy": par.strategy, "nproc": par.nproc}
     if par.strategy == "fsdp":

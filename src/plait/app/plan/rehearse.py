@@ -10,11 +10,15 @@ optimizer state) and measures the second:
   buffers (DDP's buckets), FSDP's gathered units, and activations (everything else: tensors
   saved for backward and the temporaries of the moment);
 * activations per block: the live bytes each transformer block adds in its first forward;
-* floating-point operations per phase (`torch.utils.flop_counter`), recomputation included;
+* floating-point operations (by the formulas of `torch.utils.flop_counter`), recomputation
+  included, and the number of ops (their host time matters on CPUs);
 * communication: `plait.comm`'s own count of every collective, per axis (calls, logical and wire
   bytes), the figure a real run's counters give.
 
-Nothing is allocated and no value is real, so only shapes, bytes and counts are read.
+Nothing is allocated and no value is real, so only shapes, bytes and counts are read. Ranks of
+one pipeline stage hold the same shapes, so one per stage is rehearsed; `rehearse_layout`
+extrapolates a deep GPT from two shallow depths; `measured` is the same step on real ranks, the
+validation's other side; `build_only` is ``plait plan --dry-run``.
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ def stage_ranks(cfg: TrainConfig) -> list[int]:
     return [s * per_stage for s in range(cfg.parallel.pp)]
 
 
+def _parts(model: nn.Module | Pipeline) -> list[nn.Module]:
+    """The modules this rank runs: the model, or a pipeline's stages."""
+    return [model] if isinstance(model, nn.Module) else list(model.stages.values())
+
+
 def _tensors_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
@@ -97,7 +106,7 @@ def _keys(tensors: Iterable[torch.Tensor]) -> set[int]:
 def _fsdp_flats(model: nn.Module | Pipeline) -> list[Any]:
     from plait.fsdp.wrapper import FullyShardedDataParallel
 
-    mods = [model] if isinstance(model, nn.Module) else list(model.stages.values())
+    mods = _parts(model)
     return [f for m in mods for sub in m.modules() if isinstance(sub, FullyShardedDataParallel)
             for u in sub.units for f in u.flats]
 
@@ -105,7 +114,7 @@ def _fsdp_flats(model: nn.Module | Pipeline) -> list[Any]:
 def _ddp_buckets(model: nn.Module | Pipeline) -> list[torch.Tensor]:
     from plait.ddp.wrapper import DistributedDataParallel
 
-    mods = [model] if isinstance(model, nn.Module) else list(model.stages.values())
+    mods = _parts(model)
     found: list[torch.Tensor] = []
     for m in mods:
         for sub in m.modules():
@@ -115,20 +124,17 @@ def _ddp_buckets(model: nn.Module | Pipeline) -> list[torch.Tensor]:
 
 
 def _buffers(model: nn.Module | Pipeline) -> list[torch.Tensor]:
-    mods = [model] if isinstance(model, nn.Module) else list(model.stages.values())
+    mods = _parts(model)
     return [b for m in mods for b in m.buffers()]
 
 
 def _blocks(model: nn.Module | Pipeline) -> list[nn.Module]:
-    """The repeated blocks (children of the outermost ModuleLists), as activation checkpointing
-    picks them."""
-    mods = [model] if isinstance(model, nn.Module) else list(model.stages.values())
+    """The repeated blocks (the children of each stage's outermost ModuleList), as activation
+    checkpointing picks them."""
     out: list[nn.Module] = []
-    for m in mods:
-        for sub in m.modules():
-            if isinstance(sub, nn.ModuleList) and not any(sub is b or sub in list(b.modules()) for b in out):
-                out.extend(sub)
-                break
+    for m in _parts(model):
+        lists = [sub for sub in m.modules() if isinstance(sub, nn.ModuleList)]
+        out.extend(lists[0] if lists else [])
     return out
 
 
@@ -136,7 +142,7 @@ def step_once(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: Trai
               device: torch.device) -> None:
     """One `plait train` step on this rank's share of a global batch of token ids."""
     import plait
-    from plait.app.train import _moe_layers, _tokens, train_step
+    from plait.app.train import moe_layers_of, rank_tokens, train_step
     from plait.models.gpt import lm_loss
     from plait.tp.apply import loss_fn_for
 
@@ -144,10 +150,10 @@ def step_once(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: Trai
     vocab = 256
     x = torch.randint(0, vocab, (per_rank, cfg.seq_len), device=device)
     y = torch.randint(0, vocab, (per_rank, cfg.seq_len), device=device)
-    x, y = _tokens((x, y), device, mesh)
+    x, y = rank_tokens((x, y), device, mesh)
     loss_fn = lm_loss if isinstance(model, Pipeline) else loss_fn_for(model)
     scaler = plait.GradScaler(mesh, enabled=cfg.parallel.mixed_precision == "fp16")
-    train_step(model, opt, x, y, cfg, mesh, loss_fn, scaler, _moe_layers(model))
+    train_step(model, opt, x, y, cfg, mesh, loss_fn, scaler, moe_layers_of(model))
 
 
 def make_optimizer(model: nn.Module | Pipeline, cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from plait.app.plan.cluster import Cluster
-from plait.app.plan.predict import Prediction, _layout_flags, predict, size
+from plait.app.plan.predict import Prediction, layout_flags, predict, size
 from plait.app.plan.rehearse import rehearse_layout
 
 __all__ = ["SearchResult", "search", "candidates", "model_states_bound"]
@@ -102,12 +102,12 @@ def _try(cfg: Any, flags: dict[str, Any], n_params: int, cluster: Cluster) -> Pr
     bound = model_states_bound(n_params, flags, train.parallel.mixed_precision is not None)
     if bound > cluster.memory_bytes:
         # Checkpointing changes activations only: no retry.
-        return {"flags": _layout_flags(train), "reason": (
+        return {"flags": layout_flags(train), "reason": (
             f"model states alone need {size(bound)} per rank, the device has {cluster.memory_gib:g} GiB")}
     try:
         p = predict(train, rehearse_layout(train), cluster)
     except (ValueError, RuntimeError) as e:
-        return {"flags": _layout_flags(train), "reason": str(e).splitlines()[0]}
+        return {"flags": layout_flags(train), "reason": str(e).splitlines()[0]}
     if not p.fits:
         return {"flags": p.flags, "memory": True, "reason": p.reasons[0]}
     return p
