@@ -54,12 +54,18 @@ def run_world(world: int, models: list[str], timed: int, batch: int) -> list[dic
     cluster = calibrate(world)
     print(f"world {world}: {cluster}", flush=True)
     rows: list[dict[str, Any]] = []
+    ref_flags = reference_flags(world)
+    ref_cfg = TrainConfig.from_flags(**ref_flags)
+    ref_pred = predict(ref_cfg, rehearse_layout(ref_cfg), cluster).step_s
     pool = RankPool(world, timeout_s=900)
     try:
         for model in models:
             for extra in LAYOUTS[world]:
                 flags = {**MODELS[model], "nproc": world, "batch_size": batch, **extra}
                 cfg = TrainConfig.from_flags(**flags)
+                # The calibration's step again, just before: how much faster or slower the machine
+                # is now than when it was calibrated (other jobs share its cores).
+                ref_now = median(pool.run(measured, {"flags": ref_flags, "timed": 3})[0]["times"])
                 real = pool.run(measured, {"flags": flags, "timed": timed})
                 stages = rehearse_layout(cfg)
                 pred = predict(cfg, stages, cluster)
@@ -77,10 +83,13 @@ def run_world(world: int, models: list[str], timed: int, batch: int) -> list[dic
                              "bytes_exact": exact, "predicted_ms": pred.step_s * 1e3,
                              "measured_ms": median(times) * 1e3, "spread": spread([t * 1e3 for t in times]),
                              "time_ratio": pred.step_s / median(times),
+                             "drift": ref_now / ref_pred,
+                             "corrected_ratio": pred.step_s * (ref_now / ref_pred) / median(times),
                              "cluster": cluster.as_dict()})
                 r = rows[-1]
                 print(f"  {model} {r['layout']}: memory {r['memory_ratio']:.3f} bytes "
-                      f"{'exact' if exact else 'DIFFER'} time {r['time_ratio']:.3f}", flush=True)
+                      f"{'exact' if exact else 'DIFFER'} time {r['time_ratio']:.3f} "
+                      f"(drift-corrected {r['corrected_ratio']:.3f})", flush=True)
     finally:
         pool.close()
     return rows
@@ -90,7 +99,7 @@ def report(rows: list[dict[str, Any]]) -> str:
     table = [[r["world"], r["model"], r["layout"], f"{r['predicted_mib']:.2f}", f"{r['measured_mib']:.2f}",
               f"{r['memory_ratio']:.3f}", "yes" if r["bytes_exact"] else "NO", f"{r['predicted_ms']:.1f}",
               f"{r['measured_ms']:.1f} ({r['spread'].p25:.1f}-{r['spread'].p75:.1f})",
-              f"{r['time_ratio']:.2f}"]
+              f"{r['time_ratio']:.2f}", f"{r['drift']:.2f}", f"{r['corrected_ratio']:.2f}"]
              for r in rows]
     n = len(rows)
     mem_ok = sum(abs(r["memory_ratio"] - 1) <= 0.05 for r in rows)
@@ -98,6 +107,9 @@ def report(rows: list[dict[str, Any]]) -> str:
     timed = [r for r in rows if not r["calibration"]]  # the calibration's own step is not a prediction
     time_ok = sum(abs(r["time_ratio"] - 1) <= 0.15 for r in timed)
     ratios = sorted(r["time_ratio"] for r in timed)
+    corrected_ok = sum(abs(r["corrected_ratio"] - 1) <= 0.15 for r in timed)
+    corrected = sorted(r["corrected_ratio"] for r in timed)
+    drifts = sorted(r["drift"] for r in rows)
     calib = {r["world"]: r["cluster"] for r in rows}
     cal_rows = [[w, f"{c['peak_tflops'] * 1e3:.1f}", f"{c['op_overhead_us']:.1f}",
                  f"{c['intra_latency_us']:.0f}", f"{c['intra_gbps']:.2f}", f"{c['memory_gbps']:.1f}"]
@@ -105,14 +117,19 @@ def report(rows: list[dict[str, Any]]) -> str:
     return "\n\n".join([
         f"{n} layouts. Peak memory within 5%: **{mem_ok}/{n}**; collective bytes per axis exact: "
         f"**{bytes_ok}/{n}**; step time within 15%: **{time_ok}/{len(timed)}** (predicted / measured median "
-        f"{median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}).",
+        f"{median(ratios):.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}); corrected for the machine's drift "
+        f"since calibration: **{corrected_ok}/{len(timed)}** (median {median(corrected):.2f}, range "
+        f"{corrected[0]:.2f}-{corrected[-1]:.2f}). The drift (the calibration's step measured again "
+        f"just before each layout, over its predicted time) ranged {drifts[0]:.2f}-{drifts[-1]:.2f}: "
+        "other jobs share this machine's two cores.",
         "Calibration (one short job per world size, every rank at once: probes, then the compute figures "
         "scaled so that one training step, marked (calibration) below and left out of the count, is "
         "predicted as measured):\n\n" + markdown_table(
             ["world", "matmul GFLOP/s per rank", "host µs per op", "all-reduce latency µs", "GB/s sent",
              "memory GB/s"], cal_rows),
         markdown_table(["world", "model", "layout", "predicted peak MiB", "measured peak MiB", "ratio",
-                        "bytes exact", "predicted step ms", "measured step ms (IQR)", "time ratio"], table),
+                        "bytes exact", "predicted step ms", "measured step ms (IQR)", "time ratio", "drift",
+                        "drift-corrected ratio"], table),
         "Memory: the rehearsal runs plait train's own code on the meta device, so the peak of live "
         "storage is the same number (where it differs, Gloo's run-time choices differ from the "
         "listed order: a zero-bubble W pulled into a receive's wait frees memory sooner). Time: a "
