@@ -118,14 +118,6 @@ def parse_args(argv: list[str]) -> PlanConfig:
     return dataclasses.replace(cfg, given=frozenset(given_flags(argv)))
 
 
-def _fmt_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _fmt_s(t: float) -> str:
-    return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
-
-
 def _one(cfg: PlanConfig) -> int:
     from plait.app.plan.predict import predict
     from plait.app.plan.rehearse import rehearse_layout

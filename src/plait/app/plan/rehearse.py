@@ -68,7 +68,6 @@ class Rehearsal:
     flops: float
     comm: dict[str, dict[str, float]]  # "op@axis" -> calls, bytes, wire_bytes
     microbatches_in_flight: int = 1
-    peak_phase: str = ""
     ops: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -283,7 +282,7 @@ def measure_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: T
     return dict(peak=tracker.peak, at_peak=at_peak,
                 start=tracker.start, parameters=_bytes([*params, *buffers]), gradients=_bytes(grads),
                 optimizer=_bytes(_tensors_of(opt)), block_activations=meter.added,
-                flops=float(tracker.flops), ops=tracker.ops, comm=stats, peak_phase=tracker.peak_phase)
+                flops=float(tracker.flops), ops=tracker.ops, comm=stats)
 
 
 def rehearse(cfg: TrainConfig, rank: int = 0, mailbox: dict[tuple[int, int], list[Any]] | None = None
@@ -305,7 +304,7 @@ def rehearse(cfg: TrainConfig, rank: int = 0, mailbox: dict[tuple[int, int], lis
                      parameters=raw["parameters"], gradients=raw["gradients"], optimizer=raw["optimizer"],
                      block_activations=raw["block_activations"], flops=raw["flops"],
                      comm=raw["comm"], microbatches_in_flight=in_flight,
-                     peak_phase=raw["peak_phase"], ops=raw["ops"])
+                     ops=raw["ops"])
 
 
 def build_only(cfg: TrainConfig) -> dict[str, Any]:
@@ -398,7 +397,7 @@ def _extrapolate(a: Rehearsal, b: Rehearsal, t: float, blocks: int) -> Rehearsal
                      parameters=whole(a.parameters, b.parameters), gradients=whole(a.gradients, b.gradients),
                      optimizer=whole(a.optimizer, b.optimizer), block_activations=[per_block] * blocks,
                      flops=at(a.flops, b.flops), comm=comm_stats,
-                     microbatches_in_flight=b.microbatches_in_flight, peak_phase=b.peak_phase,
+                     microbatches_in_flight=b.microbatches_in_flight,
                      ops=whole(a.ops, b.ops),
                      extra={"extrapolated_from_blocks_per_stage": [len(a.block_activations),
                                                                    len(b.block_activations)]})
