@@ -64,6 +64,45 @@ def test_embedding_tied_across_first_and_last_rank(pools, pp, schedule):
     assert "tok_emb.weight" in out[0]["names"] and "lm_head.weight" in out[-1]["names"]
 
 
+def _accumulated_tie(pp: int, schedule: str, calls: int, steps: int = 2) -> float:
+    """``calls`` pipe.step's per optimizer step next to one process backpropagating the sum of the
+    same batches' mean losses; returns the worst gradient error relative to the oracle's norm."""
+    import plait
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.pipeline import pipeline
+
+    cfg = GPTConfig(n_layers=3, tie_embeddings=True, **CFG)
+    oracle = plait.init_weights(GPT(cfg).to(torch.float64), seed=3)
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.float64)
+    pipe = pipeline(model, cached_mesh(pp=pp), schedule=schedule, microbatches=4, loss_fn=loss64, seed=3)
+    mine, ref = dict(pipe.named_parameters()), dict(oracle.named_parameters(remove_duplicate=False))
+    opt, oopt = torch.optim.AdamW(mine.values()), torch.optim.AdamW(oracle.parameters())
+    worst = 0.0
+    for step in range(steps):
+        for c in range(calls):
+            x, y = _batch(step * calls + c)
+            pipe.step(x, y)
+            loss64(oracle(x), y).backward()
+        for n, p in mine.items():
+            want = ref[n].grad
+            worst = max(worst, float((p.grad - want).norm() / want.norm()))
+            torch.testing.assert_close(p.grad, want, **TOL64, msg=lambda s, n=n: f"grad {n}: {s}")
+        for o in (opt, oopt):
+            o.step()
+            o.zero_grad()
+    for n, p in mine.items():
+        torch.testing.assert_close(p.detach(), ref[n].detach(), **TOL64, msg=lambda s, n=n: f"param {n}: {s}")
+    return worst
+
+
+@pytest.mark.parametrize("pp,schedule,calls", [(2, "1f1b", 2), (4, "zb-h1", 3)])
+def test_tied_embedding_accumulates_over_several_steps(pools, pp, schedule, calls):
+    # Gradient accumulation: each call adds its own contribution to the tied copies' gradients;
+    # what earlier calls summed between the copies' ranks is not summed again.
+    pools[pp].run(_accumulated_tie, pp, schedule, calls)
+
+
 # ------------------------------------------------------------------ tuple activations
 class Embed(nn.Module):
     def __init__(self) -> None:

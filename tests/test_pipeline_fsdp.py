@@ -56,9 +56,10 @@ def _pieces(pipe):
             yield name, flat.shard, mine, full
 
 
-def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, accumulate: bool = False) -> dict:
+def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, accumulate: bool = False,
+            tie: bool = False) -> dict:
     """Train the float64 pipeline next to the oracle; ``accumulate``: two half-batch steps per
-    optimizer step, the first inside ``no_sync``."""
+    optimizer step, the first inside ``no_sync``; ``tie``: the embedding and LM head share a weight."""
     import plait
     from plait import comm
     from plait.materialize import init_weights
@@ -66,7 +67,7 @@ def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, accumulate: bool = Fal
 
     mesh = cached_mesh(**mesh_kw)
     dtype = torch.float64
-    cfg = GPTConfig(**CFG)
+    cfg = GPTConfig(**CFG, tie_embeddings=tie)
     oracle = init_weights(GPT(cfg).to(dtype), seed=3)
     with torch.device("meta"):  # no rank ever materializes the full model
         model = GPT(cfg).to(dtype)
@@ -75,7 +76,7 @@ def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, accumulate: bool = Fal
                               loss_fn=None if tp else loss64, **plan_kw)
     pipe = plait.parallelize(model, mesh, plan)
     specs = pipe.tp_info.specs if tp else {}
-    ref = dict(oracle.named_parameters())
+    ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
 
     def check(what: str, get) -> None:
         for name, t, mine, theirs in _pieces(pipe):
@@ -161,6 +162,14 @@ def test_pp2_dp2_ddp_matches_single_process(pools, schedule):
 def test_pp2_dp2_ddp_accumulates_steps_under_no_sync(pools):
     out = pools[4].run(_parity, dict(pp=2, dp=2), dict(data="ddp"), 2, True)
     assert all(c.get("all_reduce@dp") == 1 for o in out for c in o["reductions"])  # the second step only
+
+
+def test_pp2_dp2_ddp_accumulates_a_weight_tied_across_stages(pools):
+    # The tied copies' sum over pp runs after every step, the replicas' mean in the second only:
+    # the first step's sum must be carried into the second once, by one copy.
+    out = pools[4].run(_parity, dict(pp=2, dp=2), dict(data="ddp"), 2, True, True)
+    for c in (c for o in out for c in o["reductions"]):  # the copies' sum in each step, the mean once
+        assert c.get("all_reduce@pp_tied") == 2 and c.get("all_reduce@dp") == 1, c
 
 
 @pytest.mark.parametrize("plan_kw", [

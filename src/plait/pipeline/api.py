@@ -21,7 +21,7 @@ from plait.pipeline.replay import Replay, ReplayStage
 from plait.pipeline.runtime import Executor, busy_fraction
 from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import materialize_segments, named_view, plan_stages, segments
-from plait.pipeline.ties import find_ties, first_owners, sync_grads, tie_groups
+from plait.pipeline.ties import TiedCopy, drop_earlier_sums, find_ties, first_owners, sync_grads, tie_groups
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
 from plait.tp.apply import TPInfo, check_tied_splits, loss_fn_for, mark_part, tensor_parallel, tp_info
 
@@ -43,7 +43,8 @@ class Pipeline:
     ``loss_fn(output, target)`` receives exactly what the model's forward returns.
 
     A weight shared by stages on different pp ranks (a tied embedding and LM head) is kept as one
-    copy per rank, initialised from its first owner; `step` sums the copies' gradients. With a
+    copy per rank, initialised from its first owner; `step` sums the copies' gradients (each step's
+    once, also when several steps accumulate before an optimizer step). With a
     ``tp_plan`` each copy is this rank's tp shard, and the sum runs between the pp ranks of the same
     tp coordinate (the plan must split every use alike, as vocabulary-parallel embedding and head do).
 
@@ -118,7 +119,7 @@ class Pipeline:
         # Copies of weights shared with another pp rank, with the group that sums their gradients.
         groups = tie_groups(ties, mesh)
         held = {n: p for s in self._inner.values() for n, p in s.qualified_parameters()}
-        self._tied = [(next(held[n] for n in tie.names if n in held), g)
+        self._tied = [TiedCopy(next(held[n] for n in tie.names if n in held), g, self.rank == tie.ranks[0])
                       for tie, g in zip(ties, groups) if g is not None]
         # Each name of a weight tied across pp ranks -> its first owner's (one optimizer state).
         self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
@@ -375,6 +376,8 @@ class Pipeline:
         metas = self.exec.exchange_meta(key, mb_in[0])
         if mb_tg is not None and holds_last:
             mb_tg = [map_tensors(lambda x: x.to(self.device), t) for t in mb_tg]
+        if train:
+            drop_earlier_sums(self._tied)
         loss_sum, outs = self.exec.run(sched, metas, mb_in, mb_tg if holds_last else None, train)
         if train:
             sync_grads(self._tied)

@@ -6,6 +6,11 @@ gradients are summed over the ranks that share the tensor (one all-reduce on a s
 tie), so identical optimizer steps keep the copies equal. This is how Megatron-LM handles the
 shared word embedding under pipeline parallelism (Narayanan et al. 2021, sec. 4).
 
+Gradients accumulated over several steps before one optimizer step are summed once: after a step
+every copy holds the same sum, so before the next one all copies but one drop it (`TiedCopy`),
+and the next sum carries it once. Summing the accumulated gradients again would count every
+earlier step once per copy.
+
 With tensor parallelism each copy is the rank's tp shard: the groups join the pp ranks of the same
 coordinate on every other axis (tp included), so a tensor split alike at every use (vocabulary-
 parallel embedding and LM head: the same rows on the same tp rank) is summed shard by shard.
@@ -23,13 +28,22 @@ from plait import comm
 from plait.mesh import Mesh
 from plait.pipeline.schedules import Schedule
 
-__all__ = ["Tie", "find_ties", "tie_groups", "first_owners", "sync_grads"]
+__all__ = ["Tie", "TiedCopy", "find_ties", "tie_groups", "first_owners", "drop_earlier_sums", "sync_grads"]
 
 
 @dataclass(frozen=True)
 class Tie:
     names: tuple[str, ...]  # qualified names of every use, first owner first
     ranks: tuple[int, ...]  # pp ranks holding a use, ascending
+
+
+@dataclass(frozen=True)
+class TiedCopy:
+    """This rank's copy of a tied weight and the group of the ranks holding the other copies."""
+
+    param: nn.Parameter
+    group: dist.ProcessGroup
+    carries: bool  # this copy carries the sum of earlier steps into the next (one copy per tie does)
 
 
 def find_ties(segs: list[tuple[str, nn.Module]], plan: list[list[int]], sched: Schedule) -> list[Tie]:
@@ -76,9 +90,21 @@ def first_owners(module: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
     return out
 
 
-def sync_grads(params: list[tuple[nn.Parameter, dist.ProcessGroup]]) -> None:
+def drop_earlier_sums(copies: list[TiedCopy]) -> None:
+    """Before a step: every copy's gradient holds the same sum of the earlier steps since the last
+    ``zero_grad``; all but the carrying copy drop it, so that `sync_grads` counts it once.
+
+    Zeroed rather than divided by the number of copies: exact, and still right when a data-
+    parallel stage reduces the accumulated gradient during the step (a mean over replicas of
+    what each replica holds is linear, so the carrying copy's replicas bring their sums)."""
+    for c in copies:
+        if not c.carries and c.param.grad is not None:
+            c.param.grad.zero_()
+
+
+def sync_grads(copies: list[TiedCopy]) -> None:
     """Sum the gradients of tied copies over the ranks sharing them (forward: nothing moves)."""
-    for prm, group in params:
-        if prm.grad is None:
-            prm.grad = torch.zeros_like(prm)
-        comm.all_reduce(prm.grad, group)
+    for c in copies:
+        if c.param.grad is None:
+            c.param.grad = torch.zeros_like(c.param)
+        comm.all_reduce(c.param.grad, c.group)
