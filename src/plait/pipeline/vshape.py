@@ -19,6 +19,7 @@ reach a near-zero bubble at F = B = W once ``m >= 2p``, which ZB-H1's one stage 
 from __future__ import annotations
 
 from collections.abc import Callable
+from math import inf
 
 from plait.pipeline.actions import Action, Kind, rank_stages, stage_rank
 from plait.pipeline.schedules import Costs, Schedule, ScheduleError, with_comms
@@ -31,7 +32,19 @@ Choice = tuple[Kind, Key, bool]  # what to run, and whether it is a W that only 
 
 class _Planner:
     """Places F, B and W on p ranks with the V placement, greedily, in time: each action takes
-    ``cost(action)`` (one unit each by default), communication is free."""
+    ``cost(action)`` (one unit each by default, zero allowed), communication is free.
+
+    It cannot get stuck, whatever the costs. Memory is the only thing that can refuse an action,
+    and only a forward: B and W free it. A rank holds at most ``limit`` chunk activations, and a
+    first-chunk forward must leave one slot free for the second-chunk forwards of the microbatches
+    it has started (``opened``): at most ``limit - 1`` of them are open at once. Suppose no rank
+    can run anything. Take the oldest microbatch j whose forward is unfinished: every older one
+    finished its forward, so their B's and W's could run, so they have, and the ranks hold only
+    microbatches >= j. Its next forward is ready (stages forward microbatches in order). On its
+    first chunk, the rank holds nothing of j or later, so the forward is admitted; on its second
+    chunk, the rank holds only open first-chunk activations, at most ``limit - 1``, so it is
+    admitted too. A contradiction: some rank always has something to run.
+    """
 
     def __init__(self, p: int, m: int, cost: Callable[[Action], float]) -> None:
         self.p, self.m, self.S, self.cost = p, m, 2 * p, cost
@@ -43,58 +56,66 @@ class _Planner:
         self.rows: list[list[Action]] = [[] for _ in range(p)]
         self.deferred: list[list[Key]] = [[] for _ in range(p)]  # W's that filled a wait, not listed yet
         self.limit = 2 * p  # chunk activations a rank may hold: 1F1B's peak (p stages of two chunks)
+        self.held = [0] * p  # chunk activations held: forwarded, weight gradient not yet computed
+        self.opened = [0] * p  # microbatches past the rank's first chunk, not yet through its second
         self.listed_held = [0] * p  # forwards listed minus W's listed, per rank
 
     def stages(self, r: int) -> list[int]:
         return rank_stages("v", self.p, self.S, r)
 
+    def rank(self, stage: int) -> int:
+        return stage_rank("v", self.p, stage)
+
     def ready_f(self, r: int, t: float) -> list[Key]:
+        """Forwards whose input is there and that the memory bound admits (see the class docstring)."""
+        if self.held[r] >= self.limit:
+            return []
         out = []
         for s in self.stages(r):
             mb = self.next_f[s]
-            if mb < self.m and (s == 0 or self.f_end.get((s - 1, mb), t + 1) <= t):
+            if s < self.p and self.opened[r] >= self.limit - 1:
+                continue  # the last slot stays free for a second-chunk forward
+            if mb < self.m and (s == 0 or self.f_end.get((s - 1, mb), inf) <= t):
                 out.append((s, mb))
         return out
 
     def ready_b(self, r: int, t: float) -> list[Key]:
-        return [k for k, e in self.f_end.items() if stage_rank("v", self.p, k[0]) == r and e <= t
-                and k not in self.b_end
-                and (k[0] == self.S - 1 or self.b_end.get((k[0] + 1, k[1]), t + 1) <= t)]
+        return [k for k, e in self.f_end.items() if self.rank(k[0]) == r and e <= t and k not in self.b_end
+                and (k[0] == self.S - 1 or self.b_end.get((k[0] + 1, k[1]), inf) <= t)]
 
     def pending_w(self, r: int, t: float) -> list[Key]:
-        return [k for k, e in self.b_end.items() if stage_rank("v", self.p, k[0]) == r and e <= t
-                and k not in self.w_done]
-
-    def held(self, r: int) -> int:
-        """Chunk activations held on rank r: forwarded, weight gradient not yet computed."""
-        return sum(1 for k in self.f_end if stage_rank("v", self.p, k[0]) == r and k not in self.w_done)
+        return [k for k, e in self.b_end.items() if self.rank(k[0]) == r and e <= t and k not in self.w_done]
 
     def run(self, pick: Callable[[_Planner, int, float], Choice | None]) -> list[list[Action]]:
-        t, events = 0.0, 0
-        while len(self.w_done) < self.S * self.m:
-            for r in range(self.p):
-                if self.free[r] <= t:
-                    choice = pick(self, r, t)
+        t, total = 0.0, self.S * self.m
+        while len(self.w_done) < total:
+            placed = True
+            while placed:  # until nothing more starts at t (a zero-cost action ends where it starts)
+                placed = False
+                for r in range(self.p):
+                    choice = pick(self, r, t) if self.free[r] <= t else None
                     if choice is not None:
                         self.place(r, t, *choice)
+                        placed = True
             # Nothing changes before the next action ends: jump there.
             later = [e for e in (*self.free, *self.f_end.values(), *self.b_end.values()) if e > t]
-            events += 1
-            if not later or events > 100 * self.S * self.m:
-                if len(self.w_done) == self.S * self.m:
-                    break
-                raise ScheduleError("V-shape planner made no progress (a bug: please report it)")
-            t = min(later)
+            if not later and len(self.w_done) < total:
+                raise ScheduleError(f"zbv: no rank can run anything at t={t} with {total - len(self.w_done)} "
+                                    f"W's left (held per rank {self.held}, open {self.opened}); the class "
+                                    f"docstring proves this unreachable")
+            t = min(later, default=t)
         for r in range(self.p):
             self.flush(r)
         return self.rows
 
     def place(self, r: int, t: float, kind: Kind, key: Key, fills_wait: bool = False) -> None:
-        end = t + max(self.cost(Action(kind, *key)), 1e-12)
+        end = t + self.cost(Action(kind, *key))
         self.free[r] = end
         if kind is Kind.F:
             self.f_end[key] = end
             self.next_f[key[0]] += 1
+            self.held[r] += 1
+            self.opened[r] += 1 if key[0] < self.p else -1
             # A deferred W runs where it is listed unless a wait pulls it earlier: list enough of
             # them before this forward to keep the listed order within the memory bound too.
             while self.listed_held[r] >= self.limit and self.deferred[r]:
@@ -105,6 +126,7 @@ class _Planner:
             self.b_end[key] = end
         else:
             self.w_done.add(key)
+            self.held[r] -= 1
             if fills_wait:
                 self.deferred[r].append(key)
                 return
@@ -130,7 +152,7 @@ def _zbv_pick(pl: _Planner, r: int, t: float) -> Choice | None:
     if ready_b:
         return Kind.B, min(ready_b, key=lambda k: (k[1], -k[0])), False
     ready_f = pl.ready_f(r, t)
-    if ready_f and pl.held(r) < pl.limit:
+    if ready_f:
         return Kind.F, max(ready_f, key=lambda k: k[0]), False
     if pend:
         return Kind.W, min(pend, key=lambda k: (k[1], -k[0])), True
