@@ -7,7 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHES = ("ddp", "fsdp", "tp", "pp", "cp", "moe", "checkpoint", "memory", "plan")
+BENCHES = ("ddp", "fsdp", "tp", "pp", "cp", "moe", "checkpoint", "memory", "plan", "mesh_groups")
 
 
 def _bench_package_root() -> Path:
