@@ -130,11 +130,15 @@ class Schedule:
         """Planned bubble: mean over ranks of idle time / makespan under ``costs`` (and ``latency``
         per transfer, as in `simulate`)."""
         slots = self.simulate(costs, latency)
-        span = max((s.end for row in slots for s in row), default=0.0)
+        span = _makespan(slots)
         if span == 0:
             return 0.0
         busy = [sum(s.end - s.start for s in row if s.action.kind.is_compute) for row in slots]
         return sum(1 - b / span for b in busy) / self.ranks
+
+    def makespan(self, costs: Costs | None = None, latency: float = 0.0) -> float:
+        """When the last rank finishes under ``costs`` (and ``latency``), as in `simulate`."""
+        return _makespan(self.simulate(costs, latency))
 
     def text(self, costs: Costs | None = None) -> str:
         from plait.pipeline.draw import render_text
@@ -145,6 +149,10 @@ class Schedule:
         from plait.pipeline.draw import draw_png
 
         return draw_png(self, path, measured)
+
+
+def _makespan(slots: Sequence[Sequence[Slot]]) -> float:
+    return max((s.end for row in slots for s in row), default=0.0)
 
 
 # ---------------------------------------------------------------------------- communication

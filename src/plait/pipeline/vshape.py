@@ -9,7 +9,8 @@ reach a near-zero bubble at F = B = W once ``m >= 2p``, which ZB-H1's one stage 
 
 * `zbv` (ZB-V, Qi et al. 2023, sec. 6): greedy list scheduling at unit (or given) costs, bounded to 1F1B's
   peak activation memory (``2p`` chunk activations per rank), W's listed as late as the bound
-  allows so that the runtime's pulled W's fill whatever waits real durations produce.
+  allows so that the runtime's pulled W's fill whatever waits real durations produce; at given
+  costs never slower than the unit-cost plan replayed at them.
 * `dualpipev` (DeepSeek-AI 2024, DualPipe folded onto one V): after a warm-up, each step pairs a
   forward of one chunk with a full backward of the other chunk, overlapped (``Action.overlap``),
   so that on GPUs each one's communication hides behind the other's compute; the cool-down
@@ -18,8 +19,9 @@ reach a near-zero bubble at F = B = W once ``m >= 2p``, which ZB-H1's one stage 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from math import inf
+from math import inf, isfinite
 
 from plait.pipeline.actions import Action, Kind, rank_stages, stage_rank
 from plait.pipeline.schedules import Costs, Schedule, ScheduleError, with_comms
@@ -169,17 +171,48 @@ def zbv(p: int, m: int, costs: Costs | None = None) -> Schedule:
     stage whose B is nearly free). A W that only fills a wait is listed where the memory bound or
     the end of the step forces it, as for ZB-H1: the runtime pulls W's into the waits real
     durations produce.
+
+    Every ``p, m >= 1`` and every table of finite costs >= 0 has a plan (the planner cannot get
+    stuck, see `_Planner`); a negative or non-finite cost raises `ScheduleError` naming the action.
+    A greedy plan can still lose to the unit-cost one at the very costs it was made for, so with
+    ``costs`` the unit-cost plan is returned instead whenever its replay at ``costs`` ends sooner:
+    the result is never slower than the plain ``zbv(p, m)`` at those costs.
     """
     if p < 1 or m < 1:
         raise ScheduleError(f"zbv needs pp >= 1 and microbatches >= 1, got pp={p}, microbatches={m}")
-    if costs is None or not callable(costs):
-        table = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, **(costs or {})}
-        cost: Callable[[Action], float] = lambda a: table[a.kind]  # noqa: E731
-    else:
-        cost = costs
+    unit = _plan(p, m, lambda a: 1.0, "zbv")
+    if costs is None:
+        return unit
+    cost = _checked(costs)
+    planned = _plan(p, m, cost, "zbv (planned at given costs)")
+    if unit.makespan(cost) < planned.makespan(cost):
+        return dataclasses.replace(unit, name="zbv (the unit-cost plan, faster at the given costs)")
+    return planned
+
+
+def _plan(p: int, m: int, cost: Callable[[Action], float], name: str) -> Schedule:
     rows = _Planner(p, m, cost).run(_zbv_pick)
-    name = "zbv" if costs is None else "zbv (planned at given costs)"
     return with_comms(name, p, 2 * p, m, rows, placement="v")
+
+
+def _checked(costs: Costs) -> Callable[[Action], float]:
+    """``costs`` as a function of the action that refuses durations the planner cannot place."""
+    if callable(costs):
+        given = costs
+    else:
+        table = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, **costs}
+        given = lambda a: table[a.kind]  # noqa: E731
+
+    def cost(a: Action) -> float:
+        c = given(a)
+        try:
+            ok = isfinite(c) and c >= 0
+        except TypeError:  # not a number
+            ok = False
+        if not ok:
+            raise ScheduleError(f"zbv: the cost of {a} must be a finite number >= 0, got {c!r}")
+        return float(c)
+    return cost
 
 
 def dualpipev(p: int, m: int) -> Schedule:
