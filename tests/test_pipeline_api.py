@@ -341,6 +341,9 @@ def _bad(case: str) -> None:
         pipeline(gpt, mesh, schedule="interleaved", chunks=2, microbatches=1, loss_fn=lm_loss)
     elif case == "p2p":
         pipeline(gpt, mesh, microbatches=2, loss_fn=lm_loss, p2p="nccl")
+    elif case == "compiled":  # with the split names its segments would have under the wrapper
+        pipeline(torch.compile(gpt, backend="eager"), mesh, split=["_orig_mod.layers.1"], microbatches=2,
+                 loss_fn=lm_loss).step(x, y)
 
 
 @pytest.mark.parametrize("case,message", [
@@ -350,6 +353,10 @@ def _bad(case: str) -> None:
     ("schedule", r"rank 0, action #0 RECV_B\(stage=0, mb=0\): deadlock: it waits for SEND_B\(stage=1"),
     ("interleaved", "microbatches=1 < pp=2"),
     ("p2p", "p2p must be one of"),
+    # Its compiled forward would run the whole model on every rank: stage 0 got no gradients.
+    ("compiled", r"the model is torch.compile'd \(OptimizedModule around GPT\).* Pass the uncompiled module "
+                 r"\(`_orig_mod` of the compiled one\) and compile its blocks in place first: `for block in "
+                 r"model.layers: block.compile\(\)`"),
 ])
 def test_bad_input_fails_on_every_rank_without_hanging(pools, case, message):
     import re

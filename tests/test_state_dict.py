@@ -42,8 +42,14 @@ def _build(layout: str, cfg, mesh, data_parallel: str, zero_stage: int):
         model = plait.init_weights(GPT(cfg).to(torch.float64), seed=3)
         net = plait.DataParallel(model, devices=["cpu", "cpu"])
         return net, lambda x, y: loss64(net(x), y).backward()
+    if layout == "compiled":  # one process; its keys carry torch.compile's _orig_mod. prefix
+        net = torch.compile(plait.init_weights(GPT(cfg).to(torch.float64), seed=3), backend="eager")
+        return net, lambda x, y: loss64(net(x), y).backward()
     with torch.device("meta"):  # no rank ever materializes the full model
         model = GPT(cfg).to(torch.float64)
+    if layout == "pipeline-compiled":  # a block compiled in a wrapper (layers.0._orig_mod.*), one in place
+        model.layers[0] = torch.compile(model.layers[0], backend="eager")
+        model.layers[1].compile(backend="eager")
     tp_plan = plait.gpt_plan(cfg) if mesh.size("tp") > 1 else None
     if mesh.size("pp") > 1:
         pipe = plait.pipeline(model, mesh, schedule="1f1b", microbatches=2, seed=3, tp_plan=tp_plan,
@@ -108,6 +114,7 @@ LAYOUTS = [  # (world, layout, mesh axes, GPT config, data strategy, zero stage)
     (4, "ddp-tp", {"dp": 2, "tp": 2}, UNEVEN, "ddp", 3),
     (4, "fsdp-tp", {"fsdp": 2, "tp": 2}, {**UNEVEN, "tie_embeddings": True}, "fsdp", 3),
     (2, "pipeline", {"pp": 2}, TIED, "ddp", 3),  # tok_emb on rank 0 tied to lm_head on rank 1
+    (2, "pipeline-compiled", {"pp": 2}, TIED, "ddp", 3),  # torch.compile'd blocks
     (4, "pipeline-tp", {"pp": 2, "tp": 2}, {**UNEVEN, "tie_embeddings": True}, "ddp", 3),  # padded shards
 ]
 
@@ -120,7 +127,7 @@ def test_full_state_dict_matches_single_process(pools, world, layout, axes, cfg_
         assert {"tok_emb.weight", "lm_head.weight"} <= set(names[0])
 
 
-@pytest.mark.parametrize("layout", ["plain", "dataparallel"])
+@pytest.mark.parametrize("layout", ["plain", "dataparallel", "compiled"])
 def test_full_state_dict_in_one_process(layout):
     if layout == "plain":
         import plait
@@ -134,4 +141,4 @@ def test_full_state_dict_in_one_process(layout):
             model.norm.weight.add_(1)  # a copy, not a view of the live parameters
         assert not torch.equal(full["norm.weight"], model.norm.weight)
         return
-    _full_state_matches("dataparallel", {}, TIED)
+    _full_state_matches(layout, {}, TIED)  # a compiled model's under the uncompiled model's names

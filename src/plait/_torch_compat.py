@@ -36,6 +36,18 @@ def default_store() -> torch.distributed.Store:
     return distributed_c10d._get_default_store()
 
 
+def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module ``torch.compile(module)`` wrapped (its ``_orig_mod``), or None when ``module`` is
+    not such a wrapper.
+
+    torch.compile returns an ``OptimizedModule`` whose forward runs the compiled original, bound to
+    that module object, and exports no public type or predicate for it. `plait.pipeline` must refuse
+    one whose forward it would replay (the bound original ignores the stages' stand-ins)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return module._orig_mod if isinstance(module, OptimizedModule) else None
+
+
 # ------------------------------------------------------------------ nested inputs and outputs
 # torch's pytree knows lists, tuples, dicts, named tuples and every type a library registers
 # (transformers registers its ModelOutput classes), which a hand-written walker would not.

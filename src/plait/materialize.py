@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from plait.env import is_dry_run
+from plait.names import plain_name
 
 __all__ = ["init_weights", "owner_modules", "full_values", "is_meta", "module_seed", "materialize", "Keep"]
 
@@ -32,7 +33,8 @@ Keep = Callable[[str, str, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 def module_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+    # The uncompiled model's name: a torch.compile'd block starts from the values it has uncompiled.
+    return (seed * 1_000_003 + zlib.crc32(plain_name(name).encode())) % (2**63 - 1)
 
 
 def owner_modules(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:

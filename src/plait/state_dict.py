@@ -2,9 +2,10 @@
 
 `full_state_dict(model)` returns what ``model.state_dict()`` of the unwrapped single-process
 model would: every parameter and persistent buffer at its full shape, under the names that
-model gives them (a tied weight under each of its names), as CPU tensors, the same on every
-rank. It is a collective: every rank of the model's groups calls it. `load_full_state_dict`
-loads such a dict (or a single-process model's own) into any layout.
+model gives them (a tied weight under each of its names; a torch.compile'd module's under its
+uncompiled names, without ``_orig_mod.``, as torch's own state-dict helpers give them), as CPU
+tensors, the same on every rank. It is a collective: every rank of the model's groups calls it.
+`load_full_state_dict` loads such a dict (or a single-process model's own) into any layout.
 
 A wrapper that holds the state in its own way supplies it with two methods,
 ``full_state_dict()`` and ``load_full_state_dict(state)``: FSDP gathers its flat shards (and,
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.names import plain_name
 from plait.tensor_source import FullValue, whole
 from plait.tp import state as tp_state
 from plait.tp.apply import tp_module
@@ -46,7 +48,7 @@ def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     else:  # (a wrapper's own method comes here for its module: experts are gathered once)
         state = with_other_experts(model, {k: v.detach().clone() for k, v in model.state_dict().items()})
     moved: dict[int, torch.Tensor] = {}  # a tensor listed under two names (tied) moves once
-    return {k: moved.setdefault(id(v), v.cpu()) for k, v in state.items()}
+    return {plain_name(k): moved.setdefault(id(v), v.cpu()) for k, v in state.items()}
 
 
 def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue]) -> None:
@@ -63,7 +65,10 @@ def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue])
         for v in state.values():
             if id(v) not in read:
                 read[id(v)] = whole(v)
-        model.load_state_dict({k: read[id(v)] for k, v in without_others_experts(model, state).items()})
+        # A torch.compile'd module's keys, from the uncompiled names a full state dict has.
+        own_key = {plain_name(k): k for k in model.state_dict()}
+        model.load_state_dict({own_key.get(k, k): read[id(v)]
+                               for k, v in without_others_experts(model, state).items()})
 
 
 def with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

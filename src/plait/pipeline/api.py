@@ -14,6 +14,7 @@ from plait import comm
 from plait._torch_compat import map_tensors
 from plait.materialize import is_meta
 from plait.mesh import Mesh
+from plait.names import plain_name
 from plait.pipeline.actions import Kind, Slot
 from plait.pipeline.arguments import CustomSchedule, check_tp, resolve_p2p, resolve_schedule, split_batch
 from plait.pipeline.directed import direction_groups
@@ -246,7 +247,8 @@ class Pipeline:
                 st.load_full_state_dict({k: state[k] for k in keys})
             return
         module = self.state_module()
-        load_full_state_dict(module, {k: v for k, v in state.items() if k in module.state_dict()})
+        mine = {plain_name(k) for k in module.state_dict()}  # a full state dict's names
+        load_full_state_dict(module, {k: v for k, v in state.items() if k in mine})
 
     def checkpoint_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's stages' entries; a weight tied across pp ranks keeps one optimizer state,

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait._torch_compat import compiled_original
 from plait.materialize import materialize
+from plait.names import COMPILED
 
 __all__ = ["Segment", "segments", "plan_stages", "materialize_segments", "named_view", "meta_copy", "place",
            "Stage"]
@@ -34,6 +36,7 @@ def segments(module: nn.Module) -> list[Segment]:
     out: list[Segment] = []
 
     def visit(prefix: str, mod: nn.Module, in_list: bool) -> None:
+        _refuse_compiled(prefix, mod)
         own = [n for n, t in [*mod._parameters.items(), *mod._buffers.items()] if t is not None]
         if own:
             kind = type(mod).__name__
@@ -55,6 +58,23 @@ def segments(module: nn.Module) -> list[Segment]:
     if not out:
         raise ValueError(f"pipeline: {type(module).__name__} has no child modules to split into stages")
     return out
+
+
+def _refuse_compiled(prefix: str, mod: nn.Module) -> None:
+    """A torch.compile'd module above the segments runs its compiled original, bound to the
+    original module object: the stages' stand-ins in the replayed tree would never run, and every
+    rank would run the whole model itself. Compiling each block in place keeps the tree."""
+    original = compiled_original(mod)
+    if original is None:
+        return
+    where = f"{prefix[:-1]!r} is" if prefix else "the model is"
+    lists = [n for n, m in original.named_modules() if isinstance(m, _LISTS)]
+    example = f"model.{lists[0]}" if lists else "model.layers"
+    raise ValueError(
+        f"pipeline: {where} torch.compile'd ({type(mod).__name__} around {type(original).__name__}); its "
+        "compiled forward would run the whole model on every rank instead of this rank's stages. Pass "
+        f"the uncompiled module (`{COMPILED}` of the compiled one) and compile its blocks in place "
+        f"first: `for block in {example}: block.compile()`")
 
 
 def _holds_list(mod: nn.Module) -> bool:
