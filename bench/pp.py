@@ -60,7 +60,16 @@ def _bench(preset: str, seq: int, layers: int, batch: int, m: int, warmup: int, 
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    return {name: _one(name, cfg, x, y, m, warmup, iters, split) for name in names}
+    return {name: _one_or_error(name, cfg, x, y, m, warmup, iters, split) for name in names}
+
+
+def _one_or_error(name: str, *args) -> dict:
+    """`_one`, or the error that refused the schedule, so that the other schedules' figures are kept."""
+    try:
+        return _one(name, *args)
+    except ValueError as e:  # a plan or pipeline refused (ScheduleError too): alike on every rank,
+        # which plan from the same gathered durations and build from the same arguments
+        return {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
 
 
 def _one(name: str, cfg, x: torch.Tensor, y: torch.Tensor, m: int, warmup: int, iters: int,
@@ -242,8 +251,12 @@ def main(argv: list[str]) -> int:
     res = per_rank[0]
     p, m = args.world, args.microbatches
     rows, costs_rows, pics = [], [], []
+    ok = [n for n in names if "error" not in res[n]]
     for name in names:
         r = res[name]
+        if name not in ok:  # its row says why; the figures of the others are still written
+            rows.append([name, PAIRS[name][0], "failed: " + r["error"].replace("|", "\\|"), *[""] * 12])
+            continue
         chunks = PAIRS[name][1]
         t_a, t_b = median(r["times"]["plait"]), median(r["times"]["torch"])
         # The zero-bubble schedules have no closed form here: their theory is the unit-cost plan.
@@ -267,7 +280,7 @@ def main(argv: list[str]) -> int:
         r["sched"].draw(str(path), measured=r["timelines"])
         pics.append(f"![{name}](pictures/{path.name})")
     zb = ""
-    for name in (n for n in UNIT_PLAN if n in res and "1f1b" in res):
+    for name in (n for n in UNIT_PLAN if n in ok and "1f1b" in ok):
         ratio = res[name]["bubble"] / res["1f1b"]["bubble"]
         planned = res[name]["sched"].bubble() / res["1f1b"]["sched"].bubble()
         replayed = res[name]["replayed"] / res["1f1b"]["replayed"]
@@ -283,10 +296,11 @@ def main(argv: list[str]) -> int:
                                   "executor's own / step"], costs_rows)
                 + "\n\n" + OVERHEAD_NOTE)
     cfg = _cfg(args.model, args.seq, args.layers)
+    ref = res[ok[0]] if ok else {"split": "none: no schedule ran", "latency": float("nan")}
     body = (
         f"GPT `{args.model}` with {args.layers} layers (d_model {cfg.d_model}, seq {args.seq}), pp={p}, "
         f"global batch {args.batch}, {m} microbatches, split {args.split!r} "
-        f"(first segment of each stage: {res[names[0]]['split']}); {args.iters} alternating timed steps "
+        f"(first segment of each stage: {ref['split']}); {args.iters} alternating timed steps "
         f"after {args.warmup} warm-up steps each, 1 thread per rank.\n\n"
         + markdown_table(["plait schedule", "torch schedule", "plait step (s)", "torch step (s)",
                           "plait / torch", "ideal step (s)", "plait / ideal", "torch / ideal",
@@ -304,7 +318,7 @@ def main(argv: list[str]) -> int:
         "does) with each (stage, action kind)'s median measured duration and free communication: the "
         "bubble the schedule itself implies for this model and split; 'plan with measured latency' "
         "adds to every transfer the one-way time of an activation-sized message between the two ranks "
-        f"(measured by ping-pong: {1000 * res[names[0]]['latency']:.2f} ms). "
+        f"(measured by ping-pong: {1000 * ref['latency']:.2f} ms). "
         "'Ideal step' is the free-communication replay's "
         "makespan plus the optimizer step (the timed steps include it): the step time of the same "
         "schedule with zero runtime overhead, and 'torch / ideal' "
@@ -317,4 +331,4 @@ def main(argv: list[str]) -> int:
     if args.section != "pp":
         title += f" ({args.model}, {args.layers} layers)"
     write_section(args.section, title, body, command=" ".join(["plait bench pp", *argv]))
-    return 0
+    return 0 if len(ok) == len(names) else 1
