@@ -82,8 +82,8 @@ def _pipeline_step(setup):
 def _tie_all_reduce(setup):
     pipe = _pipeline_step(None) if setup is None else setup
     if setup is not None:  # the step's backward left rank 0 at the tie's all-reduce; now rank 1 is gone
-        (weight, group), = pipe._tied  # the tied embedding / LM head copies and their group
-        comm.all_reduce(torch.ones(2), group)
+        tied, = pipe._tied  # the tied embedding / LM head copy and the group of its copies
+        comm.all_reduce(torch.ones(2), tied.group)
     return pipe
 
 
