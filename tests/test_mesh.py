@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from plait import comm
+from plait.mesh import Mesh
 from plait.testing import cached_mesh
 
 
@@ -99,3 +100,48 @@ def test_single_process_init_is_idempotent(world):
     d1 = plait.init()
     d2 = plait.init()
     assert d1 == d2 == torch.device("cpu")
+
+
+def _groups_made_and_destroyed() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from plait import comm
+
+    before = len(comm.created_groups())
+    mesh = Mesh(dp=2)
+    made = len(comm.created_groups()) - before
+    total = torch.ones(1)
+    dist.all_reduce(total, group=mesh.group("dp"))
+    alone = mesh.group(("tp", "cp"))  # this rank alone: made on first use, by this rank only
+    refused = ""
+    try:
+        mesh.group(("dp", "pp", "tp"))  # the same ranks as dp: axes of size 1 do not count
+    except ValueError as e:  # pragma: no cover - reported below
+        refused = str(e)
+    mesh.destroy()
+    return {"made": made, "sum": float(total), "alone": dist.get_world_size(alone), "refused": refused,
+            "left": len(comm.created_groups()) - before}
+
+
+def test_mesh_makes_the_groups_it_uses_and_destroys_them(pools):
+    for r in pools[2].run(_groups_made_and_destroyed):
+        # dp and its companion; the other kinds reduce to dp or to this rank alone.
+        assert r["made"] == 2 and r["sum"] == 2.0 and r["alone"] == 1 and r["refused"] == ""
+        assert r["left"] == 0
+
+
+def _asks_for_a_group_not_made() -> str:
+    mesh = Mesh(pp=2, tp=2)
+    try:
+        mesh.group(("pp", "tp"))
+    except ValueError as e:
+        return str(e)
+    finally:
+        mesh.destroy()
+    return "made"
+
+
+def test_a_group_not_made_is_refused_with_the_way_to_make_it(pools):
+    for text in pools[4].run(_asks_for_a_group_not_made):
+        assert "groups=[('pp', 'tp')]" in text and "no group for axes ('pp', 'tp')" in text

@@ -87,6 +87,33 @@ def new_group(ranks: Sequence[int], label: str, checked: bool = True) -> dist.Pr
     return pg
 
 
+def new_local_group(rank: int, label: str) -> dist.ProcessGroup:
+    """A group of this rank alone, made by this rank only (no other rank takes part, so nothing
+    can deadlock and no rank pays for the others' one-rank groups). Collectives on it are local."""
+    pg = dist.new_group([rank], timeout=timeout(), use_local_synchronization=True)
+    _made.append(pg)
+    register_group(pg, label, [rank])
+    return pg
+
+
+def destroy_group(pg: dist.ProcessGroup) -> None:
+    """Destroy a group `new_group` made, with its companion, and forget it. Local to this rank:
+    call it where no collective on the group is in flight on any of its ranks."""
+    info = _groups.pop(id(pg), None)
+    for g in (pg, None if info is None else info.checker):
+        if g is None:
+            continue
+        if g in _made:
+            _made.remove(g)
+        with contextlib.suppress(ValueError):  # destroyed already
+            dist.destroy_process_group(g)
+
+
+def is_registered(pg: dist.ProcessGroup) -> bool:
+    """Whether ``pg`` is a group `new_group` made (or `register_group` named), not a companion."""
+    return id(pg) in _groups
+
+
 def created_groups() -> list[dist.ProcessGroup]:
     """Every group `new_group` made on this rank, oldest first."""
     return list(_made)

@@ -11,9 +11,13 @@ every attention layer, the next heaviest traffic, so it sits next to tp. Pipelin
 parallelism only sends activations between neighbouring stages, so it tolerates the slowest
 links and sits outermost.
 
-Every process group is created at construction, by every rank, in one fixed order: creating
+Process groups are created at construction, by every rank, in one fixed order: creating
 groups lazily would require all ranks to ask for the same group at the same moment, which is
-an easy way to deadlock.
+an easy way to deadlock. Only the axis combinations the library asks for are made (`KINDS`, plus
+any named in ``groups=``), one group per distinct set of ranks: every subset of five axes would
+be 31 kinds, most of them never used, and at a thousand ranks each kind costs every rank one
+``new_group`` call per group of that kind. A combination whose other axes all have size 1 is
+this rank alone; that group is made on first use, by this rank only (nothing to agree on).
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ AXES: tuple[str, ...] = ("pp", "dp", "fsdp", "cp", "tp")
 # Groups folded out of the data axes for expert parallelism (not axes of their own: the ranks of
 # one ep group are data-parallel ranks that hold different experts).
 FOLDED: tuple[str, ...] = ("ep", "edp")
+# The axis combinations plait's strategies ask for; `Mesh(groups=...)` adds others.
+KINDS: tuple[tuple[str, ...], ...] = (
+    ("pp",), ("dp",), ("fsdp",), ("cp",), ("tp",),
+    ("dp", "cp"),          # DDP's default: cp ranks hold the same weights as dp ranks
+    ("fsdp", "cp"),        # FSDP's shards
+    ("dp", "fsdp"),        # the ranks that see different data (plait check, plait train)
+    ("dp", "fsdp", "cp"),  # the loss average; the expert-data group when ep = 1
+)
 
 
 class Mesh:
@@ -41,10 +53,14 @@ class Mesh:
     (after `plait.init()`) and pass it explicitly to each strategy. ``cp`` comes last among the
     arguments (so positional calls written before it existed keep their meaning) but sits
     between fsdp and tp in rank order.
+
+    ``groups`` names further axis combinations to make groups for, beyond `KINDS` (for a
+    script's own collectives, e.g. ``groups=[("pp", "tp")]``); every rank must pass the same.
+    `destroy` releases the groups when the mesh is done with.
     """
 
     def __init__(self, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1, cp: int = 1,
-                 ep: int = 1) -> None:
+                 ep: int = 1, groups: Sequence[Sequence[str]] = ()) -> None:
         if not dist.is_initialized():
             raise RuntimeError("plait.Mesh needs a process group: call plait.init() first")
         world = dist.get_world_size()
@@ -60,12 +76,14 @@ class Mesh:
         self.ep = ep
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._group_ranks: dict[tuple[str, ...], list[int]] = {}
-        self._build_groups()
+        self._made: list[dist.ProcessGroup] = []
+        self._build_groups([*KINDS, *(self._axes(g) for g in groups)])
         self._build_expert_groups()
 
     # ----------------------------------------------------------------- queries
     def size(self, axes: str | Sequence[str]) -> int:
         """Number of ranks along one axis or the product over several (or in a `FOLDED` group)."""
+        axes = self._unfold(axes)
         if axes in FOLDED:
             return len(self._group_ranks[(str(axes), "folded")])
         return math.prod(self.shape[a] for a in self._axes(axes))
@@ -73,6 +91,7 @@ class Mesh:
     def rank(self, axes: str | Sequence[str]) -> int:
         """This rank's index along one axis (or flattened over several, row-major; or in a
         `FOLDED` group)."""
+        axes = self._unfold(axes)
         if axes in FOLDED:
             return self._group_ranks[(str(axes), "folded")].index(self.global_rank)
         idx = 0
@@ -84,15 +103,26 @@ class Mesh:
         """The process group of ranks that differ from this one only along ``axes``; or ``"ep"``:
         the data ranks that share tokens among their experts (``ep`` consecutive data ranks), and
         ``"edp"``: the ranks holding the same experts (the other data ranks, and cp ranks)."""
+        axes = self._unfold(axes)
         if axes in FOLDED:
             return self._groups[(str(axes), "folded")]
-        return self._groups[self._key(axes)]
+        key = self._key(axes)
+        if key not in self._groups:
+            if key:
+                made = sorted({"x".join(k) for k in self._groups if k and k[-1] != "folded"})
+                raise ValueError(f"{self}: no group for axes {tuple(self._axes(axes))}; groups are made at "
+                                 f"construction, by every rank together, for {made} (axes of size 1 left "
+                                 f"out): pass Mesh(..., groups=[{tuple(self._axes(axes))!r}]) to make it")
+            self._add(key, [self.global_rank], comm.new_local_group(self.global_rank, "self"))
+        return self._groups[key]
 
     def group_ranks(self, axes: str | Sequence[str]) -> list[int]:
         """Global ranks of `group(axes)`, ordered by their index along ``axes``."""
+        axes = self._unfold(axes)
         if axes in FOLDED:
             return list(self._group_ranks[(str(axes), "folded")])
-        return list(self._group_ranks[self._key(axes)])
+        key = self._key(axes)
+        return list(self._group_ranks[key]) if key else [self.global_rank]
 
     def all_group_ranks(self, axis: str) -> list[list[int]]:
         """For every coordinate of the other axes, the global ranks along ``axis`` (by index).
@@ -123,6 +153,13 @@ class Mesh:
         return f"Mesh({degrees}; rank {self.global_rank} at {self.coords})"
 
     # --------------------------------------------------------------- internals
+    def _unfold(self, axes: str | Sequence[str]) -> str | Sequence[str]:
+        """At ep = 1 the folded groups are mesh groups: ``ep`` this rank alone, ``edp`` every data
+        and cp rank."""
+        if self.ep == 1 and axes in FOLDED:
+            return () if axes == "ep" else ("dp", "fsdp", "cp")
+        return axes
+
     def _axes(self, axes: str | Sequence[str]) -> tuple[str, ...]:
         names = (axes,) if isinstance(axes, str) else tuple(axes)
         for a in names:
@@ -141,13 +178,12 @@ class Mesh:
             rank //= self.shape[a]
         return {a: coords[a] for a in AXES}
 
-    def _build_groups(self) -> None:
-        live = [a for a in AXES if self.shape[a] > 1]
-        keys: list[tuple[str, ...]] = [()]
-        for n in range(1, len(live) + 1):
-            keys.extend(itertools.combinations(live, n))
+    def _build_groups(self, kinds: Sequence[tuple[str, ...]]) -> None:
         all_coords = [self._coords_of(r) for r in range(self.world_size)]
-        for key in keys:
+        for kind in kinds:
+            key = tuple(a for a in kind if self.shape[a] > 1)
+            if not key or key in self._groups:  # this rank alone (made on first use), or made already
+                continue
             # Ranks that agree on every axis outside `key` form one group.
             buckets: dict[tuple[int, ...], list[int]] = {}
             for r, c in enumerate(all_coords):
@@ -156,20 +192,36 @@ class Mesh:
             for ranks in buckets.values():
                 # A new group even when it spans the world: sharing WORLD would let the next
                 # Mesh relabel it, and its traffic would be booked under the wrong axis.
-                pg = comm.new_group(ranks, "x".join(key) or "self")
+                pg = comm.new_group(ranks, "x".join(key))
                 if pg is not None:
-                    self._groups[key] = pg
-                    self._group_ranks[key] = ranks
+                    self._add(key, ranks, pg)
 
+    def _add(self, key: tuple[str, ...], ranks: list[int], pg: dist.ProcessGroup) -> None:
+        self._groups[key] = pg
+        self._group_ranks[key] = ranks
+        self._made.append(pg)
+
+    def own_groups(self) -> list[dist.ProcessGroup]:
+        """The process groups this mesh made on this rank, oldest first (companions not included)."""
+        return list(self._made)
+
+    def destroy(self) -> None:
+        """Release this mesh's process groups (and their desync-check companions).
+
+        Call it on every rank once no collective on the mesh's groups is in flight (after the
+        last step; `torch.distributed.barrier` first if ranks may still be finishing one). The
+        mesh, and every wrapper built on it, cannot communicate afterwards.
+        """
+        for pg in reversed(self._made):
+            comm.destroy_group(pg)
+        self._made.clear()
+        self._groups.clear()
+        self._group_ranks.clear()
 
     def _build_expert_groups(self) -> None:
         """The ``ep`` and ``edp`` groups: data index ``d = dp_i * fsdp + fsdp_i`` splits into
         ``d // ep`` (which ep group) and ``d % ep`` (the rank within it, which experts it holds)."""
-        if self.ep == 1:  # every rank holds every expert
-            self._groups[("ep", "folded")] = self.group(())
-            self._group_ranks[("ep", "folded")] = self.group_ranks(())
-            self._groups[("edp", "folded")] = self.group(("dp", "fsdp", "cp"))
-            self._group_ranks[("edp", "folded")] = self.group_ranks(("dp", "fsdp", "cp"))
+        if self.ep == 1:  # every rank holds every expert: see `_unfold`
             return
         lines: dict[tuple[str, tuple[int, ...]], list[tuple[tuple[int, ...], int]]] = {}
         for r in range(self.world_size):
@@ -182,8 +234,7 @@ class Mesh:
             ranks = [r for _, r in sorted(members)]
             pg = comm.new_group(ranks, name)
             if pg is not None:
-                self._groups[(name, "folded")] = pg
-                self._group_ranks[(name, "folded")] = ranks
+                self._add((name, "folded"), ranks, pg)
 
 
 def _resolve_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:

@@ -104,17 +104,42 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
         if item is None:
             return
         fn, args, kwargs = pickle.loads(item)
-        try:
-            from plait import comm
+        from plait import comm
 
+        mark = len(comm.created_groups())
+        try:
             comm.reset_stats()
-            results.put((rank, True, fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
         except BaseException as e:  # report everything, keep serving
             from plait.env import mark_failed
 
             # Its peers may be inside a collective it left: at exit, skip the goodbye barriers.
             mark_failed()
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            _release_groups(mark, finished=False)
+        else:
+            results.put((rank, True, value))
+            _release_groups(mark, finished=True)
+
+
+def _release_groups(mark: int, finished: bool) -> None:
+    """Destroy the groups a task made (but `cached_mesh`'s), so a pool that serves many tasks (and
+    test modules) holds only its default group and cached meshes between them: every Gloo group
+    keeps threads and connections alive.
+    After a task that finished on this rank, a barrier first: no peer may still be inside the
+    task's last collective. After a failure there is no barrier (a peer may never reach it); the
+    pool restarts unless every rank failed, so a rank left waiting in that barrier is killed.
+    The result is sent before all this: the parent does not wait for the cleanup."""
+    import torch.distributed as dist
+
+    from plait import comm
+
+    kept = {id(g) for mesh in _mesh_cache.values() for g in mesh.own_groups()}  # `cached_mesh`'s
+    made = [g for g in comm.created_groups()[mark:] if id(g) not in kept and comm.is_registered(g)]
+    if finished:  # on every rank, whether or not it holds groups to destroy (ranks differ in that)
+        dist.barrier()
+    for pg in reversed(made):
+        comm.destroy_group(pg)
 
 
 class RankPool:
@@ -196,6 +221,11 @@ class RankPool:
         raise AssertionError(f"{name} was expected to raise on every rank")
 
     def restart(self) -> None:
+        """Kill the ranks and start afresh: survivors of a failed task may be waiting on a peer
+        that will never answer, so an orderly exit would only wait for a timeout."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
         self.close()
         self._start()
 

@@ -50,7 +50,9 @@ class LayoutRun:
         model, _, user_loss = build(spec)
         if not is_meta(model):
             model.to(self.device)
-        self.mesh = mesh if mesh is not None else Mesh(**spec.degrees)
+        d = spec.degrees
+        self.mesh = mesh if mesh is not None else Mesh(pp=d["pp"], dp=d["dp"], fsdp=d["fsdp"], tp=d["tp"],
+                                                       cp=d["cp"], ep=d.get("ep", 1))
         plan = _complete_plan(spec.plan, model, self.mesh, user_loss)
         self.label = _describe(plan, self.mesh)
         modules = list(model.named_modules())  # the original names, before any wrapper
