@@ -246,24 +246,37 @@ def test_every_command_in_the_readme_layout_table_is_accepted():
         parse_args(shlex.split(command))  # exits 2 on a flag or combination the README should not show
 
 
-def test_cli_refuses_in_the_parent_before_spawning(tmp_path):
+def test_cli_refuses_in_the_parent_before_spawning(tmp_path, monkeypatch, capsys):
+    """As a user runs it (a process of its own) for one case; the others through the same entry
+    point in this process, with starting ranks made to fail the test."""
     afile = tmp_path / "file"
     afile.write_text("x")
     bad_schedule = tmp_path / "run.toml"
     bad_schedule.write_text('[parallel]\nnproc = 2\npp = 2\nschedule = "interleaved"\nchunks = 2\n'
                             'microbatches = 3\n[data]\nbatch_size = 6\n')
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "plait", "train", "--nproc", "3", "--tp", "3", "--batch-size",
+                          "3"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--tp 3" in res.stderr, res.stderr
+    assert "[rank" not in res.stderr  # no rank ever started (rank log lines start so)
+    assert time.perf_counter() - t0 < 60
+
+    from plait.app import launch, train
+    from plait.app.cli import main
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("plait train started ranks for a run it should have refused")
+
+    monkeypatch.setattr(launch, "spawn", no_ranks)
+    monkeypatch.setattr(train, "train", no_ranks)
     cases = [
         (["--strategy", "dp", "--mixed-precision", "bf16"], "--mixed-precision bf16 with --strategy dp"),
         (["--lr", "inf"], "--lr inf: must be a finite number > 0"),
         (["--save-dir", str(afile)], "is an existing file"),
-        (["--nproc", "3", "--tp", "3", "--batch-size", "3"], "--tp 3"),
         (["--config", str(bad_schedule)], "--schedule interleaved with --pp 2 --microbatches 3"),
     ]
     for args, message in cases:
-        t0 = time.perf_counter()
-        res = subprocess.run([sys.executable, "-m", "plait", "train", *args], capture_output=True,
-                             text=True, timeout=120)
-        assert res.returncode == 2, (args, res.stderr)
-        assert message in res.stderr, (args, res.stderr)
-        assert "[rank" not in res.stderr  # no rank ever started (rank log lines start so)
-        assert time.perf_counter() - t0 < 60
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", *args])
+        assert exit_.value.code == 2, args
+        assert message in capsys.readouterr().err, args

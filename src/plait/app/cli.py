@@ -31,13 +31,24 @@ def cmd_bench(argv: list[str]) -> int:
     return int(module.main(rest) or 0)
 
 
+# What `pip install plait[cli]` adds for the command (the library needs torch only).
+CLI_EXTRAS = ("tyro", "tqdm", "safetensors", "tomli")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from plait.app import check as _check
-    from plait.app import export as _export
-    from plait.app import run as _run
-    from plait.app import train as _train
-    from plait.app.plan import cli as _plan
+    try:
+        from plait.app import check as _check
+        from plait.app import export as _export
+        from plait.app import run as _run
+        from plait.app import train as _train
+        from plait.app.plan import cli as _plan
+    except ModuleNotFoundError as e:
+        if e.name not in CLI_EXTRAS:
+            raise
+        print(f"plait: the command needs {e.name!r}, one of the command's extras: pip install 'plait[cli]'",
+              file=sys.stderr)
+        return 2
 
     commands = {"train": _train.cli_main, "run": _run.cli_main, "bench": cmd_bench, "check": _check.cli_main,
                 "export": _export.cli_main, "plan": _plan.cli_main}

@@ -56,7 +56,11 @@ def render_text(sched: Schedule, costs: Costs | None = None) -> str:
 def draw_png(sched: Schedule, path: str, measured: Sequence[Sequence[Slot]] | None = None,
              costs: Mapping[Kind, float] | None = None) -> str:
     """Save a Gantt chart of ``sched`` (and of a measured step, if given) to ``path``."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("plait.pipeline.draw.draw_png needs matplotlib, the pictures' extra: "
+                                  "pip install 'plait[viz]'", name=e.name) from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

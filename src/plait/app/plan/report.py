@@ -86,7 +86,11 @@ def format_dry_run(report: dict[str, Any], cfg: TrainConfig) -> str:
 
 def write_picture(preds: list[Prediction], path: str) -> str:
     """Stacked bars of each layout's memory per stage at the peak (one bar per stage)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("plait plan's picture needs matplotlib, the pictures' extra: "
+                                  "pip install 'plait[viz]'", name=e.name) from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
