@@ -3,7 +3,6 @@
 from typing import TYPE_CHECKING
 
 from plait import comm, cp
-from plait.activation_checkpointing import activation_checkpointing
 from plait.check import CheckReport
 from plait.clip import clip_grad_norm_
 from plait.cp import context_parallel
@@ -32,17 +31,18 @@ from plait.tp import (
     vocab_parallel_cross_entropy,
 )
 
-# `plait.check`, `plait.parallelize` and `plait.pipeline` are modules that are also their namesake
-# function (`plait.callable_module`): ``plait.pipeline(model, mesh, ...)`` and
-# ``plait.pipeline.zbv`` both work. Type checkers do not model a callable module, so to them these
-# names are the functions, the common use; typed code imports the modules' other names
-# (``from plait.pipeline import zbv``).
+# `plait.activation_checkpointing`, `plait.check`, `plait.parallelize` and `plait.pipeline` are
+# modules that are also their namesake function (`plait.callable_module`):
+# ``plait.pipeline(model, mesh, ...)`` and ``plait.pipeline.zbv`` both work. Type checkers do not
+# model a callable module, so to them these names are the functions, the common use; typed code
+# imports the modules' other names (``from plait.pipeline import zbv``).
 if TYPE_CHECKING:
+    from plait.activation_checkpointing import activation_checkpointing
     from plait.check import check
     from plait.parallelize import parallelize
     from plait.pipeline import pipeline
 else:
-    from plait import check, parallelize, pipeline
+    from plait import activation_checkpointing, check, parallelize, pipeline
 
 __all__ = [
     "init",
