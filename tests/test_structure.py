@@ -1,13 +1,24 @@
-"""The layout keeps its promises: no import cycles, no private names across modules."""
+"""The layout keeps its promises: no import cycles, no private names across modules, names that
+import (no package attribute hides its own submodule, every name the README shows resolves)."""
 
 from __future__ import annotations
 
 import ast
+import inspect
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 import plait
+import plait.pipeline.split
+from plait.callable_module import CallableModule
 
 ROOT = Path(plait.__file__).resolve().parent
+README = ROOT.parent.parent / "README.md"
 
 
 def _module_name(path: Path) -> str:
@@ -93,3 +104,132 @@ def test_the_library_never_imports_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def _in_a_fresh_process(code: str, *args: str) -> object:
+    """Run ``code`` in a new interpreter (no module that other tests imported is loaded there, so
+    nothing hides what ``import plait`` alone provides) and return the JSON it prints."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+SHADOWS = """
+import json, pkgutil, sys, types
+import plait
+
+def shadows(package):
+    for info in pkgutil.iter_modules(package.__path__):
+        full = f"{package.__name__}.{info.name}"
+        obj = getattr(package, info.name, None)
+        if obj is not None and not (isinstance(obj, types.ModuleType) and obj.__name__ == full):
+            yield f"{full} is {obj!r}, not the module {full}"
+
+bad = list(shadows(plait))  # right after `import plait`, before any other plait import
+for info in pkgutil.walk_packages(plait.__path__, "plait."):
+    if info.ispkg:
+        __import__(info.name)
+        bad.extend(shadows(sys.modules[info.name]))
+print(json.dumps(bad))
+"""
+
+
+def test_no_package_attribute_hides_its_submodule():
+    """A name bound in a package to something other than its submodule of that name hides the
+    submodule: after ``import plait``, ``plait.pipeline.zbv`` was looked up on a function."""
+    assert _in_a_fresh_process(SHADOWS) == []
+
+
+CALLABLE_MODULES = ("plait.activation_checkpointing", "plait.check", "plait.parallelize", "plait.pipeline")
+
+
+def _callable_modules() -> list[str]:
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.walk_packages(plait.__path__, "plait."):
+        if not info.name.startswith("plait.app") and info.name != "plait.__main__":
+            importlib.import_module(info.name)
+    return sorted(n for n, m in sys.modules.items() if isinstance(m, CallableModule))
+
+
+def test_the_callable_modules_are_modules_and_functions(monkeypatch):
+    """`plait.activation_checkpointing`, `plait.check`, `plait.parallelize` and `plait.pipeline` are
+    the modules (with every name in them) and, called, their namesake functions, with those
+    functions' signatures."""
+    assert _callable_modules() == list(CALLABLE_MODULES)
+    for name in CALLABLE_MODULES:
+        module = sys.modules[name]
+        attr = name.rpartition(".")[2]
+        assert getattr(plait, attr) is module
+        function = getattr(module, attr)
+        assert inspect.isfunction(function) and function.__module__.startswith(name)
+        assert inspect.signature(module) == inspect.signature(function)
+        calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
+
+        def record(*args: object, _calls: list = calls, **kwargs: object) -> str:
+            _calls.append((args, kwargs))
+            return "result"
+
+        monkeypatch.setattr(module, attr, record)
+        assert module(1, key=2) == "result" and calls == [((1,), {"key": 2})]
+    assert plait.pipeline.zbv is plait.pipeline.generators.zbv
+    assert callable(plait.pipeline.split.segments) and plait.parallelize.ORDER[0] == "pipeline split"
+    assert plait.check.oracle.__name__ == "plait.check.oracle"
+
+
+FILES = {"plait.json"}  # the checkpoint's metadata file, not a Python name
+
+
+def _readme_names() -> list[str]:
+    """Every ``plait.x`` / ``plait.x.y...`` in README.md's Python blocks and inline code."""
+    text = README.read_text()
+    blocks = re.findall(r"^ *```python\n(.*?)^ *```", text, flags=re.S | re.M)
+    prose = re.sub(r"^ *```.*?^ *```", "", text, flags=re.S | re.M)
+    code = blocks + re.findall(r"`([^`\n]+)`", prose)
+    names = {n for c in code for n in re.findall(r"(?<![\w.])plait(?:\.[A-Za-z_]\w*)+", c)}
+    return sorted(names - FILES)
+
+
+RESOLVE = """
+import importlib, json, sys
+from pathlib import Path
+import plait
+
+root = Path(plait.__file__).parent.parent
+loaded = set(sys.modules)
+
+def is_module(parts):
+    path = root.joinpath(*parts)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+bad = []
+for name in sys.argv[1:]:
+    parts = name.split(".")
+    # A subpackage `import plait` loads must show every name under it with no other import; one it
+    # leaves out (the application, test helpers, checkpoints) after `import <its deepest module>`.
+    if ".".join(parts[:2]) not in loaded:
+        importlib.import_module(".".join(max((parts[:k] for k in range(1, len(parts) + 1)
+                                              if is_module(parts[:k])), key=len)))
+    obj = plait
+    try:
+        for part in parts[1:]:
+            obj = getattr(obj, part)
+    except AttributeError as e:
+        bad.append(f"{name}: {e}")
+print(json.dumps(bad))
+"""
+
+
+def test_every_name_the_readme_shows_resolves():
+    names = _readme_names()
+    assert {"plait.pipeline.zbv", "plait.pipeline.split.segments", "plait.parallelize.ORDER",
+            "plait.parallelize", "plait.pipeline"} <= set(names)
+    assert _in_a_fresh_process(RESOLVE, *names) == []
+
+
+@pytest.mark.parametrize("written", ["plait.pipeline.split.segments", "plait.check.oracle"])
+def test_names_in_the_package_docs_resolve_after_import_plait(written):
+    """The docstrings name `plait.check.oracle` and `plait.pipeline.split.segments`; the same
+    resolution as the README's names."""
+    assert _in_a_fresh_process(RESOLVE, written) == []
