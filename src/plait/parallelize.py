@@ -78,7 +78,8 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.wrapping import StageWrapper
 from plait.precision import MixedPrecision, check_castable, mixed_precision, parse_mixed_precision
 from plait.tp.apply import tensor_parallel
-from plait.tp.styles import ParallelRegion, Style
+from plait.tp.context import Style
+from plait.tp.styles import ParallelRegion
 
 __all__ = ["ParallelPlan", "parallelize", "ORDER"]
 
