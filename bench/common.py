@@ -83,6 +83,15 @@ def spread(xs: list[float]) -> Spread:
     return Spread(statistics.median(xs), pct[1], pct[4], pct[14], pct[17], len(xs))
 
 
+def gpt_config(a: dict, **overrides: object):
+    """plait's GPT preset ``a["model"]`` at ``a["seq_len"]``, with ``overrides`` (e.g. dropout)."""
+    from plait.models.gpt import PRESETS, GPTConfig
+
+    base = vars(PRESETS[a["model"]]).copy()
+    base.update(seq_len=a["seq_len"], **overrides)
+    return GPTConfig(**base)
+
+
 def run_on_ranks(world: int, job: Callable[[dict], object], args: dict) -> tuple[list, float]:
     """``job(args)`` on every rank of a fresh ``world``-rank pool: (each rank's result, wall
     seconds). Records the 1-minute load before and after in ``args["load"]``: other jobs share the

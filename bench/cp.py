@@ -35,21 +35,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import alternate, markdown_table, median, paired_ratios, run_on_ranks, spread, write_section
+from bench.common import (
+    alternate,
+    gpt_config,
+    markdown_table,
+    median,
+    paired_ratios,
+    run_on_ranks,
+    spread,
+    write_section,
+)
 from bench.live_memory import PeakMeter
 
 WORLD = 2
 MIB = 2**20
 DEFAULTS: dict[str, Any] = {"model": "small", "seq_len": 1024, "batch": 2, "iters": 20, "warmup": 2}
 ALGORITHMS = ("ring", "allgather", "ulysses")
-
-
-def _cfg(a: dict):
-    from plait.models.gpt import PRESETS, GPTConfig
-
-    base = vars(PRESETS[a["model"]]).copy()
-    base.update(seq_len=a["seq_len"])
-    return GPTConfig(**base)
 
 
 def _global_batch(a: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +107,7 @@ def _plait(a: dict, mesh: Any, cp: str | None, x: torch.Tensor, y: torch.Tensor)
     from plait.models.gpt import GPT
 
     with torch.device("meta"):
-        model = GPT(_cfg(a))
+        model = GPT(gpt_config(a))
     net = plait.parallelize(model, mesh, plait.ParallelPlan(cp=cp, seed=0))
     assert isinstance(net, torch.nn.Module)
     return Runner(net, _local(x, mesh), _local(y, mesh))
@@ -126,7 +127,7 @@ def _torch(a: dict, x: torch.Tensor, y: torch.Tensor) -> Runner:
     from plait.models.gpt import GPT, Rotary
 
     dev = device()
-    model = plait.init_weights(GPT(_cfg(a)), 0).to(dev)  # the values plait's meta-device init gives
+    model = plait.init_weights(GPT(gpt_config(a)), 0).to(dev)  # the values plait's meta-device init gives
     world = dist.group.WORLD
     assert world is not None  # after plait.init
     mesh = DeviceMesh.from_group(world, dev.type)
@@ -232,7 +233,7 @@ def theory(a: dict, algorithm: str, cp: int) -> dict[str, float]:
     repeats KV heads to the query heads before attention, so |K, V| counts every query head."""
     if cp == 1:  # one rank holds the whole sequence: the ring has nowhere to send
         return {}
-    cfg = _cfg(a)
+    cfg = gpt_config(a)
     q = a["batch"] * cfg.n_heads * (a["seq_len"] // cp) * cfg.head_dim * 4  # every sequence on every cp rank
     kv, n, layers = 2 * q, cp, cfg.n_layers
     return {"ring": {"send": layers * ((n - 1) * kv + (n - 1) * kv + n * kv)},
@@ -303,7 +304,7 @@ def _memory_table(res: list[dict]) -> str:
 
 
 def report(a: dict, res: list[dict], wall: float) -> str:
-    cfg = _cfg(a)
+    cfg = gpt_config(a)
     r0 = res[0]
     s, b = a["seq_len"], a["batch"]
     (c1, m1), (c2, m2) = score_elements(s, 1), score_elements(s, 2)

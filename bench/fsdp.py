@@ -30,6 +30,7 @@ import torch
 from bench.common import (
     Spread,
     alternate,
+    gpt_config,
     markdown_table,
     median,
     paired_ratios,
@@ -44,14 +45,6 @@ IMPLS = ("plait", "plait_lowmem", "torch")
 
 
 # ---------------------------------------------------------------- building both sides
-def _cfg(args: dict):
-    from plait.models.gpt import PRESETS, GPTConfig
-
-    base = vars(PRESETS[args["model"]]).copy()
-    base.update(seq_len=args["seq_len"])
-    return GPTConfig(**base)
-
-
 def _batch(args: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     b = torch.randint(0, 256, (args["batch"], args["seq_len"] + 1), generator=g).chunk(args["world"])[rank]
@@ -67,7 +60,7 @@ def _build(impl: str, args: dict, stage: int | None = None):
     from plait.models.gpt import GPT
     from plait.testing import cached_mesh
 
-    cfg = _cfg(args)
+    cfg = gpt_config(args)
     mp = args["mixed_precision"]
     if impl.startswith("plait"):
         with torch.device("meta"):
@@ -184,7 +177,7 @@ def _build_meta_params(args: dict):
     from plait.models.gpt import GPT
 
     with torch.device("meta"):
-        return list(GPT(_cfg(args)).parameters())
+        return list(GPT(gpt_config(args)).parameters())
 
 
 # ---------------------------------------------------------------- driver

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import alternate, write_section
+from bench.common import alternate, gpt_config, write_section
 from bench.live_memory import LiveStorageBytes, PeakMeter
 
 LAYOUTS = ("ddp", "zero1", "zero2", "zero3", "tp", "tp_sp", "pp")
@@ -40,11 +40,7 @@ TORCH_LAYOUTS = {"ddp": "torch DDP", "zero3": "torch FSDP2"}
 
 
 def _cfg(a: dict):
-    from plait.models.gpt import PRESETS, GPTConfig
-
-    base = vars(PRESETS[a["model"]]).copy()
-    base.update(seq_len=a["seq_len"], dropout=a["dropout"])
-    return GPTConfig(**base)
+    return gpt_config(a, dropout=a["dropout"])
 
 
 def _batch(a: dict, layout: str) -> tuple[torch.Tensor, torch.Tensor]:

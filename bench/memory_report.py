@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from bench.common import markdown_table, spread
+from bench.common import gpt_config, markdown_table, spread
 from bench.memory_theory import Shape, korthikanti, plait_block, zero_states
 
 MIB, KIB = 2**20, 2**10
@@ -193,10 +193,9 @@ def _timing_table(times: dict[str, dict[str, list[float]]]) -> tuple[str, dict]:
 
 
 def report(a: dict, mem: list[list[dict]], times: dict[str, dict[str, list[float]]]) -> str:
-    from bench.memory import _cfg
     from plait.models.gpt import GPT
 
-    cfg = _cfg(a)
+    cfg = gpt_config(a, dropout=a["dropout"])  # the model bench/memory.py measured
     with torch.device("meta"):
         psi = GPT(cfg).num_parameters()
     idx = _index(mem)

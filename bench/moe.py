@@ -29,7 +29,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import alternate, markdown_table, median, paired_ratios, run_on_ranks, spread, write_section
+from bench.common import (
+    alternate,
+    gpt_config,
+    markdown_table,
+    median,
+    paired_ratios,
+    run_on_ranks,
+    spread,
+    write_section,
+)
 
 WORLD = 2
 MIB = 2**20
@@ -38,12 +47,8 @@ DEFAULTS: dict[str, Any] = {"model": "small", "experts": 8, "top_k": 2, "d_exper
 
 
 def _cfg(a: dict):
-    from plait.models.gpt import PRESETS, GPTConfig
-
-    base = vars(PRESETS[a["model"]]).copy()
-    base.update(seq_len=a["seq_len"], n_experts=a["experts"], top_k=a["top_k"], d_expert=a["d_expert"],
-                aux_loss_coef=a["aux_loss_coef"])
-    return GPTConfig(**base)
+    return gpt_config(a, n_experts=a["experts"], top_k=a["top_k"], d_expert=a["d_expert"],
+                      aux_loss_coef=a["aux_loss_coef"])
 
 
 def _local_batch(a: dict) -> tuple[torch.Tensor, torch.Tensor]:

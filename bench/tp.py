@@ -34,18 +34,19 @@ import os
 
 import torch
 
-from bench.common import alternate, markdown_table, median, paired_ratios, run_on_ranks, spread, write_section
+from bench.common import (
+    alternate,
+    gpt_config,
+    markdown_table,
+    median,
+    paired_ratios,
+    run_on_ranks,
+    spread,
+    write_section,
+)
 
 WORLD = 2
 MIB = 2**20
-
-
-def _cfg(args: dict):
-    from plait.models.gpt import PRESETS, GPTConfig
-
-    base = vars(PRESETS[args["model"]]).copy()
-    base.update(seq_len=args["seq_len"])
-    return GPTConfig(**base)
 
 
 def _batch(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +62,7 @@ def _build_plait(args: dict, sequence_parallel: bool):
     from plait.testing import cached_mesh
     from plait.tp.apply import loss_fn_for, tensor_parallel
 
-    cfg = _cfg(args)
+    cfg = gpt_config(args)
     with torch.device("meta"):
         model = GPT(cfg)
     model = tensor_parallel(model, cached_mesh(tp=WORLD), gpt_plan(cfg),
@@ -89,7 +90,7 @@ def _build_torch(args: dict, sequence_parallel: bool = False, region_input: bool
     import plait
     from plait.models.gpt import GPT
 
-    cfg = _cfg(args)
+    cfg = gpt_config(args)
     model = plait.init_weights(GPT(cfg), 0)  # full model on every rank; torch then shards it
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda" if torch.cuda.is_available() else "cpu")
     # Megatron pattern as torchtitan writes it; with SP the activations between the regions
@@ -157,7 +158,7 @@ PAIRS = (("plait", "torch", "without sequence parallelism"),
 
 def _act_bytes(args: dict) -> int:
     """One activation, b·s·h fp32: what each of Megatron's block collectives moves."""
-    return args["batch"] * args["seq_len"] * _cfg(args).d_model * 4
+    return args["batch"] * args["seq_len"] * gpt_config(args).d_model * 4
 
 
 def timing_job(args: dict) -> dict:
@@ -254,7 +255,7 @@ def main(argv: list[str]) -> int:
 def _theory(args: dict) -> dict[str, float]:
     """Megatron's logical bytes per training step at tp=2 (fp32), without sequence parallelism."""
     act, tokens = _act_bytes(args), args["batch"] * args["seq_len"] * 4
-    blocks = 4 * _cfg(args).n_layers * act  # 2 all-reduces forward + 2 backward per block
+    blocks = 4 * gpt_config(args).n_layers * act  # 2 all-reduces forward + 2 backward per block
     # Embedding all-reduce (forward), lm_head input all-reduce (backward), and the loss's per-token
     # max and (sum-exp, target logit) all-reduces.
     return {"blocks": blocks, "total": blocks + 2 * act + 3 * tokens}
@@ -272,7 +273,7 @@ def _timing_table(res: dict) -> str:
 
 
 def _counts_table(args: dict, res: dict) -> str:
-    n_layers = _cfg(args).n_layers
+    n_layers = gpt_config(args).n_layers
     megatron = 4 * n_layers + 2  # 4 per block (2 forward + 2 backward) + embedding + lm_head
     c = res["counts"]
 
@@ -305,7 +306,7 @@ def _bytes_table(args: dict, res: dict) -> str:
 
 
 def _report(args: dict, res: dict, wall: float) -> str:
-    cfg = _cfg(args)
+    cfg = gpt_config(args)
     lo = res["losses"]
     first = ", ".join(f"{k} {v[0]:.6f}" for k, v in lo.items())
     last = ", ".join(f"{k} {v[-1]:.6f}" for k, v in lo.items())

@@ -1,71 +1,99 @@
-"""The layout keeps its promises: no import cycles, no private names across modules."""
+"""The layout keeps its promises: no import cycles, no private names across modules, names that
+import (no package attribute hides its own submodule, every name the README shows resolves)."""
 
 from __future__ import annotations
 
 import ast
+import inspect
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 import plait
+import plait.pipeline.split
+from plait.callable_module import CallableModule
 
 ROOT = Path(plait.__file__).resolve().parent
+README = ROOT.parent.parent / "README.md"
+BENCH = ROOT.parent.parent / "bench"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+def _module_name(path: Path, top: Path) -> str:
+    parts = path.relative_to(top.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules() -> dict[str, ast.Module]:
-    return {_module_name(p): ast.parse(p.read_text()) for p in ROOT.rglob("*.py")}
+def _modules() -> dict[str, tuple[ast.Module, bool]]:
+    """module name -> (its syntax tree, whether it is a package), for plait and bench."""
+    return {_module_name(p, top): (ast.parse(p.read_text()), p.name == "__init__.py")
+            for top in (ROOT, BENCH) for p in sorted(top.rglob("*.py"))}
 
 
-def _type_checking_only(tree: ast.Module) -> set[int]:
-    """Line numbers of imports inside ``if TYPE_CHECKING:`` blocks (never run)."""
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            lines.update(n.lineno for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
-    return lines
-
-
-def _imports(mods: dict[str, ast.Module]) -> dict[str, set[tuple[str, str]]]:
-    """module -> {(imported plait module, imported name or '')}, lazy imports included."""
+def _imports(mods: dict[str, tuple[ast.Module, bool]]) -> dict[str, set[tuple[str, str]]]:
+    """module -> {(imported plait or bench module, imported name or '')}: every import statement,
+    at the top, under ``if TYPE_CHECKING:`` and inside functions. ``from a import b`` is an edge to
+    the submodule ``a.b`` when there is one, else to ``a``; relative imports are resolved."""
     out: dict[str, set[tuple[str, str]]] = {}
-    for name, tree in mods.items():
-        skip = _type_checking_only(tree)
+    for name, (tree, is_package) in mods.items():
+        package = name.split(".") if is_package else name.split(".")[:-1]
         found: set[tuple[str, str]] = set()
         for node in ast.walk(tree):
-            if getattr(node, "lineno", None) in skip:
-                continue
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("plait"):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:  # from . import x, from ..y import z
+                    base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).rstrip(".")
+                else:
+                    base = node.module or ""
                 for alias in node.names:
-                    sub = f"{node.module}.{alias.name}"
-                    found.add((sub, "") if sub in mods else (node.module, alias.name))
+                    sub = f"{base}.{alias.name}"
+                    if sub in mods:
+                        found.add((sub, ""))
+                    elif base in mods:
+                        found.add((base, alias.name))
             elif isinstance(node, ast.Import):
-                found.update((a.name, "") for a in node.names if a.name.startswith("plait"))
+                found.update((a.name, "") for a in node.names if a.name in mods)
         out[name] = found
     return out
 
 
-def test_no_import_cycles():
-    mods = _modules()
-    # The package facade (plait/__init__) imports everything by design; it is not a node.
-    graph = {m: {t for t, _ in deps if t in mods and t != "plait" and t != m}
-             for m, deps in _imports(mods).items() if m != "plait"}
-    cycles = []
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle for each edge that closes one in a depth-first walk (none: the graph is acyclic)."""
+    cycles: list[list[str]] = []
+    done: set[str] = set()
 
-    def visit(node: str, path: list[str], on_path: set[str], done: set[str]) -> None:
+    def visit(node: str, path: list[str]) -> None:
         for nxt in sorted(graph.get(node, ())):
-            if nxt in on_path:
+            if nxt in path:
                 cycles.append(path[path.index(nxt):] + [nxt])
             elif nxt not in done:
-                visit(nxt, path + [nxt], on_path | {nxt}, done)
+                visit(nxt, path + [nxt])
         done.add(node)
 
-    done: set[str] = set()
     for m in sorted(graph):
         if m not in done:
-            visit(m, [m], {m}, done)
+            visit(m, [m])
+    return cycles
+
+
+def test_the_cycle_finder_sees_lazy_and_type_checking_imports():
+    mods = {"plait.a": (ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                  "    from plait.b import B\n"), False),
+            "plait.b": (ast.parse("def f():\n    from . import a\n"), False)}
+    graph = {m: {t for t, _ in deps} for m, deps in _imports(mods).items()}
+    assert graph == {"plait.a": {"plait.b"}, "plait.b": {"plait.a"}}
+    assert _cycles(graph) == [["plait.a", "plait.b", "plait.a"]]
+
+
+def test_no_import_cycles():
+    """No module imports, at any depth and by any route (an import at the top, inside a function,
+    or only for type checkers), a module that imports it back. A package's ``__init__`` running
+    before its submodules is not an edge (re-exports there are by design); the facade
+    ``plait/__init__`` is a node like any other, so no module it imports may import ``plait`` back."""
+    graph = {m: {t for t, _ in deps if t != m} for m, deps in _imports(_modules()).items()}
+    cycles = _cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
@@ -78,18 +106,145 @@ def test_no_private_names_imported_across_modules():
 def test_the_library_never_imports_the_application():
     """`plait.app` (train, data, cli, run, launch) is built on the library, not the reverse."""
     bad = sorted(f"{m} imports {t}" for m, deps in _imports(_modules()).items() for t, _ in deps
-                 if not m.startswith("plait.app") and m != "plait.__main__" and t.startswith("plait.app"))
+                 if m.startswith("plait") and not m.startswith("plait.app") and m != "plait.__main__"
+                 and t.startswith("plait.app"))
     assert not bad, bad
 
 
 def test_the_library_never_imports_transformers():
     """`transformers` is the optional extra plait[hf]: importing plait (and building a layout's
     pieces) must not need it; models are recognised by their structure."""
-    import subprocess
-    import sys
-
     code = ("import sys, plait, plait.models.plans, plait.pipeline, plait.check, plait.tp; "
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def _in_a_fresh_process(code: str, *args: str) -> object:
+    """Run ``code`` in a new interpreter (no module that other tests imported is loaded there, so
+    nothing hides what ``import plait`` alone provides) and return the JSON it prints."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+SHADOWS = """
+import json, pkgutil, sys, types
+import plait
+
+def shadows(package):
+    for info in pkgutil.iter_modules(package.__path__):
+        full = f"{package.__name__}.{info.name}"
+        obj = getattr(package, info.name, None)
+        if obj is not None and not (isinstance(obj, types.ModuleType) and obj.__name__ == full):
+            yield f"{full} is {obj!r}, not the module {full}"
+
+bad = list(shadows(plait))  # right after `import plait`, before any other plait import
+for info in pkgutil.walk_packages(plait.__path__, "plait."):
+    if info.ispkg:
+        __import__(info.name)
+        bad.extend(shadows(sys.modules[info.name]))
+print(json.dumps(bad))
+"""
+
+
+def test_no_package_attribute_hides_its_submodule():
+    """A name bound in a package to something other than its submodule of that name hides the
+    submodule: after ``import plait``, ``plait.pipeline.zbv`` was looked up on a function."""
+    assert _in_a_fresh_process(SHADOWS) == []
+
+
+CALLABLE_MODULES = ("plait.activation_checkpointing", "plait.check", "plait.parallelize", "plait.pipeline")
+
+
+def _callable_modules() -> list[str]:
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.walk_packages(plait.__path__, "plait."):
+        if not info.name.startswith("plait.app") and info.name != "plait.__main__":
+            importlib.import_module(info.name)
+    return sorted(n for n, m in sys.modules.items() if isinstance(m, CallableModule))
+
+
+def test_the_callable_modules_are_modules_and_functions(monkeypatch):
+    """`plait.activation_checkpointing`, `plait.check`, `plait.parallelize` and `plait.pipeline` are
+    the modules (with every name in them) and, called, their namesake functions, with those
+    functions' signatures."""
+    assert _callable_modules() == list(CALLABLE_MODULES)
+    for name in CALLABLE_MODULES:
+        module = sys.modules[name]
+        attr = name.rpartition(".")[2]
+        assert getattr(plait, attr) is module
+        function = getattr(module, attr)
+        assert inspect.isfunction(function) and function.__module__.startswith(name)
+        assert inspect.signature(module) == inspect.signature(function)
+        calls: list[tuple[tuple[object, ...], dict[str, object]]] = []
+
+        def record(*args: object, _calls: list = calls, **kwargs: object) -> str:
+            _calls.append((args, kwargs))
+            return "result"
+
+        monkeypatch.setattr(module, attr, record)
+        assert module(1, key=2) == "result" and calls == [((1,), {"key": 2})]
+    assert plait.pipeline.zbv is plait.pipeline.generators.zbv
+    assert callable(plait.pipeline.split.segments) and plait.parallelize.ORDER[0] == "pipeline split"
+    assert plait.check.oracle.__name__ == "plait.check.oracle"
+
+
+FILES = {"plait.json"}  # the checkpoint's metadata file, not a Python name
+
+
+def _readme_names() -> list[str]:
+    """Every ``plait.x`` / ``plait.x.y...`` in README.md's Python blocks and inline code."""
+    text = README.read_text()
+    blocks = re.findall(r"^ *```python\n(.*?)^ *```", text, flags=re.S | re.M)
+    prose = re.sub(r"^ *```.*?^ *```", "", text, flags=re.S | re.M)
+    code = blocks + re.findall(r"`([^`\n]+)`", prose)
+    names = {n for c in code for n in re.findall(r"(?<![\w.])plait(?:\.[A-Za-z_]\w*)+", c)}
+    return sorted(names - FILES)
+
+
+RESOLVE = """
+import importlib, json, sys
+from pathlib import Path
+import plait
+
+root = Path(plait.__file__).parent.parent
+loaded = set(sys.modules)
+
+def is_module(parts):
+    path = root.joinpath(*parts)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+bad = []
+for name in sys.argv[1:]:
+    parts = name.split(".")
+    # A subpackage `import plait` loads must show every name under it with no other import; one it
+    # leaves out (the application, test helpers, checkpoints) after `import <its deepest module>`.
+    if ".".join(parts[:2]) not in loaded:
+        importlib.import_module(".".join(max((parts[:k] for k in range(1, len(parts) + 1)
+                                              if is_module(parts[:k])), key=len)))
+    obj = plait
+    try:
+        for part in parts[1:]:
+            obj = getattr(obj, part)
+    except AttributeError as e:
+        bad.append(f"{name}: {e}")
+print(json.dumps(bad))
+"""
+
+
+def test_every_name_the_readme_shows_resolves():
+    names = _readme_names()
+    assert {"plait.pipeline.zbv", "plait.pipeline.split.segments", "plait.parallelize.ORDER",
+            "plait.parallelize", "plait.pipeline"} <= set(names)
+    assert _in_a_fresh_process(RESOLVE, *names) == []
+
+
+@pytest.mark.parametrize("written", ["plait.pipeline.split.segments", "plait.check.oracle"])
+def test_names_in_the_package_docs_resolve_after_import_plait(written):
+    """The docstrings name `plait.check.oracle` and `plait.pipeline.split.segments`; the same
+    resolution as the README's names."""
+    assert _in_a_fresh_process(RESOLVE, written) == []

@@ -1,8 +1,9 @@
 """plait: train any PyTorch model on many devices with every classic form of parallelism."""
 
+from typing import TYPE_CHECKING
+
 from plait import comm, cp
-from plait.activation_checkpointing import activation_checkpointing
-from plait.check import CheckReport, check
+from plait.check import CheckReport
 from plait.clip import clip_grad_norm_
 from plait.cp import context_parallel
 from plait.data_parallel import DataParallel
@@ -13,8 +14,8 @@ from plait.fsdp import FSDP, FullyShardedDataParallel, ZeroRedundancyOptimizer
 from plait.materialize import init_weights
 from plait.mesh import Mesh
 from plait.models.plans import gpt_plan, plan_for
-from plait.parallelize import ParallelPlan, parallelize
-from plait.pipeline import Pipeline, pipeline
+from plait.parallelize import ParallelPlan
+from plait.pipeline import Pipeline
 from plait.precision import MixedPrecision, mixed_precision
 from plait.scaler import GradScaler
 from plait.state_dict import full_state_dict, load_full_state_dict
@@ -29,6 +30,19 @@ from plait.tp import (
     tensor_parallel,
     vocab_parallel_cross_entropy,
 )
+
+# `plait.activation_checkpointing`, `plait.check`, `plait.parallelize` and `plait.pipeline` are
+# modules that are also their namesake function (`plait.callable_module`):
+# ``plait.pipeline(model, mesh, ...)`` and ``plait.pipeline.zbv`` both work. Type checkers do not
+# model a callable module, so to them these names are the functions, the common use; typed code
+# imports the modules' other names (``from plait.pipeline import zbv``).
+if TYPE_CHECKING:
+    from plait.activation_checkpointing import activation_checkpointing
+    from plait.check import check
+    from plait.parallelize import parallelize
+    from plait.pipeline import pipeline
+else:
+    from plait import activation_checkpointing, check, parallelize, pipeline
 
 __all__ = [
     "init",

@@ -47,6 +47,9 @@ Gradients equal those without checkpointing, bitwise when the kernels are determ
 forward (a forward that depends on state changed since, or on values) is an error naming the block.
 Not supported: `plait.DataParallel` (its threads run the shared modules under
 ``torch.func.functional_call``, which a recomputation would not see), and nested blocks.
+
+The module is callable: ``plait.activation_checkpointing(...)`` is
+`plait.activation_checkpointing.activation_checkpointing` (`plait.callable_module`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from plait._torch_compat import TorchDispatchMode, map_tensors, tensors_in
+from plait.callable_module import make_callable
 from plait.names import matches
 from plait.tp.context import RNGFork
 
@@ -392,3 +396,6 @@ class _Reuse(TorchDispatchMode):
             if i < len(outs) and all(t._version == v for t, v in outs[i][1]):
                 return map_tensors(torch.Tensor.detach, outs[i][0])
         return func(*args, **(kwargs or {}))
+
+
+make_callable(__name__)

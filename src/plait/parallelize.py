@@ -4,6 +4,9 @@
     pipe = plait.parallelize(model, plait.Mesh(pp=2, fsdp=2, tp=2),
                              plait.ParallelPlan(tp=plait.gpt_plan(cfg), data="fsdp", pp_microbatches=8))
 
+The module is callable: ``plait.parallelize(...)`` is `plait.parallelize.parallelize`
+(`plait.callable_module`), and ``plait.parallelize.ORDER`` stays reachable.
+
 The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to every stage):
 
 0. **Pipeline split** (``pp`` axis, when the mesh has pp > 1): the model is cut into stages
@@ -57,6 +60,7 @@ import torch
 from torch import nn
 
 from plait.activation_checkpointing import check_options, checkpoint_blocks, select_blocks
+from plait.callable_module import make_callable
 from plait.cp.apply import ALGORITHMS, context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
@@ -74,7 +78,8 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.wrapping import StageWrapper
 from plait.precision import MixedPrecision, check_castable, mixed_precision, parse_mixed_precision
 from plait.tp.apply import tensor_parallel
-from plait.tp.styles import ParallelRegion, Style
+from plait.tp.context import Style
+from plait.tp.styles import ParallelRegion
 
 __all__ = ["ParallelPlan", "parallelize", "ORDER"]
 
@@ -431,3 +436,6 @@ class _FSDPStages:
 
     def grad_sync(self, wrapped: nn.Module, reduce: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if reduce else cast(FullyShardedDataParallel, wrapped).no_sync()
+
+
+make_callable(__name__)

@@ -3,6 +3,8 @@
     report = plait.check("mymodels:build", plait.ParallelPlan(data="fsdp"), nproc=2)
     print(report.format()); assert report.ok
 
+The package is callable: ``plait.check(...)`` is `plait.check.check` (`plait.callable_module`).
+
 How it works, and why this way:
 
 * **Two runs from one factory.** The layout's ranks each build the model from the factory under
@@ -38,9 +40,13 @@ factory); a loss that sums over the batch cannot match across data-parallel size
 precision diverges by design.
 """
 
+from plait.callable_module import make_callable
+from plait.check import oracle  # the reference process's entry point, named in the notes above
 from plait.check.common import CheckInputError, load_factory, next_token_loss
 from plait.check.report import ActivationDiff, CheckReport, Divergence, StepDiff, TensorDiff
 from plait.check.run import DEFAULT_TOLERANCE, check
 
 __all__ = ["check", "CheckReport", "CheckInputError", "StepDiff", "TensorDiff", "ActivationDiff",
-           "Divergence", "load_factory", "next_token_loss", "DEFAULT_TOLERANCE"]
+           "Divergence", "load_factory", "next_token_loss", "DEFAULT_TOLERANCE", "oracle"]
+
+make_callable(__name__)

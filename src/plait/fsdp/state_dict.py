@@ -22,26 +22,44 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from plait import comm
 from plait.checkpoint.protocol import load_module_state, module_state, state_layout
 from plait.dtensors import contiguous_stride, mesh_of
-from plait.fsdp.flat import FlatParam
+from plait.fsdp.flat import FlatParam, ShardCfg
+from plait.fsdp.units import Unit
 from plait.state_dict import with_other_experts, without_others_experts
 from plait.tensor_source import FullValue, flat_range, whole
+from plait.tp.apply import TPInfo
 from plait.tp.state import checkpoint_entry, gather_full, restore_entry
 
-if TYPE_CHECKING:
-    from plait.fsdp.wrapper import FSDP
-
-__all__ = ["full_state_dict", "load_full_state_dict", "sharded_state_dict", "load_sharded_state_dict"]
+__all__ = ["ShardedModel", "full_state_dict", "load_full_state_dict", "sharded_state_dict",
+           "load_sharded_state_dict"]
 
 
-def _flats(model: FSDP) -> list[FlatParam]:
+class ShardedModel(Protocol):
+    """What these functions read of a `plait.FullyShardedDataParallel`, which calls them with
+    itself (so this module need not import the wrapper that imports it)."""
+
+    @property
+    def module(self) -> nn.Module: ...  # the wrapped model: buffers and original names
+
+    @property
+    def units(self) -> list[Unit]: ...
+
+    @property
+    def cfg(self) -> ShardCfg: ...
+
+    @property
+    def tp(self) -> TPInfo | None: ...
+
+
+def _flats(model: ShardedModel) -> list[FlatParam]:
     return [f for u in model.units for f in u.flats]
 
 
@@ -61,7 +79,7 @@ def _scatter_flat(flat: FlatParam, full: torch.Tensor, dest: torch.Tensor) -> No
     dest[:n].copy_(full[lo : lo + n])
 
 
-def full_state_dict(model: FSDP) -> dict[str, torch.Tensor]:
+def full_state_dict(model: ShardedModel) -> dict[str, torch.Tensor]:
     """Every parameter and buffer at full size on CPU, the same on every rank: one all-gather per
     flat group over fsdp, then, over tensor parallelism, one per tp-sharded slot over tp (the slot
     holds this rank's tp shard; `plait.tp.state.gather_full` drops uneven splits' padding)."""
@@ -80,7 +98,7 @@ def full_state_dict(model: FSDP) -> dict[str, torch.Tensor]:
     return with_other_experts(model.module, out)
 
 
-def _check_keys(model: FSDP, state: Mapping, expected: set[str], what: str) -> None:
+def _check_keys(model: ShardedModel, state: Mapping, expected: set[str], what: str) -> None:
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise KeyError(f"{what}(state=...): missing keys {missing[:8]}, unexpected keys {unexpected[:8]} "
@@ -88,7 +106,7 @@ def _check_keys(model: FSDP, state: Mapping, expected: set[str], what: str) -> N
 
 
 @torch.no_grad()
-def load_full_state_dict(model: FSDP, state: Mapping[str, FullValue]) -> None:
+def load_full_state_dict(model: ShardedModel, state: Mapping[str, FullValue]) -> None:
     """Load full tensors (as `full_state_dict` returns them): each rank keeps its slice. No
     communication: every rank holds the whole ``state``. Only the part of each tensor that falls
     in this rank's shard is read, so a `plait.tensor_source.TensorSource` is asked for the rows
@@ -110,7 +128,7 @@ def load_full_state_dict(model: FSDP, state: Mapping[str, FullValue]) -> None:
         b.copy_(whole(state[name]))
 
 
-def _local_value(model: FSDP, name: str, value: FullValue,
+def _local_value(model: ShardedModel, name: str, value: FullValue,
                  local: torch.Size) -> Callable[[], FullValue]:
     """This rank's part of the full ``value`` before FSDP's cut, read when called: its tp shard
     (zero-padded like the slot) over tensor parallelism, else ``value`` itself; the shape is
@@ -133,7 +151,7 @@ def _rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(start + per, dim0)
 
 
-def _to_dtensors(model: FSDP, flat: FlatParam, shard_like: torch.Tensor) -> list[DTensor]:
+def _to_dtensors(model: ShardedModel, flat: FlatParam, shard_like: torch.Tensor) -> list[DTensor]:
     full = _gather_flat(flat, shard_like)
     mesh, world, rank = mesh_of(model.cfg.group, model.cfg.device), flat.cfg.world, flat.cfg.rank
     out = []
@@ -171,7 +189,7 @@ def _from_dtensors(flat: FlatParam, tensors: list[torch.Tensor], dest: torch.Ten
     _scatter_flat(flat, full.to(dest.device), dest)
 
 
-def _to_entries(model: FSDP, flat: FlatParam, value: torch.Tensor) -> Sequence[torch.Tensor]:
+def _to_entries(model: ShardedModel, flat: FlatParam, value: torch.Tensor) -> Sequence[torch.Tensor]:
     """Checkpoint entries of a shard-shaped ``value``, one per slot.
 
     Without tensor parallelism: ``Shard(0)`` DTensors over the fsdp axis. With it, a slot is a
@@ -186,7 +204,8 @@ def _to_entries(model: FSDP, flat: FlatParam, value: torch.Tensor) -> Sequence[t
                              model.tp, s.fqn) for s in flat.slots]
 
 
-def _from_entries(model: FSDP, flat: FlatParam, values: list[torch.Tensor], dest: torch.Tensor) -> None:
+def _from_entries(model: ShardedModel, flat: FlatParam, values: list[torch.Tensor],
+                  dest: torch.Tensor) -> None:
     """Inverse of `_to_entries`: fill this rank's shard ``dest`` from loaded entries."""
     if model.tp is None:
         _from_dtensors(flat, values, dest)
@@ -197,7 +216,7 @@ def _from_entries(model: FSDP, flat: FlatParam, values: list[torch.Tensor], dest
     _scatter_flat(flat, full, dest)
 
 
-def sharded_state_dict(model: FSDP, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def sharded_state_dict(model: ShardedModel, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """``{"model": {name: DTensor | buffer}, "optim": {...}}``; also a template for `dcp.load`.
 
     For an optimizer that has not stepped yet, the optim entries are zero-filled templates of
@@ -230,7 +249,8 @@ def sharded_state_dict(model: FSDP, optimizer: torch.optim.Optimizer | None = No
 
 
 @torch.no_grad()
-def load_sharded_state_dict(model: FSDP, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_sharded_state_dict(model: ShardedModel, state: dict,
+                            optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a (DCP-filled) `sharded_state_dict` into the shards and, if given, the optimizer."""
     model_sd = state["model"]
     names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}

@@ -326,6 +326,8 @@ class FullyShardedDataParallel(nn.Module):
                 (sharded if is_shard else replicated).append(g[a:b])
         return {(self.cfg.group, self.tp.group): sharded, (self.cfg.group,): replicated, **experts}
 
+    # The state-dict functions are imported when called: they need plait.checkpoint, whose
+    # torch.distributed.checkpoint would otherwise load with every `import plait`.
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer gathered in full, on CPU, under the original names,
         the same on every rank (over tensor parallelism, tp shards are gathered over tp too)."""

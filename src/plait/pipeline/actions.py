@@ -7,9 +7,10 @@ that only reads actions (drawing, the runtime) depends on this small module alon
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Kind", "Action", "Slot", "BACKWARD", "COMM", "PLACEMENTS", "stage_rank", "rank_stages"]
+__all__ = ["Kind", "Action", "Slot", "Costs", "BACKWARD", "COMM", "PLACEMENTS", "stage_rank", "rank_stages"]
 
 
 class Kind(enum.Enum):
@@ -46,6 +47,11 @@ class Action:
     def __str__(self) -> str:
         paired = ", overlapped with the next backward" if self.overlap else ""
         return f"{self.kind.value}(stage={self.stage}, mb={self.mb}{paired})"
+
+
+# How long actions take, for the simulator and the pictures: a duration per kind, or per action
+# (e.g. measured durations per stage).
+Costs = Mapping[Kind, float] | Callable[[Action], float]
 
 
 @dataclass(frozen=True)

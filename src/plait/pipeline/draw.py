@@ -1,21 +1,42 @@
-"""Pictures of schedules: a text grid for the terminal and Gantt charts (planned and measured)."""
+"""Pictures of schedules: a text grid for the terminal and Gantt charts (planned and measured).
+
+`Schedule.text` and `Schedule.draw` call these with the schedule itself; they read it through
+`Drawable` (and the actions module), not the schedules module that imports them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from plait.pipeline.actions import Kind, Slot
+from plait.pipeline.actions import Action, Costs, Kind, Slot
 
-if TYPE_CHECKING:
-    from plait.pipeline.schedules import Costs, Schedule
+__all__ = ["Drawable", "render_text", "draw_png"]
 
-__all__ = ["render_text", "draw_png"]
+
+class Drawable(Protocol):
+    """What the pictures read of a `plait.pipeline.Schedule`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def ranks(self) -> int: ...
+    @property
+    def stages(self) -> int: ...
+    @property
+    def microbatches(self) -> int: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def actions(self) -> tuple[tuple[Action, ...], ...]: ...
+    def chunk(self, stage: int) -> int: ...
+    def simulate(self, costs: Costs | None = None) -> list[list[Slot]]: ...
+    def bubble(self, costs: Costs | None = None) -> float: ...
 
 _COLORS = {Kind.F: "#4c72b0", Kind.B: "#55a868", Kind.BW: "#55a868", Kind.W: "#c44e52"}
 
 
-def _label(slot: Slot, sched: Schedule) -> str:
+def _label(slot: Slot, sched: Drawable) -> str:
     a = slot.action
     kind = "B" if a.kind is Kind.BW else a.kind.value
     chunk = "" if sched.chunks == 1 else "abcdefghij"[sched.chunk(a.stage) % 10]
@@ -28,7 +49,7 @@ def _pairs(row: Sequence[Slot]) -> list[tuple[Slot, Slot]]:
     return [(f, b) for f, b in zip(compute, compute[1:]) if f.action.overlap]
 
 
-def render_text(sched: Schedule, costs: Costs | None = None) -> str:
+def render_text(sched: Drawable, costs: Costs | None = None) -> str:
     """One line per rank, one cell per time unit of the unit-cost plan (BW spans two cells).
 
     Cells read ``F3`` (forward of microbatch 3), ``B3``, ``W3``; with several chunks per rank a
@@ -53,7 +74,7 @@ def render_text(sched: Schedule, costs: Costs | None = None) -> str:
     return "\n".join(lines)
 
 
-def draw_png(sched: Schedule, path: str, measured: Sequence[Sequence[Slot]] | None = None,
+def draw_png(sched: Drawable, path: str, measured: Sequence[Sequence[Slot]] | None = None,
              costs: Mapping[Kind, float] | None = None) -> str:
     """Save a Gantt chart of ``sched`` (and of a measured step, if given) to ``path``."""
     try:

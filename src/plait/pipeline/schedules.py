@@ -37,7 +37,8 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from plait.pipeline.actions import BACKWARD, PLACEMENTS, Action, Kind, Slot, rank_stages, stage_rank
+from plait.pipeline.actions import BACKWARD, PLACEMENTS, Action, Costs, Kind, Slot, rank_stages, stage_rank
+from plait.pipeline.draw import draw_png, render_text
 
 __all__ = ["Schedule", "ScheduleError", "DEFAULT_COSTS", "with_comms"]
 
@@ -47,7 +48,6 @@ class ScheduleError(ValueError):
 
 
 DEFAULT_COSTS: Mapping[Kind, float] = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, Kind.BW: 2.0}
-Costs = Mapping[Kind, float] | Callable[[Action], float]
 
 
 @dataclass(frozen=True)
@@ -141,13 +141,12 @@ class Schedule:
         return _makespan(self.simulate(costs, latency))
 
     def text(self, costs: Costs | None = None) -> str:
-        from plait.pipeline.draw import render_text
-
+        """A text grid of the plan, one line per rank (`plait.pipeline.draw.render_text`)."""
         return render_text(self, costs)
 
     def draw(self, path: str, measured: Sequence[Sequence[Slot]] | None = None) -> str:
-        from plait.pipeline.draw import draw_png
-
+        """Save a Gantt chart of the plan, and of a measured step if given, to ``path``
+        (`plait.pipeline.draw.draw_png`)."""
         return draw_png(self, path, measured)
 
 

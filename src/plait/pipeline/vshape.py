@@ -23,8 +23,8 @@ import dataclasses
 from collections.abc import Callable
 from math import inf, isfinite
 
-from plait.pipeline.actions import Action, Kind, rank_stages, stage_rank
-from plait.pipeline.schedules import Costs, Schedule, ScheduleError, with_comms
+from plait.pipeline.actions import Action, Costs, Kind, rank_stages, stage_rank
+from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
 
 __all__ = ["zbv", "dualpipev"]
 

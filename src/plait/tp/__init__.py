@@ -2,6 +2,7 @@
 
 from plait.tp.apply import TPInfo, assign_styles, check_plan, loss_fn_for, tensor_parallel, tp_info, tp_module
 from plait.tp.attention import AttentionParallel
+from plait.tp.context import Style
 from plait.tp.dryrun import PlanError
 from plait.tp.loss import vocab_parallel_cross_entropy
 from plait.tp.sequence import GatherSequence, ScatterSequence
@@ -10,7 +11,6 @@ from plait.tp.styles import (
     ParallelRegion,
     RowwiseParallel,
     SequenceParallel,
-    Style,
     VocabParallelEmbedding,
     VocabParallelOutput,
 )

@@ -40,17 +40,13 @@ from plait.env import device as _device
 from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
 from plait.names import matches
-from plait.tp.context import RNGFork, SequenceShardGrads, TPContext
+from plait.tp.context import RNGFork, SequenceShardGrads, Style, TPContext
 from plait.tp.dryrun import dry_run, mark, meta_copy
 from plait.tp.layers import activation_name
 from plait.tp.loss import vocab_parallel_cross_entropy
 from plait.tp.sequence import ScatterSequence
-from plait.tp.styles import (
-    ShardSpec,
-    Style,
-    VocabParallelEmbedding,
-    VocabParallelOutput,
-)
+from plait.tp.shards import ShardSpec
+from plait.tp.styles import VocabParallelEmbedding, VocabParallelOutput
 
 __all__ = ["tensor_parallel", "check_plan", "check_tied_splits", "assign_styles", "loss_fn_for", "tp_info",
            "tp_module", "mark_part", "TPInfo"]

@@ -1,21 +1,20 @@
 """What every tensor-parallel style shares during one `tensor_parallel` call: the group, the
-layout, the per-rank random stream and the gradient sums of replicated parameters."""
+layout, the per-rank random stream and the gradient sums of replicated parameters; and the
+`Style` base class whose methods receive them (the styles themselves: `plait.tp.styles`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.tp.shards import ShardSpec
 
-if TYPE_CHECKING:
-    from plait.tp.styles import Style
-
-__all__ = ["RNGFork", "SequenceShardGrads", "TPContext"]
+__all__ = ["RNGFork", "SequenceShardGrads", "Style", "TPContext"]
 
 
 class RNGFork:
@@ -142,3 +141,21 @@ class TPContext:
     rng: RNGFork
     seq_grads: SequenceShardGrads
     assigned: dict[str, Style] = field(default_factory=dict)  # module name -> style
+
+
+class Style:
+    """Base class of tensor-parallel styles (the protocol: `plait.tp.styles`)."""
+
+    expects: tuple[type[nn.Module], ...] = (nn.Module,)
+
+    def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        if not isinstance(mod, self.expects):
+            wanted = " or ".join(t.__name__ for t in self.expects)
+            raise ValueError(f"plan: {self!r} applies to {wanted} modules, but {name!r} is a "
+                             f"{type(mod).__name__}")
+
+    def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
+        return {}
+
+    def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        pass

@@ -51,16 +51,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from plait.tp.collectives import emulated
-from plait.tp.context import TPContext
+from plait.tp.context import Style, TPContext
 from plait.tp.layers import find_activation
 from plait.tp.sequence import GatherSequence, ScatterSequence
+from plait.tp.shards import ShardSpec
 from plait.tp.styles import (
     ColwiseParallel,
     ParallelRegion,
     RowwiseParallel,
     SequenceParallel,
-    ShardSpec,
-    Style,
     VocabParallelEmbedding,
     VocabParallelOutput,
 )

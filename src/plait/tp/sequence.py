@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from plait.tp.collectives import replicate_from_sp, scatter_to_sp
-from plait.tp.context import TPContext
+from plait.tp.context import Style, TPContext
 from plait.tp.layers import input_pre_hook
-from plait.tp.styles import Style, check_sequence
+from plait.tp.styles import check_sequence
 
 __all__ = ["ScatterSequence", "GatherSequence"]
 

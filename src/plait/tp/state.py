@@ -18,7 +18,7 @@ from plait import comm
 from plait.dtensors import contiguous_stride, mesh_of
 from plait.tensor_source import FullValue, whole
 from plait.tp.apply import TPInfo, tp_info, tp_module
-from plait.tp.styles import ShardSpec
+from plait.tp.shards import ShardSpec
 
 __all__ = ["full_state_dict", "load_full_state_dict", "gather_full",
            "checkpoint_entry", "restore_entry"]

@@ -6,7 +6,7 @@ A style is a small frozen dataclass used as a value in a plan (module-name patte
 1. ``validate``: can this module be split this way? Raises ``ValueError`` naming the module,
    the style and the numbers, before any parameter is touched or any collective runs.
 2. ``shard_specs``: which of the module's own parameters are split, along which dimension
-   (`ShardSpec`); the rest stay replicated. Materialization itself is done centrally.
+   (`plait.tp.shards.ShardSpec`); the rest stay replicated. Materialization itself is done centrally.
 3. ``install``: hooks or a forward override that put the Megatron f / g operators (or their
    sequence-parallel all-gather / reduce-scatter) from `plait.comm` around the computation.
 
@@ -23,7 +23,6 @@ More styles: `plait.tp.attention` (heads, for models that read head counts in fo
 
 from __future__ import annotations
 
-import math
 import types
 from dataclasses import dataclass
 from functools import partial
@@ -33,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.tensor_source import FullValue
 from plait.tp.collectives import (
     copy_to_tp,
     gather_from_sp,
@@ -42,16 +40,17 @@ from plait.tp.collectives import (
     reduce_scatter_to_sp,
     scatter_to_tp,
 )
-from plait.tp.context import TPContext
+from plait.tp.context import Style, TPContext
 from plait.tp.layers import LinearLayout, input_pre_hook, linear_layout
+from plait.tp.shards import ShardSpec, make_spec
 
 __all__ = [
-    "ShardSpec", "make_spec", "Style", "ColwiseParallel", "RowwiseParallel", "VocabParallelEmbedding",
+    "ColwiseParallel", "RowwiseParallel", "VocabParallelEmbedding",
     "VocabParallelOutput", "ParallelRegion", "SequenceParallel", "check_sequence", "FUSED_NAMES",
 ]
 
 
-# ------------------------------------------------------------------ shards
+# ------------------------------------------------------------------ helpers
 def _size(mod: nn.Module, attr: str) -> int:
     """A layer's size attribute (``num_embeddings``...), checked to be an int."""
     value = getattr(mod, attr)
@@ -60,72 +59,6 @@ def _size(mod: nn.Module, attr: str) -> int:
     return value
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """Rank ``rank`` holds rows ``[start, start + local)`` of dim ``dim`` of a tensor whose full
-    size there is ``full``. When ``tp * local > full`` the tail is zero padding (only the
-    vocabulary styles allow it), so the rows this rank really owns are ``valid``.
-
-    A fused tensor (``parts``: the full sizes of the tensors concatenated along ``dim``, e.g.
-    q, k and v) is split part by part: the rank holds its slice of every part, in order
-    (`pieces`), so its local tensor is the fused layout of its own shards."""
-
-    dim: int
-    full: int
-    local: int
-    rank: int
-    parts: tuple[int, ...] = ()
-
-    @property
-    def start(self) -> int:
-        return self.rank * self.local
-
-    @property
-    def valid(self) -> int:
-        return max(0, min(self.local, self.full - self.start))
-
-    @property
-    def contiguous(self) -> bool:
-        """Whether the rank's rows are one block of the full tensor (not a fused split)."""
-        return len(self.parts) < 2
-
-    def pieces(self) -> list[tuple[int, int]]:
-        """(first row in the full tensor, rows) of each block this rank holds, in its order."""
-        if self.contiguous:
-            return [(min(self.start, self.full), self.valid)]
-        n = self.full // self.local
-        out, offset = [], 0
-        for p in self.parts:
-            out.append((offset + self.rank * (p // n), p // n))
-            offset += p
-        return out
-
-    def take(self, full: FullValue, dim: int | None = None) -> torch.Tensor:
-        """This rank's (zero-padded) slice of ``full`` along ``dim`` (default: the spec's); a
-        `plait.tensor_source.TensorSource` is asked for this rank's rows only."""
-        d = self.dim if dim is None else dim
-        blocks = [full.narrow(d, s, k) for s, k in self.pieces()]
-        if not self.contiguous:
-            return torch.cat(blocks, dim=d)
-        if self.valid == self.local:
-            return blocks[0].clone()
-        shape = list(full.shape)
-        shape[d] = self.local - self.valid
-        pad = torch.zeros(shape, dtype=blocks[0].dtype, device=blocks[0].device)
-        return torch.cat([blocks[0], pad], dim=d)
-
-
-def make_spec(dim: int, full: int, n: int, rank: int, unit: int = 1,
-              parts: tuple[int, ...] = ()) -> ShardSpec:
-    """Split ``full`` rows into ``n`` equal shards made of whole ``unit``s (padding the end), or,
-    with ``parts``, each part into ``n`` equal slices (callers check divisibility)."""
-    if parts:
-        return ShardSpec(dim=dim, full=full, local=full // n, rank=rank, parts=tuple(parts))
-    local = math.ceil(full / (n * unit)) * unit
-    return ShardSpec(dim=dim, full=full, local=local, rank=rank)
-
-
-# ------------------------------------------------------------------ helpers
 def check_sequence(x: torch.Tensor, ctx: TPContext, where: str) -> None:
     """Sequence parallelism splits dim 1; say so plainly before a reduce-scatter would fail."""
     if x.dim() < 2 or x.shape[1] % ctx.size:
@@ -158,24 +91,6 @@ def _in_region(name: str, ctx: TPContext) -> bool:
 
 
 # ------------------------------------------------------------------ styles
-class Style:
-    """Base class of tensor-parallel styles (see the module docstring for the protocol)."""
-
-    expects: tuple[type[nn.Module], ...] = (nn.Module,)
-
-    def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        if not isinstance(mod, self.expects):
-            wanted = " or ".join(t.__name__ for t in self.expects)
-            raise ValueError(f"plan: {self!r} applies to {wanted} modules, but {name!r} is a "
-                             f"{type(mod).__name__}")
-
-    def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
-        return {}
-
-    def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        pass
-
-
 def _divisible(name: str, style: Style, what: str, size: int, unit: int, ctx: TPContext) -> None:
     if size % unit or (size // unit) % ctx.size:
         count = f"{size} {what}"
