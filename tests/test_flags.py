@@ -222,28 +222,28 @@ def test_missing_config_file(capsys):
     assert "--config /no/such/run.toml: No such file or directory" in capsys.readouterr().err
 
 
-def _readme_train_section() -> str:
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    return text[text.index("## `plait train`"):text.index("\n## ", text.index("## `plait train`") + 1)]
+def _train_page() -> str:
+    """docs/train.md: the reference page of `plait train` (its usage and its layout table)."""
+    return (Path(__file__).resolve().parents[1] / "docs" / "train.md").read_text()
 
 
-def test_readme_lists_exactly_the_flags_plait_train_has():
-    section = _readme_train_section()
-    usage = section[section.index("plait train ["):section.index("```", section.index("plait train ["))]
-    in_readme = set(re.findall(r"--[a-z][a-z-]*", usage))
+def test_the_train_page_lists_exactly_the_flags_plait_train_has():
+    page = _train_page()
+    usage = page[page.index("plait train ["):page.index("```", page.index("plait train ["))]
+    in_page = set(re.findall(r"--[a-z][a-z-]*", usage))
     flags = TrainConfig().flags()
     parser = {"--" + flag.replace("_", "-") for flag in flags} | {"--config", "--print-config"}
     booleans = {f"--no-{f.replace('_', '-')}" for f, v in flags.items() if isinstance(v, bool)}
-    assert in_readme - parser - booleans == set(), "README flags plait train does not have"
-    negated = {flag for flag in parser if flag.replace("--", "--no-", 1) in in_readme}
-    assert parser - in_readme - negated == set(), "flags missing from the README's usage"
+    assert in_page - parser - booleans == set(), "docs/train.md flags plait train does not have"
+    negated = {flag for flag in parser if flag.replace("--", "--no-", 1) in in_page}
+    assert parser - in_page - negated == set(), "flags missing from docs/train.md's usage"
 
 
-def test_every_command_in_the_readme_layout_table_is_accepted():
-    commands = re.findall(r"^\| `plait train ([^`]*)` \|", _readme_train_section(), re.M)
+def test_every_command_in_the_train_page_layout_table_is_accepted():
+    commands = re.findall(r"^\| `plait train ([^`]*)` \|", _train_page(), re.M)
     assert len(commands) >= 15
     for command in commands:
-        parse_args(shlex.split(command))  # exits 2 on a flag or combination the README should not show
+        parse_args(shlex.split(command))  # exits 2 on a flag or combination the page should not show
 
 
 def test_cli_refuses_in_the_parent_before_spawning(tmp_path, monkeypatch, capsys):
