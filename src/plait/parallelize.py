@@ -62,7 +62,7 @@ from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
 from plait.ep.apply import expert_parallel, no_moe_reason
 from plait.fsdp.wrapper import FullyShardedDataParallel
-from plait.materialize import is_meta, materialize
+from plait.materialize import is_meta, keep_whole, materialize
 from plait.mesh import Mesh
 from plait.models.gpt import Rotary
 from plait.models.moe import moe_layers
@@ -238,8 +238,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     if is_meta(module):  # DDP keeps full replicas: materialize with the same per-module init
         # Not to_empty() + init_weights: to_empty makes a new tensor per module, untying tied
         # weights (an embedding shared with the LM head would train as two).
-        dev = device()
-        materialize(module, plan.seed, lambda _name, _attr, full, _t: full.to(dev))
+        materialize(module, plan.seed, keep_whole(device()))
     if plan.precision is not None:  # fp32 masters, low-precision compute; DDP reads its reduce dtype
         mixed_precision(module, plan.precision)
     if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:

@@ -1,4 +1,4 @@
-"""Cutting a model into pipeline stages by module names, and materializing one rank's stages.
+"""Cutting a model into pipeline stages by module names.
 
 A model is cut into *segments*: its top-level children in registration order, descending into
 every child that holds an `nn.ModuleList`, `nn.Sequential` or `nn.ModuleDict` somewhere below it
@@ -17,15 +17,12 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from plait._torch_compat import compiled_original
-from plait.materialize import materialize
 from plait.names import COMPILED
 
-__all__ = ["Segment", "segments", "plan_stages", "materialize_segments", "named_view", "meta_copy", "place",
-           "Stage"]
+__all__ = ["Segment", "segments", "plan_stages", "named_view", "meta_copy", "place", "Stage"]
 
 Segment = tuple[str, nn.Module]
 _LISTS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)  # flattened into their elements
@@ -183,21 +180,6 @@ def place(root: nn.Module, segs: Sequence[Segment]) -> None:
                 parent.add_module(part, nn.Module())
             parent = parent.get_submodule(part)
         parent.add_module(last, mod)
-
-
-def materialize_segments(segs: Sequence[Segment], seed: int, device: torch.device,
-                         first_owner: dict[int, tuple[str, nn.Module, str]]) -> None:
-    """Give meta-device tensors of ``segs`` their oracle initial values on ``device``.
-
-    Values are those of each tensor's first owner in the original model (``first_owner``, by
-    id), so they equal `init_weights(model, seed)` of a single process even for a tensor tied
-    to a module on another rank. Tied tensors inside ``segs`` stay tied.
-    """
-
-    def keep(name: str, attr: str, full: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
-        return full.to(device) if t.is_meta else None
-
-    materialize(segs, seed, keep, first_owner)
 
 
 class Stage(nn.Module):
