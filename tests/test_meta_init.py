@@ -17,6 +17,7 @@ worst parameter was 19% off (relative norm of the difference) and the losses 4e-
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -237,6 +238,7 @@ def test_torchtitan_llama_on_meta_trains_as_one_process_fsdp_and_tp(pools):
     fsdp = torch.tensor([r["fsdp"]["losses"] for r in ranks], **F64).mean(0)
     torch.testing.assert_close(fsdp, want, **TOL)
     torch.testing.assert_close(torch.tensor(out["tp"]["losses"], **F64), want, **TOL)
+    assert out["units"] == ["", "layers.0", "layers.1"]  # the ModuleDict's blocks, not one unit
 
 
 # ------------------------------------------------------------------ one process
@@ -309,3 +311,23 @@ def test_transformers_llama_on_meta_takes_its_norms_and_rotary_table_from_its_in
     assert not any(t.is_meta or t.isnan().any() for t in [*model.parameters(), *model.buffers()])
     for name, t in [*built.named_buffers(), *((n, p) for n, p in built.named_parameters() if "norm" in n)]:
         assert torch.equal(model.get_parameter(name) if "norm" in name else model.get_buffer(name), t), name
+
+
+def test_blocks_of_a_module_dict_are_units_and_checkpointed_and_one_unit_is_announced(caplog):
+    import plait
+    from plait.activation_checkpointing import select_blocks
+    from plait.blocks import blocks
+
+    assert blocks(Transformer()) == select_blocks(Transformer()) == ["layers.0", "layers.1"]
+    assert blocks(nn.Sequential(TransformerBlock(), TransformerBlock())) == ["0", "1"]
+    assert blocks(nn.Sequential(nn.Linear(2, 2), nn.GELU(), nn.Linear(2, 2))) == []  # not blocks
+    plait.init()  # one process
+    logger = logging.getLogger("plait")
+    logger.addHandler(caplog.handler)
+    try:
+        net = plait.FSDP(Table(), plait.Mesh(fsdp=1), zero_stage=3)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert [u.name for u in net.units] == [""]
+    assert "Table holds no nn.ModuleList of blocks (nor an nn.ModuleDict" in caplog.text
+    assert "name the units with units=[...]" in caplog.text

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from plait.activation_checkpointing import check_options, checkpoint_blocks, select_blocks
+from plait.blocks import blocks
 from plait.cp.apply import ALGORITHMS, context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
@@ -103,7 +104,7 @@ class ParallelPlan:
     cp: str | None = None  # context parallel algorithm: "ring", "allgather", "ulysses"; None: off
     ac: str | None = None  # activation checkpointing: "full", "selective" or None (off)
     ac_every: int = 1  # checkpoint every k-th block only
-    ac_blocks: Sequence[type | str] | None = None  # None: each child of the outermost nn.ModuleLists
+    ac_blocks: Sequence[type | str] | None = None  # None: the blocks of the outermost containers
     data: str = "ddp"  # "ddp" over dp, "fsdp" over fsdp (hybrid with dp), or "none"
     zero_stage: int = 3
     mixed_precision: str | MixedPrecision | None = None  # "bf16" / "fp16": compute dtype, fp32 masters
@@ -348,7 +349,7 @@ def _stage_steps(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Callable[
 def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> StageWrapper | None:
     """Step 3 for pipeline stages: what `Pipeline` wraps each stage in (None: no data parallelism)."""
     if plan.data == "fsdp":
-        return _FSDPStages(mesh, plan, _list_children(module))
+        return _FSDPStages(mesh, plan, set(blocks(module)))
     if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:
         return _DDPStages(mesh, _ddp_options(plan))
     return None
@@ -363,12 +364,6 @@ def _ddp_options(plan: ParallelPlan) -> dict[str, Any]:
         return plan.ddp_options
     return {**plan.ddp_options, "gradient_compression": _COMPRESSION_NAMES[mp.wire_dtype]}
 
-
-def _list_children(module: nn.Module) -> set[str]:
-    """Qualified names of every child of an ``nn.ModuleList`` (FSDP's default units), in the whole
-    model: a stage's tree has plain containers where the model had lists."""
-    return {f"{name}.{c}" if name else c for name, mod in module.named_modules()
-            if isinstance(mod, nn.ModuleList) for c, _ in mod.named_children()}
 
 
 @dataclass
