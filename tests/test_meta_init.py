@@ -10,9 +10,10 @@ they do.
 
 Tolerance: float64 with default AdamW, so only the order of sums differs between layouts
 (``rtol=1e-9``, ``atol=1e-12`` as in `test_tensor_parallel.py`). Measured after 3 steps, as worst
-|diff| / (atol + rtol * |want|): ZeRO-3 0.0055, tp2 0.0012 (``layers.1.attention.wk.weight``);
-the initial values, ``freqs_cis`` included, are equal. When ``freqs_cis`` started at zeros, the
-worst parameter was 19% off (relative norm of the difference) and the losses 4e-4.
+|diff| / (atol + rtol * |want|): ZeRO-3 0.0055, tp2 0.0012, pp2 0.0055
+(``layers.1.attention.wk.weight``); the initial values, ``freqs_cis`` included, are equal. When
+``freqs_cis`` started at zeros, the worst parameter was 19% off (relative norm of the difference)
+and the losses 4e-4.
 """
 
 from __future__ import annotations
@@ -178,12 +179,16 @@ def _loss(model: nn.Module, b: torch.Tensor) -> torch.Tensor:
 
 
 def _train(model: nn.Module, share: int, of: int) -> list[float]:
-    """AdamW steps on this rank's ``share`` of ``of`` equal slices of each global batch."""
+    """AdamW steps on this rank's ``share`` of ``of`` equal slices of each global batch (a pipeline:
+    the whole batch, in two microbatches)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for b in _batches():
-        loss = _loss(model, b.chunk(of)[share])
-        loss.backward()
+        if isinstance(model, nn.Module):
+            loss = _loss(model, b.chunk(of)[share])
+            loss.backward()
+        else:
+            loss = model.step(b[:, :-1], b[:, 1:])
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -201,7 +206,7 @@ def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple
 
 
 def _layouts() -> dict:
-    """ZeRO-3 over 2 ranks and tensor parallelism over 2 ranks, each built on the meta device,
+    """ZeRO-3, tensor parallelism and a pipeline, each over 2 ranks and built on the meta device,
     against the oracle: initial values, then parameters and losses after AdamW."""
     import plait
 
@@ -211,16 +216,19 @@ def _layouts() -> dict:
     want_losses = _train(oracle, 0, 1)
     want = oracle.state_dict()
     out = {}
-    for kind in ("fsdp", "tp"):
+    for kind in ("fsdp", "tp", "pp"):
         with torch.device("meta"):
             model = Transformer()
+        share, of = 0, 1
         if kind == "fsdp":
             net = plait.FSDP(model, cached_mesh(fsdp=2), zero_stage=3, seed=0)
             out["units"] = [u.name for u in net.units]
             share, of = cached_mesh(fsdp=2).rank("fsdp"), 2
-        else:
+        elif kind == "tp":
             net = plait.tensor_parallel(model, cached_mesh(tp=2), llama_plan(), seed=0)
-            share, of = 0, 1
+        else:  # the root's freqs_cis on both stages
+            net = plait.pipeline(model, cached_mesh(pp=2), split=["layers.1"], microbatches=2, seed=0,
+                                 loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
         first = {**plait.full_state_dict(net), "freqs_cis": model.freqs_cis.cpu()}
         losses = _train(net, share, of)
         out[kind] = {"start": _worst(first, start), "end": _worst(plait.full_state_dict(net), want),
@@ -228,16 +236,17 @@ def _layouts() -> dict:
     return out | {"want_losses": want_losses}
 
 
-def test_torchtitan_llama_on_meta_trains_as_one_process_fsdp_and_tp(pools):
+def test_torchtitan_llama_on_meta_trains_as_one_process_fsdp_tp_and_pp(pools):
     ranks = pools[2].run(_layouts)
     out, want = ranks[0], torch.tensor(ranks[0]["want_losses"], **F64)
-    for kind in ("fsdp", "tp"):
+    for kind in ("fsdp", "tp", "pp"):
         assert out[kind]["start"][0] <= 1, (kind, out[kind])  # freqs_cis included
         assert out[kind]["end"][0] <= 1, (kind, out[kind])
     # ZeRO-3's ranks see half the batch each: their mean loss is the whole batch's.
     fsdp = torch.tensor([r["fsdp"]["losses"] for r in ranks], **F64).mean(0)
     torch.testing.assert_close(fsdp, want, **TOL)
-    torch.testing.assert_close(torch.tensor(out["tp"]["losses"], **F64), want, **TOL)
+    for kind in ("tp", "pp"):
+        torch.testing.assert_close(torch.tensor(out[kind]["losses"], **F64), want, **TOL)
     assert out["units"] == ["", "layers.0", "layers.1"]  # the ModuleDict's blocks, not one unit
 
 
@@ -331,3 +340,19 @@ def test_blocks_of_a_module_dict_are_units_and_checkpointed_and_one_unit_is_anno
     assert [u.name for u in net.units] == [""]
     assert "Table holds no nn.ModuleList of blocks (nor an nn.ModuleDict" in caplog.text
     assert "name the units with units=[...]" in caplog.text
+
+
+def test_pipeline_segments_keep_a_recomputed_root_buffer_and_refuse_saved_root_state():
+    from plait.pipeline.split import above, segments
+
+    model = Transformer()
+    assert [n for n, _ in segments(model)] == ["tok_embeddings", "layers.0", "layers.1", "norm", "output"]
+    assert above(model) == [("", model)]  # its freqs_cis goes to every stage
+    saved = Transformer()
+    saved.register_buffer("freqs_cis", saved.freqs_cis)  # persistent now: no stage would save it
+    with pytest.raises(ValueError, match=r"the root module Transformer owns persistent buffer 'freqs_cis' "
+                                         r"but is cut into segments.*persistent=False"):
+        segments(saved)
+    saved.freqs_cis, saved.scale = None, nn.Parameter(torch.ones(1))
+    with pytest.raises(ValueError, match=r"owns parameter 'scale' but.*must live in a child module"):
+        segments(saved)

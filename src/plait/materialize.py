@@ -120,7 +120,7 @@ def keep_whole(device: torch.device) -> Keep:
 
 @torch.no_grad()
 def materialize(roots: nn.Module | Sequence[tuple[str, nn.Module]], seed: int, keep: Keep,
-                origin: nn.Module | None = None, *, fresh: bool = False) -> None:
+                origin: nn.Module | None = None, *, fresh: bool = False, shallow: bool = False) -> None:
     """Give each parameter and buffer under ``roots`` what ``keep`` makes of its full value.
 
     The one materializer of every strategy (FSDP keeps a slice in its flat shard, tensor
@@ -133,7 +133,8 @@ def materialize(roots: nn.Module | Sequence[tuple[str, nn.Module]], seed: int, k
 
     ``roots`` is a module, or (qualified name, module) pairs for parts of a larger model; the whole
     model, ``origin``, gives a tensor tied to a module outside ``roots`` its first owner's values
-    (pipeline stages) and the modules above the parts their ``init_weights()``.
+    (pipeline stages) and the modules above the parts their ``init_weights()``. ``shallow``: the
+    parts' own tensors only, not their children's (the buffers a pipeline's glue modules own).
     """
     parts = [("", roots)] if isinstance(roots, nn.Module) else list(roots)
     whole = origin if origin is not None else roots if isinstance(roots, nn.Module) else None
@@ -145,7 +146,7 @@ def materialize(roots: nn.Module | Sequence[tuple[str, nn.Module]], seed: int, k
     placed: dict[int, torch.Tensor | None] = {}
     cache: dict[str, dict[str, torch.Tensor]] = {}
     for prefix, part in parts:
-        for name, mod in owner_modules(part, prefix=prefix):
+        for name, mod in [(prefix, part)] if shallow else owner_modules(part, prefix=prefix):
             for store in (mod._parameters, mod._buffers):
                 for key, t in list(store.items()):
                     if t is None:

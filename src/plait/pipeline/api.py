@@ -21,7 +21,7 @@ from plait.pipeline.directed import direction_groups
 from plait.pipeline.replay import Replay, ReplayStage
 from plait.pipeline.runtime import Executor, busy_fraction
 from plait.pipeline.schedules import Schedule
-from plait.pipeline.split import named_view, plan_stages, segments
+from plait.pipeline.split import above, named_view, plan_stages, segments
 from plait.pipeline.ties import TiedCopy, drop_earlier_sums, find_ties, sync_grads, tie_groups
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
 from plait.tp.apply import TPInfo, check_tied_splits, loss_fn_for, mark_part, tensor_parallel, tp_info
@@ -168,6 +168,8 @@ class Pipeline:
             materialize(glue, seed, keep_whole(self.device), module)
         for _, m in glue:
             m.to(self.device)
+        # The buffers of the modules above the segments (a root's rotary table): on every stage too.
+        materialize(above(module), seed, keep_whole(self.device), module, shallow=True)
         info = self.tp_info
         for st in self._inner.values():
             if info is not None:
