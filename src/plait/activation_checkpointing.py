@@ -4,8 +4,10 @@
     model = plait.activation_checkpointing(model, "full", every=2)    # every second block only
     model = plait.activation_checkpointing(model, "selective")        # keep matmul and attention outputs
 
-A *block* is each child of the model's outermost ``nn.ModuleList``\\ s (FSDP's default units: the
-transformer layers), or each module ``blocks=`` names by class or module-name pattern. What a
+A *block* is each child of the model's outermost block containers (`plait.blocks`: an
+``nn.ModuleList``, or an ``nn.ModuleDict`` or ``nn.Sequential`` of blocks of one class; FSDP's
+default units: the transformer layers), or each module ``blocks=`` names by class or module-name
+pattern. What a
 checkpointed block keeps from its forward until backward:
 
 * ``"full"`` (Chen et al. 2016): its inputs only. Backward runs the block's forward again, the
@@ -66,6 +68,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from plait._torch_compat import TorchDispatchMode, map_tensors, tensors_in
+from plait.blocks import DESCRIBED
+from plait.blocks import blocks as repeated_blocks
 from plait.callable_module import make_callable
 from plait.names import matches
 from plait.tp.context import RNGFork
@@ -120,7 +124,7 @@ def activation_checkpointing(model: nn.Module, policy: str | None = "full", ever
     """Checkpoint ``model``'s blocks in place with ``policy`` (``"full"``, ``"selective"``; None does
     nothing); return ``model``. ``every=k`` checkpoints the k-th, 2k-th... block only (counted over
     the whole model). ``blocks``: module classes or qualified-name patterns (`plait.names.matches`)
-    of the blocks; default: each child of the outermost ``nn.ModuleList``\\ s. Apply it after
+    of the blocks; default: each child of the outermost block containers. Apply it after
     tensor parallelism and before DDP or FSDP (`plait.parallelize` does, with ``ParallelPlan(ac=...)``).
     """
     check_options(policy, every, blocks)
@@ -138,12 +142,10 @@ def select_blocks(model: nn.Module, blocks: Sequence[type | str] | None = None, 
     one chosen block lies inside another, or when ``every`` exceeds the number of blocks."""
     mods = [(n, m) for n, m in model.named_modules() if n]
     if blocks is None:
-        lists = [n for n, m in mods if isinstance(m, nn.ModuleList)]
-        names = [f"{n}.{c}" for n in lists if not any(n.startswith(o + ".") for o in lists)
-                 for c, _ in model.get_submodule(n).named_children()]
+        names = repeated_blocks(model, outermost=True)
         if not names:
-            raise ValueError(f"activation_checkpointing: {type(model).__name__} holds no nn.ModuleList of "
-                             "blocks; name the modules to checkpoint with blocks=[classes or name patterns]")
+            raise ValueError(f"activation_checkpointing: {type(model).__name__} holds no {DESCRIBED}; name "
+                             "the modules to checkpoint with blocks=[classes or name patterns]")
     else:
         def chosen(name: str, mod: nn.Module, b: type | str) -> bool:
             return isinstance(mod, b) if isinstance(b, type) else matches(b, name)

@@ -60,13 +60,14 @@ import torch
 from torch import nn
 
 from plait.activation_checkpointing import check_options, checkpoint_blocks, select_blocks
+from plait.blocks import blocks
 from plait.callable_module import make_callable
 from plait.cp.apply import ALGORITHMS, context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
 from plait.ep.apply import expert_parallel, no_moe_reason
 from plait.fsdp.wrapper import FullyShardedDataParallel
-from plait.materialize import is_meta, materialize
+from plait.materialize import is_meta, keep_whole, materialize
 from plait.mesh import Mesh
 from plait.models.gpt import Rotary
 from plait.models.moe import moe_layers
@@ -108,7 +109,7 @@ class ParallelPlan:
     cp: str | None = None  # context parallel algorithm: "ring", "allgather", "ulysses"; None: off
     ac: str | None = None  # activation checkpointing: "full", "selective" or None (off)
     ac_every: int = 1  # checkpoint every k-th block only
-    ac_blocks: Sequence[type | str] | None = None  # None: each child of the outermost nn.ModuleLists
+    ac_blocks: Sequence[type | str] | None = None  # None: the blocks of the outermost containers
     data: str = "ddp"  # "ddp" over dp, "fsdp" over fsdp (hybrid with dp), or "none"
     zero_stage: int = 3
     mixed_precision: str | MixedPrecision | None = None  # "bf16" / "fp16": compute dtype, fp32 masters
@@ -243,8 +244,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     if is_meta(module):  # DDP keeps full replicas: materialize with the same per-module init
         # Not to_empty() + init_weights: to_empty makes a new tensor per module, untying tied
         # weights (an embedding shared with the LM head would train as two).
-        dev = device()
-        materialize(module, plan.seed, lambda _name, _attr, full, _t: full.to(dev))
+        materialize(module, plan.seed, keep_whole(device()))
     if plan.precision is not None:  # fp32 masters, low-precision compute; DDP reads its reduce dtype
         mixed_precision(module, plan.precision)
     if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:
@@ -354,7 +354,7 @@ def _stage_steps(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Callable[
 def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> StageWrapper | None:
     """Step 3 for pipeline stages: what `Pipeline` wraps each stage in (None: no data parallelism)."""
     if plan.data == "fsdp":
-        return _FSDPStages(mesh, plan, _list_children(module))
+        return _FSDPStages(mesh, plan, set(blocks(module)))
     if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:
         return _DDPStages(mesh, _ddp_options(plan))
     return None
@@ -369,12 +369,6 @@ def _ddp_options(plan: ParallelPlan) -> dict[str, Any]:
         return plan.ddp_options
     return {**plan.ddp_options, "gradient_compression": _COMPRESSION_NAMES[mp.wire_dtype]}
 
-
-def _list_children(module: nn.Module) -> set[str]:
-    """Qualified names of every child of an ``nn.ModuleList`` (FSDP's default units), in the whole
-    model: a stage's tree has plain containers where the model had lists."""
-    return {f"{name}.{c}" if name else c for name, mod in module.named_modules()
-            if isinstance(mod, nn.ModuleList) for c, _ in mod.named_children()}
 
 
 @dataclass

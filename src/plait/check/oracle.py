@@ -32,7 +32,7 @@ from plait.check.common import (
 )
 from plait.check.probe import Recorder
 from plait.env import init
-from plait.materialize import is_meta, materialize
+from plait.materialize import is_meta, keep_whole, materialize
 
 __all__ = ["main", "run_oracle"]
 
@@ -57,7 +57,7 @@ def run_oracle(spec: Spec, exchange: Exchange) -> None:
     device = init(seed=spec.seed, backend=spec.backend)  # a world of one, on the ranks' kind of device
     model, make_batch, user_loss = build(spec)
     if is_meta(model):  # the values `plait.parallelize` gives a meta model (ties kept)
-        materialize(model, spec.plan.seed, lambda _name, _attr, full, _t: full.to(device))
+        materialize(model, spec.plan.seed, keep_whole(device))
     model.to(device)
     vocab = (spec.vocab or vocab_of(model)) if make_batch is None else None
     loss_fn = user_loss or next_token_loss

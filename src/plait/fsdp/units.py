@@ -1,9 +1,10 @@
 """Sharding units for plait's FSDP: which parameters go together, and materializing shards.
 
 A *unit* is a module whose parameters are gathered and freed together (by default each
-repeated block — every child of an ``nn.ModuleList`` — plus the root, which owns whatever no
-block owns). A parameter tied across units (its owners sit in different units) belongs to
-their deepest common ancestor unit, which is gathered whenever any of them runs.
+repeated block, `plait.blocks`: every child of an ``nn.ModuleList``, or of an ``nn.ModuleDict`` or
+``nn.Sequential`` of blocks of one class, plus the root, which owns whatever no block owns). A
+parameter tied across units (its owners sit in different units) belongs to their deepest common
+ancestor unit, which is gathered whenever any of them runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from plait.blocks import DESCRIBED, blocks
+from plait.env import get_logger
 from plait.ep.apply import placement_of
 from plait.fsdp.flat import GRAD_HOOKS_ATTR, FlatParam, ShardCfg, Slot
 from plait.materialize import Keep, materialize
@@ -63,9 +66,12 @@ def check_no_optimizer(module: nn.Module) -> None:
 def _unit_names(module: nn.Module, spec: Sequence[type | str] | None) -> list[str]:
     names = [""]
     if spec is None:
-        for name, mod in module.named_modules():
-            if isinstance(mod, nn.ModuleList):
-                names += [f"{name}.{c}" if name else c for c, _ in mod.named_children()]
+        names += blocks(module)
+        if len(names) == 1 and any(True for _ in module.children()):
+            get_logger().warning(
+                "FullyShardedDataParallel: %s holds no %s, so the whole model is one sharding unit, "
+                "gathered whole for every forward and backward; name the units with units=[...] (module "
+                "classes or name patterns)", type(module).__name__, DESCRIBED)
         return names
     for s in spec:
         if not isinstance(s, (str, type)):

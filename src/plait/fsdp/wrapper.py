@@ -84,7 +84,9 @@ class FullyShardedDataParallel(nn.Module):
         mesh: a `plait.Mesh`; shards over ``fsdp``, replicates over ``dp`` (hybrid).
         zero_stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
         units: module classes or qualified-name patterns that form sharding units (the root
-            is always one). Default: every child of an ``nn.ModuleList`` (repeated blocks).
+            is always one). Default: the repeated blocks (`plait.blocks`: every child of an
+            ``nn.ModuleList``, or of an ``nn.ModuleDict`` or ``nn.Sequential`` of blocks of one
+            class); with none, the root alone, and a warning says so.
         reshard_after_forward: stage 3: free a unit's parameters after its forward and
             gather them again for backward (False keeps them until backward).
         backward_prefetch: stage 3: gather the unit that backward reaches next while the

@@ -12,7 +12,7 @@ from torch import nn
 
 from plait import comm
 from plait._torch_compat import map_tensors
-from plait.materialize import is_meta
+from plait.materialize import is_meta, keep_whole, materialize
 from plait.mesh import Mesh
 from plait.names import plain_name
 from plait.pipeline.actions import Kind, Slot
@@ -21,8 +21,8 @@ from plait.pipeline.directed import direction_groups
 from plait.pipeline.replay import Replay, ReplayStage
 from plait.pipeline.runtime import Executor, busy_fraction
 from plait.pipeline.schedules import Schedule
-from plait.pipeline.split import materialize_segments, named_view, plan_stages, segments
-from plait.pipeline.ties import TiedCopy, drop_earlier_sums, find_ties, first_owners, sync_grads, tie_groups
+from plait.pipeline.split import above, named_view, plan_stages, segments
+from plait.pipeline.ties import TiedCopy, drop_earlier_sums, find_ties, sync_grads, tie_groups
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
 from plait.tp.apply import TPInfo, check_tied_splits, loss_fn_for, mark_part, tensor_parallel, tp_info
 
@@ -155,19 +155,21 @@ class Pipeline:
             # A weight tied to another rank's module takes its first owner's values, as below.
             self.tp_module = tensor_parallel(named_view(my_segs), mesh, tp_plan,
                                              sequence_parallel=sequence_parallel, seed=seed, strict=False,
-                                             first_owner=first_owners(module))
+                                             origin=module)
             if loss_fn is None:
                 loss_fn = loss_fn_for(self.tp_module)
         elif is_meta(module) and not (wrapper is not None and wrapper.materializes):
             # All of this rank's stages at once, so ties between them stay ties.
-            materialize_segments(my_segs, seed, self.device, first_owners(module))
+            materialize(my_segs, seed, keep_whole(self.device), module)
         # Parameter-free segments of other ranks' stages (rotary tables, dropout) run here too.
         mine = {n for n, _ in my_segs}
         glue = [g for g in self._replay.glue() if g[0] not in mine]
         if any(is_meta(m) for _, m in glue):
-            materialize_segments(glue, seed, self.device, first_owners(module))
+            materialize(glue, seed, keep_whole(self.device), module)
         for _, m in glue:
             m.to(self.device)
+        # The buffers of the modules above the segments (a root's rotary table): on every stage too.
+        materialize(above(module), seed, keep_whole(self.device), module, shallow=True)
         info = self.tp_info
         for st in self._inner.values():
             if info is not None:

@@ -1,4 +1,4 @@
-"""Cutting a model into pipeline stages by module names, and materializing one rank's stages.
+"""Cutting a model into pipeline stages by module names.
 
 A model is cut into *segments*: its top-level children in registration order, descending into
 every child that holds an `nn.ModuleList`, `nn.Sequential` or `nn.ModuleDict` somewhere below it
@@ -7,8 +7,10 @@ lists into their elements (not descending into the elements). For plait's GPT th
 ``tok_emb, drop, layers.0, ..., layers.N-1, norm, lm_head``; for a Hugging Face
 ``LlamaForCausalLM`` ``model.embed_tokens, model.layers.0, ..., model.norm, model.rotary_emb,
 lm_head``. A stage is a run of consecutive segments. The modules above the
-segments hold no parameters or buffers of their own (checked): their forwards are glue, which
-every stage runs itself (`plait.pipeline.replay`).
+segments hold no parameters of their own (checked): their forwards are glue, which every stage runs
+itself (`plait.pipeline.replay`). Their buffers (torchtitan's Llama keeps its rotary table
+``freqs_cis`` in the root) are on every stage (`above`), so they must be non-persistent: no stage's
+state dict holds them.
 """
 
 from __future__ import annotations
@@ -17,15 +19,12 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from plait._torch_compat import compiled_original
-from plait.materialize import materialize
 from plait.names import COMPILED
 
-__all__ = ["Segment", "segments", "plan_stages", "materialize_segments", "named_view", "meta_copy", "place",
-           "Stage"]
+__all__ = ["Segment", "segments", "above", "plan_stages", "named_view", "meta_copy", "place", "Stage"]
 
 Segment = tuple[str, nn.Module]
 _LISTS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)  # flattened into their elements
@@ -33,18 +32,24 @@ _LISTS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)  # flattened into their e
 
 def segments(module: nn.Module) -> list[Segment]:
     """The model's ordered segments (see the module's docstring)."""
+    return _cut(module)[0]
+
+
+def above(module: nn.Module) -> list[Segment]:
+    """The modules above the segments that own buffers: each stage holds them (their forwards are
+    glue, which every stage runs)."""
+    return [(n, m) for n, m in _cut(module)[1] if any(b is not None for b in m._buffers.values())]
+
+
+def _cut(module: nn.Module) -> tuple[list[Segment], list[Segment]]:
+    """(the segments, the modules above them) of ``module``."""
     out: list[Segment] = []
+    parents: list[Segment] = []
 
     def visit(prefix: str, mod: nn.Module, in_list: bool) -> None:
         _refuse_compiled(prefix, mod)
-        own = [n for n, t in [*mod._parameters.items(), *mod._buffers.items()] if t is not None]
-        if own:
-            kind = type(mod).__name__
-            where = f"{kind} at {prefix[:-1]!r}" if prefix else f"the root module {kind}"
-            raise ValueError(
-                f"pipeline: {where} owns tensors directly ({', '.join(own)}) but is cut into segments (it "
-                "holds the list of blocks); its forward runs on every stage as glue, so every parameter and "
-                "buffer must live in a child module")
+        _refuse_own_state(prefix, mod)
+        parents.append((prefix[:-1], mod))
         for name, child in mod.named_children():
             full = f"{prefix}{name}"
             if isinstance(child, _LISTS):
@@ -57,7 +62,26 @@ def segments(module: nn.Module) -> list[Segment]:
     visit("", module, isinstance(module, _LISTS))
     if not out:
         raise ValueError(f"pipeline: {type(module).__name__} has no child modules to split into stages")
-    return out
+    return out, parents
+
+
+def _refuse_own_state(prefix: str, mod: nn.Module) -> None:
+    """A module above the segments may own no parameter (no stage would train it) and no buffer
+    saved with the model (no stage's state dict would hold it)."""
+    params = [n for n, p in mod._parameters.items() if p is not None]
+    saved = set(mod.state_dict(keep_vars=True)) if mod._buffers else set()
+    persistent = [n for n, b in mod._buffers.items() if b is not None and n in saved]
+    if not params and not persistent:
+        return
+    kind = type(mod).__name__
+    where = f"{kind} at {prefix[:-1]!r}" if prefix else f"the root module {kind}"
+    what = ", ".join([*(f"parameter {n!r}" for n in params),
+                      *(f"persistent buffer {n!r}" for n in persistent)])
+    raise ValueError(
+        f"pipeline: {where} owns {what} but is cut into segments (it holds the list of blocks); its forward "
+        "runs on every stage as glue, and every stage holds its buffers, so a parameter must live in a "
+        "child module, and a buffer too unless it is recomputed rather than saved "
+        "(register_buffer(..., persistent=False), as a rotary table)")
 
 
 def _refuse_compiled(prefix: str, mod: nn.Module) -> None:
@@ -183,21 +207,6 @@ def place(root: nn.Module, segs: Sequence[Segment]) -> None:
                 parent.add_module(part, nn.Module())
             parent = parent.get_submodule(part)
         parent.add_module(last, mod)
-
-
-def materialize_segments(segs: Sequence[Segment], seed: int, device: torch.device,
-                         first_owner: dict[int, tuple[str, nn.Module, str]]) -> None:
-    """Give meta-device tensors of ``segs`` their oracle initial values on ``device``.
-
-    Values are those of each tensor's first owner in the original model (``first_owner``, by
-    id), so they equal `init_weights(model, seed)` of a single process even for a tensor tied
-    to a module on another rank. Tied tensors inside ``segs`` stay tied.
-    """
-
-    def keep(name: str, attr: str, full: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
-        return full.to(device) if t.is_meta else None
-
-    materialize(segs, seed, keep, first_owner)
 
 
 class Stage(nn.Module):

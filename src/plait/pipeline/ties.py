@@ -28,7 +28,7 @@ from plait import comm
 from plait.mesh import Mesh
 from plait.pipeline.schedules import Schedule
 
-__all__ = ["Tie", "TiedCopy", "find_ties", "tie_groups", "first_owners", "drop_earlier_sums", "sync_grads"]
+__all__ = ["Tie", "TiedCopy", "find_ties", "tie_groups", "drop_earlier_sums", "sync_grads"]
 
 
 @dataclass(frozen=True)
@@ -78,16 +78,6 @@ def tie_groups(ties: list[Tie], mesh: Mesh) -> list[dist.ProcessGroup | None]:
                 found = group
         mine.append(found)
     return mine
-
-
-def first_owners(module: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
-    """id(tensor) -> (qualified name, module, key) of the tensor's first owner in named_modules order."""
-    out: dict[int, tuple[str, nn.Module, str]] = {}
-    for qual, mod in module.named_modules():
-        for key, t in [*mod._parameters.items(), *mod._buffers.items()]:
-            if t is not None:
-                out.setdefault(id(t), (qual, mod, key))
-    return out
 
 
 def drop_earlier_sums(copies: list[TiedCopy]) -> None:

@@ -72,7 +72,7 @@ class TPInfo:
 def tensor_parallel(
     module: nn.Module, mesh: Mesh, plan: Plan, *, sequence_parallel: bool = False, seed: int = 0,
     strict: bool = True, example_inputs: Any = None, check: bool = True,
-    first_owner: dict[int, tuple[str, nn.Module, str]] | None = None,
+    origin: nn.Module | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place over ``mesh.group('tp')`` following ``plan``; return it.
 
@@ -88,9 +88,10 @@ def tensor_parallel(
     `check_plan`), or on token ids it makes itself when ``forward``'s first parameter is named
     like them; otherwise on the first call's own inputs, before that call communicates.
     ``check=False`` skips the dry run (a model whose forward cannot run on meta tensors).
-    ``first_owner`` (id -> qualified name, module, attribute; see `plait.materialize.materialize`)
-    gives a meta tensor tied to a module outside ``module`` its first owner's initial values (a
-    pipeline's last stage holding the LM head tied to the first stage's embedding).
+    ``origin``, the whole model when ``module`` holds only some of it (see
+    `plait.materialize.materialize`), gives a meta tensor tied to a module outside ``module`` its
+    first owner's initial values (a pipeline's last stage holding the LM head tied to the first
+    stage's embedding), and the modules above ``module``'s their ``init_weights()``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"tensor_parallel(module=...) expects an nn.Module, got {type(module).__name__}")
@@ -124,7 +125,7 @@ def tensor_parallel(
     if check:
         later = _check_now_or_later(module, plan, n, bool(sequence_parallel), strict, example_inputs)
 
-    materialize(module, seed, _keep_tp_shard(specs, dev), first_owner)
+    materialize(module, seed, _keep_tp_shard(specs, dev), origin)
     for name, style in ctx.assigned.items():
         style.install(modules[name], name, ctx)
     if later is not None:  # first in line: before any hook of the call communicates

@@ -40,6 +40,7 @@ from torch.utils.flop_counter import (
 
 from plait import comm, env
 from plait.app.config import TrainConfig
+from plait.blocks import blocks
 from plait.live_memory import LiveStorageBytes, storage_key
 from plait.mesh import Mesh
 from plait.pipeline import Pipeline
@@ -128,13 +129,8 @@ def _buffers(model: nn.Module | Pipeline) -> list[torch.Tensor]:
 
 
 def _blocks(model: nn.Module | Pipeline) -> list[nn.Module]:
-    """The repeated blocks (the children of each stage's outermost ModuleList), as activation
-    checkpointing picks them."""
-    out: list[nn.Module] = []
-    for m in _parts(model):
-        lists = [sub for sub in m.modules() if isinstance(sub, nn.ModuleList)]
-        out.extend(lists[0] if lists else [])
-    return out
+    """The repeated blocks of each stage (`plait.blocks`), as activation checkpointing picks them."""
+    return [m.get_submodule(n) for m in _parts(model) for n in blocks(m, outermost=True)]
 
 
 def step_once(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: TrainConfig, mesh: Mesh,
