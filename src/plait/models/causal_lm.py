@@ -1,6 +1,6 @@
 """Tensor-parallel plans for decoder-only language models shaped like the causal LMs of Hugging
-Face `transformers` (Llama, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX and others of the same
-shapes), recognised by module structure: names and shapes of submodules, never classes, and
+Face `transformers` (Llama, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX, Gemma, Gemma2 and others of
+the same shapes), recognised by module structure: names and shapes of submodules, never classes, and
 without importing `transformers`.
 
 What is recognised (a model that does not fit gets an error naming the module not placed):

@@ -389,6 +389,10 @@ class VocabParallelEmbedding(Style):
     activation leaves sequence-sharded). Backward: identity (all-gather under SP); each rank's
     table receives gradient only for its own rows.
 
+    Only the lookup is replaced: a subclass's own forward runs around it (Gemma's embedding
+    still scales the summed lookup by ``embed_scale``), provided it looks up through
+    ``super().forward``; one that calls ``F.embedding`` itself is refused at its first call.
+
     ``shard_sequence=False`` keeps the output full-length under SP too (all-reduce): for models
     that derive positions, rotary tables or masks from the embedding's length before the
     decoder layers, where a `ScatterSequence` then starts the sequence split.
@@ -416,13 +420,48 @@ class VocabParallelEmbedding(Style):
             local_pad = pad - spec.start
         shard = self.shard_sequence
 
-        def forward(self_: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        def lookup(self_: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
             foreign = (ids < spec.start) | (ids >= spec.start + spec.valid)
             local = (ids - spec.start).masked_fill(foreign, 0)
             out = F.embedding(local, self_.weight, local_pad).masked_fill(foreign.unsqueeze(-1), 0.0)
             return _reduce_out(out, ctx, name) if shard else reduce_from_tp(out, ctx.group)
 
-        mod.forward = types.MethodType(forward, mod)
+        assert isinstance(mod, nn.Embedding)  # validated
+        mod.__class__ = _with_lookup(type(mod), lookup, name)
+
+
+def _with_lookup(cls: type[nn.Embedding], lookup: Any, name: str) -> type[nn.Embedding]:
+    """``cls`` with `nn.Embedding.forward` (the lookup) replaced by ``lookup``, for one module.
+
+    A subclass's own forward still runs around the lookup: Gemma's embedding returns
+    ``super().forward(ids) * embed_scale``, and its ``super()`` now reaches ``lookup``, placed
+    between ``cls`` and `nn.Embedding` in the method resolution order. A forward that looks the
+    table up some other way (``F.embedding`` on its weight, which now holds this rank's rows only)
+    is refused at the first call that does not reach ``lookup``."""
+    reached: list[bool] = []
+
+    class Lookup(nn.Embedding):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            if not reached:
+                reached.append(True)
+            return lookup(self, input)
+
+    names: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    if cls is nn.Embedding:
+        return type(cls.__name__, (Lookup,), names)
+    if cls.forward is not nn.Embedding.forward:  # its own forward: check that it reaches the lookup
+
+        def forward(self: nn.Embedding, *args: Any, **kwargs: Any) -> Any:
+            out = super(split, self).forward(*args, **kwargs)
+            if not reached:
+                raise TypeError(f"{name}: {cls.__name__}.forward does not look its table up through "
+                                "nn.Embedding.forward (super().forward), where VocabParallelEmbedding puts "
+                                "the split lookup")
+            return out
+
+        names["forward"] = forward
+    split: type[nn.Embedding] = type(cls.__name__, (cls, Lookup), names)
+    return split
 
 
 @dataclass(frozen=True)
