@@ -17,7 +17,8 @@ Families: grouped-query attention split (Llama: 2 KV heads over tp=2) and replic
 with 1 KV head), GPT-2's transposed ``Conv1D`` layers with the fused ``c_attn`` and tied
 embeddings, Phi-3's fused ``qkv_proj`` (with GQA) and ``gate_up_proj``, GPT-NeoX's per-head fused
 ``query_key_value`` and parallel residual, Qwen2's q/k/v biases, Mistral, Gemma and Gemma2's
-scaled embeddings (a subclass of ``nn.Embedding`` whose forward scales the lookup). Plans that must be
+scaled embeddings (a subclass of ``nn.Embedding`` whose forward scales the lookup), CodeGen's
+``qkv_proj`` in ``mp_num`` interleaved groups of [q v k]. Plans that must be
 refused are checked without spawning: `plait.tp.check_plan` needs no process group.
 
 One pool of 4 ranks serves every launch: tp=2 runs on a (dp=2, tp=2) mesh, whose two tp
@@ -45,11 +46,14 @@ TOL_FLOAT32_NORMS = {"rtol": 1e-6, "atol": 1e-8}
 FLOAT32_NORMS = ("gemma", "gemma2")
 STEPS = 5
 VOCAB, HIDDEN, SEQ, BATCH = 96, 32, 16, 4
-FAMILIES = ["llama", "llama-mqa", "gpt2", "phi3", "neox", "qwen2", "mistral", "gemma", "gemma2"]
+FAMILIES = ["llama", "llama-mqa", "gpt2", "phi3", "neox", "qwen2", "mistral", "gemma", "gemma2", "codegen"]
 
 
 def _build(family: str, **extra) -> torch.nn.Module:
-    """A tiny randomly initialised causal LM of ``family``, float64, every dropout 0."""
+    """A tiny randomly initialised causal LM of ``family``, float64, every dropout 0; a family
+    ending in ``-nocache`` is built with ``use_cache=False``, as for training."""
+    if family.endswith("-nocache"):
+        return _build(family.removesuffix("-nocache"), use_cache=False, **extra)
     t = transformers
     t.logging.set_verbosity_error()
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
@@ -77,6 +81,10 @@ def _build(family: str, **extra) -> torch.nn.Module:
         model = t.Gemma2ForCausalLM(t.Gemma2Config(
             **common, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=8,
             attn_implementation="eager", **extra))
+    elif family == "codegen":  # qkv_proj: mp_num=4 groups of [q v k]; 8 heads, 2 per group
+        model = t.CodeGenForCausalLM(t.CodeGenConfig(
+            vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=8, rotary_dim=2, n_positions=64,
+            n_inner=64, bos_token_id=0, eos_token_id=0, **extra))
     else:
         raise ValueError(family)
     return model.to(torch.float64)
@@ -149,6 +157,12 @@ def test_tp2_keeps_what_a_scaled_embedding_does_after_its_lookup(pools):
     # Gemma's and Gemma2's embeddings multiply the lookup by sqrt(hidden): the split lookup must
     # take the place of the lookup only (the logits were 30% and 14% off when it replaced forward).
     pools[4].run(_tp2, [("gemma", False), ("gemma", True), ("gemma2", False), ("gemma2", True)])
+
+
+def test_tp2_splits_each_group_of_codegens_fused_qkv(pools):
+    # CodeGen's qkv_proj holds mp_num=4 groups of [q v k]: each rank takes its heads of every group
+    # (split as [q | k | v], the logits were 62% off).
+    pools[4].run(_tp2, [("codegen", False), ("codegen", True)])
 
 
 def _fsdp_tp(families: list[tuple[str, bool]]) -> dict:
@@ -257,6 +271,9 @@ def test_every_family_is_planned_and_checked_without_spawning():
             assert isinstance(plan["model.layers.*.self_attn"], AttentionParallel)
         if family == "phi3":
             assert isinstance(plan["model.layers.*.mlp.gate_up_proj"], ColwiseParallel)
+        if family == "codegen":  # 4 groups of [q v k], 2 heads of 4 features each
+            assert plan["transformer.h.*.attn.qkv_proj"].parts == (8,) * 12
+            assert plan["transformer.h.*.attn.out_proj"].parts == (8,) * 4
     mqa = _build("llama-mqa")
     check_plan(mqa, plait.plan_for(mqa), tp=4, sequence_parallel=True)  # 1 KV head over tp=4: replicated
     assert plait.plan_for(model, loss_parallel=True)["lm_head"].gather_output is False
@@ -377,6 +394,17 @@ def _refused_before_any_collective() -> str:
 def test_tensor_parallel_refuses_before_any_collective(pools):
     errors = pools[4].errors(_refused_before_any_collective)
     assert all(REFUSED["mlp-only-sp"] in e for e in errors.values()), errors[0]
+
+
+def test_codegen_refuses_tp_degrees_that_split_a_group_of_heads():
+    import plait
+    from plait.tp import check_plan
+
+    model = _build("codegen")  # 8 heads in 4 groups: tp=4 would give a rank half a group's head
+    with pytest.raises(ValueError, match=r"'transformer.h.0.attn' cannot split 8 attention heads \(4 groups "
+                                         r"of 2, each split on its own\) evenly across tp=4; tp degrees that "
+                                         r"work: 1, 2$"):
+        check_plan(model, plait.plan_for(model), tp=4)
 
 
 def test_plan_for_names_the_module_it_cannot_place():

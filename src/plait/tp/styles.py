@@ -340,23 +340,34 @@ class RowwiseParallel(Style):
     each rank saw only its sequence shard. Without SP, whatever the enclosing region does after
     this layer acts on a replicated activation, so it runs on the default (synchronized) random
     stream again (GPT-2's residual dropout inside its attention).
+
+    ``parts``: the input features come in blocks (sizes), each split on its own, as the output of
+    a `ColwiseParallel` with ``parts`` leaves them: rank r's input is its slice of every block
+    (CodeGen's attention output, whose heads are taken from each of its groups).
     """
 
     input_is_parallel: bool = True
     unit: int = 1
     what: str = "input features"
+    parts: tuple[int, ...] = ()
 
     def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         layout = _layout(self, mod, name)
         if self.input_is_parallel and not _in_region(name, ctx):
             raise ValueError(f"plan: {self!r} on {name!r} expects a sharded input, which only exists "
                              "inside a ParallelRegion, but none encloses it (or use input_is_parallel=False)")
-        _divisible(name, self, self.what, layout.sizes(mod)[0], self.unit, ctx)
+        size = layout.sizes(mod)[0]
+        if self.parts and sum(self.parts) != size:
+            raise ValueError(f"plan: {self!r} on {name!r}: the parts {self.parts} do not add up to its "
+                             f"{size} input features")
+        for p in self.parts or (size,):
+            _divisible(name, self, self.what, p, self.unit, ctx)
 
     def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
         layout = linear_layout(mod)
         assert layout is not None  # validated
-        return {"weight": make_spec(layout.in_dim, layout.sizes(mod)[0], ctx.size, ctx.rank, self.unit)}
+        return {"weight": make_spec(layout.in_dim, layout.sizes(mod)[0], ctx.size, ctx.rank, self.unit,
+                                    self.parts)}
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         layout = linear_layout(mod)
