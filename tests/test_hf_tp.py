@@ -18,7 +18,8 @@ with 1 KV head), GPT-2's transposed ``Conv1D`` layers with the fused ``c_attn`` 
 embeddings, Phi-3's fused ``qkv_proj`` (with GQA) and ``gate_up_proj``, GPT-NeoX's per-head fused
 ``query_key_value`` and parallel residual, Qwen2's q/k/v biases, Mistral, Gemma and Gemma2's
 scaled embeddings (a subclass of ``nn.Embedding`` whose forward scales the lookup), CodeGen's
-``qkv_proj`` in ``mp_num`` interleaved groups of [q v k]. Plans that must be
+``qkv_proj`` in ``mp_num`` interleaved groups of [q v k], Llama and GPT-2 built with
+``use_cache=False`` (no KV cache, as in training). Plans that must be
 refused are checked without spawning: `plait.tp.check_plan` needs no process group.
 
 One pool of 4 ranks serves every launch: tp=2 runs on a (dp=2, tp=2) mesh, whose two tp
@@ -46,7 +47,8 @@ TOL_FLOAT32_NORMS = {"rtol": 1e-6, "atol": 1e-8}
 FLOAT32_NORMS = ("gemma", "gemma2")
 STEPS = 5
 VOCAB, HIDDEN, SEQ, BATCH = 96, 32, 16, 4
-FAMILIES = ["llama", "llama-mqa", "gpt2", "phi3", "neox", "qwen2", "mistral", "gemma", "gemma2", "codegen"]
+FAMILIES = ["llama", "llama-mqa", "gpt2", "phi3", "neox", "qwen2", "mistral", "gemma", "gemma2", "codegen",
+            "llama-nocache", "gpt2-nocache"]
 
 
 def _build(family: str, **extra) -> torch.nn.Module:
@@ -163,6 +165,12 @@ def test_tp2_splits_each_group_of_codegens_fused_qkv(pools):
     # CodeGen's qkv_proj holds mp_num=4 groups of [q v k]: each rank takes its heads of every group
     # (split as [q | k | v], the logits were 62% off).
     pools[4].run(_tp2, [("codegen", False), ("codegen", True)])
+
+
+def test_tp2_without_a_kv_cache_is_checked_and_matches_single_process(pools):
+    # use_cache=False, as in training: transformers' causal mask then asks whether the position ids
+    # hold packed sequences, a branch on values that the plan check's dry run once failed on.
+    pools[4].run(_tp2, [("llama-nocache", True), ("gpt2-nocache", False)])
 
 
 def _fsdp_tp(families: list[tuple[str, bool]]) -> dict:
