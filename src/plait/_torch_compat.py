@@ -84,3 +84,18 @@ def register_fake_backend() -> None:
     is imported.
     """
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
+
+
+def fake_tensors() -> Any:
+    """A context in which tensor operations compute shapes, dtypes and devices only, on fake tensors
+    (meta tensors and real ones given as inputs are converted on use).
+
+    The tensor-parallel plan check runs a model without data. On plain meta tensors a forward with
+    a data-dependent branch fails (transformers' causal mask asks whether the position ids hold
+    several packed sequences when there is no cache, as in training); fake tensors are what torch's
+    own tracing runs on, and libraries skip such branches for them (transformers'
+    ``is_fake_tensor``), as they do under torch.compile. torch exposes them only in
+    ``torch._subclasses``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)

@@ -1,7 +1,7 @@
 """Tensor-parallel plans for decoder-only language models shaped like the causal LMs of Hugging
-Face `transformers` (Llama, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX and others of the same
-shapes), recognised by module structure: names and shapes of submodules, never classes, and
-without importing `transformers`.
+Face `transformers` (Llama, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX, Gemma, Gemma2, CodeGen and
+others of the same shapes), recognised by module structure: names and shapes of submodules, never
+classes, and without importing `transformers`.
 
 What is recognised (a model that does not fit gets an error naming the module not placed):
 
@@ -9,7 +9,9 @@ What is recognised (a model that does not fit gets an error naming the module no
   an MLP, plus norms and dropouts (anything else with parameters is not placed);
 * attention: ``q/k/v`` and an output projection (``q_proj k_proj v_proj o_proj``,
   ``query key value dense``...), or a fused ``qkv_proj`` / ``c_attn`` / ``W_pack`` / ``Wqkv``
-  (q, k and v one after the other) or GPT-NeoX's ``query_key_value`` (q, k, v per head), as
+  (q, k and v one after the other; with an ``mp_num`` attribute, CodeGen's, that many groups
+  of [q v k], each group's heads split over the ranks on their own, so tp must divide the heads
+  of a group) or GPT-NeoX's ``query_key_value`` (q, k, v per head), as
   ``nn.Linear`` or transposed ``Conv1D``; heads, KV heads and head size come from the model's
   ``config`` or the attention's attributes and are checked against the projections' shapes;
 * MLP: gated (``gate_proj up_proj down_proj``, ``w1 w3 w2``), fused gated (``gate_up_proj
@@ -50,6 +52,10 @@ SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("wq"
                 ("q", "k", "v"))
 ATTN_OUT = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o")
 FUSED_QKV = ("qkv_proj", "c_attn", "W_pack", "Wqkv")  # [q | k | v]
+# An attention attribute saying that its fused projection is interleaved in that many groups,
+# each [q v k] of its share of the heads (CodeGen's mp_num, the model-parallel degree it was
+# trained at); the attention splits the projection's output into that many groups itself.
+QKV_GROUPS = ("mp_num",)
 PER_HEAD_QKV = ("query_key_value",)  # GPT-NeoX: [q k v] of head 0, of head 1...
 GATED_MLP = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 FUSED_GATED_MLP = (("gate_up_proj", "down_proj"),)  # [gate | up]
@@ -58,7 +64,7 @@ PLAIN_MLP = (("c_fc", "c_proj"), ("fc1", "fc2"), ("dense_h_to_4h", "dense_4h_to_
 # Attention attributes some families read in forward, and the count each holds.
 HEAD_ATTRS = {"num_heads": "heads", "num_attention_heads": "heads", "n_head": "heads",
               "num_key_value_heads": "kv_heads", "num_kv_heads": "kv_heads", "num_key_value_groups": "groups",
-              "split_size": "width"}
+              "split_size": "width", "embed_dim": "width"}
 CONFIG_ATTRS = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads"}
 
 
@@ -154,12 +160,17 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
     if kind == "per_head" and kv != heads:
         raise _fail(name, attn, f"a per-head fused {names[0]!r} with {kv} KV heads for {heads} heads has no "
                                 "known layout")
-    plan: dict[str, Style] = {"": AttentionParallel(heads=heads, kv_heads=kv, head_dim=d,
+    groups = _qkv_groups(attn, name, heads, kv) if kind == "fused" else 1
+    plan: dict[str, Style] = {"": AttentionParallel(heads=heads, kv_heads=kv, head_dim=d, head_groups=groups,
                                                     attrs=_head_attrs(attn, heads, kv, d))}
+    out_parts: tuple[int, ...] = ()
     if kind == "separate":
         q, k, v, o = names
         plan[q] = ColwiseParallel(input_comm=False, unit=d, what="attention heads")
         plan[k] = plan[v] = ColwiseParallel(input_comm=False, unit=d, what="KV heads", replicate=True)
+    elif kind == "fused" and groups > 1:  # the q, v and k of each group split on their own
+        o, out_parts = names[1], (heads * d // groups,) * groups
+        plan[names[0]] = ColwiseParallel(input_comm=False, unit=d, what="heads", parts=out_parts * 3)
     elif kind == "fused":
         o = names[1]
         plan[names[0]] = ColwiseParallel(input_comm=False, unit=d, what="heads",
@@ -167,9 +178,22 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
     else:
         o = names[1]
         plan[names[0]] = ColwiseParallel(input_comm=False, unit=3 * d, what="attention heads")
-    plan[o] = RowwiseParallel(unit=d, what="attention heads")
+    # The rank's heads in the order its attention outputs them: with groups, its share of each.
+    plan[o] = RowwiseParallel(unit=d, what="attention heads", parts=out_parts)
     _only_known_params(attn, name, set(names))
     return plan
+
+
+def _qkv_groups(attn: nn.Module, name: str, heads: int, kv: int) -> int:
+    """How many interleaved groups the fused projection of ``attn`` holds (`QKV_GROUPS`; 1: none)."""
+    groups = _count([attn], QKV_GROUPS)
+    if groups is None or groups == 1:
+        return 1
+    if kv != heads or heads % groups:
+        raise _fail(name, attn, f"a fused projection in {groups} groups of [q v k] ({QKV_GROUPS[0]}) needs "
+                                f"as many KV heads as heads, and whole heads in each group; it has {heads} "
+                                f"heads and {kv} KV heads")
+    return groups
 
 
 def _head_attrs(attn: nn.Module, heads: int, kv: int, d: int) -> tuple[tuple[str, str], ...]:

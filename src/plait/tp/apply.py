@@ -87,7 +87,7 @@ def tensor_parallel(
     would not reproduce single-process training. It runs here on ``example_inputs`` (see
     `check_plan`), or on token ids it makes itself when ``forward``'s first parameter is named
     like them; otherwise on the first call's own inputs, before that call communicates.
-    ``check=False`` skips the dry run (a model whose forward cannot run on meta tensors).
+    ``check=False`` skips the dry run (a model whose forward cannot run without data).
     ``origin``, the whole model when ``module`` holds only some of it (see
     `plait.materialize.materialize`), gives a meta tensor tied to a module outside ``module`` its
     first owner's initial values (a pipeline's last stage holding the LM head tied to the first

@@ -29,12 +29,17 @@ class AttentionParallel(ParallelRegion):
     keeps the full counts. Each attribute must hold the full count when the plan is applied.
     With fewer KV heads than ranks (tp a multiple of them) each rank keeps one KV head, the one
     its query heads use (see ``ColwiseParallel(replicate=True)``).
+
+    ``head_groups``: the heads come in that many groups, each split across the ranks on its own
+    (CodeGen's fused projection holds ``mp_num`` groups of [q v k]: rank r takes its share of
+    the heads of every group), so tp must divide the heads of one group.
     """
 
     heads: int = 0
     kv_heads: int = 0
     head_dim: int = 0
     attrs: tuple[tuple[str, str], ...] = ()
+    head_groups: int = 1
 
     def counts(self, n: int) -> dict[str, int]:
         """Every count of `HEAD_COUNTS` on one of ``n`` ranks."""
@@ -44,15 +49,25 @@ class AttentionParallel(ParallelRegion):
         return {"heads": h, "kv_heads": kv, "groups": h // max(kv, 1), "width": h * self.head_dim,
                 "kv_width": kv * self.head_dim}
 
+    def fits(self, n: int) -> bool:
+        """Whether the heads split across ``n`` ranks (see `validate`)."""
+        kv = self.kv_heads or self.heads
+        return self.heads % (self.head_groups * n) == 0 and (kv % n == 0 or n % kv == 0)
+
     def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         super().validate(mod, name, ctx)
-        kv, n = self.kv_heads or self.heads, ctx.size
-        if self.heads < 1 or self.heads % n or self.head_dim < 1:
-            raise ValueError(f"plan: {self!r} on {name!r} cannot split {self.heads} attention heads evenly "
-                             f"across tp={n}")
+        kv, n, groups = self.kv_heads or self.heads, ctx.size, self.head_groups
+        works = f"tp degrees that work: {', '.join(str(t) for t in range(1, self.heads + 1) if self.fits(t))}"
+        if self.heads < 1 or groups < 1 or self.head_dim < 1 or self.heads % groups:
+            raise ValueError(f"plan: {self!r} on {name!r}: {self.heads} heads of {self.head_dim} features in "
+                             f"{groups} groups is not a head layout")
+        if self.heads % (groups * n):
+            grouped = f" ({groups} groups of {self.heads // groups}, each split on its own)" * (groups > 1)
+            raise ValueError(f"plan: {self!r} on {name!r} cannot split {self.heads} attention heads{grouped} "
+                             f"evenly across tp={n}; {works}")
         if kv % n and n % kv:
             raise ValueError(f"plan: {self!r} on {name!r}: {kv} KV heads can be neither split across tp={n} "
-                             "nor replicated (tp must divide them or be a multiple of them)")
+                             f"nor replicated (tp must divide them or be a multiple of them); {works}")
         full = self.counts(1)
         for path, what in self.attrs:
             if what not in HEAD_COUNTS:

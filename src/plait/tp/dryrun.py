@@ -4,7 +4,10 @@ A style's `validate` sees one module. What only the whole forward shows (a norm 
 sequence shards without a style, a region that wraps a residual addition, a replicated
 attention fed sequence shards, positions computed from a shard's length) is found by a dry
 run: the model is copied to the meta device (no data, no memory), split as rank 0 would hold
-it, its styles installed, and run once on meta inputs with every collective emulated
+it, its styles installed, and run once on fake tensors (`plait._torch_compat.fake_tensors`:
+shapes only, and code that branches on values, such as transformers' check for packed
+sequences when there is no KV cache, skips the branch as it does under torch.compile) with
+every collective emulated
 (`plait.tp.collectives.emulated`: a tensor of the right shape, nothing moves). Every tensor
 carries its layout:
 
@@ -50,6 +53,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from plait._torch_compat import fake_tensors
 from plait.tp.collectives import emulated
 from plait.tp.context import Style, TPContext
 from plait.tp.layers import find_activation
@@ -486,17 +490,18 @@ def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args
         mod.register_forward_pre_hook(partial(trace.enter, name, hooked), prepend=True, with_kwargs=True)
         mod.register_forward_hook(partial(trace.leave, name, hooked), always_call=True, with_kwargs=True)
     try:
-        with torch.random.fork_rng(devices=[]), emulated(_Emulator(ctx.size, trace)), trace:
+        shapes_only = fake_tensors()
+        with torch.random.fork_rng(devices=[]), emulated(_Emulator(ctx.size, trace)), shapes_only, trace:
             out = module(*args, **kwargs)
     except PlanError:
         raise
     except Exception as e:
         layout = f"tp={ctx.size}" + (" with sequence parallelism" if ctx.sequence_parallel else "")
         raise PlanError(
-            f"plan refused: the dry run of the model split over {layout} (rank 0's shards, on the meta "
-            f"device) failed in {trace.where(trace.failed_at or '')}: {type(e).__name__}: {e}\n(an error "
-            "about shapes means the plan does not fit the model; one about meta tensors means the forward "
-            "cannot run without data: pass check=False to skip this check)") from e
+            f"plan refused: the dry run of the model split over {layout} (rank 0's shards, on fake "
+            f"tensors) failed in {trace.where(trace.failed_at or '')}: {type(e).__name__}: {e}\n(an error "
+            "about shapes means the plan does not fit the model; one about data-dependent values or meta "
+            "tensors means the forward cannot run without data: pass check=False to skip this check)") from e
     refused = (IN, F, W) if allow_sequence_output else (IN, F, S, W)
     for t in _tensors(out):
         if layout_of(t) in refused:

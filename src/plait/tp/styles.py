@@ -255,23 +255,34 @@ class RowwiseParallel(Style):
     each rank saw only its sequence shard. Without SP, whatever the enclosing region does after
     this layer acts on a replicated activation, so it runs on the default (synchronized) random
     stream again (GPT-2's residual dropout inside its attention).
+
+    ``parts``: the input features come in blocks (sizes), each split on its own, as the output of
+    a `ColwiseParallel` with ``parts`` leaves them: rank r's input is its slice of every block
+    (CodeGen's attention output, whose heads are taken from each of its groups).
     """
 
     input_is_parallel: bool = True
     unit: int = 1
     what: str = "input features"
+    parts: tuple[int, ...] = ()
 
     def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         layout = _layout(self, mod, name)
         if self.input_is_parallel and not _in_region(name, ctx):
             raise ValueError(f"plan: {self!r} on {name!r} expects a sharded input, which only exists "
                              "inside a ParallelRegion, but none encloses it (or use input_is_parallel=False)")
-        _divisible(name, self, self.what, layout.sizes(mod)[0], self.unit, ctx)
+        size = layout.sizes(mod)[0]
+        if self.parts and sum(self.parts) != size:
+            raise ValueError(f"plan: {self!r} on {name!r}: the parts {self.parts} do not add up to its "
+                             f"{size} input features")
+        for p in self.parts or (size,):
+            _divisible(name, self, self.what, p, self.unit, ctx)
 
     def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
         layout = linear_layout(mod)
         assert layout is not None  # validated
-        return {"weight": make_spec(layout.in_dim, layout.sizes(mod)[0], ctx.size, ctx.rank, self.unit)}
+        return {"weight": make_spec(layout.in_dim, layout.sizes(mod)[0], ctx.size, ctx.rank, self.unit,
+                                    self.parts)}
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         layout = linear_layout(mod)
@@ -304,6 +315,10 @@ class VocabParallelEmbedding(Style):
     activation leaves sequence-sharded). Backward: identity (all-gather under SP); each rank's
     table receives gradient only for its own rows.
 
+    Only the lookup is replaced: a subclass's own forward runs around it (Gemma's embedding
+    still scales the summed lookup by ``embed_scale``), provided it looks up through
+    ``super().forward``; one that calls ``F.embedding`` itself is refused at its first call.
+
     ``shard_sequence=False`` keeps the output full-length under SP too (all-reduce): for models
     that derive positions, rotary tables or masks from the embedding's length before the
     decoder layers, where a `ScatterSequence` then starts the sequence split.
@@ -331,13 +346,48 @@ class VocabParallelEmbedding(Style):
             local_pad = pad - spec.start
         shard = self.shard_sequence
 
-        def forward(self_: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        def lookup(self_: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
             foreign = (ids < spec.start) | (ids >= spec.start + spec.valid)
             local = (ids - spec.start).masked_fill(foreign, 0)
             out = F.embedding(local, self_.weight, local_pad).masked_fill(foreign.unsqueeze(-1), 0.0)
             return _reduce_out(out, ctx, name) if shard else reduce_from_tp(out, ctx.group)
 
-        mod.forward = types.MethodType(forward, mod)
+        assert isinstance(mod, nn.Embedding)  # validated
+        mod.__class__ = _with_lookup(type(mod), lookup, name)
+
+
+def _with_lookup(cls: type[nn.Embedding], lookup: Any, name: str) -> type[nn.Embedding]:
+    """``cls`` with `nn.Embedding.forward` (the lookup) replaced by ``lookup``, for one module.
+
+    A subclass's own forward still runs around the lookup: Gemma's embedding returns
+    ``super().forward(ids) * embed_scale``, and its ``super()`` now reaches ``lookup``, placed
+    between ``cls`` and `nn.Embedding` in the method resolution order. A forward that looks the
+    table up some other way (``F.embedding`` on its weight, which now holds this rank's rows only)
+    is refused at the first call that does not reach ``lookup``."""
+    reached: list[bool] = []
+
+    class Lookup(nn.Embedding):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            if not reached:
+                reached.append(True)
+            return lookup(self, input)
+
+    names: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    if cls is nn.Embedding:
+        return type(cls.__name__, (Lookup,), names)
+    if cls.forward is not nn.Embedding.forward:  # its own forward: check that it reaches the lookup
+
+        def forward(self: nn.Embedding, *args: Any, **kwargs: Any) -> Any:
+            out = super(split, self).forward(*args, **kwargs)
+            if not reached:
+                raise TypeError(f"{name}: {cls.__name__}.forward does not look its table up through "
+                                "nn.Embedding.forward (super().forward), where VocabParallelEmbedding puts "
+                                "the split lookup")
+            return out
+
+        names["forward"] = forward
+    split: type[nn.Embedding] = type(cls.__name__, (cls, Lookup), names)
+    return split
 
 
 @dataclass(frozen=True)
