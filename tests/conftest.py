@@ -1,4 +1,10 @@
-"""Shared fixtures: one persistent pool of Gloo ranks per world size, per test module."""
+"""Shared fixtures: one persistent pool of Gloo ranks per world size, for the whole session.
+
+Starting a pool costs every rank an interpreter, torch's import and a rendezvous: seconds each
+on two cores, paid once per world size rather than once per module. A pool's ranks hold only
+their default group between tasks (each task's groups are destroyed when it ends, see
+`plait.testing`), and meshes that `plait.testing.cached_mesh` keeps.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +18,9 @@ import pytest
 from plait.testing import RankPool
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pools() -> Iterator[dict[int, RankPool]]:
-    """``pools[n]`` starts an n-rank pool on first use and closes it after the module."""
+    """``pools[n]`` starts an n-rank pool on first use and closes it at the end of the session."""
     made: dict[int, RankPool] = {}
 
     class _Lazy(dict):
@@ -29,7 +35,7 @@ def pools() -> Iterator[dict[int, RankPool]]:
 
 
 def _discard(pool: RankPool) -> None:
-    """Close a pool whose module is done by killing its ranks. An orderly exit spends about a CPU
+    """Close a pool whose session is done by killing its ranks. An orderly exit spends about a CPU
     second per rank (exit barriers on every group, the groups torn down, the interpreter finalized)
     and nothing checks how the pool's ranks exit: `test_exit` tests plait's exit on processes of
     its own. Killed together, no rank is left waiting on a peer."""
