@@ -197,8 +197,9 @@ FILES = {"plait.json"}  # the checkpoint's metadata file, not a Python name
 
 
 def _readme_names() -> list[str]:
-    """Every ``plait.x`` / ``plait.x.y...`` in README.md's Python blocks and inline code."""
-    text = README.read_text()
+    """Every ``plait.x`` / ``plait.x.y...`` in the Python blocks and inline code of README.md and
+    the pages under docs/."""
+    text = "\n".join(p.read_text() for p in [README, *sorted((README.parent / "docs").glob("*.md"))])
     blocks = re.findall(r"^ *```python\n(.*?)^ *```", text, flags=re.S | re.M)
     prose = re.sub(r"^ *```.*?^ *```", "", text, flags=re.S | re.M)
     code = blocks + re.findall(r"`([^`\n]+)`", prose)
@@ -236,7 +237,7 @@ print(json.dumps(bad))
 """
 
 
-def test_every_name_the_readme_shows_resolves():
+def test_every_name_the_readme_and_docs_show_resolves():
     names = _readme_names()
     assert {"plait.pipeline.zbv", "plait.pipeline.split.segments", "plait.parallelize.ORDER",
             "plait.parallelize", "plait.pipeline"} <= set(names)

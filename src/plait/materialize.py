@@ -217,6 +217,13 @@ def _unset(now: torch.Tensor | None, hole: torch.Tensor) -> bool:
 
 def _values(mod: nn.Module, name: str, seed: int, tree: _Tree) -> dict[str, torch.Tensor]:
     """`full_values`, with the init protocol's copies made from ``tree``."""
+    # On the CPU even inside a caller's `with torch.device("meta")` (a factory that builds on meta
+    # and initialises): placeholders and the tensors an init makes would otherwise be shapes.
+    with torch.device("cpu"):
+        return _values_on_cpu(mod, name, seed, tree)
+
+
+def _values_on_cpu(mod: nn.Module, name: str, seed: int, tree: _Tree) -> dict[str, torch.Tensor]:
     shell = copy.copy(mod)
     shell._modules = {}
     holes: dict[str, torch.Tensor] = {}  # placeholders that something must fill
