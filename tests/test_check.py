@@ -113,6 +113,7 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
     assert "--nproc 3 is not divisible" in capsys.readouterr().err
     # Flags plait train reads but the comparison does not build are refused, not dropped.
     for flags, says in ((["--cp", "2"], "--cp 2: plait check does not build"),
-                        (["--ac", "full"], "--ac full: plait check does not build")):
+                        (["--ac", "full"], "--ac full: plait check does not build"),
+                        (["--ep", "2"], "--ep 2: plait check does not build")):
         assert _exit_code(["test_check:tiny_gpt", *flags]) == 2
         assert says in capsys.readouterr().err

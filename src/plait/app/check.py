@@ -115,7 +115,10 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
         ("--cp-algorithm", par.cp_algorithm != "ring" and par.cp_algorithm, "it needs --cp"),
         ("--ac", par.ac != "none" and par.ac,
          "checkpointing recomputes the same values; compare the layout without it"),
-        ("--ac-every", par.ac_every != 1 and par.ac_every, "it needs --ac"))
+        ("--ac-every", par.ac_every != 1 and par.ac_every, "it needs --ac"),
+        ("--ep", par.ep > 1 and par.ep,
+         "the compared layout would hold every expert on every rank: this would check a layout without "
+         "expert parallelism"))
     for flag, refused, why in unsupported:
         if refused:
             raise ValueError(f"{flag} {refused}: plait check does not build this into the layout it compares "
