@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 
@@ -241,6 +242,7 @@ def main(argv: list[str]) -> int:
 
     from plait.testing import RankPool
 
+    load0 = os.getloadavg()[0]  # other jobs share the cores: the figures are only as quiet as this
     pool = RankPool(args.world, timeout_s=900)
     try:
         per_rank = pool.run(_bench, args.model, args.seq, args.layers, args.batch, args.microbatches,
@@ -248,6 +250,7 @@ def main(argv: list[str]) -> int:
                             args.split if args.split == "auto" else args.split.split(","))
     finally:
         pool.close()
+    load1 = os.getloadavg()[0]
     res = per_rank[0]
     p, m = args.world, args.microbatches
     rows, costs_rows, pics = [], [], []
@@ -301,7 +304,8 @@ def main(argv: list[str]) -> int:
         f"GPT `{args.model}` with {args.layers} layers (d_model {cfg.d_model}, seq {args.seq}), pp={p}, "
         f"global batch {args.batch}, {m} microbatches, split {args.split!r} "
         f"(first segment of each stage: {ref['split']}); {args.iters} alternating timed steps "
-        f"after {args.warmup} warm-up steps each, 1 thread per rank.\n\n"
+        f"after {args.warmup} warm-up steps each, 1 thread per rank; 1-minute load average {load0:.1f} at "
+        f"the start, {load1:.1f} at the end (the bench's own {p} ranks count for about {p}).\n\n"
         + markdown_table(["plait schedule", "torch schedule", "plait step (s)", "torch step (s)",
                           "plait / torch", "ideal step (s)", "plait / ideal", "torch / ideal",
                           "measured bubble", "theory", "plan at measured durations", "measured vs plan",
