@@ -334,7 +334,7 @@ def _zbv_costs(draw) -> tuple[int, int, object]:
     return p, m, lambda a: table[(a.kind, a.stage)] * scale[a.mb]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(_zbv_costs())
 def test_zbv_plans_every_cost_table_within_memory_and_no_slower_than_the_unit_plan(case):
     from plait.pipeline import zbv
