@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -23,39 +20,38 @@ def llama_config(tmp_path_factory) -> str:
     return str(folder)
 
 
-def _losses(tmp_path, name: str, *flags: str) -> list[float]:
-    metrics = tmp_path / f"{name}.jsonl"
-    res = subprocess.run([sys.executable, "-m", "plait", "train", *flags, "--steps", "4", "--warmup", "1",
-                          "--batch-size", "4", "--seq-len", "32", "--eval-every", "0", "--no-progress",
-                          "--metrics", str(metrics)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+def _losses(tmp: str, hf_config: str, **layout) -> list[float]:
+    """Per-step losses of `plait train`'s loop on ``hf_config`` (picklable for rank pools: the
+    flags' parsing is `test_hf_config_is_checked_before_anything_starts`'s)."""
+    from plait.app.train import TrainConfig, train
+
+    cfg = TrainConfig.from_flags(hf_config=hf_config, steps=4, warmup=1, batch_size=4, seq_len=32,
+                                 eval_every=0, progress=False, max_bytes=200_000, metrics=f"{tmp}/m.jsonl",
+                                 **layout)
+    return train(cfg)["losses"]
 
 
 @pytest.fixture(scope="module")
 def one_process(llama_config, tmp_path_factory) -> list[float]:
     """The one-process run every layout is compared with: the same run for each, so made once."""
-    return _losses(tmp_path_factory.mktemp("one"), "one", "--hf-config", llama_config, "--strategy", "none",
-                   "--nproc", "1")
+    return _losses(str(tmp_path_factory.mktemp("one")), llama_config, strategy="none", nproc=1)
 
 
-def test_tensor_parallel_llama_trains_as_one_process(tmp_path, llama_config, one_process):
+def test_tensor_parallel_llama_trains_as_one_process(pools, tmp_path, llama_config, one_process):
     one = one_process
-    tp = _losses(tmp_path, "tp", "--hf-config", llama_config, "--nproc", "2", "--tp", "2",
-                 "--sequence-parallel")
-    assert len(one) == len(tp) == 4
+    tp = pools[2].run(_losses, str(tmp_path), llama_config, nproc=2, tp=2, sequence_parallel=True)
+    assert len(one) == 4 and tp[0] == tp[1]
     assert one[-1] < one[0]  # it learns
     # float32 training: tp sums the attention and MLP outputs in another order (measured <= 2e-6 here).
-    assert tp == pytest.approx(one, rel=1e-4)
+    assert tp[0] == pytest.approx(one, rel=1e-4)
 
 
-
-def test_pipelined_llama_trains_as_one_process(tmp_path, llama_config, one_process):
+def test_pipelined_llama_trains_as_one_process(pools, tmp_path, llama_config, one_process):
     one = one_process
-    pp = _losses(tmp_path, "pp", "--hf-config", llama_config, "--nproc", "2", "--pp", "2", "--schedule",
-                 "zb-h1", "--microbatches", "2")
+    pp = pools[2].run(_losses, str(tmp_path), llama_config, nproc=2, pp=2, schedule="zb-h1", microbatches=2)
     # float32: microbatches sum the gradients in another order (measured <= 1e-6 here).
-    assert pp == pytest.approx(one, rel=1e-4)
+    for losses in pp:
+        assert losses == pytest.approx(one, rel=1e-4)
 
 
 def test_hf_config_is_checked_before_anything_starts(tmp_path, llama_config, capsys):
