@@ -74,10 +74,14 @@ def _parity(pp: int, schedule: str, m: int, chunks: int, n_layers: int, split="a
             "links": sorted(pipe.exec.links or {})}
 
 
-CASES = [(s, c, m) for s, c in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)] for m in (4, 8)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+# At pp=4, m = p and m = 2p (warm-up, steady state and cool-down each take another shape); at pp=2,
+# m = 2p, the steady state that larger m only lengthens.
+CASES = [(s, c, m) for s, c in SCHEDULES for m in (4, 8)]
+CASES_PP2 = [(s, c, 4) for s, c in SCHEDULES]
 
 
-@pytest.mark.parametrize("schedule,chunks,m", CASES)
+@pytest.mark.parametrize("schedule,chunks,m", CASES_PP2)
 def test_parity_pp2(pools, schedule, chunks, m):
     out = pools[2].run(_parity, 2, schedule, m, chunks, 3)
     # Every parameter lives on exactly one rank: nothing dropped, nothing duplicated.
@@ -91,7 +95,7 @@ def test_parity_pp4(pools, schedule, chunks, m):
 
 
 # V-shape schedules hold two stages per rank (chunks=2): rank r holds stages r and 2p - 1 - r.
-V_CASES = [("zbv", 4), ("zbv", 8), ("dualpipev", 4), ("dualpipev", 8)]
+V_CASES = [("zbv", 4), ("zbv", 8), ("dualpipev", 4)]  # m = 2p and 4p; DualPipeV's pp=4 case: m = 2p
 
 
 @pytest.mark.parametrize("schedule,m", V_CASES)
