@@ -211,6 +211,24 @@ class Pipeline:
         for _, prm in self.named_parameters():
             yield prm
 
+    # Modes, as on a module: dropout and the like in this rank's stages (the glue between them too).
+    @property
+    def training(self) -> bool:
+        """Whether this rank's stages are in training mode (`train`, `eval`)."""
+        return all(st.training for st in self.stages.values())
+
+    def train(self, mode: bool = True) -> Pipeline:
+        """Put this rank's stages in training (``mode=True``) or evaluation mode, as
+        `torch.nn.Module.train` does; `step` and `eval_step` then run in it (`eval_step` always
+        evaluates). Call it on every pp rank: the ranks' modes are not compared."""
+        for st in self.stages.values():
+            st.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        """``train(False)``."""
+        return self.train(False)
+
     def state_module(self) -> nn.Module:
         """This rank's stages as one module under their names in the original model: its
         ``state_dict()`` has the original keys (checkpoints use it)."""
