@@ -138,3 +138,24 @@ def _fsdp_blocks() -> dict:
 
 def test_zero3_over_compiled_blocks_matches_one_process(pools):
     assert pools[2].run(_fsdp_blocks)[0] == {}  # no graph break
+
+
+def test_checkpointed_compiled_blocks_match_one_process():
+    # One process: activation checkpointing finds the blocks compiled in torch.compile's wrapper
+    # and checkpoints each (its recomputation runs the compiled forward again).
+    import plait
+    from plait.activation_checkpointing import checkpointed
+    from plait.names import plain_name
+
+    _, model, oracle = _gpts()
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, backend="eager")
+    plait.activation_checkpointing(model, "full")
+    assert [checkpointed(b) for b in model.layers] == ["full", "full"]
+    x, y = _batch(0, 2)
+    for m in (oracle, model):
+        loss64(m(x), y).backward()
+    ref = dict(oracle.named_parameters())
+    for n, p in model.named_parameters():
+        want = ref[plain_name(n)].grad
+        torch.testing.assert_close(p.grad, want, **TOL64, msg=lambda s, n=n: f"grad {n}: {s}")
