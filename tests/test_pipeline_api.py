@@ -373,6 +373,9 @@ def _bad(case: str) -> None:
     elif case == "compiled":  # with the split names its segments would have under the wrapper
         pipeline(torch.compile(gpt, backend="eager"), mesh, split=["_orig_mod.layers.1"], microbatches=2,
                  loss_fn=lm_loss).step(x, y)
+    elif case == "compiled-zb":
+        gpt.layers[1].compile(backend="aot_eager")
+        pipeline(gpt, mesh, schedule="zb-h1", microbatches=2, loss_fn=lm_loss)
 
 
 @pytest.mark.parametrize("case,message", [
@@ -386,6 +389,9 @@ def _bad(case: str) -> None:
     ("compiled", r"the model is torch.compile'd \(OptimizedModule around GPT\).* Pass the uncompiled module "
                  r"\(`_orig_mod` of the compiled one\) and compile its blocks in place first: `for block in "
                  r"model.layers: block.compile\(\)`"),
+    # A compiled block's backward is one graph: its weight gradients cannot be deferred (hung).
+    ("compiled-zb", r"schedule 'zb-h1' splits backward .* cannot be cut into .*: layers.1. Use a schedule "
+                    r"without split backward"),
 ])
 def test_bad_input_fails_on_every_rank_without_hanging(pools, case, message):
     import re
