@@ -103,6 +103,35 @@ def test_tied_embedding_accumulates_over_several_steps(pools, pp, schedule, call
     pools[pp].run(_accumulated_tie, pp, schedule, calls)
 
 
+def _modes() -> dict:
+    """Dropout 0.5 at pp=2: after ``eval()`` a training step is the oracle's in eval mode
+    (loss and gradients); ``train()`` brings dropout back."""
+    import plait
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.pipeline import pipeline
+
+    cfg = GPTConfig(n_layers=2, dropout=0.5, **CFG)
+    oracle = plait.init_weights(GPT(cfg).to(torch.float64), seed=3).eval()
+    pipe = pipeline(plait.init_weights(GPT(cfg).to(torch.float64), seed=3), cached_mesh(pp=2),
+                    microbatches=2, loss_fn=loss64)
+    ref = dict(oracle.named_parameters())
+    x, y = _batch(0)
+    assert pipe.eval() is pipe and not pipe.training
+    loss, want = pipe.step(x, y), loss64(oracle(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), **TOL64)
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n].grad, **TOL64, msg=lambda s, n=n: f"grad {n}: {s}")
+    pipe.train()
+    return {"training": pipe.training, "eval": float(loss), "train": float(pipe.step(x, y))}
+
+
+def test_train_and_eval_modes_switch_dropout(pools):
+    out = pools[2].run(_modes)
+    assert all(o["training"] for o in out)
+    assert abs(out[0]["train"] - out[0]["eval"]) > 1e-3  # dropout is on again
+
+
 # ------------------------------------------------------------------ tuple activations
 class Embed(nn.Module):
     def __init__(self) -> None:
@@ -344,6 +373,9 @@ def _bad(case: str) -> None:
     elif case == "compiled":  # with the split names its segments would have under the wrapper
         pipeline(torch.compile(gpt, backend="eager"), mesh, split=["_orig_mod.layers.1"], microbatches=2,
                  loss_fn=lm_loss).step(x, y)
+    elif case == "compiled-zb":
+        gpt.layers[1].compile(backend="aot_eager")
+        pipeline(gpt, mesh, schedule="zb-h1", microbatches=2, loss_fn=lm_loss)
 
 
 @pytest.mark.parametrize("case,message", [
@@ -357,6 +389,9 @@ def _bad(case: str) -> None:
     ("compiled", r"the model is torch.compile'd \(OptimizedModule around GPT\).* Pass the uncompiled module "
                  r"\(`_orig_mod` of the compiled one\) and compile its blocks in place first: `for block in "
                  r"model.layers: block.compile\(\)`"),
+    # A compiled block's backward is one graph: its weight gradients cannot be deferred (hung).
+    ("compiled-zb", r"schedule 'zb-h1' splits backward .* cannot be cut into .*: layers.1. Use a schedule "
+                    r"without split backward"),
 ])
 def test_bad_input_fails_on_every_rank_without_hanging(pools, case, message):
     import re

@@ -48,6 +48,12 @@ def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
     return module._orig_mod if isinstance(module, OptimizedModule) else None
 
 
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs compiled: inside torch.compile's wrapper, or compiled in place by
+    ``module.compile()`` (which keeps the module and sets a private compiled call on it)."""
+    return compiled_original(module) is not None or getattr(module, "_compiled_call_impl", None) is not None
+
+
 # ------------------------------------------------------------------ nested inputs and outputs
 # torch's pytree knows lists, tuples, dicts, named tuples and every type a library registers
 # (transformers registers its ModelOutput classes), which a hand-written walker would not.

@@ -58,6 +58,10 @@ class DeviceAudit(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        # Under torch.compile the audit stays out of the graph (it walks frames, which Dynamo
+        # cannot trace): a compiled region's factories are left unmarked.
+        if torch.compiler.is_compiling():
+            return out
         if func in self._FACTORIES and kwargs.get("device") is None and isinstance(out, torch.Tensor):
             site = _plait_library_caller()
             if site is not None:

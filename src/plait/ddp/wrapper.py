@@ -212,19 +212,32 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        sync = self._before_forward()
+        out = self.module(*args, **kwargs)
+        self._after_forward(out, sync)
+        return out
+
+    # Under torch.compile the wrapped module's forward is traced and the wrapper's own work runs
+    # eagerly, around it (as torch's DDP keeps its reducer out of the graph): collectives and the
+    # buckets' Python state are nothing a graph can hold. Two clean graph breaks per forward.
+    @torch.compiler.disable
+    def _before_forward(self) -> bool:
+        """Join and buffer broadcast; whether this forward's backward reduces."""
         sync = torch.is_grad_enabled() and not self._no_sync and bool(self._buckets)
         if self._join is not None:
             self._divisor = self._join.step(sync)
         if self.broadcast_buffers and self.world > 1:
             with comm.operation("DDP buffer broadcast"):
                 broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
-        out = self.module(*args, **kwargs)
+        return sync
+
+    @torch.compiler.disable
+    def _after_forward(self, out: Any, sync: bool) -> None:
         self._sync_this_backward = sync
         if sync:
             self._start_step()
             if self.find_unused_parameters:
                 self._mark_unreachable(out)
-        return out
 
     def _start_step(self) -> None:
         for b in self._buckets:

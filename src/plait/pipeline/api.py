@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait._torch_compat import map_tensors
+from plait._torch_compat import is_compiled, map_tensors
 from plait.materialize import is_meta, keep_whole, materialize
 from plait.mesh import Mesh
 from plait.names import plain_name
@@ -95,6 +95,7 @@ class Pipeline:
         self.pp_ranks = mesh.group_ranks("pp")
         segs = segments(module)
         plan = plan_stages(segs, self.sched.stages, split)
+        _refuse_split_backward_of_compiled(self.sched, segs)
         self.stage_names = [[segs[i][0] for i in idx] for idx in plan]
         ties = find_ties(segs, plan, self.sched)
         if tp_plan is not None and ties:
@@ -210,6 +211,24 @@ class Pipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, prm in self.named_parameters():
             yield prm
+
+    # Modes, as on a module: dropout and the like in this rank's stages (the glue between them too).
+    @property
+    def training(self) -> bool:
+        """Whether this rank's stages are in training mode (`train`, `eval`)."""
+        return all(st.training for st in self.stages.values())
+
+    def train(self, mode: bool = True) -> Pipeline:
+        """Put this rank's stages in training (``mode=True``) or evaluation mode, as
+        `torch.nn.Module.train` does; `step` and `eval_step` then run in it (`eval_step` always
+        evaluates). Call it on every pp rank: the ranks' modes are not compared."""
+        for st in self.stages.values():
+            st.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        """``train(False)``."""
+        return self.train(False)
 
     def state_module(self) -> nn.Module:
         """This rank's stages as one module under their names in the original model: its
@@ -406,6 +425,22 @@ class Pipeline:
     def _measure(self, step_time: float) -> None:
         self.step_time = step_time
         self.bubble_fraction = 1.0 - busy_fraction(self.exec.timeline, step_time)
+
+
+def _refuse_split_backward_of_compiled(sched: Schedule, segs: Sequence[tuple[str, nn.Module]]) -> None:
+    """A schedule that splits backward into B (input gradients) and W (weight gradients) cuts
+    the autograd graph between them; a compiled block's backward is one node computing both (AOT
+    autograd), so its W could not be deferred. Measured: zb-h1 over blocks compiled with
+    aot_eager hung at pp=2."""
+    if not any(a.kind is Kind.W for row in sched.actions for a in row):
+        return
+    compiled = [f"{n}.{k}" if k else n for n, seg in segs for k, m in seg.named_modules() if is_compiled(m)]
+    if compiled:
+        raise ValueError(
+            f"pipeline: schedule {sched.name!r} splits backward into input- and weight-gradient passes, "
+            f"which a torch.compile'd module's backward cannot be cut into (one graph computes both): "
+            f"{', '.join(compiled[:4])}{' ...' if len(compiled) > 4 else ''}. Use a schedule without "
+            "split backward ('1f1b', 'gpipe', 'interleaved') or leave the blocks uncompiled")
 
 
 def pipeline(module: nn.Module, mesh: Mesh, split: str | Sequence[str] = "auto",

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait._torch_compat import compiled_original
 from plait.env import device as _device
 from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
@@ -162,9 +163,11 @@ def tp_info(model: nn.Module) -> TPInfo | None:
 
 
 def tp_module(model: nn.Module) -> nn.Module | None:
-    """The tensor-parallel module itself, inside ``.module`` wrappers such as DDP (else None).
-    Parameter names in `TPInfo.specs` are relative to it."""
+    """The tensor-parallel module itself, inside ``.module`` wrappers such as DDP and inside
+    torch.compile's wrapper (else None). Parameter names in `TPInfo.specs` are relative to it."""
     for _ in range(8):
+        original = compiled_original(model)  # its attributes read through to the original's
+        model = model if original is None else original
         if getattr(model, _INFO_ATTR, None) is not None:
             return model
         inner = getattr(model, "module", None)

@@ -4,6 +4,10 @@ sequence parallelism: Korthikanti et al. 2022, sec. 4.2), built on `plait.comm`'
 Each operator's docstring says what moves in forward and backward; each is the identity when
 the group has one rank. Inside `emulated` (the dry run of `plait.tp.check_plan`) each operator
 is handed to an emulator that makes a tensor of the right shape on one rank, and nothing moves.
+
+Under torch.compile each operator runs eagerly between graphs (`torch.compiler.disable`): one
+clean graph break per operator, where tracing into it would fail on the emulator's ContextVar and
+on `plait.comm`'s bookkeeping.
 """
 
 from __future__ import annotations
@@ -179,6 +183,7 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return _gather_dim(g, ctx.group, ctx.dim), None, None
 
 
+@torch.compiler.disable
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Megatron's *f*: forward identity; backward all-reduce of the input gradient.
 
@@ -190,6 +195,7 @@ def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else _CopyToTP.apply(x, group)
 
 
+@torch.compiler.disable
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Megatron's *g*: forward all-reduce (sum of partial outputs); backward identity.
 
@@ -200,6 +206,7 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
+@torch.compiler.disable
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward all-gather along the last dim; backward keeps this rank's slice of the gradient."""
     if (em := _EMULATOR.get()) is not None:
@@ -207,6 +214,7 @@ def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else _GatherLast.apply(x, group)
 
 
+@torch.compiler.disable
 def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward keeps this rank's slice of the last dim; backward all-gathers the gradient."""
     if (em := _EMULATOR.get()) is not None:
@@ -214,6 +222,7 @@ def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else _ScatterLast.apply(x, group)
 
 
+@torch.compiler.disable
 def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel *g-bar*: forward all-gather along the sequence dim; backward
     reduce-scatter of the gradient (each rank's partial gradient is summed, then split)."""
@@ -222,6 +231,7 @@ def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> t
     return x if dist.get_world_size(group) == 1 else _GatherSeq.apply(x, group, dim)
 
 
+@torch.compiler.disable
 def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel *g*: forward reduce-scatter of partial sums along the sequence dim;
     backward all-gather of the gradient."""
@@ -230,6 +240,7 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1
     return x if dist.get_world_size(group) == 1 else _ReduceScatterSeq.apply(x, group, dim)
 
 
+@torch.compiler.disable
 def scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Where sequence parallelism starts on a replicated activation: forward keeps this rank's
     chunk of the sequence (nothing moves); backward all-gathers the gradient, since every rank's
@@ -239,6 +250,7 @@ def scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> to
     return x if dist.get_world_size(group) == 1 else _ScatterSeq.apply(x, group, dim)
 
 
+@torch.compiler.disable
 def replicate_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Where sequence parallelism ends before replicated code (a final norm whose output the
     model reshapes): forward all-gathers the sequence; backward keeps this rank's chunk of the

@@ -491,7 +491,10 @@ def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args
         mod.register_forward_hook(partial(trace.leave, name, hooked), always_call=True, with_kwargs=True)
     try:
         shapes_only = fake_tensors()
-        with torch.random.fork_rng(devices=[]), emulated(_Emulator(ctx.size, trace)), shapes_only, trace:
+        # Compiled blocks run eagerly here: the trace follows each module's own call and hooks,
+        # which a compiled block's graph would run as one.
+        with (torch.random.fork_rng(devices=[]), emulated(_Emulator(ctx.size, trace)), shapes_only, trace,
+              torch.compiler.set_stance("force_eager")):
             out = module(*args, **kwargs)
     except PlanError:
         raise

@@ -33,7 +33,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     tensor-parallel one of any tp size. Keys are those of the tensor-parallel module itself
     (without the ``module.`` prefix of a DDP wrapper around it).
     """
-    model = tp_module(model) or model
+    inner = tp_module(model)  # not `or`: a compiled wrapper's truth value asks for its len()
+    model = model if inner is None else inner
     info = tp_info(model)
     _check_not_fsdp(model, "full_state_dict")
     out = {}
@@ -72,7 +73,8 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, FullValue]) -> No
     tensor-parallel ``model``: each rank copies its slice (of a `plait.tensor_source.TensorSource`
     it reads only that slice; replicated tensors whole). No communication. Keys as in
     `full_state_dict`."""
-    model = tp_module(model) or model
+    inner = tp_module(model)  # not `or`: a compiled wrapper's truth value asks for its len()
+    model = model if inner is None else inner
     info = tp_info(model)
     _check_not_fsdp(model, "load_full_state_dict")
     own = model.state_dict(keep_vars=True)
