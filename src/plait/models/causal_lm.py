@@ -64,7 +64,7 @@ PLAIN_MLP = (("c_fc", "c_proj"), ("fc1", "fc2"), ("dense_h_to_4h", "dense_4h_to_
 # Attention attributes some families read in forward, and the count each holds.
 HEAD_ATTRS = {"num_heads": "heads", "num_attention_heads": "heads", "n_head": "heads",
               "num_key_value_heads": "kv_heads", "num_kv_heads": "kv_heads", "num_key_value_groups": "groups",
-              "split_size": "width", "embed_dim": "width"}
+              "split_size": "width", "embed_dim": "width", "n_embd": "width", "hidden_size": "width"}
 CONFIG_ATTRS = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads"}
 
 
