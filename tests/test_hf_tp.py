@@ -19,7 +19,9 @@ embeddings, Phi-3's fused ``qkv_proj`` (with GQA) and ``gate_up_proj``, GPT-NeoX
 ``query_key_value`` and parallel residual, Qwen2's q/k/v biases, Mistral, Gemma and Gemma2's
 scaled embeddings (a subclass of ``nn.Embedding`` whose forward scales the lookup), CodeGen's
 ``qkv_proj`` in ``mp_num`` interleaved groups of [q v k], Qwen3's and Gemma3's per-head
-``q_norm``/``k_norm`` (replicated, gradients summed over tp), Llama and GPT-2 built with
+``q_norm``/``k_norm`` (replicated, gradients summed over tp), StableLM (reads its
+``hidden_size``), Granite's multipliers, StarCoder2, Phi's parallel block, SmolLM3's NoPE
+layers, Llama and GPT-2 built with
 ``use_cache=False`` (no KV cache, as in training). Plans that must be
 refused are checked without spawning: `plait.tp.check_plan` needs no process group.
 
@@ -49,7 +51,8 @@ FLOAT32_NORMS = ("gemma", "gemma2", "gemma3")
 STEPS = 5
 VOCAB, HIDDEN, SEQ, BATCH = 96, 32, 16, 4
 FAMILIES = ["llama", "llama-mqa", "gpt2", "phi3", "neox", "qwen2", "mistral", "gemma", "gemma2", "codegen",
-            "qwen3", "gemma3", "llama-nocache", "gpt2-nocache"]
+            "qwen3", "gemma3", "stablelm", "granite", "starcoder2", "phi", "smollm3", "llama-nocache",
+            "gpt2-nocache"]
 
 
 def _build(family: str, **extra) -> torch.nn.Module:
@@ -99,6 +102,26 @@ def _build(family: str, **extra) -> torch.nn.Module:
         model = t.FalconForCausalLM(t.FalconConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
             multi_query=True, new_decoder_architecture=False, bos_token_id=0, eos_token_id=0, **extra))
+    elif family == "opt":  # fc1/fc2 directly in the decoder layer: refused
+        model = t.OPTForCausalLM(t.OPTConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+            max_position_embeddings=64, word_embed_proj_dim=HIDDEN, pad_token_id=1, bos_token_id=0,
+            eos_token_id=0, dropout=0.0, **extra))
+    elif family == "stablelm":  # its attention reads hidden_size and num_heads; partial rotary
+        model = t.StableLmForCausalLM(t.StableLmConfig(**common, num_key_value_heads=2, **extra))
+    elif family == "granite":  # embedding, attention, residual and logit multipliers
+        model = t.GraniteForCausalLM(t.GraniteConfig(
+            **common, num_key_value_heads=2, embedding_multiplier=2.0, attention_multiplier=0.3,
+            residual_multiplier=0.5, logits_scaling=4.0, **extra))
+    elif family == "starcoder2":  # biases everywhere, a plain MLP (c_fc, c_proj)
+        model = t.Starcoder2ForCausalLM(t.Starcoder2Config(
+            **common, num_key_value_heads=2, residual_dropout=0.0, embedding_dropout=0.0, **extra))
+    elif family == "phi":  # attention and MLP in parallel off one norm; dense as output
+        model = t.PhiForCausalLM(t.PhiConfig(
+            **common, num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, **extra))
+    elif family == "smollm3":  # some layers without rotary positions (NoPE)
+        model = t.SmolLM3ForCausalLM(t.SmolLM3Config(
+            **common, num_key_value_heads=2, pad_token_id=0, **extra))
     else:
         raise ValueError(family)
     return model.to(torch.float64)
@@ -185,15 +208,22 @@ def test_tp2_splits_attention_with_per_head_qk_norms(pools):
     pools[4].run(_tp2, [("qwen3", False), ("qwen3", True), ("gemma3", True)])
 
 
-def test_norms_across_heads_and_multi_query_fused_projections_are_refused_by_name():
+def test_tp2_sp_matches_single_process_in_yet_more_families(pools):
+    pools[4].run(_tp2, [("stablelm", True), ("granite", True), ("starcoder2", True), ("phi", True),
+                        ("smollm3", True)])
+
+
+def test_norms_across_heads_multi_query_and_loose_mlp_layers_are_refused_by_name():
     import plait
 
     refused = {"olmo2": "'model.layers.0.self_attn.q_norm' (Olmo2RMSNorm): it normalizes [32] features",
-               "falcon": "serves 4 heads with 1 KV heads (Falcon's multi-query"}
+               "falcon": "serves 4 heads with 1 KV heads (Falcon's multi-query",
+               "opt": "'model.decoder.layers.0' (OPTDecoderLayer): the decoder layer holds an attention but "
+                      "no MLP module (its linear layers ['fc1', 'fc2']"}
     for family, why in refused.items():
         with pytest.raises(ValueError, match="plan_for: cannot place") as err:
             plait.plan_for(_build(family))
-        assert why in str(err.value) and "train this model with data" in str(err.value), str(err.value)
+        assert why in str(err.value) and "data or fully sharded parallelism" in str(err.value), str(err.value)
 
 
 def test_tp2_without_a_kv_cache_is_checked_and_matches_single_process(pools):

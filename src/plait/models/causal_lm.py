@@ -156,7 +156,7 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
         raise _fail(name, attn, f"its fused {names[0]!r} serves {heads} heads with {kv} KV heads (Falcon's "
                                 "multi-query or grouped layout, read from the attention), and plait splits "
                                 f"{names[0]!r} only as [q k v] per head (GPT-NeoX's); train this model "
-                                "with data, fully sharded, pipeline or context parallelism instead")
+                                "with data or fully sharded parallelism (DDP, FSDP) instead")
     lin = _linears(attn)
     qkv_out = sum(_sizes(lin[n])[1] for n in names[:-1])
     want = 3 * heads * d if kind == "per_head" else (heads + 2 * kv) * d
@@ -203,8 +203,8 @@ def _head_norms(attn: nn.Module, name: str, d: int) -> list[str]:
                                                   f"heads of {d} (OLMo2's q_norm and k_norm span the whole "
                                                   "projection), so under tensor parallelism it would need "
                                                   "statistics from every rank's heads, which plait does not "
-                                                  "compute; train this model with data, fully sharded, "
-                                                  "pipeline or context parallelism instead")
+                                                  "compute; train this model with data or fully sharded "
+                                                  "parallelism (DDP, FSDP) instead")
         found.append(cname)
     return found
 
@@ -261,6 +261,15 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
             kids = list(block.children())
             if any(_attention_kind(c) for c in kids) and any(_mlp_kind(c) for c in kids):
                 return name, mod
+    for name, mod in model.named_modules():  # say what the closest candidate lacks
+        candidate = mod[0] if isinstance(mod, nn.ModuleList) and len(mod) > 0 else None
+        if candidate is not None and any(_attention_kind(c) for c in candidate.children()):
+            loose = sorted(_linears(candidate))
+            where = f" (its linear layers {loose} sit in the layer itself, as in OPT)" if loose else ""
+            raise _fail(f"{name}.0", candidate,
+                        f"the decoder layer holds an attention but no MLP module{where}; plan_for splits an "
+                        "MLP held in a module of its own: train this model with data or fully sharded "
+                        "parallelism (DDP, FSDP) instead, or write a plan by hand")
     raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: no nn.ModuleList of decoder layers, "
                      "each holding an attention (q/k/v/o or fused qkv projections) and an MLP")
 
