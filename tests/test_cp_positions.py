@@ -5,7 +5,9 @@ learned position table read at ``torch.arange(t)`` (nanoGPT's ``wpe``), a rotary
 buffer and sliced to the length (torchtitan's ``freqs_cis[:seqlen]``) and a rotary table
 computed from ``torch.arange(t)``: cp=2 (ring, DDP over the cp ranks) against one process on the
 same batches, float64, this rank's tokens of the logits and every parameter after each of two
-SGD steps at ``rtol=1e-9`` (as `test_context_parallel.py`). Counted locally, the positions put
+SGD steps at ``rtol=1e-9`` (as `test_context_parallel.py`); and the torchtitan-style Llama of
+`test_meta_init.py`, whose attention slices the root's ``freqs_cis`` it is passed, with every
+block recomputed by activation checkpointing. Counted locally, the positions put
 the logits ~100% off. Refused: a forward that counts positions under ``positions='none'`` (the
 advice once given for such models), and under ``"auto"`` a model that counts none (plait cannot
 tell it has none), with advice that leads to a correct run.
@@ -34,8 +36,16 @@ def _parity(positions: str) -> float:
     import plait
 
     mesh = cached_mesh(cp=2)
-    oracle = build(positions=positions)
-    net = plait.parallelize(copy.deepcopy(oracle), mesh, plait.ParallelPlan(cp="ring"))
+    if positions == "torchtitan":  # freqs_cis[:seqlen] inside each attention, blocks recomputed
+        from test_meta_init import Transformer
+
+        torch.manual_seed(0)
+        oracle = Transformer()
+        oracle.init_weights()
+        plan = plait.ParallelPlan(cp="ring", ac="full")
+    else:
+        oracle, plan = build(positions=positions), plait.ParallelPlan(cp="ring")
+    net = plait.parallelize(copy.deepcopy(oracle), mesh, plan)
     opt_ref, opt = torch.optim.SGD(oracle.parameters(), lr=0.5), torch.optim.SGD(net.parameters(), lr=0.5)
     for step in range(2):
         w = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(step))
@@ -74,7 +84,7 @@ def _refusals() -> list[str]:
 
 
 def _all() -> list[str]:
-    for positions in ("wpe", "table", "arange"):
+    for positions in ("wpe", "table", "arange", "torchtitan"):
         _parity(positions)
     return _refusals()
 

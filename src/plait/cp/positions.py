@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from plait.activation_checkpointing import checkpointed
 from plait.blocks import blocks
 from plait.cp.group import CPGroup
 
@@ -134,11 +135,13 @@ class Watcher(TorchFunctionMode):
         self.local = 0
         self.seen = 0
         self.paused = False
-        self.buffers: set[int] = set()
+        self.buffers: set[tuple[int, tuple[int, ...]]] = set()
 
     def start(self, local: int) -> None:
         self.local, self.seen, self.paused = local, 0, False
-        self.buffers = {id(b) for b in self.model.buffers()}
+        # By memory, not identity: activation checkpointing recomputes a block on detached
+        # copies of its inputs, a buffer passed down among them (torchtitan's freqs_cis).
+        self.buffers = {_where(b) for b in self.model.buffers()}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -146,7 +149,7 @@ class Watcher(TorchFunctionMode):
             if func is torch.arange and _counts_to(args, kwargs, self.local):
                 like = torch.arange(*args, **kwargs)  # the dtype and device the model asked for
                 return self._counted("torch.arange", lambda pos: pos.to(like))
-            if func is torch.Tensor.__getitem__ and id(args[0]) in self.buffers:
+            if func is torch.Tensor.__getitem__ and _where(args[0]) in self.buffers:
                 rest = _sliced_to(args[1], self.local)
                 if rest is not None:
                     table = args[0]
@@ -162,6 +165,10 @@ class Watcher(TorchFunctionMode):
                              "positions in the full sequence")
         self.seen += 1
         return read(self.cp.layout_of_local(self.local).positions())
+
+
+def _where(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    return t.data_ptr(), tuple(t.shape)
 
 
 def _counts_to(args: tuple, kwargs: dict, n: int) -> bool:
@@ -193,7 +200,7 @@ def _watch(model: nn.Module, mode: Watcher) -> None:
         mode.start(_local_length(model, args, kwargs))
         mode.__enter__()
 
-    def leave(mod: nn.Module, _args: Any, _kwargs: Any, _out: Any) -> None:
+    def leave(mod: nn.Module, *_: Any) -> None:
         if not outer or outer[0] is not mod:
             return
         outer.pop()
@@ -206,10 +213,30 @@ def _watch(model: nn.Module, mode: Watcher) -> None:
                              "in the full sequence) or, if nothing in it depends on a token's position "
                              "(no position embedding, rotary table or ALiBi), pass positions='none'")
 
-    for name in ["", *blocks(model)]:
-        mod = model.get_submodule(name)
-        mod.register_forward_pre_hook(enter, with_kwargs=True)
-        mod.register_forward_hook(leave, with_kwargs=True, always_call=True)
+    model.register_forward_pre_hook(enter, with_kwargs=True)
+    model.register_forward_hook(leave, with_kwargs=True, always_call=True)
+    for name in blocks(model):
+        _watch_forward(model.get_submodule(name), name, enter, leave)
+
+
+def _watch_forward(mod: nn.Module, name: str, enter: Callable[..., None], leave: Callable[..., None]) -> None:
+    """``mod``'s forward on the instance entered through ``enter`` and left through ``leave``:
+    activation checkpointing recomputes a block by calling the forward it found on the instance,
+    without the module's hooks."""
+    if checkpointed(mod) is not None:
+        raise ValueError(f"context_parallel: block {name!r} is checkpointed already, and its recomputed "
+                         "forward would count positions from 0 on every rank; apply context parallelism "
+                         "before activation checkpointing (plait.parallelize does)")
+    inner = mod.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        enter(mod, args, kwargs)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            leave(mod)
+
+    mod.forward = forward
 
 
 def _local_length(model: nn.Module, args: tuple, kwargs: dict) -> int:
