@@ -3,7 +3,8 @@
 Tiny configs built in code (nothing downloaded), float64, cp=2 with DDP over the cp ranks,
 against one process on the same batches: this rank's tokens of the logits, and every parameter
 after each of two SGD steps, at ``rtol=1e-9`` (see `test_context_parallel.py`). Positions reach
-the model as ``position_ids`` (Llama and Qwen2: rotary; GPT-2: a learned position table).
+the model as ``position_ids`` (Llama, Qwen2 and Mistral: rotary; GPT-2: a learned position
+table), with and without a KV cache.
 """
 
 from __future__ import annotations
@@ -21,20 +22,24 @@ TOL = {"rtol": 1e-9, "atol": 1e-12}
 VOCAB = 96
 
 
-def _build(family: str, attn: str = "sdpa") -> torch.nn.Module:
+def _build(family: str, attn: str = "sdpa", **extra) -> torch.nn.Module:
+    if family.endswith("-nocache"):  # as in training: no KV cache
+        return _build(family.removesuffix("-nocache"), attn, use_cache=False, **extra)
     t = transformers
     t.logging.set_verbosity_error()
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
-                  attn_implementation=attn)
+                  attn_implementation=attn, **extra)
     if family == "llama":
         model = t.LlamaForCausalLM(t.LlamaConfig(**common, num_key_value_heads=2))
     elif family == "qwen2":
         model = t.Qwen2ForCausalLM(t.Qwen2Config(**common, num_key_value_heads=2))
+    elif family == "mistral":  # a sliding window (default 4096) longer than the sequences
+        model = t.MistralForCausalLM(t.MistralConfig(**common, num_key_value_heads=2))
     else:
         model = t.GPT2LMHeadModel(t.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn))
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn, **extra))
     torch.manual_seed(0)
     model.apply(model._init_weights)
     return model.to(torch.float64)
@@ -42,6 +47,10 @@ def _build(family: str, attn: str = "sdpa") -> torch.nn.Module:
 
 def _loss(out, tgt: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.logits.flatten(0, 1), tgt.flatten())
+
+
+def _parities(cases: list[tuple[str, str]]) -> bool:
+    return all(_parity(family, algorithm) for family, algorithm in cases)
 
 
 def _parity(family: str, algorithm: str) -> bool:
@@ -72,6 +81,14 @@ def test_hf_cp2_trains_like_one_process(pools, family, algorithm):
     assert all(pools[2].run(_parity, family, algorithm))
 
 
+def test_hf_cp2_without_a_kv_cache_is_not_taken_for_packed_sequences(pools):
+    # use_cache=False: with no cache and no mask, transformers reads the zigzag position ids as
+    # packed sequences and builds a mask (refused: "an explicit mask"); an all-ones mask keeps it
+    # causal. Mistral: its sliding window (4096) is longer than the sequence.
+    cases = [("llama-nocache", "ring"), ("mistral-nocache", "allgather")]
+    assert all(pools[2].run(_parities, cases))
+
+
 def _refusals() -> list[str]:
     import plait
 
@@ -86,7 +103,11 @@ def _refusals() -> list[str]:
     model.model.layers[0].self_attn.config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="ran without calling") as silent:
         model(x)
-    return [str(e.value) for e in (eager, labels, silent)]
+    # A sliding window shorter than the sequence: each rank's attention would see a causal mask.
+    windowed = plait.context_parallel(_build("mistral", sliding_window=8), mesh)
+    with pytest.raises(ValueError, match="sliding window of 8 tokens") as window:
+        windowed(x)
+    return [str(e.value) for e in (eager, labels, silent, window)]
 
 
 def test_hf_refusals(pools):

@@ -18,7 +18,10 @@ with 1 KV head), GPT-2's transposed ``Conv1D`` layers with the fused ``c_attn`` 
 embeddings, Phi-3's fused ``qkv_proj`` (with GQA) and ``gate_up_proj``, GPT-NeoX's per-head fused
 ``query_key_value`` and parallel residual, Qwen2's q/k/v biases, Mistral, Gemma and Gemma2's
 scaled embeddings (a subclass of ``nn.Embedding`` whose forward scales the lookup), CodeGen's
-``qkv_proj`` in ``mp_num`` interleaved groups of [q v k], Llama and GPT-2 built with
+``qkv_proj`` in ``mp_num`` interleaved groups of [q v k], Qwen3's and Gemma3's per-head
+``q_norm``/``k_norm`` (replicated, gradients summed over tp), StableLM (reads its
+``hidden_size``), Granite's multipliers, StarCoder2, Phi's parallel block, SmolLM3's NoPE
+layers, Llama and GPT-2 built with
 ``use_cache=False`` (no KV cache, as in training). Plans that must be
 refused are checked without spawning: `plait.tp.check_plan` needs no process group.
 
@@ -44,11 +47,12 @@ TOL = {"rtol": 1e-9, "atol": 1e-12}
 # than one process's: float32 rounding (measured: 2e-7 of the gradient, 1e-9 on parameters of
 # ~5e-3 after 5 steps), still far below the ~lr = 1e-3 a real error moves a parameter by.
 TOL_FLOAT32_NORMS = {"rtol": 1e-6, "atol": 1e-8}
-FLOAT32_NORMS = ("gemma", "gemma2")
+FLOAT32_NORMS = ("gemma", "gemma2", "gemma3")
 STEPS = 5
 VOCAB, HIDDEN, SEQ, BATCH = 96, 32, 16, 4
 FAMILIES = ["llama", "llama-mqa", "gpt2", "phi3", "neox", "qwen2", "mistral", "gemma", "gemma2", "codegen",
-            "llama-nocache", "gpt2-nocache"]
+            "qwen3", "gemma3", "stablelm", "granite", "starcoder2", "phi", "smollm3", "llama-nocache",
+            "gpt2-nocache"]
 
 
 def _build(family: str, **extra) -> torch.nn.Module:
@@ -87,6 +91,37 @@ def _build(family: str, **extra) -> torch.nn.Module:
         model = t.CodeGenForCausalLM(t.CodeGenConfig(
             vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=8, rotary_dim=2, n_positions=64,
             n_inner=64, bos_token_id=0, eos_token_id=0, **extra))
+    elif family == "qwen3":  # q_norm and k_norm over each head's features
+        model = t.Qwen3ForCausalLM(t.Qwen3Config(**common, num_key_value_heads=2, head_dim=8, **extra))
+    elif family == "gemma3":  # per-head q/k norms, scaled embedding, sliding-window layers
+        model = t.Gemma3ForCausalLM(t.Gemma3TextConfig(
+            **common, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=8, **extra))
+    elif family == "olmo2":  # q_norm and k_norm over the whole projection: refused
+        model = t.Olmo2ForCausalLM(t.Olmo2Config(**common, num_key_value_heads=2, **extra))
+    elif family == "falcon":  # multi-query: 1 KV head, where the config says 4
+        model = t.FalconForCausalLM(t.FalconConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+            multi_query=True, new_decoder_architecture=False, bos_token_id=0, eos_token_id=0, **extra))
+    elif family == "opt":  # fc1/fc2 directly in the decoder layer: refused
+        model = t.OPTForCausalLM(t.OPTConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+            max_position_embeddings=64, word_embed_proj_dim=HIDDEN, pad_token_id=1, bos_token_id=0,
+            eos_token_id=0, dropout=0.0, **extra))
+    elif family == "stablelm":  # its attention reads hidden_size and num_heads; partial rotary
+        model = t.StableLmForCausalLM(t.StableLmConfig(**common, num_key_value_heads=2, **extra))
+    elif family == "granite":  # embedding, attention, residual and logit multipliers
+        model = t.GraniteForCausalLM(t.GraniteConfig(
+            **common, num_key_value_heads=2, embedding_multiplier=2.0, attention_multiplier=0.3,
+            residual_multiplier=0.5, logits_scaling=4.0, **extra))
+    elif family == "starcoder2":  # biases everywhere, a plain MLP (c_fc, c_proj)
+        model = t.Starcoder2ForCausalLM(t.Starcoder2Config(
+            **common, num_key_value_heads=2, residual_dropout=0.0, embedding_dropout=0.0, **extra))
+    elif family == "phi":  # attention and MLP in parallel off one norm; dense as output
+        model = t.PhiForCausalLM(t.PhiConfig(
+            **common, num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, **extra))
+    elif family == "smollm3":  # some layers without rotary positions (NoPE)
+        model = t.SmolLM3ForCausalLM(t.SmolLM3Config(
+            **common, num_key_value_heads=2, pad_token_id=0, **extra))
     else:
         raise ValueError(family)
     return model.to(torch.float64)
@@ -165,6 +200,30 @@ def test_tp2_splits_each_group_of_codegens_fused_qkv(pools):
     # CodeGen's qkv_proj holds mp_num=4 groups of [q v k]: each rank takes its heads of every group
     # (split as [q | k | v], the logits were 62% off).
     pools[4].run(_tp2, [("codegen", False), ("codegen", True)])
+
+
+def test_tp2_splits_attention_with_per_head_qk_norms(pools):
+    # Qwen3's and Gemma3's q_norm and k_norm act on each head's 8 features: replicated, their
+    # gradients summed over tp (each rank applies them to its own heads). Before: refused.
+    pools[4].run(_tp2, [("qwen3", False), ("qwen3", True), ("gemma3", True)])
+
+
+def test_tp2_sp_matches_single_process_in_yet_more_families(pools):
+    pools[4].run(_tp2, [("stablelm", True), ("granite", True), ("starcoder2", True), ("phi", True),
+                        ("smollm3", True)])
+
+
+def test_norms_across_heads_multi_query_and_loose_mlp_layers_are_refused_by_name():
+    import plait
+
+    refused = {"olmo2": "'model.layers.0.self_attn.q_norm' (Olmo2RMSNorm): it normalizes [32] features",
+               "falcon": "serves 4 heads with 1 KV heads (Falcon's multi-query",
+               "opt": "'model.decoder.layers.0' (OPTDecoderLayer): the decoder layer holds an attention but "
+                      "no MLP module (its linear layers ['fc1', 'fc2']"}
+    for family, why in refused.items():
+        with pytest.raises(ValueError, match="plan_for: cannot place") as err:
+            plait.plan_for(_build(family))
+        assert why in str(err.value) and "data or fully sharded parallelism" in str(err.value), str(err.value)
 
 
 def test_tp2_without_a_kv_cache_is_checked_and_matches_single_process(pools):
@@ -418,10 +477,7 @@ def test_codegen_refuses_tp_degrees_that_split_a_group_of_heads():
 def test_plan_for_names_the_module_it_cannot_place():
     import plait
 
-    q3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64))
-    with pytest.raises(ValueError, match=r"place module 'model.layers.0.self_attn.q_norm' \(Qwen3RMSNorm\)"):
-        plait.plan_for(q3)
+    # Qwen3's per-head q_norm, once refused here, is planned now; OLMo2's across heads is refused
+    # (test_norms_across_heads_multi_query_and_loose_mlp_layers_are_refused_by_name).
     with pytest.raises(ValueError, match="no nn.ModuleList of decoder layers"):
         plait.plan_for(torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8)))

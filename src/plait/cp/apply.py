@@ -11,8 +11,9 @@ parallel too.
 Positions: each rank holds two chunks of the sequence (`plait.cp.layout`), so positions are not
 ``0 .. local - 1``. plait's GPT gets its rotary modules' positions from the layout; a model
 whose ``forward`` takes ``position_ids`` (transformers' causal LMs) gets them as that argument
-when the caller does not pass them. Any other model must say ``positions="none"`` (it has no
-position-dependent code) or it is refused: local positions would train silently wrong.
+when the caller does not pass them; any other model has the positions its forward counts
+(``torch.arange`` of the local length, a buffer sliced to it) replaced by the rank's, and is
+refused if it counts none (`plait.cp.positions`).
 
 What cannot be honoured is refused when it is seen: an attention mask (padding, packed
 sequences), attention dropout, keys of another length than the queries (a KV cache).
@@ -20,7 +21,6 @@ sequences), attention dropout, keys of another length than the queries (a KV cac
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,7 @@ from plait import comm
 from plait.cp.gather import allgather_attention, ulysses_attention
 from plait.cp.group import CPGroup
 from plait.cp.layout import Layout
+from plait.cp.positions import POSITIONS, Watcher, install, positions_mode
 from plait.cp.ring import ring_attention
 from plait.mesh import Mesh
 from plait.names import matches
@@ -43,7 +44,6 @@ __all__ = ["context_parallel", "ALGORITHMS", "POSITIONS", "shard", "unshard", "c
 
 ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
-POSITIONS = ("auto", "rotary", "position_ids", "none")
 _ATTR = "_plait_cp"
 
 
@@ -82,15 +82,21 @@ class ContextParallelInfo:
 class _Intercept(TorchFunctionMode):
     """Routes scaled_dot_product_attention to the context-parallel algorithm."""
 
-    def __init__(self, info: ContextParallelInfo) -> None:
+    def __init__(self, info: ContextParallelInfo, watcher: Watcher | None) -> None:
         super().__init__()
-        self.info = info
+        self.info, self.watcher = info, watcher
         self.calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is F.scaled_dot_product_attention:
             self.calls += 1
-            return self.info.sdpa(*args, **(kwargs or {}))
+            if self.watcher is None:
+                return self.info.sdpa(*args, **(kwargs or {}))
+            self.watcher.paused = True  # the algorithm's own aranges are no positions
+            try:
+                return self.info.sdpa(*args, **(kwargs or {}))
+            finally:
+                self.watcher.paused = False
         return func(*args, **(kwargs or {}))
 
 
@@ -117,7 +123,9 @@ def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, p
             ``"allgather"`` (gather all K/V: cheap with few KV heads) or ``"ulysses"``
             (all-to-all to a head split; heads must divide by cp).
         positions: ``"auto"`` (plait GPT's rotary modules, else a ``position_ids`` argument of
-            ``forward``, else refused), one of those two by name, or ``"none"``.
+            ``forward``, else the positions the forward counts), one of those by name
+            (``"rotary"``, ``"position_ids"``, ``"counted"``), or ``"none"`` (a forward that
+            counts positions is then refused); see `plait.cp.positions`.
         attention: the modules whose forward calls scaled_dot_product_attention, as classes or
             name patterns (default: the outermost modules whose class name ends in ``Attention``).
     """
@@ -134,17 +142,12 @@ def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, p
                          f"{implementation!r}; context parallelism replaces torch's "
                          "scaled_dot_product_attention call: load the model with attn_implementation='sdpa'")
     targets = _attention_modules(model, attention)
-    rotaries = _rotaries(model)
-    mode = _positions_mode(model, positions, rotaries)
+    mode = positions_mode(model, positions)
     info = ContextParallelInfo(CPGroup.of(mesh), algorithm, mode, tuple(n for n, _ in targets))
     setattr(model, _ATTR, info)
+    watcher = install(model, mode, info.cp)
     for name, mod in targets:
-        _hook(mod, name, info)
-    if mode == "rotary":
-        for rot in rotaries:
-            _give_positions(rot, info.cp)
-    elif mode == "position_ids":
-        model.register_forward_pre_hook(_position_ids_hook(info.cp), with_kwargs=True)
+        _hook(mod, name, info, watcher)
     return model
 
 
@@ -174,37 +177,11 @@ def has_attention(model: nn.Module, attention: Sequence[type | str] | None = Non
     return True
 
 
-def _rotaries(model: nn.Module) -> list[nn.Module]:
-    from plait.models.gpt import Rotary
-
-    return [m for m in model.modules() if isinstance(m, Rotary)]
-
-
-def _positions_mode(model: nn.Module, positions: str, rotaries: list[nn.Module]) -> str:
-    takes_ids = "position_ids" in inspect.signature(model.forward).parameters
-    if positions == "auto":
-        if rotaries:
-            return "rotary"
-        if takes_ids:
-            return "position_ids"
-        raise ValueError(f"context_parallel: cannot tell how {type(model).__name__} learns token positions "
-                         "(no plait rotary modules, no position_ids argument). Each rank holds two chunks "
-                         "of the sequence, so positions counted locally would be wrong; pass "
-                         "positions='none' if the model has no position-dependent computation")
-    if positions == "rotary" and not rotaries:
-        raise ValueError(f"context_parallel(positions='rotary'): {type(model).__name__} has no plait rotary "
-                         "modules")
-    if positions == "position_ids" and not takes_ids:
-        raise ValueError(f"context_parallel(positions='position_ids'): {type(model).__name__}.forward takes "
-                         "no position_ids")
-    return positions
-
-
-def _hook(mod: nn.Module, name: str, info: ContextParallelInfo) -> None:
+def _hook(mod: nn.Module, name: str, info: ContextParallelInfo, watcher: Watcher | None) -> None:
     active: list[_Intercept] = []
 
     def enter(_m: nn.Module, _args: Any) -> None:
-        mode = _Intercept(info)
+        mode = _Intercept(info, watcher)
         mode.__enter__()
         active.append(mode)
 
@@ -219,35 +196,6 @@ def _hook(mod: nn.Module, name: str, info: ContextParallelInfo) -> None:
 
     mod.register_forward_pre_hook(enter)
     mod.register_forward_hook(leave, always_call=True)
-
-
-def _give_positions(rotary: nn.Module, cp: CPGroup) -> None:
-    """plait GPT's rotary tables read at this rank's positions."""
-    original = type(rotary).forward
-
-    def forward(x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
-        if positions is None:
-            positions = cp.layout_of_local(x.shape[1]).positions(device=x.device)
-        return original(rotary, x, start, positions)
-
-    rotary.forward = forward
-
-
-def _position_ids_hook(cp: CPGroup) -> Callable[..., Any]:
-    def hook(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if kwargs.get("labels") is not None:
-            raise ValueError("context parallelism: labels=... makes the model shift them by one inside its "
-                             "loss, which crosses the chunk boundaries of a rank's shard; pass targets "
-                             "already shifted (next tokens) to your loss instead")
-        if kwargs.get("position_ids") is None:
-            ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-            if not isinstance(ids, torch.Tensor):
-                raise ValueError("context parallelism: found no input_ids to derive position_ids from")
-            pos = cp.layout_of_local(ids.shape[1]).positions(device=ids.device)
-            kwargs = {**kwargs, "position_ids": pos.unsqueeze(0).expand(ids.shape[0], -1)}
-        return args, kwargs
-
-    return hook
 
 
 def _layout_for(t: torch.Tensor, mesh: Mesh, dim: int) -> Layout:

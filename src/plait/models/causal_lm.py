@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-from plait.tp.attention import AttentionParallel
+from plait.tp.attention import AttentionParallel, HeadNorm
 from plait.tp.layers import linear_layout
 from plait.tp.sequence import GatherSequence, ScatterSequence
 from plait.tp.styles import (
@@ -64,7 +64,7 @@ PLAIN_MLP = (("c_fc", "c_proj"), ("fc1", "fc2"), ("dense_h_to_4h", "dense_4h_to_
 # Attention attributes some families read in forward, and the count each holds.
 HEAD_ATTRS = {"num_heads": "heads", "num_attention_heads": "heads", "n_head": "heads",
               "num_key_value_heads": "kv_heads", "num_kv_heads": "kv_heads", "num_key_value_groups": "groups",
-              "split_size": "width", "embed_dim": "width"}
+              "split_size": "width", "embed_dim": "width", "n_embd": "width", "hidden_size": "width"}
 CONFIG_ATTRS = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads"}
 
 
@@ -140,7 +140,9 @@ def _geometry(model: nn.Module, attn: nn.Module, name: str, hidden: int) -> tupl
     heads = _count(sources, ("num_attention_heads", "n_head", "num_heads"))
     if heads is None:
         raise _fail(name, attn, "no head count found (config.num_attention_heads or the module's num_heads)")
-    kv = _count(sources, ("num_key_value_heads", "num_kv_heads", "n_head_kv")) or heads
+    # The attention's own KV count first: Falcon's config says 4 KV heads where its multi-query
+    # attention uses 1.
+    kv = _count(sources[::-1], ("num_key_value_heads", "num_kv_heads", "n_head_kv")) or heads
     dim = _count(sources, ("head_dim", "head_size")) or hidden // heads
     return heads, kv, dim
 
@@ -150,6 +152,11 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
     assert found is not None
     kind, names = found
     heads, kv, d = _geometry(model, attn, name, hidden)
+    if kind == "per_head" and kv != heads:  # checked first: the sizes below assume one KV head per head
+        raise _fail(name, attn, f"its fused {names[0]!r} serves {heads} heads with {kv} KV heads (Falcon's "
+                                "multi-query or grouped layout, read from the attention), and plait splits "
+                                f"{names[0]!r} only as [q k v] per head (GPT-NeoX's); train this model "
+                                "with data or fully sharded parallelism (DDP, FSDP) instead")
     lin = _linears(attn)
     qkv_out = sum(_sizes(lin[n])[1] for n in names[:-1])
     want = 3 * heads * d if kind == "per_head" else (heads + 2 * kv) * d
@@ -157,9 +164,6 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
         raise _fail(name, attn, f"its projections have {qkv_out} q/k/v outputs and "
                                 f"{_sizes(lin[names[-1]])[0]} inputs to {names[-1]!r}, which do not fit "
                                 f"{heads} heads and {kv} KV heads of {d} features")
-    if kind == "per_head" and kv != heads:
-        raise _fail(name, attn, f"a per-head fused {names[0]!r} with {kv} KV heads for {heads} heads has no "
-                                "known layout")
     groups = _qkv_groups(attn, name, heads, kv) if kind == "fused" else 1
     plan: dict[str, Style] = {"": AttentionParallel(heads=heads, kv_heads=kv, head_dim=d, head_groups=groups,
                                                     attrs=_head_attrs(attn, heads, kv, d))}
@@ -180,8 +184,29 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
         plan[names[0]] = ColwiseParallel(input_comm=False, unit=3 * d, what="attention heads")
     # The rank's heads in the order its attention outputs them: with groups, its share of each.
     plan[o] = RowwiseParallel(unit=d, what="attention heads", parts=out_parts)
-    _only_known_params(attn, name, set(names))
+    norms = _head_norms(attn, name, d)
+    plan.update({n: HeadNorm() for n in norms})
+    _only_known_params(attn, name, set(names) | set(norms))
     return plan
+
+
+def _head_norms(attn: nn.Module, name: str, d: int) -> list[str]:
+    """The norms inside ``attn`` over one head's ``d`` features (replicated, `HeadNorm`); a norm
+    over a wider projection would need its statistics from every rank's heads: refused."""
+    found = []
+    for cname, child in attn.named_children():
+        if not _is_norm(child):
+            continue
+        widths = {p.shape[0] for p in child.parameters()}
+        if widths != {d}:
+            raise _fail(f"{name}.{cname}", child, f"it normalizes {sorted(widths)} features at once, across "
+                                                  f"heads of {d} (OLMo2's q_norm and k_norm span the whole "
+                                                  "projection), so under tensor parallelism it would need "
+                                                  "statistics from every rank's heads, which plait does not "
+                                                  "compute; train this model with data or fully sharded "
+                                                  "parallelism (DDP, FSDP) instead")
+        found.append(cname)
+    return found
 
 
 def _qkv_groups(attn: nn.Module, name: str, heads: int, kv: int) -> int:
@@ -236,6 +261,15 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
             kids = list(block.children())
             if any(_attention_kind(c) for c in kids) and any(_mlp_kind(c) for c in kids):
                 return name, mod
+    for name, mod in model.named_modules():  # say what the closest candidate lacks
+        candidate = mod[0] if isinstance(mod, nn.ModuleList) and len(mod) > 0 else None
+        if candidate is not None and any(_attention_kind(c) for c in candidate.children()):
+            loose = sorted(_linears(candidate))
+            where = f" (its linear layers {loose} sit in the layer itself, as in OPT)" if loose else ""
+            raise _fail(f"{name}.0", candidate,
+                        f"the decoder layer holds an attention but no MLP module{where}; plan_for splits an "
+                        "MLP held in a module of its own: train this model with data or fully sharded "
+                        "parallelism (DDP, FSDP) instead, or write a plan by hand")
     raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: no nn.ModuleList of decoder layers, "
                      "each holding an attention (q/k/v/o or fused qkv projections) and an MLP")
 

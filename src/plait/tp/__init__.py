@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism (Megatron-LM), applied to unmodified models by a plan."""
 
 from plait.tp.apply import TPInfo, assign_styles, check_plan, loss_fn_for, tensor_parallel, tp_info, tp_module
-from plait.tp.attention import AttentionParallel
+from plait.tp.attention import AttentionParallel, HeadNorm
 from plait.tp.context import Style
 from plait.tp.dryrun import PlanError
 from plait.tp.loss import vocab_parallel_cross_entropy
@@ -18,4 +18,4 @@ from plait.tp.styles import (
 __all__ = ["tensor_parallel", "check_plan", "PlanError", "assign_styles", "loss_fn_for", "tp_info",
            "tp_module", "TPInfo", "vocab_parallel_cross_entropy", "Style", "ColwiseParallel",
            "RowwiseParallel", "VocabParallelEmbedding", "VocabParallelOutput", "SequenceParallel",
-           "ParallelRegion", "AttentionParallel", "ScatterSequence", "GatherSequence"]
+           "ParallelRegion", "AttentionParallel", "HeadNorm", "ScatterSequence", "GatherSequence"]

@@ -1,4 +1,5 @@
-"""Attention split by heads in models that read their own head counts in forward."""
+"""Attention split by heads in models that read their own head counts in forward, and the norms
+inside it that act on one head at a time."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from typing import Any
 
 from torch import nn
 
-from plait.tp.context import TPContext
+from plait.tp.context import Style, TPContext
 from plait.tp.styles import ParallelRegion
 
-__all__ = ["AttentionParallel", "HEAD_COUNTS"]
+__all__ = ["AttentionParallel", "HEAD_COUNTS", "HeadNorm"]
 
 HEAD_COUNTS = ("heads", "kv_heads", "groups", "width", "kv_width")
 
@@ -82,6 +83,19 @@ class AttentionParallel(ParallelRegion):
         local = self.counts(ctx.size)
         for path, what in self.attrs:
             _assign(mod, path, local[what])
+
+
+@dataclass(frozen=True)
+class HeadNorm(Style):
+    """A norm over each head's features inside an attention split by heads (Qwen3's and Gemma3's
+    ``q_norm`` / ``k_norm`` over ``head_dim``): its weight is replicated, and each rank applies it
+    to its own heads only, so its gradient is summed over the tp group after backward (with or
+    without sequence parallelism: inside the attention every rank sees the whole sequence)."""
+
+    def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        for p in mod.parameters(recurse=False):
+            if p.requires_grad:
+                ctx.seq_grads.watch(p)
 
 
 def _resolve(obj: Any, path: str) -> Any:

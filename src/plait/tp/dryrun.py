@@ -471,6 +471,21 @@ def _shard(module: nn.Module, specs: dict[int, ShardSpec]) -> dict[int, str]:
     return names
 
 
+def _local_counts(ctx: TPContext, failed_at: str) -> str:
+    """What the attention around ``failed_at`` was told of its local sizes, if it was."""
+    from plait.tp.attention import AttentionParallel
+
+    for name, style in ctx.assigned.items():
+        inside = not name or failed_at == name or failed_at.startswith(name + ".")
+        if isinstance(style, AttentionParallel) and style.attrs and inside:
+            local = style.counts(ctx.size)
+            given = ", ".join(f"{a}={local[what]}" for a, what in style.attrs)
+            return (f"\n(the plan gave {name!r} this rank's sizes: {given}; a forward that takes a head "
+                    "count or width from anywhere else, such as its input's shape (x.size()) or the "
+                    "model's config, cannot be split by heads: let it read those attributes)")
+    return ""
+
+
 def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args: Args, kwargs: Kwargs,
             allow_sequence_output: bool = False) -> None:
     """Run ``module`` (a meta copy, styles assigned in ``ctx`` but not installed) as rank 0 of
@@ -502,7 +517,8 @@ def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args
         layout = f"tp={ctx.size}" + (" with sequence parallelism" if ctx.sequence_parallel else "")
         raise PlanError(
             f"plan refused: the dry run of the model split over {layout} (rank 0's shards, on fake "
-            f"tensors) failed in {trace.where(trace.failed_at or '')}: {type(e).__name__}: {e}\n(an error "
+            f"tensors) failed in {trace.where(trace.failed_at or '')}: {type(e).__name__}: {e}"
+            f"{_local_counts(ctx, trace.failed_at or '')}\n(an error "
             "about shapes means the plan does not fit the model; one about data-dependent values or meta "
             "tensors means the forward cannot run without data: pass check=False to skip this check)") from e
     refused = (IN, F, W) if allow_sequence_output else (IN, F, S, W)

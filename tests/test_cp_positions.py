@@ -1,0 +1,93 @@
+"""Context parallelism on models that count their own positions (`plait.cp.positions`).
+
+A nanoGPT-shaped model written here (`nanogpt`), its forward taking no ``position_ids``, with a
+learned position table read at ``torch.arange(t)`` (nanoGPT's ``wpe``), a rotary table held as a
+buffer and sliced to the length (torchtitan's ``freqs_cis[:seqlen]``) and a rotary table
+computed from ``torch.arange(t)``: cp=2 (ring, DDP over the cp ranks) against one process on the
+same batches, float64, this rank's tokens of the logits and every parameter after each of two
+SGD steps at ``rtol=1e-9`` (as `test_context_parallel.py`); and the torchtitan-style Llama of
+`test_meta_init.py`, whose attention slices the root's ``freqs_cis`` it is passed, with every
+block recomputed by activation checkpointing. Counted locally, the positions put
+the logits ~100% off. Refused: a forward that counts positions under ``positions='none'`` (the
+advice once given for such models), and under ``"auto"`` a model that counts none (plait cannot
+tell it has none), with advice that leads to a correct run.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from nanogpt import build
+from oracle import step_and_compare
+
+from plait.testing import cached_mesh
+
+TOL = {"rtol": 1e-9, "atol": 1e-12}
+
+
+def _loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+
+
+def _parity(positions: str) -> float:
+    import plait
+
+    mesh = cached_mesh(cp=2)
+    if positions == "torchtitan":  # freqs_cis[:seqlen] inside each attention, blocks recomputed
+        from test_meta_init import Transformer
+
+        torch.manual_seed(0)
+        oracle = Transformer()
+        oracle.init_weights()
+        plan = plait.ParallelPlan(cp="ring", ac="full")
+    else:
+        oracle, plan = build(positions=positions), plait.ParallelPlan(cp="ring")
+    net = plait.parallelize(copy.deepcopy(oracle), mesh, plan)
+    opt_ref, opt = torch.optim.SGD(oracle.parameters(), lr=0.5), torch.optim.SGD(net.parameters(), lr=0.5)
+    for step in range(2):
+        w = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(step))
+        idx, tgt = w[:, :-1], w[:, 1:]
+        want = oracle(idx)
+        _loss(want, tgt).backward()
+        got = net(plait.cp.shard(idx, mesh))
+        if step == 0:
+            torch.testing.assert_close(got, plait.cp.shard(want.detach(), mesh), **TOL)
+        _loss(got, plait.cp.shard(tgt, mesh)).backward()
+        step_and_compare(net, oracle, (opt_ref, opt), TOL, f"{positions}, after SGD step {step + 1}")
+    return 1.0
+
+
+def _refusals() -> list[str]:
+    import plait
+
+    mesh = cached_mesh(cp=2)
+    x = plait.cp.shard(torch.zeros(2, 16, dtype=torch.long), mesh)
+    seen = []
+    for positions in ("wpe", "table"):
+        model = plait.context_parallel(build(positions=positions), mesh, positions="none")
+        with pytest.raises(ValueError, match="counts token positions in its forward") as e:
+            model(x)
+        assert "positions='auto'" in str(e.value)
+        seen.append(str(e.value))
+    with pytest.raises(ValueError, match="counted no positions plait can place") as e:
+        plait.context_parallel(build(positions="none"), mesh)(x)
+    assert "take position_ids" in str(e.value) and "positions='none'" in str(e.value)
+    seen.append(str(e.value))
+    # Told it has none, the model without positions runs as on one device.
+    one = build(positions="none")
+    got = plait.context_parallel(copy.deepcopy(one), mesh, positions="none")(x)
+    torch.testing.assert_close(got, plait.cp.shard(one(torch.zeros(2, 16, dtype=torch.long)), mesh), **TOL)
+    return seen
+
+
+def _all() -> list[str]:
+    for positions in ("wpe", "table", "arange", "torchtitan"):
+        _parity(positions)
+    return _refusals()
+
+
+def test_cp2_reads_the_positions_a_model_counts_and_refuses_what_it_cannot_place(pools):
+    assert all(all(r) for r in pools[2].run(_all))

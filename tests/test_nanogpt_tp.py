@@ -1,0 +1,63 @@
+"""Tensor parallelism on a model that reads its global sizes in forward: the nanoGPT-shaped model
+of `nanogpt`, whose attention splits the fused ``c_attn`` by ``self.n_embd`` and views the heads
+by ``self.n_head``. `plait.plan_for` gives the attention its local ``n_head`` and ``n_embd``
+(before, the plan check failed: "not enough values to unpack"). tp=2 with and without sequence
+parallelism against one process, float64, 5 AdamW steps, every gathered parameter at
+``rtol=1e-9, atol=1e-12`` (as `test_hf_tp.py`). nanoGPT's own attention takes its width from
+its input's shape (``C``), which no head split can keep: refused, naming the sizes it was given.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from nanogpt import build
+
+from plait.testing import cached_mesh
+
+TOL = {"rtol": 1e-9, "atol": 1e-12}
+
+
+def _train(sp: bool) -> float:
+    import plait
+
+    mesh = cached_mesh(tp=2)
+    oracle = build(positions="wpe")
+    model = copy.deepcopy(oracle)
+    net = plait.parallelize(model, mesh, plait.ParallelPlan(tp=plait.plan_for(model), sequence_parallel=sp))
+    opt_ref, opt = torch.optim.AdamW(oracle.parameters()), torch.optim.AdamW(net.parameters())
+    for step in range(5):
+        w = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
+        idx, tgt = w[:, :-1], w[:, 1:]
+        want, got = oracle(idx), net(idx)
+        if step == 0:
+            torch.testing.assert_close(got, want, **TOL)
+        for logits, o in ((want, opt_ref), (got, opt)):
+            F.cross_entropy(logits.flatten(0, 1), tgt.flatten()).backward()
+            o.step()
+            o.zero_grad()
+    full = plait.full_state_dict(net)
+    for name, ref in oracle.state_dict().items():
+        torch.testing.assert_close(full[name], ref, **TOL, msg=lambda m, n=name: f"sp={sp} {n}: {m}")
+    assert net.transformer.h[0].attn.n_head == 2 and net.transformer.h[0].attn.n_embd == 16
+    return max(float((full[k] - v).abs().max() / v.abs().max()) for k, v in oracle.state_dict().items())
+
+
+def _both() -> list[float]:
+    return [_train(False), _train(True)]
+
+
+def test_tp2_gives_attention_its_local_sizes(pools):
+    assert all(max(r) < 1e-9 for r in pools[2].run(_both))
+
+
+def test_a_width_taken_from_the_input_is_refused_by_name():
+    import plait
+    from plait.tp import check_plan
+
+    model = build(width_from_input=True)
+    with pytest.raises(ValueError, match=r"'transformer.h.0.attn' this rank's sizes: n_head=2, n_embd=16"):
+        check_plan(model, plait.plan_for(model), tp=2)
