@@ -172,7 +172,14 @@ def moe_layers_of(model: nn.Module | Pipeline) -> list[MoE]:
 
 def _balance_experts(layers: list[MoE], mesh: Mesh) -> None:
     """DeepSeek-V3's balancing step on the routing counts of every data rank (summed), so every
-    replica moves its biases alike."""
+    replica moves its biases alike: under the global statistic each layer counted them so; per
+    micro-batch, they are summed here."""
+    for layer in layers:
+        if layer.balance_statistic == "global":
+            update_balance(layer)
+    layers = [layer for layer in layers if layer.balance_statistic != "global"]
+    if not layers:
+        return
     group = mesh.group(LOSS_AXES)
     counts = [layer.load if layer.load is not None else torch.zeros_like(layer.expert_bias)
               for layer in layers]
