@@ -142,6 +142,9 @@ def train_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, x: torch
     scaler.update()
     if cfg.model.bias_update_rate:
         _balance_experts(moe, mesh)
+    if scaler.skipped:  # no optimizer step ended this one: the next step's statistics start afresh
+        for layer in moe:
+            layer.restart_statistics()
     return _mean_over(loss_sum, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES)), grad_norm
 
 
