@@ -4,14 +4,18 @@ One process: the layer against a token-by-token computation, the auxiliary loss'
 against the same loss added explicitly, capacity dropping and its reported rate, and the
 auxiliary-loss-free bias moving towards balance.
 
-Expert parallelism against one process, float64, dropless, the auxiliary loss on: ep=2, ep=4,
-and ep=2 inside 4 data ranks (two ep groups). The oracle runs each data rank's share of the
-global batch on its own and averages their losses (the auxiliary loss is a per-batch statistic,
-which every rank computes on its own tokens, as Megatron does), so the layouts must match it
-exactly: this rank's logits, the gradient norm, and every parameter, gathered over ep, after
-each of two SGD steps (SGD: a wrong gradient scale cannot hide), at ``rtol=1e-9``. Uneven
-routing (every token to one expert, the others getting none) runs under AdamW, where an expert
-with no gradient must be left alone as in one process, not stepped with a zero gradient.
+Expert parallelism against one process, float64, dropless, both balancings on (the loss and the
+bias): ep2, ep4, dp4 x ep2, fsdp x ep2, dp2 with checkpointed blocks, ep2 x tp2 (with and without
+SP, experts replicated or split), pp2 x dp2 x ep2 on GPipe and cp2 x dp2 x ep2. The balancing
+statistics count the step's whole batch on every layout (``balance_statistic="global"``), so the
+oracle runs the global batch at once, and the layouts must match it exactly: this rank's logits,
+the gradient norm, and every parameter and expert bias, gathered over ep, after each of two SGD
+steps (SGD: a wrong gradient scale cannot hide), at ``rtol=1e-9``. The per-microbatch option runs
+against an oracle that runs each data rank's share on its own and averages their losses (each
+rank's balancing loss over its own tokens, as Megatron computes it). Uneven routing (every token
+to one expert, the others getting none) runs under AdamW, where an expert with no gradient must
+be left alone as in one process, not stepped with a zero gradient. What the global statistic
+cannot honour is refused: a forward after a backward of the same step, an interleaving schedule.
 """
 
 from __future__ import annotations
