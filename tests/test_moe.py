@@ -4,14 +4,18 @@ One process: the layer against a token-by-token computation, the auxiliary loss'
 against the same loss added explicitly, capacity dropping and its reported rate, and the
 auxiliary-loss-free bias moving towards balance.
 
-Expert parallelism against one process, float64, dropless, the auxiliary loss on: ep=2, ep=4,
-and ep=2 inside 4 data ranks (two ep groups). The oracle runs each data rank's share of the
-global batch on its own and averages their losses (the auxiliary loss is a per-batch statistic,
-which every rank computes on its own tokens, as Megatron does), so the layouts must match it
-exactly: this rank's logits, the gradient norm, and every parameter, gathered over ep, after
-each of two SGD steps (SGD: a wrong gradient scale cannot hide), at ``rtol=1e-9``. Uneven
-routing (every token to one expert, the others getting none) runs under AdamW, where an expert
-with no gradient must be left alone as in one process, not stepped with a zero gradient.
+Expert parallelism against one process, float64, dropless, both balancings on (the loss and the
+bias): ep2, ep4, dp4 x ep2, fsdp x ep2, dp2 with checkpointed blocks, ep2 x tp2 (with and without
+SP, experts replicated or split), pp2 x dp2 x ep2 on GPipe and cp2 x dp2 x ep2. The balancing
+statistics count the step's whole batch on every layout (``balance_statistic="global"``), so the
+oracle runs the global batch at once, and the layouts must match it exactly: this rank's logits,
+the gradient norm, and every parameter and expert bias, gathered over ep, after each of two SGD
+steps (SGD: a wrong gradient scale cannot hide), at ``rtol=1e-9``. The per-microbatch option runs
+against an oracle that runs each data rank's share on its own and averages their losses (each
+rank's balancing loss over its own tokens, as Megatron computes it). Uneven routing (every token
+to one expert, the others getting none) runs under AdamW, where an expert with no gradient must
+be left alone as in one process, not stepped with a zero gradient. What the global statistic
+cannot honour is refused: a forward after a backward of the same step, an interleaving schedule.
 """
 
 from __future__ import annotations
@@ -109,47 +113,104 @@ def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = None, steps: int = 2,
-               skew: bool = False, fsdp: int = 1, tp: int = 1, sp: bool = False,
-               experts: str = "replicate") -> dict:
+               skew: bool = False, fsdp: int = 1, tp: int = 1, sp: bool = False, experts: str = "replicate",
+               statistic: str = "global", cp: int = 1, pp: int = 1, ac: bool = False) -> dict:
     import plait
-    from plait.models.moe import moe_layers, set_aux_loss_scale
+    from plait.models.moe import moe_layers, set_aux_loss_scale, update_balance
     from plait.models.plans import gpt_plan
 
-    mesh = cached_mesh(dp=dp, fsdp=fsdp, ep=ep, tp=tp)
-    oracle, model = _gpt(**(cfg_kw or {})), _gpt(**(cfg_kw or {}))
-    set_aux_loss_scale(oracle, 1 / mesh.size(("dp", "fsdp")))  # its shards' losses are divided by their count
+    mesh = cached_mesh(dp=dp, fsdp=fsdp, ep=ep, tp=tp, cp=cp, pp=pp)
+    kw = {"balance_statistic": statistic, **(cfg_kw or {})}
+    oracle, model = _gpt(**kw), _gpt(**kw)
+    rank, size = mesh.rank(("dp", "fsdp")), mesh.size(("dp", "fsdp"))
+    if statistic == "microbatch":  # its shards' losses are divided by their count
+        set_aux_loss_scale(oracle, 1 / size)
     if skew:
         for moe in moe_layers(oracle) + moe_layers(model):
             moe.expert_bias[0] = 100.0
     tp_plan = gpt_plan(model.cfg, loss_parallel=False, experts=experts) if tp > 1 else None
-    net = plait.parallelize(model, mesh, plait.ParallelPlan(data="fsdp" if fsdp > 1 else "ddp", tp=tp_plan,
-                                                            sequence_parallel=sp))
+    pipe = dict(pp_microbatches=2, pp_schedule="gpipe", loss_fn=loss64) if pp > 1 else {}
+    net = plait.parallelize(model, mesh, plait.ParallelPlan(
+        data="fsdp" if fsdp > 1 else "ddp", tp=tp_plan, sequence_parallel=sp, cp="ring" if cp > 1 else None,
+        ac="full" if ac else None, **pipe))
+    parts = list(net.stages.values()) if pp > 1 else [net]
+    if pp > 1:  # each microbatch's loss is divided by their count: so is its balancing loss
+        for part in parts:
+            set_aux_loss_scale(part, 0.5)
     make = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if optimizer == "sgd" else torch.optim.AdamW
     opt_ref, opt = make(oracle.parameters()), make(net.parameters())
-    rank, size = mesh.rank(("dp", "fsdp")), mesh.size(("dp", "fsdp"))
     held = sum(p.numel() for p in net.parameters())
     for step in range(steps):
         idx, tgt = _batch(step)
         shards = list(zip(idx.chunk(size), tgt.chunk(size)))
-        for x, y in shards:  # each data rank's share on its own, losses averaged
-            (loss64(oracle(x), y) / size).backward()
+        if statistic == "microbatch":  # each data rank's share on its own, losses averaged
+            for x, y in shards:
+                (loss64(oracle(x), y) / size).backward()
+        else:  # the whole batch at once
+            loss64(oracle(idx), tgt).backward()
         x, y = shards[rank]
-        logits = net(x)
-        if step == 0:
-            with torch.no_grad():
-                torch.testing.assert_close(logits, oracle(x), **TOL)
-        loss64(logits, y).backward()
+        if pp > 1:
+            net.step(x, y)
+        else:
+            cut = (lambda t: plait.cp.shard(t, mesh)) if cp > 1 else (lambda t: t)
+            logits = net(cut(x))
+            if step == 0:
+                with torch.no_grad():
+                    torch.testing.assert_close(logits, cut(oracle(x)), **TOL)
+            loss64(logits, cut(y)).backward()
         want_norm = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 1e9)
-        torch.testing.assert_close(plait.clip_grad_norm_(net, 1e9).double(), want_norm, **TOL)
-        step_and_compare(net, oracle, (opt_ref, opt), TOL, f"step {step}")
-    return {"held": held, "full": sum(p.numel() for p in oracle.parameters())}
+        torch.testing.assert_close(plait.clip_grad_norm_(net, 1e9).double(), want_norm, **TOL,
+                                   msg=lambda m, s=step: f"step {s}, gradient norm: {m}")
+        update_balance(oracle)
+        for part in parts:
+            update_balance(part)
+        if pp > 1:
+            compared = _step_and_compare_stages(net, oracle, (opt_ref, opt), f"step {step}")
+        else:
+            step_and_compare(net, oracle, (opt_ref, opt), TOL, f"step {step}")
+    return {"held": held, "full": sum(p.numel() for p in oracle.parameters()),
+            "compared": compared if pp > 1 else None}
+
+
+def _step_and_compare_stages(pipe, oracle, optimizers: tuple, when: str) -> set[str]:
+    """`step_and_compare` for a pipeline with ep: its full state leaves out the experts, which
+    are compared where they are held; returns the names compared on this rank."""
+    import plait
+
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+    full = plait.full_state_dict(pipe)
+    held = {n.replace("module.", ""): p for n, p in pipe.named_parameters()}
+    compared = set()
+    for name, want in oracle.state_dict().items():
+        got = full[name] if name in full else held.get(name)
+        if got is not None:
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name: f"{when}, {n}: {m}")
+            compared.add(name)
+    return compared
+
+
+BIAS = {"bias_update_rate": 0.01}  # both balancings at once: the loss's f and the bias's counts
 
 
 @pytest.mark.parametrize("dp,fsdp,ep", [(2, 1, 2), (4, 1, 4), (4, 1, 2), (1, 2, 2), (1, 4, 2)],
                          ids=["ep2", "ep4", "dp4-ep2", "fsdp2-ep2", "fsdp4-ep2"])
 def test_expert_parallel_trains_like_one_process(pools, dp, fsdp, ep):
-    out = pools[dp * fsdp].run(_ep_parity, dp, ep, fsdp=fsdp)
+    out = pools[dp * fsdp].run(_ep_parity, dp, ep, fsdp=fsdp, cfg_kw=BIAS)
     assert out[0]["held"] < out[0]["full"]  # each rank holds only its share of the experts
+
+
+def test_data_parallel_moe_with_recomputed_blocks_trains_like_one_process(pools):
+    # ep=1: every rank holds every expert; the balancing statistics still sum over the data ranks.
+    # Checkpointed blocks run their MoE forward again in backward, which must not count twice.
+    pools[2].run(_ep_parity, 2, 1, cfg_kw=BIAS, ac=True)
+
+
+def test_per_microbatch_statistic_is_each_ranks_own(pools):
+    # balance_statistic="microbatch": each rank's balancing loss over its own tokens (the oracle
+    # averages the shards' losses), as Megatron computes it.
+    pools[2].run(_ep_parity, 2, 2, statistic="microbatch")
 
 
 @pytest.mark.parametrize("sp,experts", [(False, "replicate"), (True, "replicate"), (False, "split")],
@@ -157,16 +218,49 @@ def test_expert_parallel_trains_like_one_process(pools, dp, fsdp, ep):
 def test_expert_parallel_with_tensor_parallel(pools, sp, experts):
     # Attention split by heads; MoE blocks replicated over tp (on sequence shards under SP) or
     # each expert split by hidden units; experts split over ep within each tp coordinate.
-    out = pools[4].run(_ep_parity, 2, 2, tp=2, sp=sp, experts=experts)
+    out = pools[4].run(_ep_parity, 2, 2, tp=2, sp=sp, experts=experts, cfg_kw=BIAS)
     if experts == "split":  # a quarter of each layer's experts: half by ep, half of each by tp
         assert out[0]["held"] < out[0]["full"] / 2
 
 
-def test_all_tokens_to_one_expert_and_experts_with_none(pools):
-    # top-1 routing with expert 0's selection bias far above the scores: every token of every
-    # rank goes to expert 0 (held by ep rank 0 of 4), experts 1-3 get nothing.
-    pools[4].run(_ep_parity, 4, 4, "adamw", {"top_k": 1, "aux_loss_coef": 0.0, "n_shared_experts": 0,
-                                              "bias_update_rate": 0.0}, 2, True)
+@pytest.mark.parametrize("axis", ["pp", "cp"])
+def test_expert_parallel_with_pipeline_or_context_parallel(pools, axis):
+    # pp2 x dp2 x ep2 on GPipe, two microbatches (every forward of the step before its first
+    # backward); cp2 x dp2 x ep2 with ring attention (each cp rank routes half of each sequence).
+    out = pools[4].run(_ep_parity, 2, 2, cfg_kw=BIAS, **{axis: 2})
+    if axis == "pp":  # every tensor of the model, on some rank
+        assert set().union(*(o["compared"] for o in out)) == set(_gpt().state_dict())
+
+
+def test_a_forward_after_the_step_statistic_was_read_is_refused():
+    # Gradient accumulation with a backward per micro-batch: the first backward used f over the
+    # forwards so far, which a second forward of the same step would change.
+    model = _gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batch(0)
+    loss64(model(x[:4]), y[:4]).backward()
+    with pytest.raises(RuntimeError, match="a forward ran after a backward of the same optimizer step"):
+        model(x[4:])
+    opt.step()  # a new step: its forwards count afresh
+    with torch.no_grad():
+        model(x)  # no gradients: not a training forward, nothing counted
+    losses = [loss64(model(x[h]), y[h]) for h in (slice(0, 4), slice(4, 8))]
+    for loss in losses:  # every forward, then every backward: one step
+        loss.backward()
+
+
+def _interleaving_schedule_refused() -> str:
+    import plait
+
+    plan = plait.ParallelPlan(pp_schedule="1f1b", pp_microbatches=2, loss_fn=loss64)
+    with pytest.raises(ValueError, match="pp_schedule='gpipe'") as e:
+        plait.parallelize(_gpt(), cached_mesh(pp=2), plan)
+    plait.parallelize(_gpt(balance_statistic="microbatch"), cached_mesh(pp=2), plan)  # the option runs
+    return str(e.value)
+
+
+def test_pipeline_schedule_that_interleaves_is_refused_with_the_global_statistic(pools):
+    assert "'1f1b' pipeline schedule" in pools[2].run(_interleaving_schedule_refused)[0]
 
 
 def _all_to_all_bytes() -> dict:

@@ -121,6 +121,11 @@ def test_grad_clip_zero_means_no_clipping(tmp_path):
     (dict(experts=4, ep=4, nproc=2), "folds its groups out of the 2 data-parallel ranks"),
     (dict(experts=4, top_k=5), "1 <= top-k <= experts"),
     (dict(experts=4, strategy="fsdp", nproc=2, mixed_precision="bf16"), "stay whole outside FSDP's shards"),
+    (dict(experts=4, grad_accum=2), "--grad-accum 2 with the MoE balancing loss over the step's whole batch"),
+    (dict(experts=4, strategy="ddp", nproc=2, pp=2), "--schedule 1f1b with the MoE balancing loss"),
+    (dict(experts=4, strategy="ddp", nproc=2, cp=2, balance_statistic="microbatch"),
+     "--balance-statistic microbatch with --cp"),
+    (dict(balance_statistic="microbatch"), "--balance-statistic microbatch configures"),
 ])
 def test_bad_config_is_rejected_before_launch(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -105,3 +105,13 @@ def fake_tensors() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread.
+
+    An activation-checkpointed block's forward runs again inside backward to recompute what it
+    saved; a layer that counts its forwards (the MoE balancing statistics) must not count that
+    one. torch exposes no public flag for it; the engine's current graph task is -1 outside.
+    """
+    return bool(torch._C._current_graph_task_id() != -1)

@@ -73,7 +73,7 @@ from plait.models.gpt import Rotary
 from plait.models.moe import moe_layers
 from plait.names import matches
 from plait.pipeline.api import Pipeline
-from plait.pipeline.arguments import P2P_MODES
+from plait.pipeline.arguments import P2P_MODES, resolve_schedule
 from plait.pipeline.generators import SCHEDULES
 from plait.pipeline.schedules import Schedule
 from plait.pipeline.wrapping import StageWrapper
@@ -267,10 +267,7 @@ def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
                          "sequence parallelism: an expert's rows are the tokens routed to it, not a sequence "
                          "that SP's all-gather and reduce-scatter could cut; use "
                          "gpt_plan(experts='replicate') or sequence_parallel=False")
-    if mesh.size("cp") > 1 and any(m.aux_loss_coef for m in moe_layers(module)):
-        raise ValueError("parallelize: an MoE balancing loss with context parallelism: each cp rank would "
-                         "count the assignments of its part of the sequence only; set aux_loss_coef=0 (or "
-                         "use bias balancing)")
+    _check_balance(module, mesh, plan)
     if mesh.ep > 1 and not moe_layers(module):
         raise ValueError(f"parallelize: {mesh} has ep={mesh.ep}, but {no_moe_reason(module)}")
     if plan.data == "ddp" and mesh.size("fsdp") > 1:
@@ -298,6 +295,26 @@ def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
                          "pipeline: the broadcast writes the buffers in place before every forward, while "
                          "earlier microbatches' graphs still hold them for their backward; pipeline stages "
                          "get their buffers broadcast once, when wrapped")
+
+
+def _check_balance(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
+    """The MoE balancing loss's statistic can be honoured on this layout."""
+    layers = [m for m in moe_layers(module) if m.aux_loss_coef]
+    per_microbatch = [m for m in layers if m.balance_statistic == "microbatch"]
+    if mesh.size("cp") > 1 and per_microbatch:
+        raise ValueError("parallelize: an MoE balancing loss over each micro-batch "
+                         "(balance_statistic='microbatch') with context parallelism: each cp rank would "
+                         "count the assignments of its part of the sequence only; use "
+                         "balance_statistic='global' (or aux_loss_coef=0 with bias balancing)")
+    if mesh.size("pp") > 1 and len(per_microbatch) < len(layers):
+        sched = resolve_schedule(plan.pp_schedule, mesh.size("pp"), plan.pp_microbatches, plan.pp_chunks)
+        if not sched.forwards_first:
+            raise ValueError(f"parallelize: the MoE balancing loss over the step's whole batch "
+                             f"(balance_statistic='global') with the {sched.name!r} pipeline schedule: a "
+                             "stage runs a microbatch's backward before the step's last forward, so the "
+                             "statistic over every microbatch is not known when that backward needs it; use "
+                             "pp_schedule='gpipe' (every forward first), or balance_statistic='microbatch' "
+                             "(each microbatch's own statistic)")
 
 
 def _check_cp(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:

@@ -56,6 +56,7 @@ Precision = Literal["bf16", "fp16"]
 CPAlgorithm = Literal["ring", "allgather", "ulysses"]  # plait.cp.ALGORITHMS
 Checkpointing = Literal["none", "full", "selective"]  # "none", then plait.activation_checkpointing.POLICIES
 ZeroStage = Literal[1, 2, 3]
+BalanceStatistic = Literal["global", "microbatch"]  # plait.models.moe.BALANCE_STATISTICS
 
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 MIXED_PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -90,6 +91,10 @@ class ModelSection:
     """with --experts: weight of the load-balancing loss (0: off)"""
     bias_update_rate: float = 0.0
     """with --experts: DeepSeek-V3's loss-free balancing, the routing bias step per optimizer step (0: off)"""
+    balance_statistic: BalanceStatistic = "global"
+    """with --experts: the tokens both balancings count: global (the step's whole batch, so every
+    layout trains as one process) or microbatch (each rank's micro-batch on its own; the run depends
+    on the layout)"""
     init_from: str | None = None
     """start from the safetensors weights in this folder (as plait export writes them; for --hf-config
     the transformers names); each rank reads its slices. With --resume a checkpoint found wins"""
@@ -425,7 +430,8 @@ class TrainConfig:
         m, par = self.model, self.parallel
         if not m.experts:
             defaults = ModelSection()
-            for name in ("top_k", "shared_experts", "capacity_factor", "aux_loss_coef", "bias_update_rate"):
+            for name in ("top_k", "shared_experts", "capacity_factor", "aux_loss_coef", "bias_update_rate",
+                         "balance_statistic"):
                 if getattr(m, name) != getattr(defaults, name):
                     raise ValueError(f"--{name.replace('_', '-')} {getattr(m, name)} configures "
                                      "mixture-of-experts blocks; without --experts the model has none: add "
@@ -452,13 +458,42 @@ class TrainConfig:
         if par.strategy == "fsdp" and (par.mixed_precision or par.offload):
             raise ValueError("--experts with --strategy fsdp: the experts stay whole outside FSDP's shards, "
                              "where --mixed-precision and --offload would not reach them")
+        if m.balance_statistic == "microbatch":
+            self._check_microbatch_balance()
+        elif m.aux_loss_coef:
+            self._check_global_balance()
+
+    def _check_microbatch_balance(self) -> None:
+        m, par = self.model, self.parallel
         if par.cp > 1 and m.aux_loss_coef:
-            raise ValueError("--experts with --cp: each cp rank would count the balancing loss's assignments "
-                             "over its part of the sequence only; add --aux-loss-coef 0 (--bias-update-rate "
+            raise ValueError("--balance-statistic microbatch with --cp: each cp rank would count the "
+                             "balancing loss's assignments over its part of the sequence only; use "
+                             "--balance-statistic global (or --aux-loss-coef 0: --bias-update-rate "
                              "balances without it)")
         if par.pp > 1 and m.bias_update_rate:
-            raise ValueError("--bias-update-rate with --pp: the balancing step reads every stage's routing "
-                             "counts, which pipeline stages keep apart; use the auxiliary loss")
+            raise ValueError("--bias-update-rate --balance-statistic microbatch with --pp: the balancing "
+                             "step reads every stage's routing counts, which pipeline stages keep apart; "
+                             "use --balance-statistic global (each layer's counts over the whole step)")
+
+    def _check_global_balance(self) -> None:
+        """The balancing loss's statistic over the step's whole batch is read by the first backward:
+        every forward of the step must have run by then."""
+        par, accum = self.parallel, self.run.grad_accum
+        advice = ("or --balance-statistic microbatch (each micro-batch's own statistic; the run then "
+                  "depends on the layout)")
+        if par.pp == 1 and accum > 1:
+            raise ValueError(f"--grad-accum {accum} with the MoE balancing loss over the step's whole "
+                             "batch (--balance-statistic global): each micro-batch's backward runs before "
+                             "the next micro-batch's forward, so the statistic over the step is not known "
+                             "when the first backward needs it; use a larger --nproc or --batch-size per "
+                             f"step instead, {advice}")
+        if par.pp > 1 and not make_schedule(par.schedule, par.pp, self.pipeline_microbatches,
+                                            par.chunks).forwards_first:
+            raise ValueError(f"--schedule {par.schedule} with the MoE balancing loss over the step's "
+                             "whole batch (--balance-statistic global): a stage runs a microbatch's "
+                             "backward before the step's last forward, so the statistic over every "
+                             "microbatch is not known when that backward needs it; use --schedule gpipe "
+                             f"(every forward first), {advice}")
 
     def _check_cp(self, seq_len: int, gcfg: GPTConfig) -> None:
         par = self.parallel
@@ -582,7 +617,7 @@ class TrainConfig:
         moe: dict[str, Any] = {} if not m.experts else dict(
             n_experts=m.experts, top_k=m.top_k, n_shared_experts=m.shared_experts,
             capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef,
-            bias_update_rate=m.bias_update_rate)
+            bias_update_rate=m.bias_update_rate, balance_statistic=m.balance_statistic)
         return dataclasses.replace(base, seq_len=m.seq_len or base.seq_len,
                                    n_layers=m.layers or base.n_layers, **moe)
 

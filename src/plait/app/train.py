@@ -142,6 +142,9 @@ def train_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, x: torch
     scaler.update()
     if cfg.model.bias_update_rate:
         _balance_experts(moe, mesh)
+    if scaler.skipped:  # no optimizer step ended this one: the next step's statistics start afresh
+        for layer in moe:
+            layer.restart_statistics()
     return _mean_over(loss_sum, mesh.group(LOSS_AXES), mesh.size(LOSS_AXES)), grad_norm
 
 
@@ -172,7 +175,14 @@ def moe_layers_of(model: nn.Module | Pipeline) -> list[MoE]:
 
 def _balance_experts(layers: list[MoE], mesh: Mesh) -> None:
     """DeepSeek-V3's balancing step on the routing counts of every data rank (summed), so every
-    replica moves its biases alike."""
+    replica moves its biases alike: under the global statistic each layer counted them so; per
+    micro-batch, they are summed here."""
+    for layer in layers:
+        if layer.balance_statistic == "global":
+            update_balance(layer)
+    layers = [layer for layer in layers if layer.balance_statistic != "global"]
+    if not layers:
+        return
     group = mesh.group(LOSS_AXES)
     counts = [layer.load if layer.load is not None else torch.zeros_like(layer.expert_bias)
               for layer in layers]

@@ -33,6 +33,7 @@ __all__ = ["expert_parallel", "ExpertPlacement", "ExpertParallelInfo", "ep_info"
            "reduce_expert_grads"]
 
 _ATTR = "_plait_ep"
+_DATA = ("dp", "fsdp", "cp")  # the ranks that see different tokens of the step (ep folded in)
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,12 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
     rank keeps every expert, and the experts are only marked (their gradients, summed over the
     data ranks, may be missing where a rank routed no token to them).
 
+    Each layer's balancing statistics are summed over the ranks its ``balance_statistic`` covers
+    (one small all-reduce of the per-expert counts per layer and forward), so that under
+    ``"global"`` every layout trains as one process does.
+
     ``sequence_parallel``: the MoE blocks run on the tp ranks' sequence shards (plait's GPT plan
-    replicates them over tp), so the balancing loss counts its assignments over the tp group."""
+    replicates them over tp), so the statistics count their assignments over the tp group too."""
     layers = _moe_layers(model)
     if ep_info(model) is not None:
         raise ValueError("expert_parallel: the model is already expert parallel")
@@ -133,8 +138,7 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
             else:
                 moe.experts[e] = _Elsewhere(e, e // per)
                 absent.append(prefix + ".")
-        if sequence_parallel and mesh.size("tp") > 1:
-            moe.token_statistics = _summed_over(mesh.group("tp"))  # type: ignore[method-assign,assignment]
+        _share_statistics(moe, mesh, sequence_parallel)
         if n > 1:
             moe.experts_forward = ExpertDispatch(moe.experts, moe.n_experts, j * per,  # type: ignore[method-assign]
                                                  mesh.group("ep"), n)
@@ -142,11 +146,29 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
     return model
 
 
-def _summed_over(group: dist.ProcessGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+def _share_statistics(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
+    """Give ``moe`` the ranks its balancing statistics sum over: for ``"global"`` every rank that
+    holds part of the step's batch (the data axes, ep folded among them, cp, and the tp ranks
+    under SP), for ``"microbatch"`` the tp ranks that split one micro-batch under SP."""
+    split = sequence_parallel and mesh.size("tp") > 1
+    groups = [mesh.group("tp")] if split else []
+    if moe.balance_statistic == "global" and mesh.size(_DATA) > 1:
+        groups.append(mesh.group(_DATA))
+    moe.token_shards = mesh.size("tp") if split else 1
+    moe.restart_statistics()  # forwards before this one (a plan's check) are not the layout's
+    if groups:
+        moe.token_statistics = _summed_over(groups)  # type: ignore[method-assign,assignment]
+
+
+def _summed_over(groups: list[dist.ProcessGroup]) -> Callable[[torch.Tensor], torch.Tensor]:
     def token_statistics(counts: torch.Tensor) -> torch.Tensor:
-        total = counts.detach().to(comm.device_of(group), copy=True)
-        with comm.operation("MoE balancing counts"):
-            comm.all_reduce(total, group)
+        """One small all-reduce per group (orthogonal groups: their product's sum), in forward,
+        where every rank of a group runs the layer at the same point; not differentiable."""
+        total = counts.detach()
+        for group in groups:
+            total = total.to(comm.device_of(group), copy=True)
+            with comm.operation("MoE balancing counts"):
+                comm.all_reduce(total, group)
         return total.to(counts.device)
 
     return token_statistics

@@ -49,6 +49,9 @@ class GPTConfig:
     aux_loss_coef: float = 0.0  # load-balancing loss weight (0: off)
     bias_update_rate: float = 0.0  # auxiliary-loss-free balancing step (0: off)
     capacity_factor: float | None = None  # None: dropless
+    # Tokens the balancing statistics cover: "global" (the step's whole batch, on any layout) or
+    # "microbatch" (each forward's own; plait.models.moe).
+    balance_statistic: str = "global"
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -197,7 +200,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp: nn.Module = MLP(cfg) if not cfg.n_experts else MoE(
             cfg.d_model, cfg.d_expert or cfg.d_ff or 0, cfg.n_experts, cfg.top_k, cfg.n_shared_experts,
-            cfg.gating, cfg.aux_loss_coef, cfg.bias_update_rate, cfg.capacity_factor)
+            cfg.gating, cfg.aux_loss_coef, cfg.bias_update_rate, cfg.capacity_factor,
+            cfg.balance_statistic)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

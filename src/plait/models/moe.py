@@ -18,6 +18,22 @@ Routing:
   DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores only to
   choose experts, moved by ``bias_update_rate`` towards balance
   by `update_balance` (after an optimizer step, from the counts the router saw).
+
+Which tokens the balancing statistics (``f_i`` and the bias's counts) cover,
+``balance_statistic``:
+
+* ``"global"`` (the default): every token of the training step, so that a model trains the same
+  on any number of ranks. The counts of each training forward go through `MoE.token_statistics`,
+  which a layout replaces with their sum over the ranks that share the step's batch
+  (`plait.expert_parallel` does), and add up over the step's forwards; ``f`` is read in backward,
+  when the step's forwards have all run. The loss is linear in ``P`` given ``f``: each forward
+  contributes its tokens' part of ``P`` (differentiable, local), weighted as its language-model
+  loss is. A step ends at an optimizer step (any torch optimizer; `MoE.restart_statistics`
+  otherwise); a forward after a backward of the same step has read ``f`` (gradient accumulation
+  with a backward per micro-batch, a 1F1B pipeline) is refused, as ``f`` was already used.
+  Forwards without a backward belong under ``torch.no_grad()`` or ``eval()``: they are not counted.
+* ``"microbatch"``: each forward's own tokens (each rank's micro-batch), what Megatron and most
+  trainers compute; the result then depends on how the batch is split.
 * ``capacity_factor=None``: dropless, every routed token is computed. Otherwise each expert
   takes at most ``ceil(capacity_factor * tokens * k / E)`` tokens, first come first served;
   the rest of its assignments are dropped (the token keeps its residual and its other experts).
@@ -32,10 +48,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["MoE", "SwiGLU", "GATINGS", "update_balance", "moe_layers", "set_aux_loss_scale"]
+from plait._torch_compat import in_backward
+
+__all__ = ["MoE", "SwiGLU", "GATINGS", "BALANCE_STATISTICS", "update_balance", "moe_layers",
+           "set_aux_loss_scale"]
 
 GATINGS = ("softmax", "sigmoid")
+BALANCE_STATISTICS = ("global", "microbatch")
 
 
 class SwiGLU(nn.Module):
@@ -51,18 +72,78 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _AuxLoss(torch.autograd.Function):
-    """Identity on ``out``; in backward, the auxiliary loss gets gradient ``scale`` (it is added
-    to the loss without appearing in it)."""
+class _Share:
+    """The balancing loss's ``f``: assignments per expert over ``top_k`` times the tokens, from
+    ``counts`` (per expert, then tokens) fixed when the forward ran."""
+
+    def __init__(self, counts: torch.Tensor | None, top_k: int) -> None:
+        self.counts, self.top_k = counts, top_k
+
+    def read(self) -> torch.Tensor:
+        assert self.counts is not None
+        return self.counts[:-1] / (self.counts[-1] * self.top_k)
+
+
+class _OptimizerSteps:
+    """How many optimizer steps this process has taken (torch's hook after every optimizer's
+    step): where the global statistic's training step ends."""
+
+    count = 0
+    _handle: Any = None
+
+    @classmethod
+    def watch(cls) -> None:
+        if cls._handle is None:
+            cls._handle = register_optimizer_step_post_hook(cls._stepped)
+
+    @classmethod
+    def _stepped(cls, *_: object) -> None:
+        cls.count += 1
+
+
+class _StepShare(_Share):
+    """``f`` over every forward of a training step: counts add up until an optimizer step; a
+    forward after a backward has read them, before the optimizer stepped, is refused."""
+
+    def __init__(self, top_k: int) -> None:
+        super().__init__(None, top_k)
+        _OptimizerSteps.watch()
+        self.step, self.read_in_step = _OptimizerSteps.count, False
+
+    def add(self, counts: torch.Tensor) -> None:
+        if self.step != _OptimizerSteps.count:  # the optimizer stepped: a new training step
+            self.counts, self.step, self.read_in_step = None, _OptimizerSteps.count, False
+        if self.read_in_step:
+            raise RuntimeError(
+                "MoE balancing loss (balance_statistic='global'): a forward ran after a backward of the "
+                "same optimizer step had used the routing statistics over the step's forwards, which this "
+                "forward now changes (gradient accumulation with a backward per micro-batch, or a pipeline "
+                "schedule that interleaves forwards and backwards). Run every forward of a step before "
+                "its backwards (a GPipe schedule), or use balance_statistic='microbatch' (each forward's "
+                "own tokens); a step that skipped its optimizer step calls restart_statistics()")
+        self.counts = counts if self.counts is None else self.counts + counts
+
+    def read(self) -> torch.Tensor:
+        self.read_in_step = True
+        return super().read()
+
+
+class _Balance(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``mass`` (each expert's router weight summed over this
+    forward's tokens) gets the balancing loss's gradient ``weight * f``, with ``f`` read from
+    ``share`` then: the loss is added to the gradients without appearing in the output, and a
+    statistic over the whole step can be used once the step's forwards have all counted."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.aux_dtype, ctx.scale = aux.dtype, scale
+    def forward(ctx: Any, out: torch.Tensor, mass: torch.Tensor, share: _Share,
+                weight: float) -> torch.Tensor:
+        ctx.share, ctx.weight, ctx.dtype = share, weight, mass.dtype
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        f = ctx.share.read().to(device=grad.device)
+        return grad, (ctx.weight * f).to(ctx.dtype), None, None
 
 
 class MoE(nn.Module):
@@ -72,7 +153,7 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, d_hidden: int, n_experts: int, top_k: int, n_shared_experts: int = 0,
                  gating: str = "softmax", aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
-                 capacity_factor: float | None = None) -> None:
+                 capacity_factor: float | None = None, balance_statistic: str = "global") -> None:
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"MoE: top_k={top_k} must be between 1 and n_experts={n_experts}")
@@ -80,6 +161,10 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: gating must be one of {GATINGS}, got {gating!r}")
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"MoE: capacity_factor must be > 0 (or None: dropless), got {capacity_factor}")
+        if balance_statistic not in BALANCE_STATISTICS:
+            raise ValueError(f"MoE: balance_statistic must be one of {BALANCE_STATISTICS}, got "
+                             f"{balance_statistic!r}")
+        self.balance_statistic = balance_statistic
         self.n_experts, self.top_k, self.gating = n_experts, top_k, gating
         self.aux_loss_coef, self.bias_update_rate, self.capacity_factor = (aux_loss_coef, bias_update_rate,
                                                                            capacity_factor)
@@ -88,9 +173,17 @@ class MoE(nn.Module):
         self.shared = SwiGLU(d_model, d_hidden * n_shared_experts) if n_shared_experts else None
         # Chooses experts only (DeepSeek-V3's balancing); saved with the model.
         self.register_buffer("expert_bias", torch.zeros(n_experts))
-        # Assignments per expert since the last update_balance: not a buffer, which data parallelism
-        # would broadcast from one rank over every rank's own counts.
+        # Assignments per expert since the last update_balance (summed by token_statistics under
+        # the global statistic): not a buffer, which data parallelism would broadcast from one rank
+        # over every rank's own counts.
         self.load: torch.Tensor | None = None
+        self.step_share = _StepShare(top_k)  # the global statistic's counts over this step
+        # Ranks whose tokens make up one forward's batch and whose gradients are summed (sequence
+        # parallelism's tp ranks): each forward's part of P is its tokens' over all of theirs.
+        self.token_shards = 1
+        # False while a forward whose graph is never backpropagated runs with gradients (a
+        # pipeline's probe of its stages' outputs): it does not count.
+        self.counts_forwards = True
         self.last_drop_rate = 0.0
         # The weight of this forward's auxiliary loss in the step's loss: 1/K when the caller
         # divides each of K accumulated micro-batches' losses by K (`set_aux_loss_scale`).
@@ -114,8 +207,7 @@ class MoE(nn.Module):
         order = torch.argsort(expert_of, stable=True)  # by expert, then by token: first come first served
         expert_of, token_of, weight_of = expert_of[order], token_of[order], weight_of[order]
         counts = torch.bincount(expert_of, minlength=self.n_experts)
-        if self.training:
-            self.load = counts if self.load is None else self.load + counts
+        share = self._statistics(counts, n) if self.training and torch.is_grad_enabled() else None
         if self.capacity_factor is not None:
             keep, counts = self._within_capacity(expert_of, counts, n)
             self.last_drop_rate = 1.0 - float(keep.sum()) / max(1, keep.numel())
@@ -125,8 +217,10 @@ class MoE(nn.Module):
         out = torch.zeros_like(tokens).index_add(0, token_of, weighted)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        if self.training and self.aux_loss_coef and torch.is_grad_enabled():
-            out = _AuxLoss.apply(out, self._aux_loss(scores, chosen, n), self.aux_loss_scale)
+        if share is not None:
+            probs = scores / scores.sum(-1, keepdim=True) if self.gating == "sigmoid" else scores
+            weight = self.aux_loss_coef * self.n_experts * self.aux_loss_scale / (n * self.token_shards)
+            out = _Balance.apply(out, probs.sum(0), share, weight)
         return out.reshape(shape)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,20 +249,36 @@ class MoE(nn.Module):
         return keep, counts.clamp(max=capacity)
 
     def token_statistics(self, counts: torch.Tensor) -> torch.Tensor:
-        """The balancing loss's counts (assignments per expert, then tokens) over the tokens of
-        one batch. Here, this forward's; a layout that splits a sequence's tokens over ranks
-        (sequence parallelism) replaces it with their sum over those ranks."""
+        """The balancing statistics' counts (assignments per expert, then tokens) summed over the
+        ranks they cover. Here, this forward's; a layout replaces it with their sum over the ranks
+        that share the step's batch (``balance_statistic="global"``) or, for ``"microbatch"``,
+        over those that split one micro-batch's tokens (sequence parallelism)."""
         return counts
 
-    def _aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, n: int) -> torch.Tensor:
-        assigned = torch.bincount(chosen.reshape(-1), minlength=self.n_experts).to(scores.dtype)
-        counts = self.token_statistics(torch.cat([assigned, assigned.new_full((1,), n)]))
-        assigned, total = counts[:-1], counts[-1]
-        share = assigned / (total * self.top_k)
-        probs = scores / scores.sum(-1, keepdim=True) if self.gating == "sigmoid" else scores
-        # This forward's tokens' share of the mean router weight: over ranks that each hold part
-        # of the tokens, the parts add up to the whole batch's loss.
-        return self.aux_loss_coef * self.n_experts * (share * probs.sum(0) / total).sum()
+    def restart_statistics(self) -> None:
+        """Forget the counts so far: the balancing bias's and this step's."""
+        self.load, self.step_share = None, _StepShare(self.top_k)
+
+    def _statistics(self, counts: torch.Tensor, n: int) -> _Share | None:
+        """Count this training forward's assignments; the ``f`` its backward reads (None without
+        the balancing loss)."""
+        # A checkpointed block's forward again (counted already), or a probe that is not training.
+        recomputing = in_backward() or not self.counts_forwards
+        local = torch.cat([counts, counts.new_full((1,), n)]).to(torch.float64)
+        if self.balance_statistic == "microbatch":
+            if not recomputing:
+                self.load = counts if self.load is None else self.load + counts
+            return _Share(self.token_statistics(local), self.top_k) if self.aux_loss_coef else None
+        if recomputing or not (self.aux_loss_coef or self.bias_update_rate):
+            return self.step_share if self.aux_loss_coef else None
+        total = self.token_statistics(local)  # every rank calls it at the same forward
+        if self.bias_update_rate:
+            assigned = total[:-1].to(counts.dtype)
+            self.load = assigned if self.load is None else self.load + assigned
+        if not self.aux_loss_coef:
+            return None
+        self.step_share.add(total)
+        return self.step_share
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -186,8 +296,10 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
 def update_balance(model: nn.Module, load: list[torch.Tensor] | None = None) -> None:
     """DeepSeek-V3's balancing step: each MoE layer's expert bias moves by ``bias_update_rate``
     up for experts that got fewer than the mean assignments since the last call, down for those
-    that got more; the counts then restart. ``load`` gives the counts to use instead of each
-    layer's own (the sum over data-parallel ranks, so every replica moves alike)."""
+    that got more; the counts then restart. Under ``balance_statistic="global"`` a layer's counts
+    are already the sum over every rank of the layout. ``load`` gives the counts to use instead of
+    each layer's own (for ``"microbatch"``: their sum over data-parallel ranks, so every replica
+    moves alike)."""
     for i, moe in enumerate(moe_layers(model)):
         counts = moe.load if load is None else load[i]
         if moe.bias_update_rate and counts is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -141,7 +141,7 @@ class Executor:
                 metas[s] = meta
                 if s == S - 1:
                     continue
-                with torch.enable_grad(), self.sync(s, False):
+                with torch.enable_grad(), self.sync(s, False), _uncounted(self.stages[s]):
                     out = as_tuple(self.stages[s](*inputs, *x), f"the output of stage {s}")
                 local = describe(out)
                 metas[-1 - s] = local  # output metadata under a negative key: -1 - stage
@@ -407,3 +407,15 @@ def busy_fraction(timeline: Sequence[Slot], total: float) -> float:
     return busy / total if total > 0 else 0.0
 
 
+@contextlib.contextmanager
+def _uncounted(stage: nn.Module) -> Iterator[None]:
+    """The metadata forward is never backpropagated: modules that count their training forwards
+    (``counts_forwards``: the MoE balancing statistics) leave it out."""
+    counting = [m for m in stage.modules() if getattr(m, "counts_forwards", False)]
+    for m in counting:
+        m.counts_forwards = False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for m in counting:
+            m.counts_forwards = True  # type: ignore[assignment]

@@ -69,6 +69,17 @@ class Schedule:
     def forward_only(self) -> bool:
         return not any(a.kind in (Kind.B, Kind.W, Kind.BW) for acts in self.actions for a in acts)
 
+    @property
+    def forwards_first(self) -> bool:
+        """Every rank runs all its forwards before any backward (GPipe): a statistic over every
+        microbatch of the step is known when the first backward runs."""
+        for acts in self.actions:
+            kinds = [a.kind for a in acts if a.kind.is_compute]
+            last_forward = max((i for i, k in enumerate(kinds) if k is Kind.F), default=-1)
+            if any(k is not Kind.F for k in kinds[:last_forward]):
+                return False
+        return True
+
     def stage_rank(self, stage: int) -> int:
         return stage_rank(self.placement, self.ranks, stage)
 
