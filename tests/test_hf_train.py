@@ -24,10 +24,11 @@ def llama_config(tmp_path_factory) -> str:
 
 
 def _losses(tmp_path, name: str, *flags: str) -> list[float]:
-    metrics = tmp_path / f"{name}.jsonl"
+    metrics = tmp_path / name / "metrics.jsonl"
     res = subprocess.run([sys.executable, "-m", "plait", "train", *flags, "--steps", "4", "--warmup", "1",
                           "--batch-size", "4", "--seq-len", "32", "--eval-every", "0", "--no-progress",
-                          "--metrics", str(metrics)], capture_output=True, text=True, timeout=300)
+                          "--run-dir", str(tmp_path), "--name", name],
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
 
@@ -65,7 +66,8 @@ def test_hf_config_is_checked_before_anything_starts(tmp_path, llama_config, cap
     cases = [
         (["--hf-config", str(tmp_path / "none")], "--hf-config .*none: no such file or folder"),
         (["--hf-config", str(tmp_path)], "the folder holds no config.json"),
-        (["--hf-config", str(small)], "vocab_size 100 cannot hold the corpus's byte tokens"),
+        (["--hf-config", str(small)],
+         "vocab_size 100 cannot embed the data's token ids: byte-level text holds ids up to 255"),
         (["--hf-config", llama_config, "--model", "small"], "--model small and --hf-config both name"),
         (["--hf-config", llama_config, "--seq-len", "65"], "--seq-len 65: the model's positions end at 64"),
         (["--hf-config", llama_config, "--nproc", "8", "--pp", "8", "--batch-size", "32"],
