@@ -418,7 +418,7 @@ class TrainConfig:
         par, seq_len = self.parallel, self.seq_len
         if self.model.hf_config is not None:
             self._check_hf_model()
-        elif self.factory is not None:
+        elif self.model_factory is not None:
             self._check_factory_model()
         else:
             self._check_gpt_model()
@@ -578,7 +578,7 @@ class TrainConfig:
                 raise ValueError(f"--tp {par.tp} with {flag}: {e}") from None
 
     @property
-    def factory(self) -> str | None:
+    def model_factory(self) -> str | None:
         """``--model package.module:function``: the FACTORY that builds the model (None: a preset)."""
         return self.model.name if usermodel.is_factory(self.model.name) else None
 
@@ -588,8 +588,8 @@ class TrainConfig:
         from plait.models.plans import plan_for
         from plait.tp.apply import check_plan
 
-        assert self.factory is not None
-        m, par, flag = self.model, self.parallel, f"--model {self.factory}"
+        assert self.model_factory is not None
+        m, par, flag = self.model, self.parallel, f"--model {self.model_factory}"
         for given, what in ((m.hf_config, "--hf-config"), (m.layers, "--layers"),
                             (m.vocab_size, "--vocab-size"), (m.init_from, "--init-from")):
             if given is not None:
@@ -598,8 +598,11 @@ class TrainConfig:
         if par.cp > 1:
             raise ValueError(f"--cp {par.cp} with {flag}: context parallelism replaces the attention of "
                              "plait's GPT and of transformers models only; drop --cp")
-        model = usermodel.build(self.factory, self.run.seed, "meta")
+        model = usermodel.build(self.model_factory, self.run.seed, "meta")
         self._check_vocab(usermodel.vocab_size_of(model), flag)
+        longest = usermodel.max_positions(model)
+        if longest is not None and self.seq_len > longest:
+            raise ValueError(f"--seq-len {self.seq_len}: the positions of {flag}'s model end at {longest}")
         if par.pp > 1:
             self._check_stages(model)
         if par.tp > 1:
@@ -677,8 +680,13 @@ class TrainConfig:
     @property
     def seq_len(self) -> int:
         """The tokens per training sequence."""
-        if self.factory is not None:
-            return self.model.seq_len or HF_DEFAULT_SEQ_LEN
+        if self.model_factory is not None:
+            if self.model.seq_len is not None:
+                return self.model.seq_len
+            if "_factory_positions" not in self.__dict__:  # built on meta once, not at every call
+                model = usermodel.build(self.model_factory, self.run.seed, "meta")
+                self._factory_positions = usermodel.max_positions(model)
+            return min(HF_DEFAULT_SEQ_LEN, self._factory_positions or HF_DEFAULT_SEQ_LEN)
         if self.model.hf_config is None:
             return self.gpt_config().seq_len
         if self.model.seq_len is not None:

@@ -62,8 +62,8 @@ def unwrapped_model(cfg: TrainConfig, device: torch.device | str) -> nn.Module:
         if str(device) != "meta":
             raise ValueError("a FACTORY model is built on the meta device only (plait plan)")
         return make_model()
-    if cfg.factory is not None:
-        return usermodel.build(cfg.factory, cfg.run.seed, device)
+    if cfg.model_factory is not None:
+        return usermodel.build(cfg.model_factory, cfg.run.seed, device)
     if cfg.model.hf_config is not None:
         from plait.app import hf
 
@@ -87,7 +87,7 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
     from plait.parallelize import ParallelPlan, parallelize
 
     # plait's GPT starts on the meta device: each strategy materializes only what this rank keeps.
-    own_gpt = cfg.model.hf_config is None and cfg.factory is None
+    own_gpt = cfg.model.hf_config is None and cfg.model_factory is None
     model = unwrapped_model(cfg, "meta" if own_gpt else device)
     # The config refused FSDP options under another strategy, so here they are FSDP's or defaults;
     # mixed precision applies to every strategy (FSDP's own, elsewhere plait.mixed_precision).
@@ -102,15 +102,15 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
     if par.pp > 1:
         # With --tp the last stage computes the vocab-parallel loss (loss_fn unset); a FACTORY's model
         # gets gathered logits and its own loss.
-        loss_fn = _factory_loss(cfg) if cfg.factory is not None else lm_loss if par.tp == 1 else None
+        loss_fn = _factory_loss(cfg) if cfg.model_factory is not None else lm_loss if par.tp == 1 else None
         plan = dataclasses.replace(plan, pp_schedule=par.schedule, pp_microbatches=cfg.pipeline_microbatches,
                                    pp_chunks=par.chunks, loss_fn=loss_fn)
     return parallelize(model, mesh, plan)
 
 
 def _factory_loss(cfg: TrainConfig) -> Callable:
-    assert cfg.factory is not None
-    return usermodel.loss_of(cfg.factory) or lm_loss
+    assert cfg.model_factory is not None
+    return usermodel.loss_of(cfg.model_factory) or lm_loss
 
 
 def _mean_over(value: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
@@ -259,7 +259,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if is_main:
         _say_what_was_read(corpus, log)
     model = build_model(cfg, mesh, device)
-    if cfg.factory is not None:
+    if cfg.model_factory is not None:
         loss_fn = _factory_loss(cfg)
     else:
         loss_fn = lm_loss if isinstance(model, Pipeline) else loss_fn_for(model)
@@ -283,7 +283,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     n_params = sum(p.numel() for p in meta_model.parameters())
     flops = runlog.flops_per_token(meta_model, seq)
     log.info("%s, %s params, corpus %s (%s tokens), %s %s, global batch %d x %d tokens; run folder %s",
-             cfg.factory or cfg.model.hf_config or cfg.model.name, f"{n_params:,}", corpus.source,
+             cfg.model_factory or cfg.model.hf_config or cfg.model.name, f"{n_params:,}", corpus.source,
              f"{len(corpus.train):,}", cfg.parallel.strategy,
              mesh if cfg.parallel.strategy != "dp" else f"{cfg.parallel.nproc} threads",
              cfg.data.batch_size, seq, folder)
@@ -418,8 +418,8 @@ def _identity(cfg: TrainConfig, sampler: BatchSampler) -> dict[str, Any]:
     the layout, precision and offload included (checkpoints reshard)."""
     opt = cfg.optimizer
     model: dict[str, Any]
-    if cfg.factory is not None:  # the function's name: what it builds is the user's to keep stable
-        model = {"factory": cfg.factory}
+    if cfg.model_factory is not None:  # the function's name: what it builds is the user's to keep stable
+        model = {"factory": cfg.model_factory}
     elif cfg.model.hf_config is None:
         model = dataclasses.asdict(cfg.gpt_config())
     else:  # the architecture, not the library version that wrote it

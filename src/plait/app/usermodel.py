@@ -21,7 +21,7 @@ from torch import nn
 from plait.check.common import CheckInputError, LossFn, load_factory
 from plait.env import seed_everything
 
-__all__ = ["is_factory", "build", "loss_of", "vocab_size_of"]
+__all__ = ["is_factory", "build", "loss_of", "vocab_size_of", "max_positions"]
 
 
 def is_factory(name: str) -> bool:
@@ -63,6 +63,17 @@ def build(factory: str, seed: int, device: torch.device | str) -> nn.Module:
 def loss_of(factory: str) -> LossFn | None:
     """The factory's ``loss_fn``, or None for the next-token loss (built on meta: nothing allocated)."""
     return _call(factory, "meta")[1]
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's positions cover, where its config says (plait's GPT's
+    ``cfg.seq_len``, a transformers config's ``max_position_embeddings``...)."""
+    from plait.app.hf import max_positions as config_positions
+
+    cfg = getattr(model, "cfg", None)
+    if isinstance(getattr(cfg, "seq_len", None), int):
+        return int(cfg.seq_len)  # type: ignore[union-attr]
+    return config_positions(getattr(model, "config", None))
 
 
 def vocab_size_of(model: nn.Module) -> int | None:
