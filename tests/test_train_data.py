@@ -197,3 +197,24 @@ def test_the_summary_after_resume_counts_this_runs_steps_and_a_finished_run_has_
     done, rows = _train(tmp_path, steps=6, resume=True, **flags)
     assert done["steps_this_run"] == 0 and done["tokens_per_s"] is None and done["final_loss"] is None
     assert rows[-1]["summary"]["steps_this_run"] == 0
+
+
+def test_tensorboard_is_refused_before_the_run_when_it_is_not_installed(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else
+                        real(name, *a))
+    with pytest.raises(ValueError, match=r"--tensorboard .* pip install 'plait\[tensorboard\]'"):
+        TrainConfig.from_flags(tensorboard=True)
+
+
+def test_tensorboard_event_files_hold_the_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _train(tmp_path, steps=3, eval_every=0, max_bytes=20_000, name="tb", tensorboard=True)
+    events = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    events.Reload()
+    assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
