@@ -27,7 +27,7 @@ def _losses(tmp_path, name: str, *flags: str) -> list[float]:
     metrics = tmp_path / name / "metrics.jsonl"
     res = subprocess.run([sys.executable, "-m", "plait", "train", *flags, "--steps", "4", "--warmup", "1",
                           "--batch-size", "4", "--seq-len", "32", "--eval-every", "0", "--no-progress",
-                          "--run-dir", str(tmp_path), "--name", name],
+                          "--max-bytes", "200000", "--run-dir", str(tmp_path), "--name", name],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
