@@ -235,10 +235,12 @@ def _open(path: str | Path | None, dtype: str | None, max_bytes: int | None) -> 
 
 
 def load_corpus(path: str | Path | None = None, max_bytes: int | None = None, val_fraction: float = 0.05,
-                dtype: str | None = None, eval_path: str | Path | None = None) -> Corpus:
+                dtype: str | None = None, eval_path: str | Path | None = None,
+                info: DataInfo | None = None) -> Corpus:
     """The training tokens and the held-out ones: ``eval_path``'s, or else the last ``val_fraction``
-    of ``path``'s. Text is read into memory (up to ``max_bytes``, None: all); token files are mapped."""
-    info = scan(path, dtype, max_bytes)
+    of ``path``'s. Text is read into memory (up to ``max_bytes``, None: all); token files are mapped.
+    ``info``: what `scan` found already (the config's), so that no rank reads a token file whole again."""
+    info = info if info is not None else scan(path, dtype, max_bytes)
     tokens = _open(path, dtype, max_bytes)
     if len(tokens) < MIN_TOKENS:
         raise ValueError(f"corpus at {info.source} has only {len(tokens)} tokens; need at least {MIN_TOKENS}")

@@ -255,7 +255,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     comm.configure(run_dir=str(folder))  # flight records of a failing collective go to the run's folder
     dp_rank, dp_size = mesh.rank(DATA_AXES), mesh.size(DATA_AXES)
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, dtype=cfg.data.data_dtype,
-                         eval_path=cfg.data.eval_data)
+                         eval_path=cfg.data.eval_data, info=getattr(cfg, "_data_info", None))
     if is_main:
         _say_what_was_read(corpus, log)
     model = build_model(cfg, mesh, device)
