@@ -218,3 +218,15 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
     events.Reload()
     assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+
+
+def test_a_step_that_diverged_is_written_as_null_and_flagged(tmp_path):
+    from plait.app.runlog import RunLog
+
+    log = RunLog(tmp_path / "r", active=True)
+    log.step({"step": 7, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
+    log.summary({"first_loss": 5.0, "final_loss": float("nan")})
+    step, summary = map(_strict, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())
+    assert step == {"step": 7, "loss": None, "grad_norm": None, "lr": 1e-3,
+                    "nonfinite": ["loss", "grad_norm"]}
+    assert summary["summary"] == {"first_loss": 5.0, "final_loss": None, "nonfinite": ["final_loss"]}
