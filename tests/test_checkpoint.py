@@ -74,8 +74,8 @@ def test_expert_parallel_checkpoint_resumes_on_other_ep_degrees(pools, tmp_path)
         assert resumed == pytest.approx(oracle[3:], rel=1e-4), layout
 
 
-def test_resume_without_save_dir_is_rejected():
-    with pytest.raises(ValueError, match="--resume needs --save-dir"):
+def test_resume_without_save_dir_or_name_is_rejected():
+    with pytest.raises(ValueError, match="--resume needs --name .* or --save-dir"):
         TrainConfig.from_flags(resume=True)
 
 

@@ -41,7 +41,7 @@ def run(tmp: str, **overrides) -> dict:
     logger = logging.getLogger("plait.checkpoint")
     logger.addHandler(collect)
     try:
-        losses = train(TrainConfig.from_flags(**{**RUN, "metrics": f"{tmp}/m.jsonl", **overrides}))["losses"]
+        losses = train(TrainConfig.from_flags(**{**RUN, "run_dir": tmp, **overrides}))["losses"]
     finally:
         logger.removeHandler(collect)
     return {"losses": losses, "warnings": "\n".join(collect.lines)}

@@ -21,7 +21,7 @@ def test_corpus_from_a_file_and_missing_path(tmp_path):
     f = tmp_path / "text.txt"
     f.write_bytes(b"hello world " * 500)
     c = load_corpus(f, val_fraction=0.1)
-    assert len(c.val) == 600 and c.source == str(f)
+    assert len(c.val) == 601 and c.source == str(f)  # 6000 bytes and the end of the document
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_corpus(tmp_path / "nope")
 

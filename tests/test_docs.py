@@ -157,8 +157,8 @@ def _command_lines(program: str) -> list[tuple[str, str]]:
         m = re.match(rf"plait {program} (.*)$", text)  # the bare name is a mention, not a command
         if not m or "[" in text or "|" in text or "..." in text:
             continue
-        if re.search(r"--(hf-config|init-from|config) ", text):
-            continue  # they name files that an earlier command of the page makes
+        if re.search(r"--(hf-config|init-from|config|data|eval-data) |--model \S+:", text):
+            continue  # they name files (or a module) that an earlier block of the page makes
         args = re.split(r"\s[>|]\s", m.group(1))[0]  # drop a redirection
         out.append((where, args))
     return out
@@ -167,7 +167,7 @@ def _command_lines(program: str) -> list[tuple[str, str]]:
 def test_every_plait_train_command_line_parses(tmp_path, monkeypatch):
     from plait.app.config import parse_args
 
-    monkeypatch.chdir(tmp_path)  # --save-dir and --metrics are checked for being writable here
+    monkeypatch.chdir(tmp_path)  # --save-dir and --run-dir are checked for being writable here
     commands = _command_lines("train")
     assert len(commands) >= 30
     for where, args in commands:

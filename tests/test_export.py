@@ -42,7 +42,7 @@ def _train(tmp: str, **flags) -> list[float]:
     """`plait train`'s loop on this rank (picklable for the pool)."""
     from plait.app.train import train
 
-    return train(TrainConfig.from_flags(**{**BASE, **flags}, metrics=f"{tmp}/m.jsonl"))["losses"]
+    return train(TrainConfig.from_flags(**{**BASE, **flags}, run_dir=tmp))["losses"]
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,7 @@ BAD = [
      "--schedule interleaved .*at least as many microbatches"),
     (dict(schedule="round-robin"), "--schedule must be one of"),
     (dict(chunks=2), "--chunks 2 sets pipeline stages per rank: it needs --pp 2"),
-    (dict(seq_len=10**6), "--seq-len 1000000: .*held-out 5%"),
+    (dict(seq_len=10**7), "--seq-len 10000000: .*held-out 5%"),
     (dict(max_bytes=2000, seq_len=200), "--seq-len 200"),
     # Paths.
     (dict(data="/no/such/corpus"), "--data /no/such/corpus: no such file or folder"),
@@ -92,17 +92,23 @@ def test_paths_the_run_writes_are_checked(tmp_path):
     afile.write_text("x")
     with pytest.raises(ValueError, match="--save-dir .*is an existing file"):
         TrainConfig.from_flags(save_dir=str(afile))
-    with pytest.raises(ValueError, match="--metrics .*file, so the folders above m.jsonl cannot be created"):
-        TrainConfig.from_flags(metrics=str(afile / "sub" / "m.jsonl"))
-    with pytest.raises(ValueError, match="--metrics .*is a folder"):
-        TrainConfig.from_flags(metrics=str(tmp_path))
+    with pytest.raises(ValueError, match="--run-dir .*file, so the folders above runs cannot be created"):
+        TrainConfig.from_flags(run_dir=str(afile / "sub" / "runs"))
+    with pytest.raises(ValueError, match="--run-dir .*is an existing file"):
+        TrainConfig.from_flags(run_dir=str(afile))
+    (tmp_path / "runs" / "old").mkdir(parents=True)
+    (tmp_path / "runs" / "old" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="--name old: .* holds a run already; add --resume"):
+        TrainConfig.from_flags(run_dir=str(tmp_path / "runs"), name="old")
+    with pytest.raises(ValueError, match="--name '../x': names one folder"):
+        TrainConfig.from_flags(name="../x")
     with pytest.raises(ValueError, match="--save-dir .*file, so the folders"):
         TrainConfig.from_flags(save_dir=str(afile / "ckpt"))
     small = tmp_path / "small.txt"
     small.write_text("tiny")
-    with pytest.raises(ValueError, match="--data .*holds 4 bytes"):
+    with pytest.raises(ValueError, match="--data .*holds 5 tokens"):  # 4 bytes and the end of the document
         TrainConfig.from_flags(data=str(small))
-    TrainConfig.from_flags(save_dir=str(tmp_path / "new" / "ckpt"), metrics=str(tmp_path / "new" / "m.jsonl"))
+    TrainConfig.from_flags(save_dir=str(tmp_path / "new" / "ckpt"), run_dir=str(tmp_path / "new" / "runs"))
 
 
 @pytest.mark.parametrize("kwargs", [

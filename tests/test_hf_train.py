@@ -26,7 +26,7 @@ def _losses(tmp: str, hf_config: str, **layout) -> list[float]:
     from plait.app.train import TrainConfig, train
 
     cfg = TrainConfig.from_flags(hf_config=hf_config, steps=4, warmup=1, batch_size=4, seq_len=32,
-                                 eval_every=0, progress=False, max_bytes=200_000, metrics=f"{tmp}/m.jsonl",
+                                 eval_every=0, progress=False, max_bytes=200_000, run_dir=tmp, name="run",
                                  **layout)
     return train(cfg)["losses"]
 
@@ -61,7 +61,8 @@ def test_hf_config_is_checked_before_anything_starts(tmp_path, llama_config, cap
     cases = [
         (["--hf-config", str(tmp_path / "none")], "--hf-config .*none: no such file or folder"),
         (["--hf-config", str(tmp_path)], "the folder holds no config.json"),
-        (["--hf-config", str(small)], "vocab_size 100 cannot hold the corpus's byte tokens"),
+        (["--hf-config", str(small)],
+         "vocab_size 100 cannot embed the data's token ids: byte-level text holds ids up to 255"),
         (["--hf-config", llama_config, "--model", "small"], "--model small and --hf-config both name"),
         (["--hf-config", llama_config, "--seq-len", "65"], "--seq-len 65: the model's positions end at 64"),
         (["--hf-config", llama_config, "--nproc", "8", "--pp", "8", "--batch-size", "32"],

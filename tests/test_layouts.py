@@ -64,7 +64,7 @@ def _run(tmp: str, **layout) -> dict:
     losses = train_losses(tmp, grad_clip=MAX_NORM, **layout)
     if dist.is_initialized() and dist.get_rank() != 0:
         return {"losses": losses, "norms": None}
-    metrics = Path(tmp) / "m.jsonl"  # where train_losses has the loop write its metrics
+    [metrics] = Path(tmp).glob("*/metrics.jsonl")  # the one run train_losses had write into tmp
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return {"losses": losses, "norms": [r["grad_norm"] for r in rows if "step" in r]}
 

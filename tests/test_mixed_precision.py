@@ -323,7 +323,7 @@ def _train_fp16(tmp: str, **extra) -> dict:
     from plait.app.train import TrainConfig, train
 
     flags = {**TRAIN_BASE, "steps": 3, "batch_size": 4, "seq_len": 16, "max_bytes": 20_000}
-    cfg = TrainConfig.from_flags(**{**flags, "metrics": f"{tmp}/m.jsonl", "save_dir": f"{tmp}/ckpt",
+    cfg = TrainConfig.from_flags(**{**flags, "run_dir": tmp, "save_dir": f"{tmp}/ckpt",
                                     "strategy": "ddp", "nproc": 2, "pp": 2, "mixed_precision": "fp16",
                                     **extra})
     return train(cfg)
@@ -341,7 +341,8 @@ def test_train_fp16_saves_and_restores_the_loss_scale(pools, tmp_path):
     meta["grad_scaler"].update(scale=512.0, _growth_tracker=1999)  # the next clean step doubles it
     meta_path.write_text(json.dumps(meta))
     resumed = pools[2].run(_train_fp16, tmp, resume=True)
-    rows = [json.loads(line) for line in (Path(tmp) / "m.jsonl").read_text().splitlines()]
+    metrics = Path(resumed[0]["run_dir"]) / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     last = [r for r in rows if r.get("step") == 3][-1]
     assert last["loss_scale"] == (256.0 if last["skipped"] else 1024.0), last  # from 512, not 2**16
     assert resumed[0]["loss_scale"] == resumed[1]["loss_scale"] == last["loss_scale"]

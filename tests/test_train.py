@@ -13,20 +13,28 @@ from plait.app.train import TrainConfig, lr_at
 from plait.env import free_port
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def _run(args: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "plait", *args], capture_output=True, text=True,
                           timeout=300, **kw)
 
 
 def test_train_ddp_two_ranks_loss_falls(tmp_path):
-    metrics = tmp_path / "m.jsonl"
     res = _run(["train", "--nproc", "2", "--steps", "40", "--warmup", "5", "--eval-every", "20",
-                "--batch-size", "8", "--max-bytes", "2000000", "--metrics", str(metrics), "--no-progress"])
+                "--batch-size", "8", "--max-bytes", "2000000", "--run-dir", str(tmp_path), "--name", "r",
+                "--no-progress"])
     assert res.returncode == 0, res.stderr
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [json.loads(line, parse_constant=_no_constant) for line in
+            (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step" in r]
-    summary = rows[-1]["summary"]
-    assert len(steps) == 40 and summary["world"] == 2
+    header, summary = rows[0]["header"], rows[-1]["summary"]
+    assert len(steps) == 40 and summary["world"] == 2 and header["world"] == 2
+    assert header["run_id"] == "r" and header["layout"]["data_parallel"] == 2
+    assert header["data"]["truncated"] and "read 2000000 of its" in res.stderr  # --max-bytes says it cut
+    assert (tmp_path / "r" / "config.toml").read_text().startswith("[model]")
     # A byte-level model starts near ln(256) = 5.5 and quickly learns byte frequencies.
     assert summary["first_loss"] > 5.0
     assert sum(r["loss"] for r in steps[-5:]) / 5 < summary["first_loss"] - 1.5
@@ -40,7 +48,6 @@ def test_plait_run_launches_a_user_script_with_its_own_flags(tmp_path):
     # test_plait_run_splits_the_command_line_at_the_script), and `plait train` runs under the
     # launcher (the script is plait train's entry point, given `--nproc 2` as a user would).
     script = tmp_path / "job.py"
-    metrics = tmp_path / "m.jsonl"
     script.write_text(textwrap.dedent("""
         import sys
         from plait.app.cli import main
@@ -49,9 +56,11 @@ def test_plait_run_launches_a_user_script_with_its_own_flags(tmp_path):
     res = _run(["run", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script),
                 "--nproc", "2", "--steps", "3", "--model", "tiny", "--batch-size", "8",
                 "--max-bytes", "200000", "--eval-every", "0", "--no-progress", "--warmup", "1",
-                "--metrics", str(metrics)])
+                "--run-dir", str(tmp_path)])
     assert res.returncode == 0, res.stderr
     assert "terminate called" not in res.stderr
+    # Each rank parsed the command line itself; rank 0's run id is everyone's: one folder.
+    [metrics] = tmp_path.glob("*/metrics.jsonl")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows if "step" in r] == [1, 2, 3] and rows[-1]["summary"]["world"] == 2
 
@@ -87,7 +96,7 @@ def test_grad_clip_zero_means_no_clipping(tmp_path):
         for clip in (0.0, 1e9, 0.5):
             cfg = TrainConfig.from_flags(strategy="none", nproc=1, grad_clip=clip, steps=4, warmup=1,
                                          batch_size=8, seq_len=32, eval_every=0, progress=False,
-                                         max_bytes=200_000, lr=1e-2, metrics="{tmp_path}/m.jsonl")
+                                         max_bytes=200_000, lr=1e-2, run_dir="{tmp_path}")
             out[clip] = train(cfg)["losses"]
         print(json.dumps(list(out.values())))
     """)
@@ -109,7 +118,7 @@ def test_grad_clip_zero_means_no_clipping(tmp_path):
     (dict(strategy="ddp", nproc=4, pp=2, batch_size=8, grad_accum=2), "--microbatches 4 x --grad-accum 2"),
     (dict(strategy="dp", nproc=2, pp=2), "--pp combines"),
     (dict(strategy="ddp", nproc=2, pp=2, batch_size=6, microbatches=4), "--microbatches"),
-    (dict(resume=True, pp=2, nproc=2), "--resume needs --save-dir"),
+    (dict(resume=True, pp=2, nproc=2), "--resume needs --name .* or --save-dir"),
     (dict(strategy="ddp", nproc=2, cp=2, seq_len=30), "--seq-len 30 must be divisible by 4"),
     (dict(cp_algorithm="ulysses"), "--cp 1 would ignore it"),
     (dict(strategy="ddp", nproc=8, cp=4, tp=2, cp_algorithm="ulysses"), "2 attention heads over --cp 4"),

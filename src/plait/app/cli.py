@@ -32,7 +32,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 # What `pip install plait[cli]` adds for the command (the library needs torch only).
-CLI_EXTRAS = ("tyro", "tqdm", "safetensors", "tomli")
+CLI_EXTRAS = ("tyro", "tqdm", "safetensors", "tomli", "numpy")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,8 @@ by `TrainConfig` itself, in the parent process, before any rank is spawned.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import json
 import math
@@ -38,7 +38,8 @@ if sys.version_info >= (3, 11):
 else:  # the same parser, before it joined the standard library
     import tomli as tomllib
 
-from plait.app.data import default_corpus_path, load_corpus
+from plait.app import data as corpus
+from plait.app import usermodel
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, PRESETS, GPTConfig
 from plait.pipeline import SCHEDULES, make_schedule
@@ -53,6 +54,7 @@ ModelName = Literal["tiny", "small", "25m", "50m", "100m", "llama3-8b", "llama3-
 Strategy = Literal["none", "dp", "ddp", "fsdp"]
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
 Precision = Literal["bf16", "fp16"]
+TokenDtype = Literal["uint16", "uint32"]  # plait.app.data.TOKEN_DTYPES
 CPAlgorithm = Literal["ring", "allgather", "ulysses"]  # plait.cp.ALGORITHMS
 Checkpointing = Literal["none", "full", "selective"]  # "none", then plait.activation_checkpointing.POLICIES
 ZeroStage = Literal[1, 2, 3]
@@ -61,21 +63,25 @@ BalanceStatistic = Literal["global", "microbatch"]  # plait.models.moe.BALANCE_S
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 MIXED_PRECISIONS: tuple[str, ...] = get_args(Precision)
 HF_DEFAULT_SEQ_LEN = 128  # --hf-config without --seq-len
-MIN_CORPUS_BYTES = 1024  # load_corpus refuses less
-VAL_FRACTION = inspect.signature(load_corpus).parameters["val_fraction"].default
+MIN_CORPUS_BYTES = corpus.MIN_TOKENS  # load_corpus refuses less
+VAL_FRACTION = inspect.signature(corpus.load_corpus).parameters["val_fraction"].default
 
 
 @dataclass
 class ModelSection:
-    """The model: plait's GPT at one of its preset sizes."""
+    """The model: plait's GPT at one of its preset sizes, or the model a function of yours builds."""
 
-    name: Annotated[ModelName, tyro.conf.arg(name="model")] = "tiny"
-    """the preset: tiny | small | 25m | 50m | 100m | llama3-8b | llama3-70b (Llama 3's shapes)"""
+    name: Annotated[str, tyro.conf.arg(name="model", metavar="PRESET|FACTORY")] = "tiny"
+    """plait's GPT at a preset: tiny | small | 25m | 50m | 100m | llama3-8b | llama3-70b (Llama 3's
+    shapes); or package.module:function, a FACTORY as plait check takes it (returns the model, or
+    (model, make_batch, loss_fn): loss_fn(output, targets) replaces the next-token loss)"""
     seq_len: int | None = None
-    """tokens per sequence; None: the preset's (with --hf-config 128, fewer if the model's positions end
-    sooner)"""
+    """tokens per sequence; None: the preset's (with --hf-config or a FACTORY 128, fewer if the model's
+    positions end sooner)"""
     layers: int | None = None
     """blocks of plait's GPT; None: the preset's"""
+    vocab_size: int | None = None
+    """plait's GPT's vocabulary; None: the preset's, or the data's (largest token id + 1) when larger"""
     hf_config: str | None = None
     """a transformers causal LM's config.json (or its folder): train that model, randomly initialised,
     instead of plait's GPT (needs plait[hf])"""
@@ -163,12 +169,17 @@ class OptimizerSection:
 
 @dataclass
 class DataSection:
-    """The byte-level corpus and the global batch."""
+    """The corpus (text as bytes, or a token file) and the global batch."""
 
     path: Annotated[str | None, tyro.conf.arg(name="data")] = None
-    """a text file or folder; None: the Python standard library's sources"""
-    max_bytes: int = 16 * 2**20
-    """read at most this much of the corpus"""
+    """a token file (.bin, .npy), or a text file or folder (bytes; .git and binary files skipped); None:
+    the Python standard library's sources"""
+    data_dtype: TokenDtype | None = None
+    """a raw .bin's token width: uint16 (nanoGPT's) | uint32; None: from the Megatron .idx beside it"""
+    eval_data: str | None = None
+    """held-out data for the validation loss, in any --data format; None: the last 5% of --data"""
+    max_bytes: int | None = None
+    """read at most this many bytes of a text corpus (said in the log when it cuts); None: all of it"""
     batch_size: int = 16
     """the global batch, in sequences"""
 
@@ -202,8 +213,16 @@ class RunSection:
     eval_every: int = 50
     """steps between held-out evaluations (0: off)"""
     eval_batches: int = 4
-    metrics: str = "runs/metrics.jsonl"
-    """JSON lines, one per step, appended"""
+    run_dir: str = "runs"
+    """the folder of run folders: each run writes RUN_DIR/NAME/ (config.toml, metrics.jsonl, flight/,
+    checkpoints/)"""
+    name: str | None = None
+    """the run's folder under --run-dir; None: a new timestamped id. An existing run continues only
+    with --resume"""
+    tensorboard: bool = False
+    """also write TensorBoard event files to RUN_DIR/NAME/tensorboard (needs the tensorboard package)"""
+    peak_tflops: float | None = None
+    """one device's peak dense TFLOP/s in the training dtype, for MFU; None: known GPUs' (CPUs: no MFU)"""
     progress: bool = True
     """a progress bar on rank 0"""
 
@@ -256,6 +275,7 @@ class TrainConfig:
         self._check_choices()
         self._check_ranges()
         self._check_layout()
+        self._data_info = self._check_data()
         if self.parallel.pp > 1:
             self._check_pipeline()
         self._check_model_fit()
@@ -265,8 +285,9 @@ class TrainConfig:
 
     def _check_choices(self) -> None:
         par = self.parallel
-        if self.model.name not in PRESETS:
-            raise ValueError(f"--model must be one of {sorted(PRESETS)}, got {self.model.name!r}")
+        if self.model.name not in PRESETS and not usermodel.is_factory(self.model.name):
+            raise ValueError(f"--model must be one of {sorted(PRESETS)} or a FACTORY "
+                             f"(package.module:function), got {self.model.name!r}")
         if par.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {STRATEGIES}, got {par.strategy!r}")
         if par.schedule not in SCHEDULES:
@@ -298,8 +319,17 @@ class TrainConfig:
             raise ValueError("--layers sets the blocks of plait's GPT; --hf-config's model has its own "
                              "(edit num_hidden_layers in its config)")
         _require(run, "seed", 0 <= run.seed < 2**32, "an integer in [0, 2**32)")
-        _require(self.data, "max_bytes", self.data.max_bytes >= MIN_CORPUS_BYTES,
+        cap = self.data.max_bytes
+        _require(self.data, "max_bytes", cap is None or cap >= MIN_CORPUS_BYTES,
                  f"an integer >= {MIN_CORPUS_BYTES} (the smallest corpus the loader accepts)")
+        _require(self.model, "vocab_size", self.model.vocab_size is None or self.model.vocab_size >= 1,
+                 "an integer >= 1")
+        peak = run.peak_tflops
+        _require(run, "peak_tflops", peak is None or (math.isfinite(peak) and peak > 0),
+                 "a finite number > 0")
+        run_name = run.name
+        if run_name is not None and (Path(run_name).name != run_name or run_name[:1] in ("", ".")):
+            raise ValueError(f"--name {run.name!r}: names one folder under --run-dir (no '/', not hidden)")
         # `not x > 0` and friends are also true for NaN, which every comparison rejects.
         _require(opt, "lr", math.isfinite(opt.lr) and opt.lr > 0, "a finite number > 0")
         _require(opt, "min_lr_ratio", 0 <= opt.min_lr_ratio <= 1, "a number in [0, 1]")
@@ -360,8 +390,9 @@ class TrainConfig:
         if self.data.batch_size % (self.data_parallel_size * self.run.grad_accum):
             raise ValueError(f"--batch-size {self.data.batch_size} must be divisible by the data-parallel "
                              f"size {self.data_parallel_size} x --grad-accum {self.run.grad_accum}")
-        if self.checkpoint.resume and not self.checkpoint.save_dir:
-            raise ValueError("--resume needs --save-dir (where to find the checkpoint)")
+        if self.checkpoint.resume and not (self.checkpoint.save_dir or self.run.name):
+            raise ValueError("--resume needs --name (the run whose checkpoints to continue) or --save-dir "
+                             "(where to find the checkpoint)")
 
     def _check_pipeline(self) -> None:
         par = self.parallel
@@ -389,11 +420,27 @@ class TrainConfig:
 
     def _check_model_fit(self) -> None:
         """Model and data against the layout: head counts, pipeline segments, sequence length."""
-        gcfg, par, data = self.gpt_config(), self.parallel, self.data
-        seq_len = self.seq_len
+        par, seq_len = self.parallel, self.seq_len
         if self.model.hf_config is not None:
             self._check_hf_model()
-        elif par.tp > 1:
+        elif self.model_factory is not None:
+            self._check_factory_model()
+        else:
+            self._check_gpt_model()
+        if par.cp > 1:
+            self._check_cp(seq_len)
+        if par.sequence_parallel and seq_len % (par.tp * par.cp):
+            cut = f"each --cp {par.cp} rank's share of " if par.cp > 1 else ""
+            by = f"{par.cp * par.tp} (--cp x --tp)" if par.cp > 1 else "it"
+            raise ValueError(f"--sequence-parallel splits {cut}the sequence over --tp {par.tp}: the sequence "
+                             f"length {seq_len} (--seq-len) must be divisible by {by}")
+        self._check_windows(seq_len)
+
+    def _check_gpt_model(self) -> None:
+        """plait's GPT against the layout (its heads and MLP units over --tp, its blocks over --pp)
+        and the data (its vocabulary)."""
+        gcfg, par = self.gpt_config(), self.parallel
+        if par.tp > 1:
             kv_heads, mlp_units = gcfg.n_kv_heads, gcfg.d_ff
             assert kv_heads is not None and mlp_units is not None  # GPTConfig.__post_init__ sets them
             sizes = {"attention heads": gcfg.n_heads, "KV heads": kv_heads, "MLP units": mlp_units}
@@ -402,29 +449,51 @@ class TrainConfig:
                 have = ", ".join(f"{n} {what}" for what, n in sizes.items())
                 raise ValueError(f"--tp {par.tp}: tensor parallelism splits the {self.model.name} model's "
                                  f"{have} evenly over the tp ranks; --tp must divide them all: one of {fits}")
-        if par.cp > 1:
-            self._check_cp(seq_len, gcfg)
-        if par.sequence_parallel and seq_len % (par.tp * par.cp):
-            cut = f"each --cp {par.cp} rank's share of " if par.cp > 1 else ""
-            by = f"{par.cp * par.tp} (--cp x --tp)" if par.cp > 1 else "it"
-            raise ValueError(f"--sequence-parallel splits {cut}the sequence over --tp {par.tp}: the sequence "
-                             f"length {seq_len} (--seq-len) must be divisible by {by}")
-        if par.pp > 1 and self.model.hf_config is None:
+        self._check_vocab(gcfg.vocab_size, f"--model {self.model.name} (--vocab-size)")
+        if par.pp > 1:
             with torch.device("meta"):
                 self._check_stages(GPT(gcfg))
-        if data.path is not None and not Path(data.path).exists():
-            raise ValueError(f"--data {data.path}: no such file or folder")
-        total = _corpus_bytes(data.path, data.max_bytes)
-        if total < MIN_CORPUS_BYTES:
-            raise ValueError(f"--data {data.path}: holds {total} bytes; the corpus needs at least "
+
+    def _check_data(self) -> corpus.DataInfo:
+        """What --data holds (sizes, and the largest token id of a token file), read once here; the
+        --eval-data file must be in a format the loader reads too."""
+        data = self.data
+        try:
+            info = corpus.scan(data.path, data.data_dtype, data.max_bytes)
+            if data.eval_data is not None:
+                eval_dtype = data.data_dtype if corpus.is_token_file(data.eval_data) else None
+                self._eval_info = corpus.scan(data.eval_data, eval_dtype, data.max_bytes)
+                if self._eval_info.vocab > info.vocab:
+                    info = dataclasses.replace(info, vocab=self._eval_info.vocab)
+        except (OSError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        if info.tokens < MIN_CORPUS_BYTES:
+            raise ValueError(f"--data {info.source}: holds {info.tokens} tokens; the corpus needs at least "
                              f"{MIN_CORPUS_BYTES}")
-        held_out = total - int(total * (1 - VAL_FRACTION))  # the split load_corpus makes
+        return info
+
+    def _check_windows(self, seq_len: int) -> None:
+        """A training window is seq_len + 1 tokens, and the held-out data must hold one as well."""
+        info, data = self._data_info, self.data
+        if data.eval_data is not None:
+            held_out, where = self._eval_info.tokens, f"--eval-data {data.eval_data}"
+        else:
+            held_out = info.tokens - int(info.tokens * (1 - VAL_FRACTION))  # the split load_corpus makes
+            cap = f", --max-bytes {data.max_bytes}" if data.max_bytes is not None else ""
+            where = (f"the held-out {VAL_FRACTION:.0%} of the corpus ({held_out} of {info.tokens} tokens "
+                     f"read from {data.path or 'the standard library'}{cap})")
         if held_out <= seq_len + 1:
-            raise ValueError(
-                f"--seq-len {seq_len}: a training window is seq_len + 1 bytes and the held-out "
-                f"{VAL_FRACTION:.0%} of the corpus ({held_out} of {total} bytes read from "
-                f"{data.path or 'the standard library'}, --max-bytes {data.max_bytes}) must hold one; use "
-                f"--seq-len below {held_out - 1} or a larger corpus")
+            raise ValueError(f"--seq-len {seq_len}: a training window is seq_len + 1 tokens and {where} must "
+                             f"hold one; use --seq-len below {held_out - 1} or more data")
+
+    def _check_vocab(self, vocab: int | None, what: str) -> None:
+        """The data's token ids against the model's vocabulary, before any rank embeds one past it."""
+        info = self._data_info
+        if vocab is not None and info.vocab > vocab:
+            source = "byte-level text" if info.kind == "text" else f"the token file {info.source}"
+            raise ValueError(f"{what}: vocab_size {vocab} cannot embed the data's token ids: {source} holds "
+                             f"ids up to {info.vocab - 1} (needs a vocabulary of at least {info.vocab}); use "
+                             "a model with a larger vocabulary or data tokenized for this one")
 
     def _check_experts(self) -> None:
         m, par = self.model, self.parallel
@@ -439,9 +508,10 @@ class TrainConfig:
             if par.ep > 1:
                 raise ValueError(f"--ep {par.ep} splits experts over ranks: it needs --experts")
             return
-        if m.hf_config is not None:
-            raise ValueError("--experts builds MoE blocks in plait's GPT; with --hf-config the model is the "
-                             "transformers one: drop one of them")
+        if m.hf_config is not None or usermodel.is_factory(m.name):
+            other = ("--hf-config the model is the transformers one" if m.hf_config
+                     else f"--model {m.name} the factory builds the model")
+            raise ValueError(f"--experts builds MoE blocks in plait's GPT; with {other}: drop one of them")
         if m.experts < 0 or not 1 <= m.top_k <= m.experts or m.shared_experts < 0:
             raise ValueError(f"--experts {m.experts} --top-k {m.top_k} --shared-experts {m.shared_experts}: "
                              "need experts >= 1, 1 <= top-k <= experts, shared-experts >= 0")
@@ -495,7 +565,7 @@ class TrainConfig:
                              "microbatch is not known when that backward needs it; use --schedule gpipe "
                              f"(every forward first), {advice}")
 
-    def _check_cp(self, seq_len: int, gcfg: GPTConfig) -> None:
+    def _check_cp(self, seq_len: int) -> None:
         par = self.parallel
         if seq_len % (2 * par.cp):
             raise ValueError(f"--cp {par.cp} cuts each sequence into {2 * par.cp} equal chunks (two per "
@@ -503,7 +573,7 @@ class TrainConfig:
                              f"{2 * par.cp}")
         if par.cp_algorithm == "ulysses":
             if self.model.hf_config is None:
-                heads = gcfg.n_heads  # plait's GPT repeats its KV heads to the query heads
+                heads = self.gpt_config().n_heads  # plait's GPT repeats its KV heads to the query heads
             else:
                 from plait.app import hf
 
@@ -529,9 +599,7 @@ class TrainConfig:
         if self.model.name != ModelSection.name:
             raise ValueError(f"--model {self.model.name} and --hf-config both name the model: give one")
         config = hf.load_config(self.model.hf_config)
-        if getattr(config, "vocab_size", 0) < hf.BYTE_VOCAB:
-            raise ValueError(f"{flag}: vocab_size {getattr(config, 'vocab_size', None)} cannot hold the "
-                             f"corpus's byte tokens; it needs at least {hf.BYTE_VOCAB}")
+        self._check_vocab(getattr(config, "vocab_size", 0), flag)
         longest = hf.max_positions(config)
         if longest is not None and self.seq_len > longest:
             raise ValueError(f"--seq-len {self.seq_len}: the model's positions end at {longest}")
@@ -543,6 +611,42 @@ class TrainConfig:
                 check_plan(model, plan_for(model), tp=par.tp, sequence_parallel=par.sequence_parallel)
             except ValueError as e:
                 raise ValueError(f"--tp {par.tp} with {flag}: {e}") from None
+
+    @property
+    def model_factory(self) -> str | None:
+        """``--model package.module:function``: the FACTORY that builds the model (None: a preset)."""
+        return self.model.name if usermodel.is_factory(self.model.name) else None
+
+    def _check_factory_model(self) -> None:
+        """The user's model on the meta device, against the data and the layout, as `_check_hf_model`
+        does for transformers models: what plait's GPT alone has is refused by name."""
+        from plait.models.plans import plan_for
+        from plait.tp.apply import check_plan
+
+        assert self.model_factory is not None
+        m, par, flag = self.model, self.parallel, f"--model {self.model_factory}"
+        for given, what in ((m.hf_config, "--hf-config"), (m.layers, "--layers"),
+                            (m.vocab_size, "--vocab-size"), (m.init_from, "--init-from")):
+            if given is not None:
+                raise ValueError(f"{what} applies to plait's GPT (and --init-from to it and --hf-config); "
+                                 f"{flag} builds its own model: drop {what}, or do it in the factory")
+        if par.cp > 1:
+            raise ValueError(f"--cp {par.cp} with {flag}: context parallelism replaces the attention of "
+                             "plait's GPT and of transformers models only; drop --cp")
+        model = usermodel.build(self.model_factory, self.run.seed, "meta")
+        self._check_vocab(usermodel.vocab_size_of(model), flag)
+        longest = usermodel.max_positions(model)
+        if longest is not None and self.seq_len > longest:
+            raise ValueError(f"--seq-len {self.seq_len}: the positions of {flag}'s model end at {longest}")
+        if par.pp > 1:
+            self._check_stages(model)
+        if par.tp > 1:
+            try:
+                check_plan(model, plan_for(model), tp=par.tp, sequence_parallel=par.sequence_parallel)
+            except ValueError as e:
+                raise ValueError(f"--tp {par.tp} with {flag}: {e}; plait.plan_for knows plait's GPT and the "
+                                 "common transformers families: use --strategy fsdp or ddp without --tp"
+                                 ) from None
 
     def _check_stages(self, model: torch.nn.Module) -> None:
         """Cut the model as the pipeline will (a meta-device copy, nothing allocated): every pp rank
@@ -586,7 +690,15 @@ class TrainConfig:
 
     def _check_paths(self) -> None:
         """Paths the run writes: found unusable only at the first write, after training started."""
-        _check_writable("--metrics", Path(self.run.metrics), want_dir=False)
+        if self.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("--tensorboard writes event files with the tensorboard package, which is not "
+                             "installed: pip install 'plait[tensorboard]' (or drop --tensorboard)")
+        _check_writable("--run-dir", Path(self.run.run_dir), want_dir=True)
+        if self.run.name is not None:
+            folder = Path(self.run.run_dir) / self.run.name
+            if (folder / "metrics.jsonl").exists() and not self.checkpoint.resume:
+                raise ValueError(f"--name {self.run.name}: {folder} holds a run already; add --resume to "
+                                 "continue it, or choose another --name (or leave it out for a new id)")
         if self.checkpoint.save_dir is not None:
             _check_writable("--save-dir", Path(self.checkpoint.save_dir), want_dir=True)
 
@@ -603,6 +715,13 @@ class TrainConfig:
     @property
     def seq_len(self) -> int:
         """The tokens per training sequence."""
+        if self.model_factory is not None:
+            if self.model.seq_len is not None:
+                return self.model.seq_len
+            if "_factory_positions" not in self.__dict__:  # built on meta once, not at every call
+                model = usermodel.build(self.model_factory, self.run.seed, "meta")
+                self._factory_positions = usermodel.max_positions(model)
+            return min(HF_DEFAULT_SEQ_LEN, self._factory_positions or HF_DEFAULT_SEQ_LEN)
         if self.model.hf_config is None:
             return self.gpt_config().seq_len
         if self.model.seq_len is not None:
@@ -618,7 +737,11 @@ class TrainConfig:
             n_experts=m.experts, top_k=m.top_k, n_shared_experts=m.shared_experts,
             capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef,
             bias_update_rate=m.bias_update_rate, balance_statistic=m.balance_statistic)
-        return dataclasses.replace(base, seq_len=m.seq_len or base.seq_len,
+        # The data's vocabulary grows the preset's (a token file of GPT-2 ids on --model tiny); a
+        # --vocab-size too small for it was refused.
+        info = getattr(self, "_data_info", None)
+        vocab = m.vocab_size or max(base.vocab_size, info.vocab if info is not None else 0)
+        return dataclasses.replace(base, seq_len=m.seq_len or base.seq_len, vocab_size=vocab,
                                    n_layers=m.layers or base.n_layers, **moe)
 
     def mesh(self) -> Mesh:
@@ -637,29 +760,11 @@ def _require(section: object, name: str, ok: bool, allowed: str) -> None:
         raise ValueError(f"--{name.replace('_', '-')} {getattr(section, name)}: must be {allowed}")
 
 
-def _corpus_bytes(data: str | None, max_bytes: int) -> int:
-    """How many bytes `load_corpus` will read: the files' total size, capped at ``max_bytes``."""
-    root = Path(data) if data is not None else default_corpus_path()
-    if root.is_file():
-        return min(root.stat().st_size, max_bytes)
-    suffix = ".py" if data is None else ""  # the default corpus is the standard library's .py files
-    total = 0
-    for folder, dirs, files in os.walk(root, followlinks=True):
-        dirs[:] = [d for d in dirs if d != "site-packages"]
-        for f in files:
-            if f.endswith(suffix):
-                with contextlib.suppress(OSError):
-                    total += os.stat(os.path.join(folder, f)).st_size
-            if total >= max_bytes:
-                return max_bytes
-    return total
-
-
 def _check_writable(flag: str, path: Path, want_dir: bool) -> None:
     """A path the run will create or append to: the right kind, under a writable folder."""
     if path.exists():
         if want_dir and not path.is_dir():
-            raise ValueError(f"{flag} {path}: is an existing file; checkpoints are written into a folder")
+            raise ValueError(f"{flag} {path}: is an existing file; the run writes into a folder there")
         if not want_dir and path.is_dir():
             raise ValueError(f"{flag} {path}: is a folder; it must name the file to append to")
         if not os.access(path, os.W_OK):

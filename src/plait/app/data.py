@@ -1,8 +1,19 @@
-"""Byte-level language-modelling data from local text.
+"""Language-modelling data: local text as bytes, or pre-tokenized token files of any size.
 
-The default corpus is the Python standard library's own ``.py`` sources: real text that is
-present on every machine with Python, so nothing is downloaded. ``path`` may instead name a
-file or a folder (every regular file under it, sorted, is read as bytes).
+``--data`` names one of:
+
+* a **token file**: a flat array of token ids as nanoGPT's ``prepare.py`` and Megatron's
+  ``preprocess_data.py`` write them. ``.npy`` carries its dtype; a raw ``.bin`` does not, so its
+  dtype comes from ``--data-dtype`` (uint16 or uint32) or from the Megatron ``.idx`` beside it, and
+  a ``.bin`` with neither is refused rather than guessed. Read through `numpy.memmap`: a batch
+  touches only the pages its windows cover, whatever the file's size.
+* **text**: a file, or a folder whose regular files are read in sorted order as bytes (vocabulary
+  256). Hidden folders (``.git/``...) are skipped, and so are binary files (a NUL byte in their
+  first 8000 bytes, git's test), which makes byte 0 free: it ends every document (one per file).
+
+The default corpus is the Python standard library's own ``.py`` sources: real text present on
+every machine with Python, so nothing is downloaded. Token files are already packed by the tool
+that wrote them (nanoGPT appends its end-of-text token to each document).
 
 Sampling is a pure function of ``(seed, step)``: the global batch at step k is the same
 whatever the number of data-parallel ranks, and each rank takes its contiguous slice. That
@@ -12,73 +23,265 @@ comparable with a single-process run on the same global batch.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import struct
 import sysconfig
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-__all__ = ["load_corpus", "Corpus", "BatchSampler", "default_corpus_path"]
+__all__ = ["load_corpus", "load_tokens", "scan", "Corpus", "DataInfo", "BatchSampler", "default_corpus_path",
+           "TOKEN_DTYPES", "EOD_BYTE", "MIN_TOKENS", "fingerprint"]
 
-VOCAB_SIZE = 256
+VOCAB_SIZE = 256  # text is byte-level
+EOD_BYTE = 0  # ends each text document: binary files (those holding NUL) are skipped, so text has none
+TOKEN_DTYPES = ("uint16", "uint32")  # --data-dtype's choices for a raw .bin
+MIN_TOKENS = 1024  # a corpus smaller than this is refused
+BINARY_PROBE = 8000  # bytes read to tell a binary file (git reads as many)
+# Megatron's indexed dataset: the .idx header and its dtype codes (megatron/core/datasets/indexed_dataset.py).
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+TOKEN_SUFFIXES = (".bin", ".npy")
 
 
 def default_corpus_path() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        pattern = "*.py" if path == default_corpus_path() else "*"
-        return sorted(p for p in path.rglob(pattern) if p.is_file() and "site-packages" not in p.parts)
-    raise FileNotFoundError(f"--data {str(path)!r}: no such file or folder")
+@dataclass
+class DataInfo:
+    """What `scan` learns of ``--data`` without reading it all: enough to check a run before it starts."""
+
+    kind: str  # "text" | "tokens"
+    source: str
+    tokens: int  # the tokens a run reads (text: bytes plus one end-of-document byte per file)
+    vocab: int  # the largest token id + 1 (text: 256)
+    files: int = 1
+    skipped: list[str] = field(default_factory=list)  # binary files left out of a text folder
+    total_tokens: int = 0  # before --max-bytes; > tokens when the cap cut the corpus
+
+    @property
+    def truncated(self) -> bool:
+        return self.total_tokens > self.tokens
 
 
 @dataclass
 class Corpus:
-    train: torch.Tensor  # uint8 bytes
-    val: torch.Tensor
-    source: str
+    train: np.ndarray  # 1-D token ids: a memory map for token files, uint8 bytes for text
+    val: np.ndarray
+    info: DataInfo
+
+    @property
+    def source(self) -> str:
+        return self.info.source
 
 
-def load_corpus(path: str | Path | None = None, max_bytes: int = 32 * 2**20,
-                val_fraction: float = 0.05) -> Corpus:
-    """Read up to ``max_bytes`` of text as bytes; the last ``val_fraction`` is held out."""
+def is_token_file(path: str | Path) -> bool:
+    return Path(path).suffix in TOKEN_SUFFIXES
+
+
+def load_tokens(path: str | Path, dtype: str | None = None) -> np.ndarray:
+    """A token file as a read-only memory map (nothing read yet); ValueError naming what is wrong."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--data {p}: no such file")
+    if p.suffix == ".npy":
+        arr = np.load(p, mmap_mode="r")
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"--data {p}: a token file holds a 1-D array of integer token ids; this .npy "
+                             f"holds a {arr.ndim}-D {arr.dtype} array")
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            raise ValueError(f"--data-dtype {dtype}: {p} is a .npy of {arr.dtype}; drop --data-dtype (a .npy "
+                             "says its own dtype)")
+        return arr
+    own = _megatron_dtype(p.with_suffix(".idx"))
+    if own is not None and dtype is not None and np.dtype(dtype) != own:
+        raise ValueError(f"--data-dtype {dtype}: the Megatron index {p.with_suffix('.idx')} says {p} holds "
+                         f"{np.dtype(own).name} tokens; drop --data-dtype")
+    if own is None and dtype is None:
+        raise ValueError(f"--data {p}: a raw .bin does not say how wide its tokens are; add --data-dtype "
+                         "uint16 (nanoGPT's, vocabularies up to 65,536) or --data-dtype uint32")
+    chosen = np.dtype(own if own is not None else dtype)
+    size = p.stat().st_size
+    if size % chosen.itemsize:
+        raise ValueError(f"--data {p}: {size} bytes is not a whole number of {chosen.name} tokens "
+                         f"({chosen.itemsize} bytes each): is --data-dtype right?")
+    if size == 0:
+        raise ValueError(f"--data {p}: the file is empty")
+    return np.memmap(p, dtype=chosen, mode="r")
+
+
+def _megatron_dtype(idx: Path) -> type | None:
+    """The token dtype a Megatron ``.idx`` records, or None when there is no such file."""
+    if not idx.is_file():
+        return None
+    with idx.open("rb") as f:
+        head = f.read(len(MEGATRON_MAGIC) + 9)
+    if not head.startswith(MEGATRON_MAGIC) or len(head) < len(MEGATRON_MAGIC) + 9:
+        raise ValueError(f"{idx}: lies beside the .bin but is not a Megatron index (its header is not "
+                         f"{MEGATRON_MAGIC!r}); move it away or give the tokens as .npy")
+    code = head[len(MEGATRON_MAGIC) + 8]
+    if code not in MEGATRON_DTYPES:
+        raise ValueError(f"{idx}: dtype code {code} is not an integer token type")
+    return MEGATRON_DTYPES[code]
+
+
+def _text_files(root: Path) -> Iterator[Path]:
+    """The files of a text corpus in sorted order, hidden folders (.git, .venv) and, in the default
+    corpus, everything but the standard library's .py sources left out."""
+    default = root == default_corpus_path()
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (default and d == "site-packages"))
+        for name in sorted(files):
+            if default and not name.endswith(".py"):
+                continue
+            path = Path(folder, name)
+            if path.is_file():
+                yield path
+
+
+def _is_binary(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return b"\0" in f.read(BINARY_PROBE)
+    except OSError:
+        return True  # unreadable: left out like a binary file
+
+
+def _text_plan(root: Path) -> tuple[list[tuple[Path, int]], list[str]]:
+    """(file, size) of each text file in reading order, and the binary files skipped."""
+    if root == default_corpus_path():
+        return _default_plan()
+    if root.is_file():
+        if _is_binary(root):
+            raise ValueError(f"--data {root}: holds NUL bytes, so it is not text; if it holds token ids, "
+                             "name it .bin with --data-dtype, or save it as .npy")
+        return [(root, root.stat().st_size)], []
+    if not root.is_dir():
+        raise FileNotFoundError(f"--data {root}: no such file or folder")
+    plan, skipped = [], []
+    for f in _text_files(root):
+        if _is_binary(f):
+            skipped.append(str(f))
+        else:
+            plan.append((f, f.stat().st_size))
+    return plan, skipped
+
+
+@functools.lru_cache(maxsize=1)
+def _default_plan() -> tuple[list[tuple[Path, int]], list[str]]:
+    """The standard library's .py sources (text by construction: not probed), listed once per process:
+    every config checks the corpus, and the listing is the slow part."""
+    return [(f, f.stat().st_size) for f in _text_files(default_corpus_path())], []
+
+
+@functools.lru_cache(maxsize=8)
+def _token_vocab(path: str, dtype: str | None, size: int, mtime: float) -> int:
+    """The largest id + 1 of a token file (read in chunks of 64 MiB tokens; cached by size and time)."""
+    arr = load_tokens(path, dtype)
+    lo, hi = 0, 0
+    step = 1 << 26
+    for start in range(0, len(arr), step):
+        part = arr[start:start + step]
+        lo, hi = min(lo, int(part.min())), max(hi, int(part.max()))
+    if lo < 0:
+        raise ValueError(f"--data {path}: holds negative token ids (smallest {lo})")
+    return hi + 1
+
+
+def scan(path: str | Path | None, dtype: str | None = None, max_bytes: int | None = None) -> DataInfo:
+    """What ``--data`` holds, read as cheaply as possible: sizes, and for token files the vocabulary
+    (one pass over the memory map, cached)."""
     root = Path(path) if path is not None else default_corpus_path()
+    if path is not None and is_token_file(root):
+        arr = load_tokens(root, dtype)
+        st = root.stat()
+        vocab = _token_vocab(str(root), dtype, st.st_size, st.st_mtime)
+        return DataInfo("tokens", str(root), len(arr), vocab, total_tokens=len(arr))
+    if dtype is not None:
+        raise ValueError(f"--data-dtype {dtype} gives the width of a raw .bin token file; --data "
+                         f"{path or 'the standard library'} is read as text: drop --data-dtype")
+    plan, skipped = _text_plan(root)
+    total = sum(size + 1 for _, size in plan)  # each document ends with EOD_BYTE
+    read = total if max_bytes is None else min(total, max_bytes)
+    return DataInfo("text", str(root), read, VOCAB_SIZE, files=len(plan), skipped=skipped, total_tokens=total)
+
+
+def _read_text(root: Path, max_bytes: int | None) -> np.ndarray:
+    plan, _ = _text_plan(root)
     chunks, total = [], 0
-    for f in _files(root):
+    for f, _ in plan:
         try:
             data = f.read_bytes()
         except OSError:
             continue
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
+        chunks += [data, bytes([EOD_BYTE])]
+        total += len(data) + 1
+        if max_bytes is not None and total >= max_bytes:
             break
-    blob = b"".join(chunks)[:max_bytes]
-    if len(blob) < 1024:
-        raise ValueError(f"corpus at {root} has only {len(blob)} bytes; need at least 1024")
-    tokens = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    blob = b"".join(chunks)
+    return np.frombuffer(blob[:max_bytes] if max_bytes is not None else blob, dtype=np.uint8)
+
+
+def _open(path: str | Path | None, dtype: str | None, max_bytes: int | None) -> np.ndarray:
+    if path is not None and is_token_file(path):
+        return load_tokens(path, dtype)
+    return _read_text(Path(path) if path is not None else default_corpus_path(), max_bytes)
+
+
+def load_corpus(path: str | Path | None = None, max_bytes: int | None = None, val_fraction: float = 0.05,
+                dtype: str | None = None, eval_path: str | Path | None = None,
+                info: DataInfo | None = None) -> Corpus:
+    """The training tokens and the held-out ones: ``eval_path``'s, or else the last ``val_fraction``
+    of ``path``'s. Text is read into memory (up to ``max_bytes``, None: all); token files are mapped.
+    ``info``: what `scan` found already (the config's), so that no rank reads a token file whole again."""
+    info = info if info is not None else scan(path, dtype, max_bytes)
+    tokens = _open(path, dtype, max_bytes)
+    if len(tokens) < MIN_TOKENS:
+        raise ValueError(f"corpus at {info.source} has only {len(tokens)} tokens; need at least {MIN_TOKENS}")
+    if eval_path is not None:
+        return Corpus(tokens, _open(eval_path, dtype if is_token_file(eval_path) else None, max_bytes), info)
     split = int(len(tokens) * (1 - val_fraction))
-    return Corpus(tokens[:split], tokens[split:], str(root))
+    return Corpus(tokens[:split], tokens[split:], info)
+
+
+def fingerprint(tokens: np.ndarray) -> str:
+    """Names data by content in a run's identity: sha256 of the whole for up to 64 MiB, else of the
+    length and 16 evenly spread MiB (hashing terabytes at every resume is not an option)."""
+    raw = np.ascontiguousarray(tokens).view(np.uint8) if len(tokens) * tokens.itemsize <= 64 << 20 else None
+    h = hashlib.sha256()
+    if raw is not None:
+        h.update(raw)  # type: ignore[arg-type]
+        return h.hexdigest()
+    h.update(struct.pack("<QQ", len(tokens), tokens.itemsize))
+    per = (1 << 20) // tokens.itemsize
+    for i in range(16):
+        start = (len(tokens) - per) * i // 15
+        h.update(np.ascontiguousarray(tokens[start:start + per]).view(np.uint8))  # type: ignore[arg-type]
+    return h.hexdigest()
 
 
 class BatchSampler:
-    """Random windows of ``seq_len + 1`` bytes; batch k depends only on ``(seed, k)``.
+    """Random windows of ``seq_len + 1`` tokens; batch k depends only on ``(seed, k)``.
 
-    ``dp_rank``/``dp_size`` select this rank's contiguous slice of the global batch.
+    ``dp_rank``/``dp_size`` select this rank's contiguous slice of the global batch. ``tokens``
+    may be a memory map: only the windows drawn are read.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int,
+    def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int, global_batch: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0) -> None:
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by the {dp_size} "
                              "data-parallel ranks")
         if len(tokens) <= seq_len + 1:
             raise ValueError(f"{len(tokens)} tokens cannot fill one window of {seq_len + 1}")
-        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+        self.tokens = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
+        self.seq_len, self.global_batch = seq_len, global_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.step = 0
 
@@ -90,9 +293,9 @@ class BatchSampler:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=g)
         lo = self.dp_rank * self.local_batch
-        mine = starts[lo : lo + self.local_batch]
-        idx = mine[:, None] + torch.arange(self.seq_len + 1)
-        win = self.tokens[idx].long()
+        mine = starts[lo : lo + self.local_batch].numpy()
+        idx = mine[:, None] + np.arange(self.seq_len + 1)
+        win = torch.from_numpy(np.asarray(self.tokens[idx]).astype(np.int64))
         return win[:, :-1], win[:, 1:]
 
     def __iter__(self) -> BatchSampler:

@@ -1,15 +1,17 @@
-"""`plait train`: the built-in GPT on the built-in byte corpus, under any layout.
+"""`plait train`: plait's GPT, a transformers model or the user's own, on text or token files, under
+any layout.
 
 The loop is plain PyTorch (forward, backward, clip, step) around a model wrapped by
-`build_model`; only the wrapping changes with the layout flags. It spawns its own local ranks
-when it is not already running under torchrun / `plait run` / Slurm.
+`build_model`; only the wrapping changes with the layout flags. Each run writes its folder
+(`plait.app.runlog`). It spawns its own local ranks when it is not already running under
+torchrun / `plait run` / Slurm.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -24,8 +26,9 @@ from torch import nn
 
 import plait
 from plait import checkpoint, comm
-from plait.app.config import TrainConfig, given_flags, parse_args
-from plait.app.data import BatchSampler, load_corpus
+from plait.app import runlog, usermodel
+from plait.app.config import TrainConfig, given_flags, parse_args, to_toml
+from plait.app.data import BatchSampler, Corpus, fingerprint, load_corpus
 from plait.clip import clip_grad_norm_
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, lm_loss
@@ -59,6 +62,8 @@ def unwrapped_model(cfg: TrainConfig, device: torch.device | str) -> nn.Module:
         if str(device) != "meta":
             raise ValueError("a FACTORY model is built on the meta device only (plait plan)")
         return make_model()
+    if cfg.model_factory is not None:
+        return usermodel.build(cfg.model_factory, cfg.run.seed, device)
     if cfg.model.hf_config is not None:
         from plait.app import hf
 
@@ -82,10 +87,11 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
     from plait.parallelize import ParallelPlan, parallelize
 
     # plait's GPT starts on the meta device: each strategy materializes only what this rank keeps.
-    model = unwrapped_model(cfg, "meta" if cfg.model.hf_config is None else device)
+    own_gpt = cfg.model.hf_config is None and cfg.model_factory is None
+    model = unwrapped_model(cfg, "meta" if own_gpt else device)
     # The config refused FSDP options under another strategy, so here they are FSDP's or defaults;
     # mixed precision applies to every strategy (FSDP's own, elsewhere plait.mixed_precision).
-    plan = ParallelPlan(tp=plan_for(model, loss_parallel=cfg.model.hf_config is None) if par.tp > 1 else None,
+    plan = ParallelPlan(tp=plan_for(model, loss_parallel=own_gpt) if par.tp > 1 else None,
                         sequence_parallel=par.sequence_parallel,
                         data="fsdp" if par.strategy == "fsdp" else "ddp", seed=cfg.run.seed,
                         zero_stage=par.zero_stage, mixed_precision=par.mixed_precision, offload=par.offload,
@@ -94,10 +100,17 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
                         ac=None if par.ac == "none" else par.ac, ac_every=par.ac_every,
                         cp=par.cp_algorithm if par.cp > 1 else None)
     if par.pp > 1:
-        # With --tp the last stage computes the vocab-parallel loss (loss_fn unset).
+        # With --tp the last stage computes the vocab-parallel loss (loss_fn unset); a FACTORY's model
+        # gets gathered logits and its own loss.
+        loss_fn = _factory_loss(cfg) if cfg.model_factory is not None else lm_loss if par.tp == 1 else None
         plan = dataclasses.replace(plan, pp_schedule=par.schedule, pp_microbatches=cfg.pipeline_microbatches,
-                                   pp_chunks=par.chunks, loss_fn=lm_loss if par.tp == 1 else None)
+                                   pp_chunks=par.chunks, loss_fn=loss_fn)
     return parallelize(model, mesh, plan)
+
+
+def _factory_loss(cfg: TrainConfig) -> Callable:
+    assert cfg.model_factory is not None
+    return usermodel.loss_of(cfg.model_factory) or lm_loss
 
 
 def _mean_over(value: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
@@ -149,7 +162,7 @@ def train_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, x: torch
 
 
 def _evaluate(model: nn.Module | Pipeline, sampler: BatchSampler, cfg: TrainConfig, device: torch.device,
-              mesh: Mesh) -> float:
+              mesh: Mesh, loss_fn: Callable) -> float:
     total = 0.0
     if isinstance(model, Pipeline):
         for i in range(cfg.run.eval_batches):
@@ -157,7 +170,6 @@ def _evaluate(model: nn.Module | Pipeline, sampler: BatchSampler, cfg: TrainConf
             total += float(model.eval_step(x, y))
         return float(_mean_over(torch.tensor(total / cfg.run.eval_batches), mesh.group(LOSS_AXES),
                                 mesh.size(LOSS_AXES)))
-    loss_fn = loss_fn_for(model)
     model.eval()
     with torch.no_grad():
         for i in range(cfg.run.eval_batches):
@@ -201,15 +213,66 @@ def rank_tokens(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
     return x, y
 
 
+def _run_name(cfg: TrainConfig) -> str:
+    """--name, or a new id chosen by rank 0 and agreed by all (under torchrun each rank parsed the
+    command line itself, so each would pick its own)."""
+    if cfg.run.name is not None:
+        return cfg.run.name
+    return comm.all_gather_object(runlog.new_run_id())[0]
+
+
+def _header(cfg: TrainConfig, name: str, mesh: Mesh, corpus: Corpus, n_params: int, flops: tuple[float, str],
+            start: int) -> dict[str, Any]:
+    info = corpus.info
+    data = {"source": info.source, "kind": info.kind, "tokens": info.tokens, "vocab": info.vocab,
+            "train_tokens": len(corpus.train), "eval_tokens": len(corpus.val), "files": info.files,
+            "skipped_binary": len(info.skipped), "truncated": info.truncated,
+            "tokens_before_max_bytes": info.total_tokens, "eval_data": cfg.data.eval_data}
+    return {"run_id": name, "start_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "resumed_from_step": start or None, "config": dataclasses.asdict(cfg),
+            "plait_version": _version(), "torch_version": torch.__version__, "world": dist.get_world_size(),
+            "layout": _layout(cfg), "mesh": str(mesh), "params": n_params, "flops_per_token": flops[0],
+            "flops_formula": flops[1], "tokens_per_step": cfg.data.batch_size * cfg.seq_len, "data": data}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plait")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _say_what_was_read(corpus: Corpus, log: Any) -> None:
+    info = corpus.info
+    if info.skipped:
+        log.warning("--data %s: skipped %d binary files (a NUL byte in their first 8000 bytes), e.g. %s",
+                    info.source, len(info.skipped), info.skipped[0])
+    if info.truncated:
+        log.warning("--data %s: --max-bytes read %d of its %d bytes; leave --max-bytes out to train on all",
+                    info.source, info.tokens, info.total_tokens)
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run on this rank (inside an initialised job); returns the summary on every rank."""
     device = plait.init(seed=cfg.run.seed)
     log = plait.get_logger("plait.train")
     mesh = cfg.mesh()
+    is_main = dist.get_rank() == 0
+    name = _run_name(cfg)
+    folder = Path(cfg.run.run_dir) / name
+    comm.configure(run_dir=str(folder))  # flight records of a failing collective go to the run's folder
     dp_rank, dp_size = mesh.rank(DATA_AXES), mesh.size(DATA_AXES)
-    corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes)
+    corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, dtype=cfg.data.data_dtype,
+                         eval_path=cfg.data.eval_data, info=getattr(cfg, "_data_info", None))
+    if is_main:
+        _say_what_was_read(corpus, log)
     model = build_model(cfg, mesh, device)
-    loss_fn = lm_loss if isinstance(model, Pipeline) else loss_fn_for(model)
+    if cfg.model_factory is not None:
+        loss_fn = _factory_loss(cfg)
+    else:
+        loss_fn = lm_loss if isinstance(model, Pipeline) else loss_fn_for(model)
     moe = moe_layers_of(model)
     for layer in moe:  # each forward's balancing loss weighs what its micro-batch's loss weighs
         parts = cfg.pipeline_microbatches if isinstance(model, Pipeline) else cfg.run.grad_accum
@@ -220,21 +283,36 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
                             betas=(0.9, 0.95))
-    is_main = dist.get_rank() == 0
     # fp16 needs dynamic loss scaling (bf16 has fp32's range): every rank skips the same steps.
     scaler = plait.GradScaler(mesh, enabled=cfg.parallel.mixed_precision == "fp16")
-    start = _maybe_resume(cfg, model, opt, sampler, scaler, log)
+    save_dir = Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else folder / "checkpoints"
+    start = _maybe_resume(cfg, save_dir, model, opt, sampler, scaler, log)
     if start == 0 and cfg.model.init_from is not None:  # a checkpoint found by --resume wins
         _init_from(cfg, model, log)
-    n_params = sum(p.numel() for p in unwrapped_model(cfg, "meta").parameters())
-    log.info("%s, %s params, corpus %s (%.1f MB), %s %s, global batch %d x %d tokens",
-             cfg.model.hf_config or cfg.model.name, f"{n_params:,}", corpus.source, len(corpus.train) / 1e6,
-             cfg.parallel.strategy,
+    meta_model = unwrapped_model(cfg, "meta")
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    flops = runlog.flops_per_token(meta_model, seq)
+    log.info("%s, %s params, corpus %s (%s tokens), %s %s, global batch %d x %d tokens; run folder %s",
+             cfg.model_factory or cfg.model.hf_config or cfg.model.name, f"{n_params:,}", corpus.source,
+             f"{len(corpus.train):,}", cfg.parallel.strategy,
              mesh if cfg.parallel.strategy != "dp" else f"{cfg.parallel.nproc} threads",
-             cfg.data.batch_size, seq)
-    metrics_path = Path(cfg.run.metrics)
-    if is_main:
-        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+             cfg.data.batch_size, seq, folder)
+    run = runlog.RunLog(folder, is_main, tensorboard=cfg.run.tensorboard)
+    resolved = copy.copy(cfg)  # not dataclasses.replace: that would check the whole config again
+    resolved.run = dataclasses.replace(cfg.run, name=name)
+    run.write_config(to_toml(resolved))
+    run.header(_header(cfg, name, mesh, corpus, n_params, flops, start))
+    if start >= cfg.run.steps:
+        log.info("nothing to do: the checkpoint in %s is at step %d and --steps is %d; pass a larger --steps "
+                 "to train on", save_dir, start, cfg.run.steps)
+        summary: dict[str, Any] = {
+            "steps": cfg.run.steps, "steps_this_run": 0, "first_loss": None, "final_loss": None,
+            "eval_loss": None, "tokens_per_s": None, "params": n_params, "strategy": cfg.parallel.strategy,
+            "world": dist.get_world_size(), "run_dir": str(folder)}
+        run.summary(summary)
+        return {**summary, "losses": []}
+    peak = runlog.peak_tflops(cfg.run.peak_tflops, device, cfg.parallel.mixed_precision is not None)
+    devices = cfg.parallel.nproc if cfg.parallel.strategy == "dp" else dist.get_world_size()
     bar = _progress(cfg, is_main, start)
     tokens_per_step = cfg.data.batch_size * seq
     first_loss = last_loss = float("nan")
@@ -253,8 +331,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if step == start:  # the first step this run took (after a resume, not step 0)
             first_loss = last_loss
         dt = time.perf_counter() - t0
+        achieved = flops[0] * tokens_per_step / dt
+        mem, mem_source = runlog.peak_memory(device)
         record = {"step": step + 1, "loss": last_loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
-                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "model_flops_per_s": achieved,
+                  "mfu": achieved / (peak * 1e12 * devices) if peak is not None else None,
+                  "peak_mem_bytes": mem, "peak_mem_source": mem_source}
         if moe and cfg.model.capacity_factor is not None:
             record["moe_drop_rate"] = sum(layer.last_drop_rate for layer in moe) / len(moe)
         if scaler.enabled:
@@ -264,11 +346,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                             "loss scale now %g (%d skipped so far)", step + 1, scaler.get_scale(),
                             scaler.skipped_steps)
         if cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.run.steps):
-            eval_loss = _evaluate(model, val, cfg, device, mesh)
+            eval_loss = _evaluate(model, val, cfg, device, mesh, loss_fn)
             record["eval_loss"] = eval_loss
+            if is_main and bar is None:
+                log.info("step %d: validation loss %.4f", step + 1, eval_loss)
+        run.step(record)
         if is_main:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
             if bar is not None:
                 bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update(1)
@@ -277,32 +360,34 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                          record["tokens_per_s"])
         every = cfg.checkpoint.save_every
         due = (every and (step + 1) % every == 0) or step + 1 == cfg.run.steps
-        if cfg.checkpoint.save_dir and due:
+        if (cfg.checkpoint.save_dir or every) and due:
             meta = {"step": step + 1, "sampler": sampler.state_dict(), "config": dataclasses.asdict(cfg),
                     "identity": _identity(cfg, sampler), "layout": _layout(cfg)}
             if scaler.enabled:
                 meta["grad_scaler"] = scaler.state_dict()  # the same on every rank (agreed)
-            saving = checkpoint.save(Path(cfg.checkpoint.save_dir) / f"step_{step + 1:06d}", model, opt, meta,
+            saving = checkpoint.save(save_dir / f"step_{step + 1:06d}", model, opt, meta,
                                      keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
             if step + 1 == cfg.run.steps:
                 saving.wait()  # the run ends with its last checkpoint complete
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start
+    done = cfg.run.steps - start  # the steps this run took: after a resume, not all of them
     summary = {"first_loss": first_loss, "final_loss": last_loss, "eval_loss": eval_loss,
-               "steps": cfg.run.steps, "tokens_per_s": cfg.run.steps * tokens_per_step / elapsed,
-               "params": n_params, "strategy": cfg.parallel.strategy, "world": dist.get_world_size()}
+               "steps": cfg.run.steps, "steps_this_run": done,
+               "tokens_per_s": done * tokens_per_step / elapsed,
+               "params": n_params, "strategy": cfg.parallel.strategy, "world": dist.get_world_size(),
+               "run_dir": str(folder)}
     if scaler.enabled:
         summary.update(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps)
-    log.info("done: loss %.3f -> %.3f, eval %s, %.0f tokens/s; metrics in %s", first_loss, last_loss,
-             f"{eval_loss:.3f}" if eval_loss is not None else "-", summary["tokens_per_s"], metrics_path)
-    if is_main:
-        with metrics_path.open("a") as f:
-            f.write(json.dumps({"summary": summary}) + "\n")
+    log.info("done: steps %d-%d, loss %.3f -> %.3f, eval %s, %.0f tokens/s; metrics in %s", start + 1,
+             cfg.run.steps, first_loss, last_loss, f"{eval_loss:.3f}" if eval_loss is not None else "-",
+             summary["tokens_per_s"], run.metrics)
+    run.summary(summary)
     return {**summary, "losses": losses}
 
 
-def _maybe_resume(cfg: TrainConfig, model: nn.Module | Pipeline, opt: torch.optim.Optimizer,
+def _maybe_resume(cfg: TrainConfig, save_dir: Path, model: nn.Module | Pipeline, opt: torch.optim.Optimizer,
                   sampler: BatchSampler, scaler: plait.GradScaler, log: Any) -> int:
     """Load the newest intact checkpoint of this run when ``--resume``; return the step to continue from.
 
@@ -311,10 +396,9 @@ def _maybe_resume(cfg: TrainConfig, model: nn.Module | Pipeline, opt: torch.opti
     """
     if not cfg.checkpoint.resume:
         return 0
-    found = checkpoint.choose(cfg.checkpoint.save_dir, _identity(cfg, sampler),  # type: ignore[arg-type]
-                              resume_anyway=cfg.checkpoint.resume_anyway)
+    found = checkpoint.choose(save_dir, _identity(cfg, sampler), resume_anyway=cfg.checkpoint.resume_anyway)
     if found is None:
-        log.info("--resume: no checkpoint in %s yet, starting from step 0", cfg.checkpoint.save_dir)
+        log.info("--resume: no checkpoint in %s yet, starting from step 0", save_dir)
         return 0
     path, meta = found
     checkpoint.load(path, model, opt, check=False)  # choose() verified it on rank 0
@@ -343,7 +427,10 @@ def _identity(cfg: TrainConfig, sampler: BatchSampler) -> dict[str, Any]:
     to train longer is legitimate; the cosine decay then follows the new length), and so is
     the layout, precision and offload included (checkpoints reshard)."""
     opt = cfg.optimizer
-    if cfg.model.hf_config is None:
+    model: dict[str, Any]
+    if cfg.model_factory is not None:  # the function's name: what it builds is the user's to keep stable
+        model = {"factory": cfg.model_factory}
+    elif cfg.model.hf_config is None:
         model = dataclasses.asdict(cfg.gpt_config())
     else:  # the architecture, not the library version that wrote it
         from plait.app import hf
@@ -353,7 +440,7 @@ def _identity(cfg: TrainConfig, sampler: BatchSampler) -> dict[str, Any]:
     return {"model": model, "seed": cfg.run.seed,
             "batch_size": cfg.data.batch_size, "lr": opt.lr, "min_lr_ratio": opt.min_lr_ratio,
             "warmup": opt.warmup, "weight_decay": opt.weight_decay, "grad_clip": opt.grad_clip,
-            "data": {"bytes": len(sampler.tokens), "sha256": checkpoint.digest(sampler.tokens)}}
+            "data": {"bytes": len(sampler.tokens), "sha256": fingerprint(sampler.tokens)}}
 
 
 def _layout(cfg: TrainConfig) -> dict[str, Any]:
