@@ -53,9 +53,12 @@ def _layout(stage: int) -> dict:
     return {"stage": stage}
 
 
+def _layouts() -> list[dict]:
+    return [_layout(stage) for stage in (1, 2, 3)]
+
+
 def test_parameters_are_dtensor_shards_of_the_models_own(pools):
-    for stage in (1, 2, 3):
-        pools[2].run(_layout, stage)
+    pools[2].run(_layouts)
 
 
 def _batches(steps: int = 3, batch: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -281,3 +284,22 @@ def test_dcp_of_state_dict_at_fsdp_x_tp_loads_into_one_process(pools, tmp_path):
     assert set(got) == set(saved)
     for k, v in saved.items():
         assert torch.equal(got[k], v), k
+
+
+def _padded_tp_state_dict() -> str:
+    import plait
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.models.plans import gpt_plan
+
+    cfg = GPTConfig(**{**CFG, "vocab_size": 63})  # tp=2 pads the vocabulary split
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.float64)
+    net = plait.parallelize(model, cached_mesh(tp=2), plait.ParallelPlan(tp=gpt_plan(cfg), data="fsdp"))
+    with pytest.raises(ValueError, match="padded") as e:
+        net.state_dict()
+    return str(e.value)
+
+
+def test_state_dict_refuses_a_padded_tp_split_by_name(pools):
+    for msg in pools[2].run(_padded_tp_state_dict):
+        assert "tok_emb.weight" in msg and "sharded_state_dict" in msg
