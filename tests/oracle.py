@@ -75,12 +75,20 @@ def train_losses(tmp: str, **layout) -> list[float]:
 
 
 def shard_pieces(fsdp):
-    """Per slot of an FSDP module's flat shards on this rank: (original name, flat, slice of the
-    rank's shard, slice of the flattened local parameter), for slots this rank holds part of."""
+    """Per parameter of an FSDP module on this rank: (original name, its DTensor parameter, slice of
+    the flattened local tensor, slice of the flattened full (tp-local) parameter), for parameters
+    this rank holds rows of."""
     for unit in fsdp.units:
         for flat in unit.flats:
-            lo, hi = flat.shard_range()
-            for slot in flat.slots:
-                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            for slot, p in zip(flat.slots, flat.params):
+                a, b = slot.rows_of(flat.cfg.rank)
                 if a < b:
-                    yield slot.fqn, flat, slice(a - lo, b - lo), slice(a - slot.offset, b - slot.offset)
+                    n = (b - a) * slot.row
+                    yield slot.fqn, p, slice(0, n), slice(a * slot.row, a * slot.row + n)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (a plain tensor as it is)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

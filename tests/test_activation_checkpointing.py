@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import train_losses
+from oracle import local_of, train_losses
 from torch import nn
 
 import plait
@@ -59,8 +59,7 @@ def _pieces(net):
     from plait.fsdp.wrapper import FullyShardedDataParallel
 
     if isinstance(net, FullyShardedDataParallel):
-        for name, flat, mine, full in shard_pieces(net):
-            yield name, flat.shard, mine, full
+        yield from shard_pieces(net)
         return
     inner = net.module if isinstance(net, DistributedDataParallel) else net
     for name, p in inner.named_parameters():
@@ -92,7 +91,7 @@ def _train(mesh, plan_kw: dict, dropout: float, ac: str | None, every: int, step
             net.step(xs, ys)
         else:
             loss_fn(net(xs), ys).backward()
-        grads.append({name: t.grad.reshape(-1)[mine].clone() for name, t, mine, _ in _pieces(net)})
+        grads.append({name: local_of(t.grad).reshape(-1)[mine].clone() for name, t, mine, _ in _pieces(net)})
         opt.step()
         opt.zero_grad()
     theirs = {name: sl for name, _, _, sl in _pieces(net)}

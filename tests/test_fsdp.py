@@ -102,6 +102,7 @@ def train_fsdp(dp: int, fsdp: int, stage: int, steps: int = STEPS, clip: float |
     opt.step()
     out["bytes"] = model_state_bytes(model, opt)
     out["psi"] = sum(s.numel for u in model.units for f in u.flats for s in f.slots)
+    out["padded"] = sum(f.padded for u in model.units for f in u.flats)  # every parameter padded to N rows
     out["placement"] = {
         "shards": {p.device.type for p in model.parameters()},
         "grads": {p.grad.device.type for p in model.parameters() if p.grad is not None},
@@ -225,12 +226,16 @@ def test_mixed_precision_bf16(pools, ref_bf16, stage):
 def test_model_state_bytes_match_zero_formula(pools, stage):
     n = 4
     out = pools[n].run(train_fsdp, 1, n, stage, steps=1)
-    psi = out[0]["psi"]
-    formula = {1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
-    pad = 16 * 4 * n * 4  # at most N-1 padding elements per flat group (4 groups), 16 bytes each
+    # ZeRO-1 keeps only this rank's rows of the all-reduced gradient (the parameters' DTensor
+    # gradients), so it holds what ZeRO-2 holds: 4Ψ + 12Ψ/N, below the paper's 8Ψ + 8Ψ/N.
+    def formula(psi: float) -> float:
+        return {1: 4 * psi + 12 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+
     for o in out:
         got = o["bytes"]["total"]
-        assert formula <= got <= formula * 1.01 + pad, (stage, got, formula)
+        # Each parameter's rows are padded to a multiple of N in the shards and gradients (FSDP2's
+        # layout too), while optimizer state has the rank's real rows, one fewer here and there.
+        assert formula(o["psi"]) * 0.95 <= got <= formula(o["padded"]) * 1.01, (stage, got, formula(o["psi"]))
 
 
 # ------------------------------------------------------------------ state dicts

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import loss64
+from oracle import local_of, loss64
 
 from plait.testing import cached_mesh
 
@@ -30,7 +30,8 @@ def _batch(step: int, vocab: int, b: int = 8, s: int = 16) -> tuple[torch.Tensor
 
 
 def _pieces(net):
-    """(name, flat, slice of this rank's shard, slice of the flattened tp-local parameter)."""
+    """(name, DTensor parameter, slice of its flattened local tensor, slice of the flattened tp-local
+    parameter)."""
     from oracle import shard_pieces
 
     yield from shard_pieces(net)
@@ -59,10 +60,10 @@ def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_st
     ref = dict(oracle.named_parameters(remove_duplicate=False))
 
     def check(what: str, get) -> None:
-        for name, flat, mine, theirs in _pieces(net):
+        for name, p, mine, theirs in _pieces(net):
             full = get(ref[name])
             want = (specs[name].take(full) if name in specs else full).reshape(-1)[theirs]
-            torch.testing.assert_close(get(flat.shard)[mine], want, **TOL,
+            torch.testing.assert_close(local_of(get(p)).reshape(-1)[mine], want, **TOL,
                                        msg=lambda m, n=name: f"{what} {n}: {m}")
 
     check("initial value of", lambda p: p.detach())
@@ -105,7 +106,7 @@ def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_st
     assert set(full) == set(oracle.state_dict())
     for name, want in oracle.state_dict().items():
         torch.testing.assert_close(full[name], want, **TOL, msg=lambda m, n=name: f"full {n}: {m}")
-    local = sum(p.numel() for p in net.parameters())
+    local = sum(local_of(p).numel() for p in net.parameters())
     return {"losses": losses, "norms": norms, "local": local, "full": oracle.num_parameters()}
 
 
@@ -136,10 +137,10 @@ def _hook_carried_over() -> bool:
     x = torch.ones(2, 4)
     net(x).sum().backward()
     ref(x).sum().backward()
-    flat = net.units[0].flats[0]
-    lo, hi = flat.shard_range()
-    want = torch.cat([ref.weight.grad.reshape(-1) * 2, ref.bias.grad])[lo:hi]
-    return torch.equal(flat.shard.grad, want)
+    rank, got = torch.distributed.get_rank(), dict(net.named_parameters())
+    rows = slice(2 * rank, 2 * rank + 2)  # this rank's Shard(0) rows
+    return (torch.equal(got["module.weight"].grad.to_local(), (ref.weight.grad * 2)[rows])
+            and torch.equal(got["module.bias"].grad.to_local(), ref.bias.grad[rows]))
 
 
 def test_fsdp_carries_listed_grad_hooks_to_its_leaves(pools):

@@ -11,17 +11,41 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["mesh_of", "contiguous_stride"]
+__all__ = ["mesh_of", "mesh_over", "contiguous_stride"]
 
-_meshes: dict[tuple[int, str], DeviceMesh] = {}
+_meshes: dict[tuple[tuple[int, str], str], DeviceMesh] = {}
 
 
 def mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
     """The one-dimensional DeviceMesh over ``group`` (made once per group and device type)."""
-    key = (id(group), device.type)
+    key = (_key(group), _mesh_device(device))
     if key not in _meshes:
-        _meshes[key] = DeviceMesh.from_group(group, device.type)
+        _meshes[key] = DeviceMesh.from_group(group, key[1], mesh_dim_names=(_dim_name("group", group),))
     return _meshes[key]
+
+
+def _dim_name(axis: str, group: dist.ProcessGroup) -> str:
+    """A mesh dimension's name, with its group's: DTensor caches sharding decisions (holding their
+    mesh) under meshes compared by ranks and names, so a mesh over a later group of the same ranks
+    (a test pool's next task, a mesh made again) must not compare equal to one over a dead group."""
+    return f"{axis}:{getattr(group, 'group_name', id(group))}"
+
+
+# Every group a mesh was made for, kept alive so that its id is never reused by a later group
+# (a pool destroys its task's groups; a mesh over a destroyed one cannot run collectives).
+_held: list[dist.ProcessGroup] = []
+
+
+def _key(group: dist.ProcessGroup) -> tuple[int, str]:
+    """A group's identity: its object (held, see `_held`) and its name."""
+    if not any(g is group for g in _held):
+        _held.append(group)
+    return id(group), getattr(group, "group_name", "")
+
+
+def _mesh_device(device: torch.device) -> str:
+    """The mesh's device type: a meta-device model (a rehearsal's) computes as the CPU would."""
+    return "cpu" if device.type == "meta" else device.type
 
 
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -31,3 +55,27 @@ def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= d
     return tuple(reversed(stride))
+
+
+_grids: dict[tuple[tuple[tuple[int, str], ...], str], DeviceMesh] = {}
+
+
+def mesh_over(groups: tuple[dist.ProcessGroup, ...], names: tuple[str, ...],
+              device: torch.device) -> DeviceMesh:
+    """The DeviceMesh whose dimension ``i`` is ``groups[i]`` (made once per groups and device type).
+
+    The groups are axes of one plait mesh through this rank, so the rank at coordinates
+    ``(i_0, i_1, ...)`` is this rank moved along each axis: ``me + sum_k (ranks_k[i_k] - me)``
+    (no communication needed to lay the grid out)."""
+    if len(groups) == 1:
+        return mesh_of(groups[0], device)
+    key = (tuple(_key(g) for g in groups), _mesh_device(device))
+    if key not in _grids:
+        me = dist.get_rank()
+        grid = torch.full((), me, dtype=torch.long)
+        for g in groups:
+            step = torch.tensor(dist.get_process_group_ranks(g), dtype=torch.long) - me
+            grid = grid.unsqueeze(-1) + step
+        dims = tuple(_dim_name(n, g) for n, g in zip(names, groups, strict=True))
+        _grids[key] = DeviceMesh.from_group(list(groups), key[1], mesh=grid, mesh_dim_names=dims)
+    return _grids[key]

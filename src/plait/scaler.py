@@ -176,11 +176,14 @@ class GradScaler:
 
 def _grads(optimizer: Any) -> list[torch.Tensor]:
     """The gradients of the optimizer's parameters, each once."""
+    from torch.distributed.tensor import DTensor
+
     seen: set[int] = set()
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is not None and id(p) not in seen:
                 seen.add(id(p))
-                out.append(p.grad)
+                # A DTensor's local tensor: the inf/NaN flag is agreed over every rank anyway.
+                out.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
     return out

@@ -1,24 +1,36 @@
-"""One flat, sharded group of parameters: the storage unit of plait's FSDP.
+"""One flat, sharded group of parameters: the storage and communication unit of plait's FSDP.
 
-A sharding unit's parameters (of one dtype and one ``requires_grad``) are laid end to end in
-one flat vector, padded to a multiple of the shard count ``N``, and each rank keeps the
-contiguous slice ``[r*S, (r+1)*S)`` with ``S = padded / N`` (ZeRO, Rajbhandari et al. 2020,
-sec. 5). The slice is an ``nn.Parameter`` — the only thing the optimizer ever sees.
+Every parameter is sharded on its own along dim 0 (ZeRO, Rajbhandari et al. 2020, sec. 5, with
+torch FSDP2's per-parameter layout): rank ``r`` holds rows ``[r*k, (r+1)*k)`` of a parameter with
+``k = ceil(rows / N)`` (torch.chunk's rule: the last chunks may be short or empty), and the
+module's parameter is an ``nn.Parameter`` DTensor ``Shard(0)`` over the fsdp axis (HSDP:
+``(Replicate(), Shard(0))`` over dp x fsdp) whose local tensor is those rows. The optimizer,
+``torch.nn.utils.clip_grad_norm_`` and ``torch.distributed.checkpoint`` read them as they read
+FSDP2's. A 0-d parameter cannot be split: every rank holds it (``Replicate()``).
 
-The gathered parameters live in ``buf``, which collectives write into. Its storage is
-resized to zero to free them and resized back before the next all-gather, so tensors that
-autograd saved in forward see the re-gathered values in backward.
+A unit's parameters of one dtype and ``requires_grad`` still move together: this rank's chunks,
+each padded to ``k`` rows, lie end to end in one ``shard`` vector of ``S`` elements (the local
+tensors are views of it), so one all-gather of ``S`` per rank fills a rank-major vector, which
+is copied out into the gathered buffer ``buf``, parameter by parameter (each one's padded rows,
+``N*k`` of them, contiguous). The reduction runs the other way: ``buf``'s gradients are copied
+into rank-major order and reduce-scattered; each rank receives its chunks, end to end, into the
+flat ``grad`` vector that the parameters' DTensor gradients are views of. (FSDP2 makes the same
+two copies around its collectives.) With one parameter in the group, or one rank, both orders
+are the same and the copies are skipped.
 
-Each original parameter is an autograd leaf aliasing its range of ``buf`` with its *own*
-version counter, so writing into ``buf`` never trips autograd's "modified by an inplace
-operation" check. The modules' attributes point at these leaves, and their gradients land
-on them as usual. Under ZeRO-3 each leaf's gradient is copied into the leaf's own range of
-``buf`` the moment autograd has accumulated it (then dropped): by then every backward node that
-read that parameter has run, so its gathered values are dead and ``buf`` turns, range by range,
-into the unit's flat gradient. A unit never holds its gathered parameters and a full copy of its
-gradients at once, and the reduce-scatter reads ``buf`` directly (freed once it lands). Stages
-1-2 keep ``buf`` (the parameters stay gathered), so there the gradients are copied into a new
-flat buffer once every leaf has reported.
+``buf``'s storage is resized to zero to free the gathered parameters and resized back before the
+next all-gather, so tensors that autograd saved in forward see the re-gathered values in backward.
+
+Each original parameter's full value is an autograd leaf aliasing its range of ``buf`` with its
+*own* version counter, so writing into ``buf`` never trips autograd's "modified by an inplace
+operation" check. The modules' attributes point at these leaves (the registered parameters are
+the DTensors), and their gradients land on them as usual. Under ZeRO-3 each leaf's gradient is
+copied into the leaf's own range of ``buf`` the moment autograd has accumulated it (then
+dropped): by then every backward node that read that parameter has run, so its gathered values
+are dead and ``buf`` turns, range by range, into the unit's flat gradient. Stages 1-2 keep
+``buf`` (the parameters stay gathered), so there the gradients are copied into a new rank-major
+vector once every leaf has reported. Without casting or offloading, stages 1-2 need no separate
+shard: the local tensors are views of ``buf`` itself (the ZeRO formula counts parameters once).
 
 Gradient hooks that an earlier transformation registered on an original parameter (e.g. tensor
 parallelism's sum over the tp group for a replicated weight applied to sequence shards) die
@@ -30,13 +42,20 @@ they run on the leaf's gradient before it is accumulated, exactly as on the orig
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from plait import comm
+from plait.dtensors import contiguous_stride
 
 __all__ = ["Slot", "FlatParam", "GRAD_HOOKS_ATTR"]
 
@@ -48,18 +67,48 @@ GRAD_HOOKS_ATTR = "_plait_grad_hooks"
 
 @dataclass
 class Slot:
-    """Where one original parameter lives: its owners (several when tied) and its flat range."""
+    """Where one original parameter lives: its owners (several when tied), its padded range of
+    the gathered buffer and its chunk of the rank-major shard."""
 
     fqn: str
     shape: torch.Size
-    offset: int
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
     aliases: list[str] = field(default_factory=list)  # fqns of tied copies (state dicts list them)
     grad_hooks: list = field(default_factory=list)  # carried over from the original parameter
+    offset: int = 0  # start of its N*chunk elements in ``buf`` (rank r's chunk at r*chunk)
+    local_offset: int = 0  # start of its chunk in the shard
+    per: int = 0  # rows per rank (padded)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.shape) == 0  # nothing to split: every rank holds it
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if len(self.shape) else 1
+
+    @property
+    def row(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def chunk(self) -> int:
+        return self.per * self.row
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        """The rows ``rank`` holds, ``[a, b)`` (a 0-d parameter: its one value, on every rank)."""
+        if self.replicated:
+            return 0, 1
+        a = min(rank * self.per, self.rows)
+        return a, min(a + self.per, self.rows)
+
+
+# (device mesh, placements, global shape) of one slot's DTensor parameter.
+Placing = Callable[[Slot], tuple[DeviceMesh, tuple[Placement, ...], torch.Size]]
 
 
 @dataclass
@@ -76,20 +125,33 @@ class ShardCfg:
     param_dtype: torch.dtype | None  # mixed precision compute dtype (None: keep)
     reduce_dtype: torch.dtype | None  # gradient reduction dtype (None: gradient's dtype)
     offload: bool
+    placing: Placing | None = None  # set by the wrapper before the flats are built
+
+
+def _lay_out(slots: list[Slot], world: int) -> int:
+    """Give every slot its rows per rank and offsets; returns the shard's size ``S``."""
+    local = gathered = 0
+    for s in slots:
+        s.per = 1 if s.replicated else -(-s.rows // world)
+        s.local_offset, s.offset = local, gathered
+        local, gathered = local + s.chunk, gathered + world * s.chunk
+    return local
 
 
 class FlatParam:
-    """A unit's parameters of one kind, sharded across the fsdp axis."""
+    """A unit's parameters of one kind, each sharded on dim 0 across the fsdp axis."""
 
     def __init__(self, slots: list[Slot], dtype: torch.dtype, requires_grad: bool, cfg: ShardCfg) -> None:
-        self.slots, self.cfg, self.requires_grad = slots, cfg, requires_grad
-        self.total = sum(s.numel for s in slots)
-        self.shard_size = -(-self.total // cfg.world)
+        self.slots, self.cfg, self.requires_grad, self.dtype = slots, cfg, requires_grad, dtype
+        self.shard_size = _lay_out(slots, cfg.world)
         self.padded = self.shard_size * cfg.world
+        self.total = self.padded  # every slot's range, padding included
+        # One slot, or one rank: rank-major and parameter-major orders coincide.
+        self.direct = cfg.world == 1 or len(slots) == 1
         self.compute_dtype = cfg.param_dtype if (cfg.param_dtype and dtype.is_floating_point) else dtype
-        home = torch.device("cpu") if cfg.offload else cfg.device
-        # ZeRO-1/2 without casting or offload keep the gathered vector anyway, so the shard can
-        # be a window on it instead of a copy (the ZeRO formula counts parameters once).
+        self.home = torch.device("cpu") if cfg.offload else cfg.device
+        # ZeRO-1/2 without casting or offload keep the gathered vector anyway, so the local
+        # tensors can be views of it instead of a copy (the ZeRO formula counts parameters once).
         self.aliased = cfg.stage < 3 and self.compute_dtype == dtype and not cfg.offload
         self.buf = torch.zeros(self.padded, dtype=self.compute_dtype, device=cfg.device)
         self.leaves = [_alias(self.buf, s.offset, s.shape).requires_grad_(requires_grad) for s in slots]
@@ -97,19 +159,19 @@ class FlatParam:
             for s, leaf in zip(slots, self.leaves, strict=True):
                 for hook in s.grad_hooks:
                     leaf.register_hook(hook)
-        # Set by the wrapper when the module is tensor-parallel: (start, end, tp_sharded) ranges
-        # of this rank's shard, one per slot piece it holds (for the global gradient norm).
-        self.tp_ranges: list[tuple[int, int, bool]] = []
         self.arrived = 0  # leaves whose gradient this backward has accumulated
         self.in_buf = [False] * len(slots)  # ZeRO-3: leaf i's gradient already sits in buf
-        start = cfg.rank * self.shard_size
         if self.aliased:
-            local = _alias(self.buf, start, self.shard_size)
+            self.shard = self.buf  # the local tensors are views of buf (see `local`)
         else:
-            local = torch.zeros(self.shard_size, dtype=dtype, device=home)
+            self.shard = torch.zeros(self.shard_size, dtype=dtype, device=self.home)
             if cfg.offload and torch.cuda.is_available():
-                local = local.pin_memory()  # lets host->device copies run asynchronously
-        self.shard = nn.Parameter(local, requires_grad=requires_grad)
+                self.shard = self.shard.pin_memory()  # lets host->device copies run asynchronously
+        self.params = [self._dtensor(i, self.local(i), requires_grad) for i in range(len(slots))]
+        # The flat vector of this rank's reduced gradient chunks and the parameters' DTensor
+        # gradients on it, as last installed (weak: the parameters' .grad owns them).
+        self._grad_flat: Callable[[], torch.Tensor | None] = lambda: None
+        self._grads: list[weakref.ref] = []
         self.gathered = True  # buf holds the full vector (zeros now, filled at first gather)
         self.gathered_version = -1  # shard._version at the last gather; -1 forces one
         if cfg.stage == 3:  # built one unit at a time and freed at once: no rank holds the model
@@ -117,20 +179,86 @@ class FlatParam:
             self.gathered = False
         self._handle: comm.Handle | None = None
         self._src: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None  # the rank-major all-gather output (not direct)
         self.pending: tuple[comm.Handle | None, torch.Tensor] | None = None
         self.offload_bytes = {"to_device": 0, "to_host": 0}
 
     # ------------------------------------------------------------- layout helpers
-    def shard_range(self, rank: int | None = None) -> tuple[int, int]:
-        r = self.cfg.rank if rank is None else rank
-        return r * self.shard_size, (r + 1) * self.shard_size
+    def local(self, i: int, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """Slot ``i``'s rows on this rank, a view of ``flat`` (shard-shaped; default the shard)."""
+        s, r = self.slots[i], self.cfg.rank
+        a, b = s.rows_of(r)
+        shape = s.shape if s.replicated else (b - a, *s.shape[1:])
+        if flat is None and self.aliased:
+            return self.buf.narrow(0, s.offset + r * s.chunk, (b - a) * s.row).view(shape)
+        flat = self.shard if flat is None else flat
+        return flat.narrow(0, s.local_offset, (b - a) * s.row).view(shape)
+
+    def _dtensor(self, i: int, local: torch.Tensor, requires_grad: bool | None = None) -> Any:
+        """Slot ``i``'s DTensor over ``local`` (an ``nn.Parameter`` when ``requires_grad`` is given)."""
+        assert self.cfg.placing is not None
+        mesh, placements, shape = self.cfg.placing(self.slots[i])
+        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                stride=contiguous_stride(shape))
+        return nn.Parameter(dt, requires_grad=requires_grad) if requires_grad is not None else dt
+
+    def pack(self, locals_: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A shard-shaped vector holding each slot's local rows (padding zero), e.g. optimizer state."""
+        out = torch.zeros(self.shard_size, dtype=dtype or self.dtype, device=self.home)
+        for i, t in enumerate(locals_):
+            self.local(i, out).copy_(t)
+        return out
+
+    def rank_major(self, flat: torch.Tensor) -> torch.Tensor:
+        """``buf``'s parameter-major order (padded slots) -> the all-gather's rank-major order."""
+        if self.direct:
+            return flat
+        w = self.cfg.world
+        out = torch.empty(self.padded, dtype=flat.dtype, device=flat.device)
+        torch.cat([flat.narrow(0, s.offset, w * s.chunk).view(w, s.chunk) for s in self.slots], dim=1,
+                  out=out.view(w, self.shard_size))
+        return out
+
+    def param_major(self, gathered: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The inverse of `rank_major`, into ``out`` (default: a new vector)."""
+        if self.direct:
+            if out is not None and out is not gathered:
+                out.copy_(gathered)
+                return out
+            return gathered
+        w = self.cfg.world
+        out = torch.empty_like(gathered) if out is None else out
+        torch.split_with_sizes_copy(gathered.view(w, self.shard_size), [s.chunk for s in self.slots], dim=1,
+                                    out=[out.narrow(0, s.offset, w * s.chunk).view(w, s.chunk)
+                                         for s in self.slots])
+        return out
 
     # ------------------------------------------------------------- unshard / reshard
+    def _version(self) -> int:
+        """Changes whenever the shard's values may have: an in-place op on a DTensor parameter
+        (the optimizer's step, a load into ``state_dict()``) bumps the DTensor's version, not its
+        local tensor's, so both are read."""
+        return self.shard._version + sum(p._version for p in self.params)
+
     def needs_gather(self) -> bool:
-        return self._handle is None and not (self.gathered and self.gathered_version == self.shard._version)
+        return self._handle is None and not (self.gathered and self.gathered_version == self._version())
+
+    def _source(self) -> torch.Tensor:
+        """This rank's chunks, end to end, on the compute device in the compute dtype."""
+        if self.aliased:  # copies: never gather a tensor into itself
+            r = self.cfg.rank
+            if self.direct:
+                return self.buf.narrow(0, r * self.shard_size, self.shard_size).clone()
+            return torch.cat([self.buf.narrow(0, s.offset + r * s.chunk, s.chunk) for s in self.slots])
+        src = self.shard.detach()
+        if self.cfg.offload:
+            src = src.to(self.cfg.device, copy=True, non_blocking=True)
+            self.offload_bytes["to_device"] += src.numel() * src.element_size()
+        return src.to(self.compute_dtype) if src.dtype != self.compute_dtype else src
 
     def start_gather(self) -> None:
-        """Issue the all-gather of every rank's shard into ``buf`` (async; `finish_gather` waits).
+        """Issue the all-gather of every rank's shard (async; `finish_gather` waits and copies it
+        out into ``buf``).
 
         Forward: all-gather of ``padded`` elements in the compute dtype over the fsdp axis.
         """
@@ -138,26 +266,29 @@ class FlatParam:
             self.finish_reduce()  # buf may be the in-flight reduction's input
         if not self.needs_gather():
             return
+        self._src = self._source()
+        if self.direct:
+            self._ensure_buf()
+            self._out = self.buf
+        else:
+            self._out = torch.empty(self.padded, dtype=self.compute_dtype, device=self.cfg.device)
+        self._handle = comm.all_gather_into(self._out, self._src, self.cfg.group, async_op=True)
+
+    def _ensure_buf(self) -> None:
         nbytes = self.padded * self.buf.element_size()
         if self.buf.untyped_storage().nbytes() != nbytes:
             self.buf.untyped_storage().resize_(nbytes)
-        src = self.shard.detach()
-        if self.cfg.offload:
-            src = src.to(self.cfg.device, copy=True, non_blocking=True)
-            self.offload_bytes["to_device"] += src.numel() * src.element_size()
-        if src.dtype != self.compute_dtype:
-            src = src.to(self.compute_dtype)
-        if self.aliased:
-            src = src.clone()  # the shard is a window on buf: never gather a tensor into itself
-        self._src = src
-        self._handle = comm.all_gather_into(self.buf, src, self.cfg.group, async_op=True)
-        self.gathered_version = self.shard._version
 
     def finish_gather(self) -> None:
         self.start_gather()
         if self._handle is not None:
             self._handle.wait()
-            self._handle, self._src = None, None
+            if self._out is not None and self._out is not self.buf:
+                self._ensure_buf()
+                with torch.no_grad():
+                    self.param_major(self._out, self.buf)
+            self._handle, self._src, self._out = None, None, None
+            self.gathered_version = self._version()
         self.gathered = True
 
     def reshard(self) -> None:
@@ -168,16 +299,20 @@ class FlatParam:
             # A prefetch nobody used: let it land before freeing. Also when not gathered yet, or it
             # would stay pending and be taken for current values after the optimizer step.
             self._handle.wait()
-            self._handle, self._src = None, None
+            self._handle, self._src, self._out = None, None, None
+            self.gathered_version = -1
         elif not self.gathered:
             return
         self.buf.untyped_storage().resize_(0)
         self.gathered = False
 
     def bind_views(self) -> None:
-        """Point every owner module's attribute at its parameter's leaf (tied owners share one)."""
-        for slot, leaf in zip(self.slots, self.leaves, strict=True):
+        """Register the DTensor parameters and point every owner module's attribute at its
+        parameter's leaf (tied owners share one): forward reads the leaf, `named_parameters` and
+        `state_dict` the DTensor."""
+        for slot, param, leaf in zip(self.slots, self.params, self.leaves, strict=True):
             for mod, attr in slot.owners:
+                mod._parameters[attr] = param  # a DTensor parameter (torch's FSDP2 registers them alike)
                 mod.__dict__[attr] = leaf
 
     # ------------------------------------------------------------- gradients
@@ -191,13 +326,24 @@ class FlatParam:
         """
         leaf = self.leaves[i]
         if self.cfg.stage == 3 and leaf.grad is not None and self.gathered:
-            slot = self.slots[i]
             with torch.no_grad():
-                self.buf.narrow(0, slot.offset, slot.numel).copy_(leaf.grad.reshape(-1))
+                self._put(self.buf, i, leaf.grad)
             leaf.grad = None
             self.in_buf[i] = True
         self.arrived += 1
         return self.arrived == len(self.leaves)
+
+    def _put(self, flat: torch.Tensor, i: int, grad: torch.Tensor | None) -> None:
+        """Write slot ``i``'s gradient into its padded range of parameter-major ``flat``."""
+        s = self.slots[i]
+        dst = flat.narrow(0, s.offset, self.cfg.world * s.chunk)
+        if grad is None:
+            dst.zero_()
+        elif s.replicated:  # every rank's chunk holds it: the reduce-scatter sums it for all
+            dst.copy_(grad.reshape(1).expand(self.cfg.world))
+        else:
+            dst[: s.numel].copy_(grad.reshape(-1))
+            dst[s.numel :].zero_()
 
     def abandon_backward(self) -> None:
         """Forget a backward that raised midway: buf may hold some gradients in place of values."""
@@ -206,48 +352,72 @@ class FlatParam:
         self.arrived, self.in_buf = 0, [False] * len(self.leaves)
 
     def _flatten_grads(self) -> torch.Tensor | None:
+        """The unit's gradient, rank-major (what the reduce-scatter splits), or None if none."""
         have = [i for i, leaf in enumerate(self.leaves) if self.in_buf[i] or leaf.grad is not None]
         if not have:
             return None
         if self.cfg.stage == 3:
             # buf becomes the flat gradient: ranges already moved there stay, the rest take the
-            # leaves' gradients (no_sync leftovers) or zeros; the padding is zeroed too.
-            if self.buf.untyped_storage().nbytes() == 0:
-                self.buf.untyped_storage().resize_(self.padded * self.buf.element_size())
+            # leaves' gradients (no_sync leftovers) or zeros.
+            self._ensure_buf()
             flat = self.buf
             self.gathered = False  # from here on buf holds gradients; freed after the reduction
         else:
-            # Only stage 3 moves gradients into buf: here ``have`` lists the leaves with a .grad.
+            # Only stage 3 moves gradients into buf: here ``have`` lists the leaves with a .grad,
+            # written straight in rank-major order.
             first = next(g for leaf in self.leaves if (g := leaf.grad) is not None)
             dtype = self.cfg.reduce_dtype or first.dtype
-            flat = torch.empty(self.padded, dtype=dtype, device=self.buf.device)
-        with torch.no_grad():
-            for i, (slot, leaf) in enumerate(zip(self.slots, self.leaves, strict=True)):
-                if self.in_buf[i]:
-                    continue
-                dst = flat.narrow(0, slot.offset, slot.numel)
-                if leaf.grad is None:
-                    dst.zero_()
-                else:
-                    dst.copy_(leaf.grad.reshape(-1))
+            out = torch.empty(self.padded, dtype=dtype, device=self.buf.device)
+            with torch.no_grad():
+                for i, leaf in enumerate(self.leaves):
+                    self._put_rank_major(out, i, leaf.grad)
                     leaf.grad = None
-            flat.narrow(0, self.total, self.padded - self.total).zero_()
+            return out
+        with torch.no_grad():
+            for i, leaf in enumerate(self.leaves):
+                if not self.in_buf[i]:
+                    self._put(flat, i, leaf.grad)
+                    leaf.grad = None
+            out = self.rank_major(flat)
+        if out is not self.buf:
+            self.buf.untyped_storage().resize_(0)  # its gradients now sit in rank-major order
         self.in_buf = [False] * len(self.leaves)
-        return flat
+        return out
+
+    def _put_rank_major(self, out: torch.Tensor, i: int, grad: torch.Tensor | None) -> None:
+        """Write slot ``i``'s gradient into rank-major ``out``: rank r's rows to its chunk."""
+        s, w = self.slots[i], self.cfg.world
+        if s.chunk == 0:
+            return
+        dst = out.view(w, self.shard_size).narrow(1, s.local_offset, s.chunk)
+        if grad is None:
+            dst.zero_()
+            return
+        if s.replicated:
+            dst.copy_(grad.reshape(1, 1).expand(w, 1))
+            return
+        g = grad.reshape(-1)
+        full, rem = divmod(s.numel, s.chunk)  # ranks with a whole chunk, rows of the next one
+        if full:
+            dst[:full].copy_(g[: full * s.chunk].view(full, s.chunk))
+        if full < w:
+            dst[full, :rem].copy_(g[full * s.chunk :])
+            dst[full, rem:].zero_()
+            dst[full + 1 :].zero_()
 
     def start_reduce(self) -> None:
         """Issue this backward's gradient reduction (async) and drop the unsharded gradient.
 
-        ZeRO-1: all-reduce of the full gradient (each rank keeps the whole sum; the shard's
-        ``.grad`` is a window on it). ZeRO-2/3: reduce-scatter, rank r receives the sum of
-        slice r. Both in the reduce dtype over the fsdp axis.
+        ZeRO-1: all-reduce of the full gradient (every rank keeps the whole sum, then its chunks).
+        ZeRO-2/3: reduce-scatter, rank r receives the sum of its chunks. Both in the reduce dtype
+        over the fsdp axis.
         """
         g, self.arrived = self._flatten_grads(), 0
         if g is None:
             return
         if self.cfg.reduce_dtype is not None and g.dtype != self.cfg.reduce_dtype:
             g = g.to(self.cfg.reduce_dtype)
-            if g is not self.buf and self.cfg.stage == 3:
+            if self.cfg.stage == 3:
                 self.buf.untyped_storage().resize_(0)  # the cast copy is what gets reduced
         if self.cfg.stage == 1:
             self.pending = (comm.all_reduce(g, self.cfg.group, async_op=True), g)
@@ -269,26 +439,36 @@ class FlatParam:
         if self.cfg.dp_group is not None:
             comm.all_reduce(red, self.cfg.dp_group)  # replicas hold the same slice: plain all-reduce
         red.div_(self.cfg.world * self.cfg.replicas)
-        if self.cfg.offload or red.dtype != self.shard.dtype or red.device != self.shard.device:
-            # A blocking copy: the optimizer reads this host gradient right after backward.
+        if self.cfg.offload:
             # (On a CPU-only machine offload still makes the copy, so the data path is exercised.)
-            red = red.to(self.shard.device, self.shard.dtype, copy=True)
-            if self.cfg.offload:
-                self.offload_bytes["to_host"] += red.numel() * red.element_size()
-        st = red.untyped_storage()
-        borrowed = st.nbytes() > red.numel() * red.element_size() or st.data_ptr() == self.buf.data_ptr()
-        if self.shard.grad is not None:
-            self.shard.grad.add_(red)
-        elif self.cfg.stage > 1 and borrowed:
-            # A window on the reduced full vector (Gloo reduces in place; at world 1 it is buf
-            # itself), which is dropped next. (ZeRO-1 keeps its window: every rank holds the
-            # whole gradient there by design.)
-            self.shard.grad = red.clone()
-        else:
-            self.shard.grad = red
-        del red, st
+            self.offload_bytes["to_host"] += red.numel() * self.shard.element_size()
+        self._accumulate(red)
+        del red
         if self.cfg.stage == 3 and not self.gathered and self._handle is None:
             self.buf.untyped_storage().resize_(0)  # the reduction's input, released at once
+
+    def _accumulate(self, red: torch.Tensor) -> None:
+        """Add ``red`` to the parameters' gradients, or make it theirs where they have none.
+
+        The gradients are DTensors over views of one flat vector, held only through the
+        parameters' ``.grad`` (weakly here), so ``zero_grad()`` frees them as on any module."""
+        flat = self._grad_flat() if self._grads else None
+        held = [flat is not None and p.grad is not None and p.grad is ref()
+                for p, ref in zip(self.params, self._grads, strict=True)] if self._grads else []
+        with torch.no_grad():
+            if flat is not None and all(held):
+                flat.add_(red.to(flat.device, flat.dtype))
+                return
+            new = torch.empty(self.shard_size, dtype=self.dtype, device=self.home)
+            new.copy_(red)  # a blocking copy: the optimizer reads it right after backward
+            for i, p in enumerate(self.params):
+                if p.grad is not None:  # accumulated earlier, or set by the user
+                    self.local(i, new).add_(cast(DTensor, p.grad).to_local())
+        grads = [self._dtensor(i, self.local(i, new)) for i in range(len(self.slots))]
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+        self._grad_flat = weakref.ref(new)
+        self._grads = [weakref.ref(g) for g in grads]
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...] | torch.Size | int) -> torch.Tensor:

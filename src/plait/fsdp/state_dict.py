@@ -6,32 +6,29 @@
   original model's full tensors there too. Loading slices each tensor back into this rank's
   shard (its tp shard first, over tensor parallelism).
 * **Sharded**: each original parameter as a DTensor ``Shard(0)`` over the fsdp axis (dim-0
-  chunks, the last ones possibly short or empty), so `torch.distributed.checkpoint` can save
-  it and load it at a different number of ranks. Optimizer state that has the shape of a
-  shard (Adam's moments) is converted the same way under ``optim.<param>.<key>``; scalar state
-  (``step``) is stored per parameter as a plain tensor. DTensor is only the container here.
-  Over tensor parallelism, a parameter's entry is its tp shard as a DTensor over tp instead
-  (the original model's full shape), so the keys and shapes match every other layout.
-
-Converting between the flat layout (a contiguous slice of all of a unit's parameters) and
-dim-0 chunks needs the whole flat vector of one group at a time: one all-gather per group,
-so a rank briefly holds one unit, never the model.
+  chunks, the last ones possibly short or empty: the parameters themselves, placed as
+  `plait.fsdp.flat` places them), so `torch.distributed.checkpoint` can save it and load it at
+  a different number of ranks. Optimizer state that has the shape of a parameter (Adam's
+  moments) is stored the same way under ``optim.<param>.<key>``; scalar state (``step``) per
+  parameter as a plain tensor. No communication. Over tensor parallelism, a parameter's entry
+  is its tp shard as a DTensor over tp instead (the original model's full shape; a fused or
+  padded split too, which the parameters' own placement cannot describe), so the keys and
+  shapes match every other layout: that needs the tp shards whole, one all-gather over fsdp per
+  flat group, so a rank briefly holds one unit, never the model.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from plait import comm
-from plait.checkpoint.protocol import load_module_state, module_state, state_layout
-from plait.dtensors import contiguous_stride, mesh_of
-from plait.fsdp.flat import FlatParam, ShardCfg
+from plait.checkpoint.protocol import state_layout
+from plait.fsdp.flat import FlatParam, ShardCfg, Slot
 from plait.fsdp.units import Unit
 from plait.state_dict import with_other_experts, without_others_experts
 from plait.tensor_source import FullValue, flat_range, whole
@@ -63,20 +60,41 @@ def _flats(model: ShardedModel) -> list[FlatParam]:
     return [f for u in model.units for f in u.flats]
 
 
+def _names(model: ShardedModel) -> set[str]:
+    return {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
+
+
+def _buffers(model: ShardedModel, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """The wrapped module's state besides FSDP's parameters: buffers and experts."""
+    names = _names(model)
+    return {k: v for k, v in model.module.state_dict(keep_vars=keep_vars).items() if k not in names}
+
+
+def _shard_of(flat: FlatParam) -> torch.Tensor:
+    """This rank's parameter chunks end to end (what the all-gather sends)."""
+    return flat.pack([flat.local(i) for i in range(len(flat.slots))])
+
+
 def _gather_flat(flat: FlatParam, shard: torch.Tensor) -> torch.Tensor:
-    """The full flat vector (padding included) of a shard-shaped tensor, on the compute device."""
+    """The gathered, parameter-major vector (`FlatParam.param_major`) of a shard-shaped tensor,
+    on the compute device: slot ``s`` is ``out[s.offset : s.offset + s.numel]``."""
     src = shard.detach().to(flat.cfg.device)
     out = torch.empty(flat.padded, dtype=src.dtype, device=src.device)
     comm.all_gather_into(out, src.contiguous(), flat.cfg.group)
-    return out
+    return flat.param_major(out)
+
+
+def _value(full: torch.Tensor, s: Slot) -> torch.Tensor:
+    return full[s.offset : s.offset + s.numel].view(s.shape)
 
 
 @torch.no_grad()
 def _scatter_flat(flat: FlatParam, full: torch.Tensor, dest: torch.Tensor) -> None:
-    lo, hi = flat.shard_range()
+    """Fill the shard-shaped ``dest`` with this rank's rows of each slot of parameter-major ``full``."""
     dest.zero_()
-    n = max(0, min(hi, flat.total) - lo)
-    dest[:n].copy_(full[lo : lo + n])
+    for i, s in enumerate(flat.slots):
+        a, b = s.rows_of(flat.cfg.rank)
+        flat.local(i, dest).copy_(_value(full, s)[a:b] if not s.replicated else _value(full, s))
 
 
 def full_state_dict(model: ShardedModel) -> dict[str, torch.Tensor]:
@@ -85,15 +103,15 @@ def full_state_dict(model: ShardedModel) -> dict[str, torch.Tensor]:
     holds this rank's tp shard; `plait.tp.state.gather_full` drops uneven splits' padding)."""
     out: dict[str, torch.Tensor] = {}
     for flat in _flats(model):
-        full = _gather_flat(flat, flat.shard)
+        full = _gather_flat(flat, _shard_of(flat))
         for s in flat.slots:
-            value = full[s.offset : s.offset + s.numel].view(s.shape)
+            value = _value(full, s)
             if model.tp is not None:
                 value = gather_full(value, model.tp.specs.get(s.fqn), model.tp)
             value = value.to("cpu", copy=True)
             for name in (s.fqn, *s.aliases):  # a tied weight under each of its names, as in state_dict()
                 out[name] = value
-    for name, b in model.module.state_dict().items():  # only buffers (and experts) remain registered
+    for name, b in _buffers(model).items():  # buffers (and experts)
         out[name] = b.detach().cpu().clone()
     return with_other_experts(model.module, out)
 
@@ -107,25 +125,22 @@ def _check_keys(model: ShardedModel, state: Mapping, expected: set[str], what: s
 
 @torch.no_grad()
 def load_full_state_dict(model: ShardedModel, state: Mapping[str, FullValue]) -> None:
-    """Load full tensors (as `full_state_dict` returns them): each rank keeps its slice. No
-    communication: every rank holds the whole ``state``. Only the part of each tensor that falls
-    in this rank's shard is read, so a `plait.tensor_source.TensorSource` is asked for the rows
-    of that slice (over tensor parallelism: for the rank's tp shard, then cut)."""
-    names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
-    buffers = dict(model.module.state_dict())
+    """Load full tensors (as `full_state_dict` returns them): each rank keeps its rows. No
+    communication: every rank holds the whole ``state``. Only this rank's rows of each tensor are
+    read, so a `plait.tensor_source.TensorSource` is asked for those rows only (over tensor
+    parallelism: for the rank's tp shard, then cut)."""
+    buffers = _buffers(model)
     state = without_others_experts(model.module, state)
-    _check_keys(model, state, names | set(buffers), "load_full_state_dict")
+    _check_keys(model, state, _names(model) | set(buffers), "load_full_state_dict")
     for flat in _flats(model):
-        lo, hi = flat.shard_range()
-        dest = flat.shard.detach()
-        dest.zero_()  # the padding past the last slot stays zero
-        for s in flat.slots:
-            value = _local_value(model, s.fqn, state[s.fqn], s.shape)
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a < b:
-                dest[a - lo : b - lo].copy_(flat_range(value(), a - s.offset, b - s.offset))
-    for name, b in buffers.items():
-        b.copy_(whole(state[name]))
+        for i, s in enumerate(flat.slots):
+            value = _local_value(model, s.fqn, state[s.fqn], s.shape)()
+            a, b = s.rows_of(flat.cfg.rank)
+            local = flat.local(i)
+            local.copy_(whole(value).reshape(local.shape) if s.replicated
+                        else flat_range(value, a * s.row, b * s.row).view(local.shape))
+    for name, buf in buffers.items():
+        buf.copy_(whole(state[name]))
 
 
 def _local_value(model: ShardedModel, name: str, value: FullValue,
@@ -144,76 +159,48 @@ def _local_value(model: ShardedModel, name: str, value: FullValue,
 
 
 # ---------------------------------------------------------------- sharded (DTensor) form
-def _rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
-    """Dim-0 row range of ``rank``'s Shard(0) chunk (torch.chunk sizes; trailing chunks may be empty)."""
-    per = -(-dim0 // world)
-    start = min(rank * per, dim0)
-    return start, min(start + per, dim0)
+def _to_entries(model: ShardedModel, flat: FlatParam, locals_: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """Checkpoint entries of per-slot local tensors (parameters or optimizer state), one per slot.
 
-
-def _to_dtensors(model: ShardedModel, flat: FlatParam, shard_like: torch.Tensor) -> list[DTensor]:
-    full = _gather_flat(flat, shard_like)
-    mesh, world, rank = mesh_of(model.cfg.group, model.cfg.device), flat.cfg.world, flat.cfg.rank
-    out = []
-    for s in flat.slots:
-        p = full[s.offset : s.offset + s.numel].view(s.shape)
-        shape = s.shape if len(s.shape) else torch.Size([1])
-        a, b = _rows(shape[0], world, rank)
-        local = p.reshape(shape)[a:b].clone()
-        out.append(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
-                                      stride=contiguous_stride(shape)))
-    return out
-
-
-def _from_dtensors(flat: FlatParam, tensors: list[torch.Tensor], dest: torch.Tensor) -> None:
-    """Rebuild this rank's flat shard from dim-0 chunks: one all-gather of all chunks, padded."""
-    world = flat.cfg.world
-    blocks, sizes = [], []
-    for s, t in zip(flat.slots, tensors, strict=True):
-        shape = s.shape if len(s.shape) else torch.Size([1])
-        local = t.to_local() if isinstance(t, DTensor) else t
-        per, row = -(-shape[0] // world), math.prod(shape[1:])
-        block = torch.zeros(per * row, dtype=dest.dtype, device=flat.cfg.device)
-        block[: local.numel()] = local.reshape(-1).to(block.device, block.dtype)
-        blocks.append(block)
-        sizes.append(per * row)
-    mine = torch.cat(blocks)
-    everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
-    comm.all_gather_into(everyone, mine, flat.cfg.group)
-    everyone = everyone.view(world, -1)
-    full = torch.zeros(flat.padded, dtype=dest.dtype, device=mine.device)
-    col = 0
-    for s, size in zip(flat.slots, sizes, strict=True):
-        full[s.offset : s.offset + s.numel] = everyone[:, col : col + size].reshape(-1)[: s.numel]
-        col += size
-    _scatter_flat(flat, full.to(dest.device), dest)
-
-
-def _to_entries(model: ShardedModel, flat: FlatParam, value: torch.Tensor) -> Sequence[torch.Tensor]:
-    """Checkpoint entries of a shard-shaped ``value``, one per slot.
-
-    Without tensor parallelism: ``Shard(0)`` DTensors over the fsdp axis. With it, a slot is a
-    tp shard of the original parameter: the flat vector is gathered over fsdp (one unit at a
-    time) and each slot becomes `plait.tp.state.checkpoint_entry` of its tp shard, a DTensor
-    over tp that every fsdp rank of the tp coordinate writes alike (stored once).
+    Without tensor parallelism: the DTensors themselves (``Shard(0)`` over fsdp, HSDP replicated
+    over dp), made from the locals. With it, a slot is a tp shard of the original parameter: the
+    flat vector is gathered over fsdp (one unit at a time) and each slot becomes
+    `plait.tp.state.checkpoint_entry` of its tp shard, a DTensor over tp that every fsdp rank of
+    the tp coordinate writes alike (stored once); that also covers fused and padded tp splits.
     """
     if model.tp is None:
-        return _to_dtensors(model, flat, value)
-    full = _gather_flat(flat, value)
-    return [checkpoint_entry(full[s.offset : s.offset + s.numel].view(s.shape), model.tp.specs.get(s.fqn),
-                             model.tp, s.fqn) for s in flat.slots]
+        return [flat._dtensor(i, t.detach().clone()) for i, t in enumerate(locals_)]
+    full = _gather_flat(flat, flat.pack(locals_, locals_[0].dtype if locals_ else None))
+    return [checkpoint_entry(_value(full, s), model.tp.specs.get(s.fqn), model.tp, s.fqn) for s in flat.slots]
 
 
 def _from_entries(model: ShardedModel, flat: FlatParam, values: list[torch.Tensor],
-                  dest: torch.Tensor) -> None:
-    """Inverse of `_to_entries`: fill this rank's shard ``dest`` from loaded entries."""
+                  dests: list[torch.Tensor]) -> None:
+    """Inverse of `_to_entries`: fill this rank's local tensors ``dests`` from loaded entries."""
     if model.tp is None:
-        _from_dtensors(flat, values, dest)
+        for i, (v, d) in enumerate(zip(values, dests, strict=True)):
+            d.copy_(_rows_of_entry(flat, i, v))
         return
-    full = torch.zeros(flat.padded, dtype=dest.dtype, device=dest.device)
+    full = torch.zeros(flat.padded, dtype=dests[0].dtype, device=flat.cfg.device)
     for s, v in zip(flat.slots, values, strict=True):
-        restore_entry(full[s.offset : s.offset + s.numel].view(s.shape), v, model.tp.specs.get(s.fqn))
-    _scatter_flat(flat, full, dest)
+        restore_entry(_value(full, s), v, model.tp.specs.get(s.fqn))
+    shard = torch.zeros(flat.shard_size, dtype=full.dtype, device=full.device)
+    _scatter_flat(flat, full, shard)
+    for i, d in enumerate(dests):
+        d.copy_(flat.local(i, shard))
+
+
+def _rows_of_entry(flat: FlatParam, i: int, value: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a loaded entry: its local tensor when placed as this slot is (a
+    template this module made), else cut from the full tensor (a DTensor placed otherwise)."""
+    mine = flat.params[i]
+    if isinstance(value, DTensor):
+        if value.device_mesh == mine.device_mesh and value.placements == mine.placements:
+            return value.to_local()
+        value = value.full_tensor()
+    s = flat.slots[i]
+    a, b = s.rows_of(flat.cfg.rank)
+    return value.reshape(s.shape) if s.replicated else value.reshape(s.shape)[a:b]
 
 
 def sharded_state_dict(model: ShardedModel, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -226,26 +213,48 @@ def sharded_state_dict(model: ShardedModel, optimizer: torch.optim.Optimizer | N
     optim_sd: dict[str, torch.Tensor] = {}
     layout = state_layout(optimizer) if optimizer is not None else {}
     for flat in _flats(model):
-        for s, dt in zip(flat.slots, _to_entries(model, flat, flat.shard), strict=True):
+        locals_ = [flat.local(i) for i in range(len(flat.slots))]
+        for s, dt in zip(flat.slots, _to_entries(model, flat, locals_), strict=True):
             for name in (s.fqn, *s.aliases):  # a tied weight under each of its names, as in state_dict()
                 model_sd[name] = dt
         if optimizer is None or not flat.requires_grad:
             continue
-        state = optimizer.state.get(flat.shard, {})
+        states = [optimizer.state.get(p, {}) for p in flat.params]
         for key, kind in layout.items():
             if kind == "elem":
-                value = state.get(key, torch.zeros_like(flat.shard))
-                for s, dt in zip(flat.slots, _to_entries(model, flat, value), strict=True):
+                values = [_to_local(st[key]) if key in st else torch.zeros_like(t)
+                          for st, t in zip(states, locals_, strict=True)]
+                for s, dt in zip(flat.slots, _to_entries(model, flat, values), strict=True):
                     optim_sd[f"{s.fqn}.{key}"] = dt
             else:
-                value = state.get(key, torch.zeros((), dtype=torch.float32))
-                for s in flat.slots:
-                    optim_sd[f"{s.fqn}.{key}"] = torch.as_tensor(value).detach().clone()
-    for name, b in model.module.state_dict().items():
+                for s, st in zip(flat.slots, states, strict=True):
+                    value = st.get(key, torch.zeros((), dtype=torch.float32))
+                    optim_sd[f"{s.fqn}.{key}"] = _to_local(torch.as_tensor(value)).detach().clone()
+    for name, b in _buffers(model).items():
         model_sd[name] = b.detach().clone()
     if optimizer is not None:  # the experts' state: whole tensors, like a plain module's
-        optim_sd.update(module_state(model.module, optimizer)["optim"])
+        optim_sd.update(_expert_state(model, optimizer, layout))
     return {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+
+
+def _to_local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _experts(model: ShardedModel) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.module.named_parameters() if not isinstance(p, DTensor)]
+
+
+def _expert_state(model: ShardedModel, optimizer: torch.optim.Optimizer, layout: dict[str, str]) -> dict:
+    out: dict[str, torch.Tensor] = {}
+    for name, p in _experts(model):
+        if not p.requires_grad:
+            continue
+        state = optimizer.state.get(p, {})
+        for key, kind in layout.items():
+            default = torch.zeros_like(p) if kind == "elem" else torch.zeros((), dtype=torch.float32)
+            out[f"{name}.{key}"] = torch.as_tensor(state.get(key, default)).detach().clone()
+    return out
 
 
 @torch.no_grad()
@@ -253,24 +262,30 @@ def load_sharded_state_dict(model: ShardedModel, state: dict,
                             optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a (DCP-filled) `sharded_state_dict` into the shards and, if given, the optimizer."""
     model_sd = state["model"]
-    names = {n for f in _flats(model) for s in f.slots for n in (s.fqn, *s.aliases)}
-    buffers = dict(model.module.state_dict())
-    _check_keys(model, model_sd, names | set(buffers), "load_sharded_state_dict")
+    buffers = _buffers(model)
+    _check_keys(model, model_sd, _names(model) | set(buffers), "load_sharded_state_dict")
     layout = state_layout(optimizer) if optimizer is not None else {}
     for flat in _flats(model):
-        _from_entries(model, flat, [model_sd[s.fqn] for s in flat.slots], flat.shard.detach())
+        locals_ = [flat.local(i) for i in range(len(flat.slots))]
+        _from_entries(model, flat, [model_sd[s.fqn] for s in flat.slots], locals_)
         if optimizer is None or not flat.requires_grad:
             continue
-        new: dict[str, torch.Tensor] = {}
+        new: list[dict[str, torch.Tensor]] = [{} for _ in flat.slots]
         for key, kind in layout.items():
+            values = [state["optim"][f"{s.fqn}.{key}"] for s in flat.slots]
             if kind == "elem":
-                dest = torch.zeros_like(flat.shard.detach())
-                _from_entries(model, flat, [state["optim"][f"{s.fqn}.{key}"] for s in flat.slots], dest)
-                new[key] = dest
+                dests = [torch.zeros_like(t) for t in locals_]
+                _from_entries(model, flat, values, dests)
+                for i, d in enumerate(dests):
+                    new[i][key] = flat._dtensor(i, d)
             else:
-                new[key] = state["optim"][f"{flat.slots[0].fqn}.{key}"].detach().clone()
-        optimizer.state[flat.shard] = new
-    for name, b in buffers.items():
-        b.copy_(model_sd[name])
-    if optimizer is not None:  # the experts' state (the module's only parameters left)
-        load_module_state(model.module, optimizer, state)
+                for i, v in enumerate(values):
+                    new[i][key] = _to_local(v).detach().clone()
+        for p, st in zip(flat.params, new, strict=True):
+            optimizer.state[p] = st
+    for name, buf in buffers.items():  # the experts' values too
+        buf.copy_(model_sd[name])
+    if optimizer is not None:  # the experts' state: whole tensors, like a plain module's
+        for name, p in _experts(model):
+            if p.requires_grad:
+                optimizer.state[p] = {k: state["optim"][f"{name}.{k}"].detach().clone() for k in layout}

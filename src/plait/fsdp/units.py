@@ -100,8 +100,9 @@ def _contains(unit: str, mod_name: str) -> bool:
 def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: ShardCfg, seed: int) -> list[Unit]:
     """Group ``module``'s parameters into units, shard them, materialize this rank's slices.
 
-    Afterwards the original parameters are gone from the modules (the flats' views replace
-    them at each forward) and buffers sit on the compute device.
+    Afterwards the original parameters are gone from the modules (`FlatParam.bind_views` puts
+    the DTensor parameters and the gathered leaves in their place) and buffers sit on the
+    compute device.
     """
     names = _unit_names(module, spec)
     by_depth = sorted(names, key=lambda n: -1 if n == "" else n.count("."), reverse=True)
@@ -119,7 +120,7 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
             fqn = f"{mname}.{attr}" if mname else attr
             if id(p) not in info:
                 hooks = list(getattr(p, GRAD_HOOKS_ATTR, ()))  # re-registered on the alias leaf
-                info[id(p)] = (p, Slot(fqn, p.shape, 0, grad_hooks=hooks), [])
+                info[id(p)] = (p, Slot(fqn, p.shape, grad_hooks=hooks), [])
             else:
                 info[id(p)][1].aliases.append(fqn)
             info[id(p)][1].owners.append((mod, attr))
@@ -130,27 +131,21 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
         home = next(u for u in by_depth if all(_contains(u, o) for o in owner_units))
         groups.setdefault((home, p.dtype, p.requires_grad), []).append(slot)
     units = {n: Unit(n, modules[n]) for n in names}
-    where: dict[int, tuple[FlatParam, Slot]] = {}
+    where: dict[int, tuple[FlatParam, int]] = {}
     for (home, dtype, req), slots in groups.items():
-        offset = 0
-        for s in slots:
-            s.offset, offset = offset, offset + s.numel
         flat = FlatParam(slots, dtype, req, cfg)
         units[home].flats.append(flat)
-        for s in slots:
-            where[id(s.owners[0][0]._parameters[s.owners[0][1]])] = (flat, s)
+        for i, s in enumerate(slots):
+            where[id(s.owners[0][0]._parameters[s.owners[0][1]])] = (flat, i)
 
     materialize(module, seed, _keep_shard(where, cfg))
-    for _p, slot, _ in info.values():
-        for mod, attr in slot.owners:
-            del mod._parameters[attr]
     # Units left without parameters (all of theirs tied elsewhere) need no hooks.
     return [units[n] for n in names if units[n].flats or n == ""]
 
 
-def _keep_shard(where: dict[int, tuple[FlatParam, Slot]], cfg: ShardCfg) -> Keep:
-    """FSDP's share of each tensor: a parameter's slice goes into its flat shard (the module's
-    own parameter is removed afterwards), a buffer stays whole on the compute device."""
+def _keep_shard(where: dict[int, tuple[FlatParam, int]], cfg: ShardCfg) -> Keep:
+    """FSDP's share of each tensor: a parameter's rows go into its flat shard (the module's own
+    parameter is replaced by the DTensor afterwards), a buffer stays whole on the compute device."""
 
     def keep(name: str, attr: str, full: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
         if not isinstance(t, nn.Parameter):
@@ -162,11 +157,11 @@ def _keep_shard(where: dict[int, tuple[FlatParam, Slot]], cfg: ShardCfg) -> Keep
             kept = nn.Parameter(full.to(cfg.device), requires_grad=t.requires_grad)
             kept._plait_expert = placed  # type: ignore[attr-defined]
             return kept
-        flat, slot = where[id(t)]
-        lo, hi = flat.shard_range()
-        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if a < b:
-            flat.shard.detach()[a - lo : b - lo].copy_(full.reshape(-1)[a - slot.offset : b - slot.offset])
-        return None
+        flat, i = where[id(t)]
+        slot = flat.slots[i]
+        a, b = slot.rows_of(cfg.rank)
+        with torch.no_grad():
+            flat.local(i).copy_(full if slot.replicated else full[a:b])
+        return None  # the DTensor parameter replaces it (`FlatParam.bind_views`)
 
     return keep

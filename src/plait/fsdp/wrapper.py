@@ -24,13 +24,17 @@ Either way a unit's gradients are moved into its gathered buffer as they arrive 
 `plait.fsdp.flat`), never held twice.
 
 The training loop stays plain PyTorch: build any optimizer on ``model.parameters()`` *after*
-wrapping (those are this rank's flat shards), call ``loss.backward()``, ``opt.step()``.
+wrapping, call ``loss.backward()``, ``opt.step()``. The parameters are the model's own, under
+its names (prefixed ``module.``, as DDP's) and at their full shapes, each a DTensor ``Shard(0)``
+over fsdp whose local tensor is this rank's rows (`plait.fsdp.flat`), so param groups by name or
+shape, matrix optimizers, ``torch.nn.utils.clip_grad_norm_`` and
+``torch.distributed.checkpoint.save(model.state_dict())`` work as on torch's FSDP2.
 
 State: `full_state_dict` (gathered, CPU, original names) for export; `sharded_state_dict`
-(per-parameter ``Shard(0)`` DTensors, optionally with the optimizer's state) for
-`torch.distributed.checkpoint`, loadable at another world size, and `plait.checkpoint`'s
-protocol (``checkpoint_state``). ``state_dict()`` itself is nn.Module's: the flat shards under
-``flat_<unit>_<group>`` plus buffers.
+(per-parameter ``Shard(0)`` DTensors under the original names, optionally with the optimizer's
+state) for `torch.distributed.checkpoint`, loadable at another world size, and
+`plait.checkpoint`'s protocol (``checkpoint_state``). ``state_dict()`` is nn.Module's: the
+DTensor parameters and the buffers.
 
 Activation checkpointing (`plait.activation_checkpointing`, applied before wrapping) replaces a
 block's forward inside the unit's hooks, so its recomputation, in backward, runs after the unit's
@@ -53,12 +57,17 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from plait._torch_compat import queue_end_of_backward
+from plait.dtensors import mesh_over
 from plait.env import device as default_device
 from plait.ep.apply import ep_info, placement_of, reduce_expert_grads
-from plait.fsdp.flat import FlatParam, ShardCfg
+from plait.fsdp.flat import FlatParam, Placing, ShardCfg, Slot
 from plait.fsdp.units import Unit, build_units, check_no_optimizer
 from plait.mesh import Mesh
 from plait.precision import MixedPrecision, parse_mixed_precision, precision_of
@@ -155,17 +164,12 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError("FullyShardedDataParallel: expert-parallel experts stay whole on the device, "
                              "outside FSDP's shards, so FSDP's mixed precision and offloading would not "
                              "reach them; train them in fp32 on the device (drop mixed_precision / offload)")
+        self.cfg.placing = self._placing()
         self.units: list[Unit] = build_units(module, units, self.cfg, seed)
         # Experts (plait.expert_parallel) stay the module's own parameters, whole: ranks of the
         # shard group hold different ones. Their gradients are summed over edp at backward's end.
         self._experts = [p for p in placed_experts(module) if p.requires_grad]
-        if self.tp is not None:
-            _mark_tp_ranges(self.units, self.tp)
-        self.module = module
-        # The shards are this wrapper's parameters, named after their unit.
-        for i, unit in enumerate(self.units):
-            for j, flat in enumerate(unit.flats):
-                self.register_parameter(f"flat_{i}_{j}", flat.shard)
+        self.module = module  # its parameters, under their own names, are the DTensor shards
         for unit in self.units[1:]:
             unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
             unit.module.register_forward_hook(self._make_post_forward(unit))
@@ -181,6 +185,64 @@ class FullyShardedDataParallel(nn.Module):
         self._backward_queued = False
         self._inflight: list[FlatParam] = []  # reductions issued and not yet awaited
         self._reduced: set[int] = set()  # ids of flats whose reduction this backward has issued
+
+    def _placing(self) -> Placing:
+        """How each parameter's DTensor is placed: ``Shard(0)`` over fsdp (HSDP: replicated over
+        dp first); over tensor parallelism the tp split comes before fsdp's (a colwise weight's
+        rows are split over tp, then each tp shard's rows over fsdp), so the mesh is
+        (dp, tp, fsdp) and a tp-sharded parameter ``Shard(d)`` over tp."""
+        cfg, tp = self.cfg, self.tp
+        axes: list[tuple[str, dist.ProcessGroup]] = []
+        if cfg.dp_group is not None:
+            axes.append(("dp", cfg.dp_group))
+        if tp is not None and tp.size > 1:
+            axes.append(("tp", tp.group))
+        axes.append(("fsdp", cfg.group))
+        names = tuple(n for n, _ in axes)
+        mesh = mesh_over(tuple(g for _, g in axes), names, cfg.device)
+
+        def place(slot: Slot) -> tuple[DeviceMesh, tuple[Placement, ...], torch.Size]:
+            spec = _tp_spec(tp, slot) if tp is not None and tp.size > 1 else None
+            shape = list(slot.shape)
+            out: list[Placement] = []
+            for n in names:
+                if n == "fsdp" and not slot.replicated:
+                    out.append(Shard(0))
+                elif n == "tp" and spec is not None:
+                    out.append(Shard(spec.dim))
+                    shape[spec.dim] = spec.local * tp.size  # type: ignore[union-attr]
+                else:
+                    out.append(Replicate())
+            return mesh, tuple(out), torch.Size(shape)
+
+        return place
+
+    def _torch_state_refusal(self) -> str | None:
+        """Why ``state_dict()`` (what torch.distributed.checkpoint saves) cannot hold this model's
+        own tensors, or None: a fused or padded tp split, or experts held whole on some ranks."""
+        if self._experts or placed_experts(self.module):
+            return ("its expert-parallel experts are plain tensors under the same names on every ep "
+                    "rank, holding different experts (DCP would keep one rank's copy)")
+        if self.tp is None or self.tp.size == 1:
+            return None
+        odd = [n for n, spec in self.tp.specs.items()
+               if not spec.contiguous or spec.local * self.tp.size != spec.full]
+        if odd:
+            return (f"tensor parallelism splits {odd[:4]} fused (parts) or padded, which a DTensor "
+                    "placement cannot describe")
+        return None
+
+    def state_dict(self, *args, **kwargs):
+        """nn.Module's: the DTensor parameters under the model's names (prefixed ``module.``, as
+        DDP's) and the buffers, which `torch.distributed.checkpoint` saves and reshards. Refused
+        where a DTensor cannot describe a parameter (see `_torch_state_refusal`)."""
+        why = self._torch_state_refusal()
+        if why is not None:
+            raise ValueError(
+                f"FullyShardedDataParallel.state_dict(): {why}, so torch.distributed.checkpoint would "
+                "save wrong values; save model.sharded_state_dict(optimizer) (plait.checkpoint) or "
+                "plait.full_state_dict(model) instead")
+        return super().state_dict(*args, **kwargs)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -317,16 +379,21 @@ class FullyShardedDataParallel(nn.Module):
         """This rank's gradient shards, disjoint over fsdp (dp replicas hold the same shards, so
         they are not summed over dp); on a tensor-parallel module the tp-sharded slots are also
         disjoint over tp, while replicated ones, equal on every tp rank, count once."""
-        have = [(f, g) for u in self.units for f in u.flats if (g := f.shard.grad) is not None]
-        experts = _expert_parts(self.module, self._experts)
-        if self.tp is None or self.tp.size == 1:
-            return {(self.cfg.group,): [g for _, g in have], **experts}
-        sharded: list[torch.Tensor] = []
-        replicated: list[torch.Tensor] = []
-        for f, g in have:
-            for a, b, is_shard in f.tp_ranges:
-                (sharded if is_shard else replicated).append(g[a:b])
-        return {(self.cfg.group, self.tp.group): sharded, (self.cfg.group,): replicated, **experts}
+        tp = self.tp if self.tp is not None and self.tp.size > 1 else None
+        parts: GradParts = {(self.cfg.group,): [], (): []}
+        if tp is not None:
+            parts[(self.cfg.group, tp.group)] = []
+            parts[(tp.group,)] = []
+        for u in self.units:
+            for f in u.flats:
+                for s, p in zip(f.slots, f.params, strict=True):
+                    if p.grad is None:
+                        continue
+                    key = () if s.replicated else (self.cfg.group,)
+                    if tp is not None and _tp_spec(tp, s) is not None:
+                        key = (*key, tp.group)
+                    parts[key].append(_local(p.grad))
+        return {**parts, **_expert_parts(self.module, self._experts)}
 
     # The state-dict functions are imported when called: they need plait.checkpoint, whose
     # torch.distributed.checkpoint would otherwise load with every `import plait`.
@@ -407,27 +474,25 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
                 n += st.nbytes()
         return n
 
-    params: list[torch.Tensor] = list(model.parameters())
+    params: list[torch.Tensor] = [_local(p) for p in model.parameters()]
     if isinstance(model, FullyShardedDataParallel):
-        params += [f.buf for u in model.units for f in u.flats]
-    out = {"params": add(params), "grads": add(p.grad for p in model.parameters() if p.grad is not None)}
-    state = [v for s in (optimizer.state.values() if optimizer else []) for v in s.values()
+        params += [t for u in model.units for f in u.flats for t in (f.buf, f.shard)]
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    out = {"params": add(params), "grads": add(grads)}
+    state = [_local(v) for s in (optimizer.state.values() if optimizer else []) for v in s.values()
              if torch.is_tensor(v)]
     out["optimizer"] = add(state)
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
 
-def _mark_tp_ranges(units: list[Unit], info: TPInfo) -> None:
-    """Record, per flat group, which ranges of this rank's shard hold tp-sharded parameters."""
-    for unit in units:
-        for flat in unit.flats:
-            lo, hi = flat.shard_range()
-            for slot in flat.slots:
-                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if a < b:
-                    sharded = any(n in info.specs for n in (slot.fqn, *slot.aliases))
-                    flat.tp_ranges.append((a - lo, b - lo, sharded))
+def _tp_spec(tp: TPInfo, slot: Slot):
+    """The tp split of a slot's parameter (under any of its tied names), or None: replicated."""
+    return next((tp.specs[n] for n in (slot.fqn, *slot.aliases) if n in tp.specs), None)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _tensors(obj) -> list[torch.Tensor]:

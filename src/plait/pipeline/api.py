@@ -199,7 +199,7 @@ class Pipeline:
     # ------------------------------------------------------------------ parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """What the optimizer steps on this rank, each once: the stages' parameters under their names
-        in the original model, or a wrapper's own (FSDP's flat shards: ``stages.<s>.flat_<u>_<g>``)."""
+        in the original model (FSDP's DTensor shards too), or a wrapper's own (``stages.<s>.<name>``)."""
         seen: set[int] = set()
         for s in sorted(self.stages):
             original = {id(p): n for n, p in self._inner[s].named_parameters()}

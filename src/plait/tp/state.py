@@ -100,10 +100,14 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, FullValue]) -> No
 
 
 def _check_not_fsdp(model: nn.Module, what: str) -> None:
-    """FSDP over the tp model takes its parameters away (into flat shards): a state dict of the
-    module would silently hold buffers only."""
+    """FSDP over the tp model shards its parameters again (DTensors placed over fsdp too): a
+    state dict of the module would silently hold this rank's fsdp rows only."""
+    from torch.distributed.tensor import DTensor
+
     info = tp_info(model)
-    if info is not None and info.specs and not set(info.specs) & set(model.state_dict()):
+    sd = model.state_dict()
+    held = [sd[n] for n in info.specs if n in sd] if info is not None else []
+    if info is not None and info.specs and (not held or any(isinstance(t, DTensor) for t in held)):
         raise ValueError(f"plait.tp.state.{what}: this tensor-parallel model is wrapped by FSDP, which "
                          f"holds its parameters: call plait.{what}(model) on the FSDP wrapper")
 

@@ -89,12 +89,19 @@ def _parts(model: nn.Module | Pipeline) -> list[nn.Module]:
 
 
 def _tensors_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return [_local(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What holds a tensor's bytes on this rank: a DTensor's local tensor (FSDP's parameters)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
-    for t in tensors:
+    for t in map(_local, tensors):
         seen[storage_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
@@ -252,7 +259,8 @@ def measure_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: T
                  device: torch.device, scan_gc: bool) -> dict[str, Any]:
     """Run one more step under the live-memory tracker, the FLOP counter and fresh comm counts;
     return the raw figures (shared by the rehearsal on meta and the measured run on a device)."""
-    params = list(model.parameters())
+    owned = list(model.parameters())
+    params = [_local(p) for p in owned]
     buffers = _buffers(model)
     state = _tensors_of(opt)
     flats = _fsdp_flats(model)
@@ -267,7 +275,7 @@ def measure_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: T
         step_once(model, opt, cfg, mesh, device)
     meter.remove()
     stats = comm.reset_stats().as_dict()
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in owned if p.grad is not None]
     groups = {"parameters": _keys([*params, *buffers]), "gradients": _keys(grads),
               "optimizer state": _keys(_tensors_of(opt)), "communication buffers": _keys(_ddp_buckets(model)),
               "fsdp gathered units": _keys(f.buf for f in flats)}
@@ -325,7 +333,7 @@ def build_only(cfg: TrainConfig) -> dict[str, Any]:
                 p.grad = torch.empty_like(p)
             opt.step()
             stages.append({"stage": mesh.coords["pp"], "rank": rank, "mesh": dict(mesh.shape),
-                           "parameters": sum(p.numel() for p in model.parameters()),
+                           "parameters": sum(_local(p).numel() for p in model.parameters()),
                            "parameter_bytes": _bytes([*model.parameters(), *_buffers(model)]),
                            "gradient_bytes": _bytes(p.grad for p in params if p.grad is not None),
                            "optimizer_bytes": _bytes(_tensors_of(opt)),
