@@ -388,7 +388,9 @@ def _run_here(cfg: TrainConfig, resume: str, rank: int, traces: Path) -> int:
     with StopRequest() as stop:
         try:
             train(cfg, stop, resume)
-        except Exception as e:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # some of torch's errors are BaseExceptions (DCP's CheckpointException)
             from plait.env import mark_failed
 
             mark_failed()
