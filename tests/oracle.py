@@ -74,7 +74,7 @@ def train_losses(tmp: str, **layout) -> list[float]:
     """Per-step losses of `plait train`'s loop on a short run (picklable for rank pools)."""
     from plait.app.train import TrainConfig, train
 
-    return train(TrainConfig.from_flags(**TRAIN_BASE, metrics=f"{tmp}/m.jsonl", **layout))["losses"]
+    return train(TrainConfig.from_flags(**{**TRAIN_BASE, "metrics": f"{tmp}/m.jsonl", **layout}))["losses"]
 
 
 def shard_pieces(fsdp):

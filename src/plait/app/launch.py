@@ -95,7 +95,7 @@ class _Ranks:
 
     procs: list[multiprocessing.process.BaseProcess]
     signals: list[int]
-    ended: dict[int, float]
+    ended: dict[int, float]  # rank -> time.time() when the launcher saw it end
 
     def alive(self) -> list[multiprocessing.process.BaseProcess]:
         return [p for p in self.procs if p.exitcode is None]
@@ -134,29 +134,43 @@ def _wait(ranks: _Ranks) -> None:
         now = time.monotonic()
         for rank, p in enumerate(ranks.procs):
             if p.exitcode is not None and rank not in ranks.ended:
-                ranks.ended[rank] = now
+                ranks.ended[rank] = time.time()  # wall clock, as the trace files' times
                 p.join()
-                if p.exitcode != 0 and not ranks.signals and deadline is None:
+                if _failed(p.exitcode) and not ranks.signals and deadline is None:
                     deadline = now + FAIL_GRACE_S
         if deadline is not None and now > deadline:
             ranks.send(signal.SIGKILL)
 
 
+def _failed(code: int | None) -> bool:
+    """A rank's exit code that is a failure: not 0, nor a stop code it chose (128 + a signal)."""
+    return code is not None and code != 0 and not 128 < code < 160
+
+
+def _trace(trace_dir: Path | None, rank: int) -> Path | None:
+    path = trace_dir / f"rank{rank}.txt" if trace_dir is not None else None
+    return path if path is not None and path.is_file() else None
+
+
 def _failure_message(ranks: _Ranks, trace_dir: Path | None) -> str:
     """One line: the rank that failed first, its error, and where every trace is."""
     codes = [p.exitcode for p in ranks.procs]
-    failed = sorted((t, r) for r, t in ranks.ended.items() if codes[r] not in (0, None))
+
+    def when(rank: int) -> float:  # a trace is written when the error is caught: closer to its cause
+        trace = _trace(trace_dir, rank)
+        return trace.stat().st_mtime if trace is not None else ranks.ended[rank]
+
+    failed = sorted((when(r), r) for r in ranks.ended if _failed(codes[r]))
     first = failed[0][1]
-    trace = trace_dir / f"rank{first}.txt" if trace_dir is not None else None
-    if trace is not None and trace.is_file():
+    trace = _trace(trace_dir, first)
+    if trace is not None:
         what = trace.read_text().split("\n", 1)[0]
     elif (codes[first] or 0) < 0:
         what = f"killed by {signal.Signals(-(codes[first] or 0)).name}"
     else:
         what = f"exited with code {codes[first]}"
     others = f" ({len(failed) - 1} more failed after it)" if len(failed) > 1 else ""
-    where = f"; full tracebacks in {trace_dir}/" if trace_dir is not None and trace is not None and \
-        trace.is_file() else ""
+    where = f"; full tracebacks in {trace_dir}/" if trace is not None else ""
     return f"rank {first}: {what}{others}{where}"
 
 
@@ -191,8 +205,6 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (),
     codes = [p.exitcode for p in ranks.procs]
     if ranks.signals:  # stopped as asked: the ranks' own message said how
         return 0 if all(c == 0 for c in codes) else 128 + ranks.signals[0]
-    if any(c != 0 for c in codes):
-        if len(set(codes)) == 1 and codes[0] is not None and codes[0] > 128:
-            return codes[0]  # every rank stopped on its own signal (a scheduler signalled them)
+    if any(_failed(c) for c in codes):
         raise RanksFailed(_failure_message(ranks, folder), codes)
-    return 0
+    return max(c or 0 for c in codes)  # 0, or the stop code the ranks chose (a signal sent to them)
