@@ -174,3 +174,26 @@ def test_an_error_on_a_rank_is_one_line_naming_the_rank_and_where_the_traces_are
         "rank 1: ValueError: --tp 3 does not divide the 4 heads: try --tp 2"), message
     assert message.endswith(f"full tracebacks in {tmp_path / 'traces'}/")
     assert "Traceback" in (tmp_path / "traces" / "rank1.txt").read_text()
+
+
+def _signal_reaches_rank1_only(tmp: str) -> tuple[int, int]:
+    import torch.distributed as dist
+    from oracle import TRAIN_BASE
+
+    from plait.app.stop import StopRequest
+    from plait.app.train import TrainConfig, train
+
+    stop = StopRequest()
+    if dist.get_rank() == 1:  # as under srun when only one node's tasks were signalled so far
+        stop.signum = signal.SIGTERM
+    cfg = TrainConfig.from_flags(**{**TRAIN_BASE, "metrics": f"{tmp}/m.jsonl", "save_dir": f"{tmp}/ckpt",
+                                    "strategy": "ddp", "nproc": 2})
+    out = train(cfg, stop, "plait train ... --resume")
+    return len(out["losses"]), out["stopped_by"]
+
+
+def test_ranks_signalled_by_their_own_launcher_agree_on_the_step_to_stop_after(pools, tmp_path):
+    """Under torchrun or srun each rank gets the signal itself, not necessarily at the same step:
+    one that did not stops with the one that did."""
+    assert pools[2].run(_signal_reaches_rank1_only, str(tmp_path)) == [(1, signal.SIGTERM)] * 2
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_000001"]
