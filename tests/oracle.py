@@ -65,13 +65,16 @@ def step_and_compare(net, oracle: nn.Module, optimizers: tuple, tol: dict, when:
 
 TRAIN_BASE = dict(model="tiny", steps=6, warmup=1, batch_size=8, seq_len=32, eval_every=0, progress=False,
                   max_bytes=200_000, lr=1e-2)
+# The same run as `plait train` flags, for tests that launch the command itself.
+TRAIN_ARGV = ["--model", "tiny", "--steps", "6", "--warmup", "1", "--batch-size", "8", "--seq-len", "32",
+              "--eval-every", "0", "--no-progress", "--max-bytes", "200000", "--lr", "1e-2"]
 
 
 def train_losses(tmp: str, **layout) -> list[float]:
     """Per-step losses of `plait train`'s loop on a short run (picklable for rank pools)."""
     from plait.app.train import TrainConfig, train
 
-    return train(TrainConfig.from_flags(**TRAIN_BASE, run_dir=tmp, **layout))["losses"]
+    return train(TrainConfig.from_flags(**{**TRAIN_BASE, "run_dir": tmp, **layout}))["losses"]
 
 
 def shard_pieces(fsdp):

@@ -7,13 +7,16 @@ import json
 import logging
 import os
 import pickle
+import shlex
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from oracle import TRAIN_BASE
+from oracle import TRAIN_ARGV, TRAIN_BASE
 
 from plait import checkpoint
 from plait.app.train import TrainConfig
@@ -252,3 +255,30 @@ def test_async_save_resumes_like_a_blocking_one(pools, saved, tmp_path):
     shutil.copytree(tmp_path / "async" / "step_000003", only3 / "step_000003")
     resumed = pools[2].run(run, str(tmp_path), save_dir=str(only3), resume=True, **TWO_RANKS)[0]
     assert resumed["losses"] == pytest.approx(saved.losses[3:], rel=1e-4)
+
+
+# ------------------------------------------------------------------ a full disk
+def _can_mount_tmpfs() -> bool:
+    probe = "mkdir -p /tmp/plait-probe && mount -t tmpfs -o size=16k tmpfs /tmp/plait-probe"
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "sh", "-c", probe], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs `unshare -rm` to mount a small tmpfs")
+def test_a_full_disk_says_so_and_the_next_resume_starts_from_the_last_good_checkpoint(tmp_path):
+    """A real full disk: `plait train` (one process) saving every step into a tmpfs with room for
+    one checkpoint of the tiny model (1.8 MB). The second save fails; the run says "No space left on
+    device" with the folder, in one line, and leaves no step_000002 behind."""
+    disk = tmp_path / "disk"
+    train = shlex.join([sys.executable, "-m", "plait", "train", *TRAIN_ARGV, "--strategy", "none", "--nproc",
+                        "1", "--save-every", "1", f"--save-dir={disk}/ckpt", f"--metrics={tmp_path}/m.jsonl"])
+    script = (f"mkdir -p {disk} && mount -t tmpfs -o size=2600k tmpfs {disk} && {{ {train}; echo rc=$?; }}; "
+              f"cp -r {disk}/ckpt {tmp_path}/ckpt")
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("plait train: error:")]
+    assert "rc=1" in res.stdout and len(errors) == 1, res.stderr[-3000:]
+    assert "No space left on device" in errors[0] and f"{disk}/ckpt/step_000002" in errors[0], errors[0]
+    assert "Traceback" not in res.stderr and (tmp_path / "traces" / "rank0.txt").is_file()
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_000001"]
+    found = checkpoint.choose(tmp_path / "ckpt")
+    assert found is not None and found[1]["step"] == 1

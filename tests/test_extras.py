@@ -10,12 +10,19 @@ from plait.app.cli import CLI_EXTRAS
 
 
 def test_library_imports_with_torch_alone_and_the_command_names_its_extra(tmp_path):
+    """... and `plait --version` and `plait --help` answer without importing torch (a user's
+    first command: torch's import alone takes seconds)."""
     # One process with every optional library made unimportable (None in sys.modules).
     blocked = [*CLI_EXTRAS, "matplotlib", "transformers"]
     code = textwrap.dedent(f"""
-        import sys
+        import contextlib, io, sys
         for name in {blocked!r}:
             sys.modules[name] = None
+        from plait.app.cli import main
+        with contextlib.redirect_stdout(io.StringIO()) as said:  # `plait --version`, `plait --help`
+            assert main(["--version"]) == 0 and main(["--help"]) == 0
+        assert said.getvalue().startswith("plait 0.1.0\\nusage: plait"), said.getvalue()
+        assert "torch" not in sys.modules, "plait --help imported torch"
         import plait, plait.check, plait.cp, plait.ddp, plait.ep, plait.fsdp, plait.tp, plait.checkpoint
         from plait.pipeline import draw
         from plait.pipeline.generators import one_f_one_b

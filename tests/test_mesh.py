@@ -84,9 +84,14 @@ def test_wildcard_axis(pools):
 def test_slurm_and_torchrun_env():
     from plait.env import launch_from_env
 
-    s = launch_from_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                         "SLURM_NODELIST": "gpu[007-008,12]"})
+    job = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "8", "SLURM_NODELIST": "gpu[007-008,12]"}
+    s = launch_from_env({**job, "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0"})
     assert (s.rank, s.world_size, s.local_rank, s.master_addr, s.source) == (3, 8, 1, "gpu007", "slurm")
+    # An interactive shell in the allocation, or the batch script itself: no srun task, so one
+    # process with a note, not rank 0 of 8 waiting for 7 peers that were never started.
+    for shell in (job, {**job, "SLURM_PROCID": "0", "SLURM_STEP_ID": "4294967291"}):
+        alone = launch_from_env(shell)
+        assert (alone.world_size, alone.source) == (1, "single") and "not a task of srun" in alone.note
     t = launch_from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
                          "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
     assert (t.rank, t.world_size, t.master_port, t.source) == (1, 2, 1234, "torchrun")

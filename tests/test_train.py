@@ -141,6 +141,17 @@ def test_bad_config_is_rejected_before_launch(kwargs, match):
         TrainConfig.from_flags(**kwargs)
 
 
+def test_resume_from_a_folder_without_checkpoints_is_refused_before_any_rank_starts(tmp_path, capsys):
+    # A mistyped --save-dir used to train from step 0 without a word.
+    from plait.app.train import cli_main
+
+    for folder, what in ((tmp_path / "typo", "does not exist"), (tmp_path, "holds no checkpoint")):
+        code = cli_main(["--nproc", "2", "--resume", "--save-dir", str(folder), "--metrics",
+                         str(tmp_path / "m.jsonl")])
+        assert code == 2 and f"--resume: {folder} {what}" in capsys.readouterr().err
+    assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "traces").exists()
+
+
 def test_cli_reports_bad_flag():
     res = _run(["train", "--batch-size", "3", "--nproc", "2"])
     assert res.returncode == 2 and "divisible" in res.stderr

@@ -1,48 +1,67 @@
-"""plait: train any PyTorch model on many devices with every classic form of parallelism."""
+"""plait: train any PyTorch model on many devices with every classic form of parallelism.
 
-from typing import TYPE_CHECKING
+The public names load on first use (PEP 562): ``import plait`` costs nothing until a name is
+used, so ``plait --help`` and ``plait --version`` answer without importing torch.
+"""
 
-from plait import comm, cp
-from plait.check import CheckReport
-from plait.clip import clip_grad_norm_
-from plait.cp import context_parallel
-from plait.data_parallel import DataParallel
-from plait.ddp import DDP, DistributedDataParallel
-from plait.env import get_logger, init
-from plait.ep import expert_parallel
-from plait.fsdp import FSDP, FullyShardedDataParallel, ZeroRedundancyOptimizer
-from plait.materialize import init_weights
-from plait.mesh import Mesh
-from plait.models.plans import gpt_plan, plan_for
-from plait.parallelize import ParallelPlan
-from plait.pipeline import Pipeline
-from plait.precision import MixedPrecision, mixed_precision
-from plait.scaler import GradScaler
-from plait.state_dict import full_state_dict, load_full_state_dict
-from plait.tp import (
-    ColwiseParallel,
-    ParallelRegion,
-    RowwiseParallel,
-    SequenceParallel,
-    VocabParallelEmbedding,
-    VocabParallelOutput,
-    loss_fn_for,
-    tensor_parallel,
-    vocab_parallel_cross_entropy,
-)
+import importlib
+import importlib.util
+import sys
+from typing import TYPE_CHECKING, Any
 
-# `plait.activation_checkpointing`, `plait.check`, `plait.parallelize` and `plait.pipeline` are
-# modules that are also their namesake function (`plait.callable_module`):
-# ``plait.pipeline(model, mesh, ...)`` and ``plait.pipeline.zbv`` both work. Type checkers do not
-# model a callable module, so to them these names are the functions, the common use; typed code
-# imports the modules' other names (``from plait.pipeline import zbv``).
-if TYPE_CHECKING:
+__version__ = "0.1.0"
+
+# Where each public name lives, in the order the first use loads them all (None: the module of
+# that name). `plait.activation_checkpointing`, `plait.check`, `plait.parallelize` and
+# `plait.pipeline` are modules that are also their namesake function (`plait.callable_module`):
+# ``plait.pipeline(model, mesh, ...)`` and ``plait.pipeline.zbv`` both work.
+_SOURCES = {
+    "comm": None, "cp": None, "CheckReport": "plait.check", "clip_grad_norm_": "plait.clip",
+    "context_parallel": "plait.cp", "DataParallel": "plait.data_parallel", "DDP": "plait.ddp",
+    "DistributedDataParallel": "plait.ddp", "get_logger": "plait.env", "init": "plait.env",
+    "expert_parallel": "plait.ep", "FSDP": "plait.fsdp", "FullyShardedDataParallel": "plait.fsdp",
+    "ZeroRedundancyOptimizer": "plait.fsdp", "init_weights": "plait.materialize", "Mesh": "plait.mesh",
+    "gpt_plan": "plait.models.plans", "plan_for": "plait.models.plans", "ParallelPlan": "plait.parallelize",
+    "Pipeline": "plait.pipeline", "MixedPrecision": "plait.precision", "mixed_precision": "plait.precision",
+    "GradScaler": "plait.scaler", "full_state_dict": "plait.state_dict",
+    "load_full_state_dict": "plait.state_dict", "ColwiseParallel": "plait.tp", "ParallelRegion": "plait.tp",
+    "RowwiseParallel": "plait.tp", "SequenceParallel": "plait.tp", "VocabParallelEmbedding": "plait.tp",
+    "VocabParallelOutput": "plait.tp", "loss_fn_for": "plait.tp", "tensor_parallel": "plait.tp",
+    "vocab_parallel_cross_entropy": "plait.tp", "activation_checkpointing": None, "check": None,
+    "parallelize": None, "pipeline": None,
+}
+_loading = False
+
+if TYPE_CHECKING:  # type checkers see the names as plain imports (the callable modules as functions)
+    from plait import comm, cp
     from plait.activation_checkpointing import activation_checkpointing
-    from plait.check import check
-    from plait.parallelize import parallelize
-    from plait.pipeline import pipeline
-else:
-    from plait import activation_checkpointing, check, parallelize, pipeline
+    from plait.check import CheckReport, check
+    from plait.clip import clip_grad_norm_
+    from plait.cp import context_parallel
+    from plait.data_parallel import DataParallel
+    from plait.ddp import DDP, DistributedDataParallel
+    from plait.env import get_logger, init
+    from plait.ep import expert_parallel
+    from plait.fsdp import FSDP, FullyShardedDataParallel, ZeroRedundancyOptimizer
+    from plait.materialize import init_weights
+    from plait.mesh import Mesh
+    from plait.models.plans import gpt_plan, plan_for
+    from plait.parallelize import ParallelPlan, parallelize
+    from plait.pipeline import Pipeline, pipeline
+    from plait.precision import MixedPrecision, mixed_precision
+    from plait.scaler import GradScaler
+    from plait.state_dict import full_state_dict, load_full_state_dict
+    from plait.tp import (
+        ColwiseParallel,
+        ParallelRegion,
+        RowwiseParallel,
+        SequenceParallel,
+        VocabParallelEmbedding,
+        VocabParallelOutput,
+        loss_fn_for,
+        tensor_parallel,
+        vocab_parallel_cross_entropy,
+    )
 
 __all__ = [
     "init",
@@ -84,4 +103,39 @@ __all__ = [
     "check",
     "CheckReport",
 ]
-__version__ = "0.1.0"
+
+
+def _resolve(name: str) -> Any:
+    source = _SOURCES[name]
+    return importlib.import_module(f"plait.{name}") if source is None else \
+        getattr(importlib.import_module(source), name)
+
+
+def _mid_import() -> bool:
+    """Whether a plait module is being executed right now (importlib marks its spec meanwhile):
+    its ``from plait import comm`` must get that module alone, since loading every name from a
+    half-run module would import modules that need it whole."""
+    return any(getattr(getattr(m, "__spec__", None), "_initializing", False)
+               for n, m in list(sys.modules.items()) if n.startswith("plait"))
+
+
+def __getattr__(name: str) -> Any:
+    """The first use of a public name or subpackage from outside the library loads every public
+    name, as the whole library's ``import plait`` would (``plait.models.gpt`` is then there too)."""
+    global _loading
+    if name not in _SOURCES and (name.startswith("__") or importlib.util.find_spec(f"plait.{name}") is None):
+        raise AttributeError(f"module 'plait' has no attribute {name!r}")
+    if not _loading and not _mid_import():
+        _loading = True
+        try:
+            for each in _SOURCES:
+                globals()[each] = _resolve(each)
+        finally:
+            _loading = False
+    if name not in globals():
+        globals()[name] = _resolve(name) if name in _SOURCES else importlib.import_module(f"plait.{name}")
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_SOURCES])

@@ -5,8 +5,11 @@
 * torchrun / `plait run` / `plait train` spawning: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
   MASTER_PORT;
 * Slurm (`srun`): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and the first host of
-  SLURM_NODELIST (MASTER_PORT if set, else 29500);
-* neither: one process, world size 1, with an in-memory store.
+  SLURM_NODELIST (MASTER_PORT if set, else 29500), in a task of a job step (SLURM_STEP_ID);
+* neither: one process, world size 1, with an in-memory store. A shell inside a Slurm
+  allocation (salloc, or a batch script) that is not a task of `srun` has the job's variables
+  but no step: it runs as one process too, with a note saying so, instead of waiting for
+  SLURM_NTASKS - 1 peers that were never started.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Launch:
     master_addr: str
     master_port: int
     source: str  # "torchrun", "slurm" or "single"
+    note: str = ""  # why a Slurm allocation's variables were not taken for a launch
 
 
 def _first_slurm_host(nodelist: str) -> str:
@@ -64,6 +68,16 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+# Job-step ids of a batch script and of the allocation's own "extern" step: not `srun` tasks.
+_NOT_SRUN_STEPS = ("batch", "extern", "4294967291", "4294967292", "4294967293", "4294967294")
+
+
+def _srun_task(env: Any) -> bool:
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    in_step = step is not None and step not in _NOT_SRUN_STEPS
+    return "SLURM_PROCID" in env and "SLURM_NTASKS" in env and in_step
+
+
 def launch_from_env(environ: dict[str, str] | None = None) -> Launch:
     """Read the torchrun or Slurm variables; a single process when neither is set."""
     env = os.environ if environ is None else environ
@@ -76,7 +90,7 @@ def launch_from_env(environ: dict[str, str] | None = None) -> Launch:
             master_port=int(env.get("MASTER_PORT", "29500")),
             source="torchrun",
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if _srun_task(env):
         nodelist = env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         return Launch(
             rank=int(env["SLURM_PROCID"]),
@@ -86,7 +100,12 @@ def launch_from_env(environ: dict[str, str] | None = None) -> Launch:
             master_port=int(env.get("MASTER_PORT", "29500")),
             source="slurm",
         )
-    return Launch(0, 1, 0, "127.0.0.1", 0, "single")
+    note = ""
+    if any(k in env for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")):
+        job, tasks = env.get("SLURM_JOB_ID", "?"), env.get("SLURM_NTASKS", "?")
+        note = (f"Slurm job {job} with {tasks} tasks, but this process is not a task of srun (no "
+                "SLURM_STEP_ID): it runs on its own; start it with srun for one rank per Slurm task")
+    return Launch(0, 1, 0, "127.0.0.1", 0, "single", note)
 
 
 def seed_everything(seed: int) -> None:
@@ -162,6 +181,8 @@ def init(
         comm.register_group(world, "world", ranks, checker=checker)
     seed_everything(seed)
     _configure_logging(log_level)
+    if launch.note:
+        get_logger("plait.env").warning("%s", launch.note)
     _state.update(launch=launch)
     return dev
 

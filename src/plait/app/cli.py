@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 BENCHES = ("ddp", "fsdp", "tp", "pp", "cp", "moe", "checkpoint", "memory", "plan", "mesh_groups")
@@ -33,35 +34,44 @@ def cmd_bench(argv: list[str]) -> int:
 
 # What `pip install plait[cli]` adds for the command (the library needs torch only).
 CLI_EXTRAS = ("tyro", "tqdm", "safetensors", "tomli", "numpy")
+# Each command's module, imported only when it runs: `plait --help` and `plait --version` answer
+# without importing torch.
+COMMANDS = {"train": "plait.app.train", "run": "plait.app.run", "check": "plait.app.check",
+            "export": "plait.app.export", "plan": "plait.app.plan.cli"}
+USAGE = ("usage: plait [--version] {train,run,bench,check,export,plan} ...\n"
+         "  train  train a model (built-in, a transformers config or your own) on text or tokens\n"
+         "  run    launch a script on one or many machines (wraps torch.distributed.run)\n"
+         "  bench  plait vs PyTorch side by side: " + ", ".join(BENCHES) + "\n"
+         "  check  a model in a layout against one process, step by step (FACTORY = module:function)\n"
+         "  export a checkpoint as safetensors weights, under the model's own names\n"
+         "  plan   memory and step time of a layout on a cluster before renting it; --search ranks them")
+
+
+def _command(name: str) -> Callable[[list[str]], int | None]:
+    if name == "bench":
+        return cmd_bench
+    return importlib.import_module(COMMANDS[name]).cli_main
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        from plait import __version__
+
+        print(f"plait {__version__}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help") or (argv[0] not in COMMANDS and argv[0] != "bench"):
+        print(USAGE)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
-        from plait.app import check as _check
-        from plait.app import export as _export
-        from plait.app import run as _run
-        from plait.app import train as _train
-        from plait.app.plan import cli as _plan
+        command = _command(argv[0])
     except ModuleNotFoundError as e:
         if e.name not in CLI_EXTRAS:
             raise
         print(f"plait: the command needs {e.name!r}, one of the command's extras: pip install 'plait[cli]'",
               file=sys.stderr)
         return 2
-
-    commands = {"train": _train.cli_main, "run": _run.cli_main, "bench": cmd_bench, "check": _check.cli_main,
-                "export": _export.cli_main, "plan": _plan.cli_main}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: plait {" + ",".join(commands) + "} ...\n"
-              "  train  train the built-in GPT on the built-in corpus under any layout\n"
-              "  run    launch a script on one or many machines (wraps torch.distributed.run)\n"
-              "  bench  plait vs PyTorch side by side: " + ", ".join(BENCHES) + "\n"
-              "  check  a model in a layout against one process, step by step (FACTORY = module:function)\n"
-              "  export a checkpoint as safetensors weights, under the model's own names\n"
-              "  plan   memory and step time of a layout on a cluster before renting it; --search ranks them")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return int(commands[argv[0]](argv[1:]) or 0)
+    return int(command(argv[1:]) or 0)
 
 
 if __name__ == "__main__":

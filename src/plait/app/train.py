@@ -29,6 +29,7 @@ from plait import checkpoint, comm
 from plait.app import runlog, usermodel
 from plait.app.config import TrainConfig, given_flags, parse_args, to_toml
 from plait.app.data import BatchSampler, Corpus, fingerprint, load_corpus
+from plait.app.stop import StopRequest
 from plait.clip import clip_grad_norm_
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, lm_loss
@@ -254,8 +255,11 @@ def _say_what_was_read(corpus: Corpus, log: Any) -> None:
                     info.source, info.tokens, info.total_tokens)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run on this rank (inside an initialised job); returns the summary on every rank."""
+def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None = None) -> dict[str, Any]:
+    """Run on this rank (inside an initialised job); returns the summary on every rank.
+
+    With ``stop`` (the command's), a SIGTERM or SIGINT ends the run after the step every rank
+    agrees on, with a checkpoint of it; ``resume`` is the command that continues it, to say so."""
     device = plait.init(seed=cfg.run.seed)
     log = plait.get_logger("plait.train")
     mesh = cfg.mesh()
@@ -319,6 +323,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     losses: list[float] = []
     eval_loss = None
     t_start = time.perf_counter()
+    end = cfg.run.steps  # the step the run ends after: a stop (SIGTERM, SIGINT) may end it sooner
     for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
         for g in opt.param_groups:
@@ -358,21 +363,30 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             elif (step + 1) % max(1, cfg.run.steps // 10) == 0:
                 log.info("step %d/%d loss %.4f tok/s %.0f", step + 1, cfg.run.steps, last_loss,
                          record["tokens_per_s"])
+        stopping = stop.agreed() if stop is not None else 0  # every rank stops after the same step
         every = cfg.checkpoint.save_every
-        due = (every and (step + 1) % every == 0) or step + 1 == cfg.run.steps
-        if (cfg.checkpoint.save_dir or every) and due:
+        due = (every and (step + 1) % every == 0) or step + 1 == cfg.run.steps or stopping
+        if (cfg.checkpoint.save_dir or every or stopping) and due:
             meta = {"step": step + 1, "sampler": sampler.state_dict(), "config": dataclasses.asdict(cfg),
                     "identity": _identity(cfg, sampler), "layout": _layout(cfg)}
             if scaler.enabled:
                 meta["grad_scaler"] = scaler.state_dict()  # the same on every rank (agreed)
             saving = checkpoint.save(save_dir / f"step_{step + 1:06d}", model, opt, meta,
                                      keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-            if step + 1 == cfg.run.steps:
+            if step + 1 == cfg.run.steps or stopping:
                 saving.wait()  # the run ends with its last checkpoint complete
+        if stopping:
+            assert stop is not None
+            again = resume
+            if resume is not None and cfg.run.name is None:  # the id chosen at start: name it
+                again = resume.replace(" --resume", f" --name {name} --resume", 1)
+            stop.report(step + 1, cfg.run.steps, str(save_dir), again, log)
+            end = step + 1
+            break
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start
-    done = cfg.run.steps - start  # the steps this run took: after a resume, not all of them
+    done = end - start  # the steps this run took: after a resume or a stop, not all of them
     summary = {"first_loss": first_loss, "final_loss": last_loss, "eval_loss": eval_loss,
                "steps": cfg.run.steps, "steps_this_run": done,
                "tokens_per_s": done * tokens_per_step / elapsed,
@@ -381,10 +395,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if scaler.enabled:
         summary.update(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps)
     log.info("done: steps %d-%d, loss %.3f -> %.3f, eval %s, %.0f tokens/s; metrics in %s", start + 1,
-             cfg.run.steps, first_loss, last_loss, f"{eval_loss:.3f}" if eval_loss is not None else "-",
+             end, first_loss, last_loss, f"{eval_loss:.3f}" if eval_loss is not None else "-",
              summary["tokens_per_s"], run.metrics)
     run.summary(summary)
-    return {**summary, "losses": losses}
+    return {**summary, "losses": losses, "stopped_by": stop.stopped if stop is not None else 0}
 
 
 def _maybe_resume(cfg: TrainConfig, save_dir: Path, model: nn.Module | Pipeline, opt: torch.optim.Optimizer,
@@ -398,7 +412,7 @@ def _maybe_resume(cfg: TrainConfig, save_dir: Path, model: nn.Module | Pipeline,
         return 0
     found = checkpoint.choose(save_dir, _identity(cfg, sampler), resume_anyway=cfg.checkpoint.resume_anyway)
     if found is None:
-        log.info("--resume: no checkpoint in %s yet, starting from step 0", save_dir)
+        log.warning("--resume: no save in %s ever finished, starting from step 0", save_dir)
         return 0
     path, meta = found
     checkpoint.load(path, model, opt, check=False)  # choose() verified it on rank 0
@@ -459,10 +473,34 @@ def _progress(cfg: TrainConfig, is_main: bool, start: int):
     return tqdm(total=cfg.run.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
 
-def _spawned_rank(cfg: TrainConfig) -> None:
+def _spawned_rank(cfg: TrainConfig, resume: str) -> None:
     # No teardown here: `plait.init` registered the one shutdown path (a barrier, then every
     # group destroyed in order), which runs when this process exits, as under any launcher.
-    train(cfg)
+    with StopRequest() as stop:
+        train(cfg, stop, resume)
+    if stop.exit_code:  # the same on every rank: the launcher exits with it
+        raise SystemExit(stop.exit_code)
+
+
+def _run_here(cfg: TrainConfig, resume: str, rank: int, traces: Path) -> int:
+    """Train in this process (a rank of torchrun or srun, or the whole run): an error is one line
+    on stderr, its traceback in a file."""
+    from plait.app.launch import one_line, record_failure
+
+    with StopRequest() as stop:
+        try:
+            train(cfg, stop, resume)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # some of torch's errors are BaseExceptions (DCP's CheckpointException)
+            from plait.env import mark_failed
+
+            mark_failed()
+            path = record_failure(rank, e, traces)
+            print(f"plait train: error: rank {rank}: {one_line(e)}; full traceback in {path}",
+                  file=sys.stderr)
+            return 1
+    return stop.exit_code
 
 
 def _fit_launcher(cfg: TrainConfig, argv: list[str], world: int) -> TrainConfig:
@@ -481,22 +519,36 @@ def _fit_launcher(cfg: TrainConfig, argv: list[str], world: int) -> TrainConfig:
 
 
 def cli_main(argv: list[str]) -> int:
+    from plait.app.launch import RanksFailed, spawn
+    from plait.app.stop import resume_command
     from plait.env import launch_from_env
 
     cfg = parse_args(argv)
     launch = launch_from_env()
     under_launcher = launch.source != "single"
-    if under_launcher:
-        try:
+    try:
+        if under_launcher:
             cfg = _fit_launcher(cfg, argv, launch.world_size)
-        except ValueError as e:
-            print(f"plait train: error: {e}", file=sys.stderr)
-            return 2
+        if cfg.checkpoint.resume:  # a mistyped --save-dir or --name must not train from step 0
+            checkpoint.check_resumable(cfg.checkpoint.save_dir
+                                       or Path(cfg.run.run_dir) / str(cfg.run.name) / "checkpoints")
+    except (ValueError, checkpoint.NoCheckpoint) as e:
+        print(f"plait train: error: {e}", file=sys.stderr)
+        return 2
+    if not under_launcher and cfg.run.name is None:  # spawned ranks (and their traces) share one folder
+        run_id = runlog.new_run_id()
+        cfg.run.name = run_id  # set in place: the parent's checks and data scan stay with cfg
+        argv = [*argv, "--name", run_id]  # what the resume command must name
+    resume = resume_command(argv, launch.source if under_launcher else None)
+    traces = Path(cfg.run.run_dir) / (cfg.run.name or "") / "traces"
     if under_launcher or cfg.parallel.strategy in ("none", "dp"):
-        train(cfg)
-        return 0
-    from plait.app.launch import spawn
-
+        return _run_here(cfg, resume, launch.rank, traces)
+    if launch.note:
+        print(f"plait train: note: {launch.note}; here it starts --nproc {cfg.parallel.nproc} local ranks",
+              file=sys.stderr)
     threads = max(1, (os.cpu_count() or 1) // cfg.parallel.nproc)
-    spawn(_spawned_rank, cfg.parallel.nproc, (cfg,), threads=threads)
-    return 0
+    try:
+        return spawn(_spawned_rank, cfg.parallel.nproc, (cfg, resume), threads=threads, trace_dir=traces)
+    except RanksFailed as e:
+        print(f"plait train: error: {e}", file=sys.stderr)
+        return 1

@@ -40,9 +40,10 @@ from plait.checkpoint.integrity import (
     verify,
 )
 from plait.checkpoint.protocol import load_state_dict, state_dict
-from plait.checkpoint.resume import choose
+from plait.checkpoint.resume import NoCheckpoint, check_resumable, choose
 
-__all__ = ["save", "load", "latest", "verify", "choose", "prune", "state_dict", "load_state_dict",
+__all__ = ["save", "load", "latest", "verify", "choose", "check_resumable", "NoCheckpoint", "prune",
+           "state_dict", "load_state_dict",
            "SaveHandle", "SafeReader", "CorruptCheckpoint", "UnfinishedCheckpoint", "UnsafeCheckpoint",
            "ForeignCheckpoint", "identity_differences", "digest", "file_record", "read_dcp_metadata",
            "META", "FORMAT"]

@@ -4,13 +4,21 @@ Each rank hashes the files it wrote itself (no rank needs to see another's disk 
 share); rank 0 gathers the lists and writes ``plait.json`` through a temporary file and
 ``os.replace``, so a folder whose ``plait.json`` parses holds a finished save. `save` can prune
 older ``step_*`` folders and write in the background (``async_save``).
+
+A full disk is named as such (`NoSpaceLeft`): torch's writer reports a short write as
+"unexpected pos ...", so a failed save whose folder has less room left than this rank's share
+counts as one too. The unfinished folder is removed (it holds nothing to resume and takes the
+space a retry needs); the checkpoints before it are untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +45,69 @@ from plait.checkpoint.integrity import (
 from plait.checkpoint.protocol import Checkpointable, load_state_dict, state_dict
 from plait.env import get_logger
 
-__all__ = ["save", "load", "latest", "prune", "SaveHandle", "step_folders", "distributed", "rank", "version"]
+__all__ = ["save", "load", "latest", "prune", "SaveHandle", "NoSpaceLeft", "step_folders", "distributed",
+           "rank", "version"]
+
+
+class NoSpaceLeft(OSError):
+    """A checkpoint could not be written for want of disk space."""
+
+    def __init__(self, path: Path, need: int, free: int) -> None:
+        super().__init__(errno.ENOSPC, (
+            f"No space left on device: checkpoint {path} could not be written (this rank's share is "
+            f"{need / 1e6:.1f} MB, {free / 1e6:.1f} MB are free there); the unfinished folder was removed "
+            "and earlier checkpoints are untouched: free some space or give another --save-dir"))
+        self.path = path
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of the tensors this rank writes (its shards of DTensors)."""
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _is_no_space(error: BaseException, path: Path, need: int) -> bool:
+    """Whether ``error`` (any depth of causes, or DCP's per-rank failures) is a full disk."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left" in str(e):
+            return True
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        wrapped = [getattr(x, "exception", x) for x in (failures or {}).values()]  # DCP wraps each
+        todo += [x for x in wrapped if isinstance(x, BaseException)]
+    return "unexpected pos" in str(error) + "".join(map(str, seen)) and _free(path) < max(need, 1 << 20)
+
+
+def _free(path: Path) -> int:
+    for folder in (path, *path.parents):
+        if folder.exists():
+            return shutil.disk_usage(folder).free
+    return 0
+
+
+@contextlib.contextmanager
+def _naming_a_full_disk(path: Path, need: int) -> Iterator[None]:
+    """Re-raise a full disk during a save of ``need`` bytes (this rank's) as `NoSpaceLeft`, the
+    unfinished folder removed."""
+    try:
+        yield
+    except (NoSpaceLeft, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if not _is_no_space(e, path, need):
+            raise
+        if rank() == 0 and not (path / META).exists():
+            shutil.rmtree(path, ignore_errors=True)
+        raise NoSpaceLeft(path, need, _free(path)) from e
 
 
 def distributed() -> bool:
@@ -145,20 +215,25 @@ def save(directory: str | Path, model: Checkpointable | nn.Module, optimizer: An
             (path / stale).unlink(missing_ok=True)
     writer = _RecordingWriter(path)
     state = state_dict(model, optimizer)
+    need = _state_bytes(state)
     if not async_save:
-        dcp.save(state, storage_writer=writer)
-        return SaveHandle(_finish(path, writer, meta, keep, None))
+        with _naming_a_full_disk(path, need):
+            dcp.save(state, storage_writer=writer)
+            return SaveHandle(_finish(path, writer, meta, keep, None))
     group = bg.checkpoint_group()
-    written = dcp.async_save(state, storage_writer=writer, process_group=group)
+    with _naming_a_full_disk(path, need):
+        written = dcp.async_save(state, storage_writer=writer, process_group=group)
     upload: Any = getattr(written, "upload_completion", written)  # newer torch may return two futures
-    bg.pending = SaveHandle(path, bg.executor.submit(_finish_after, upload, path, writer, meta, keep, group))
+    bg.pending = SaveHandle(path, bg.executor.submit(_finish_after, upload, path, writer, meta, keep, group,
+                                                     need))
     return bg.pending
 
 
 def _finish_after(upload: Future, path: Path, writer: _RecordingWriter, meta: dict[str, Any],
-                  keep: int | None, group: dist.ProcessGroup | None) -> Path:
-    upload.result()
-    return _finish(path, writer, meta, keep, group)
+                  keep: int | None, group: dist.ProcessGroup | None, need: int) -> Path:
+    with _naming_a_full_disk(path, need):
+        upload.result()
+        return _finish(path, writer, meta, keep, group)
 
 
 def _finish(path: Path, writer: _RecordingWriter, meta: dict[str, Any], keep: int | None,
@@ -169,27 +244,48 @@ def _finish(path: Path, writer: _RecordingWriter, meta: dict[str, Any], keep: in
     if rank() == 0:  # DCP's coordinator wrote .metadata before any rank's save returned
         mine[DCP_METADATA] = file_record(path / DCP_METADATA)
     parts = comm.all_gather_object(mine, group) if distributed() else [mine]
+    failed: OSError | None = None
     if rank() == 0:
         files = {name: record for part in parts for name, record in part.items()}
-        _write_meta(path, {**meta, "format": FORMAT, "plait_version": version(), "files": files})
-        for stale in path.glob("*.distcp"):  # left by an earlier save into this folder
-            if stale.name not in files:
-                stale.unlink()
-        if keep is not None:
-            prune(path.parent, keep, newest=path, identity=meta.get("identity"))
+        try:
+            _write_meta(path, {**meta, "format": FORMAT, "plait_version": version(), "files": files})
+        except OSError as e:  # every rank learns of it below, rather than waiting at a barrier
+            failed = e
+        else:
+            for stale in path.glob("*.distcp"):  # left by an earlier save into this folder
+                if stale.name not in files:
+                    stale.unlink()
+            if keep is not None:
+                prune(path.parent, keep, newest=path, identity=meta.get("identity"))
+    report = None if failed is None else (failed.errno, str(failed))
     if distributed():
-        comm.barrier(group)
+        report = comm.all_gather_object(report, group)[0]  # rank 0's, on every rank (the old barrier)
+    if failed is not None:
+        raise failed
+    if report is not None:
+        raise OSError(report[0], f"rank 0 could not write {path / META}: {report[1]}")
     return path
 
 
 def _write_meta(path: Path, meta: dict[str, Any]) -> None:
     """Write ``plait.json`` so that it is either absent or whole: a crash never leaves half of it."""
     tmp = path / f"{META}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path / META)
+    # The rename itself is durable once the folder's entry is on disk (POSIX leaves that to the folder).
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def step_folders(root: str | Path) -> list[Path]:

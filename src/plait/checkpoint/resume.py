@@ -16,17 +16,38 @@ from plait.checkpoint.integrity import (
 )
 from plait.env import get_logger
 
-__all__ = ["choose"]
+__all__ = ["choose", "check_resumable", "NoCheckpoint"]
+
+
+class NoCheckpoint(FileNotFoundError):
+    """A resume from a folder that does not exist or holds no ``step_*`` folder at all: most
+    often a mistyped ``--save-dir``, which must not silently train from step 0."""
+
+    def __init__(self, root: Path, missing: bool) -> None:
+        self.path = root
+        what = "does not exist" if missing else "holds no checkpoint (no step_* folder)"
+        super().__init__(f"--resume: {root} {what}; check --save-dir (the folder the run saved into), or "
+                         "leave out --resume to train from step 0")
+
+
+def check_resumable(directory: str | Path) -> None:
+    """Raise `NoCheckpoint` unless ``directory`` holds a ``step_*`` folder (not a collective:
+    the launcher calls it before any rank starts; `choose` refuses the same on every rank)."""
+    root = Path(directory)
+    if not step_folders(root):
+        raise NoCheckpoint(root, missing=not root.is_dir())
 
 
 def choose(directory: str | Path, identity: dict[str, Any] | None = None, *,
            resume_anyway: bool = False) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from and its ``plait.json``, the same on every rank (a collective).
 
+    A ``directory`` that does not exist or holds no ``step_*`` folder raises `NoCheckpoint`.
+
     Rank 0 takes the newest ``step_*`` folder that `verify` passes, warning about each newer one
     it skips and why; one all_gather_object hands its answer to every rank, so no two ranks load
-    different checkpoints. None when there is nothing to resume: no ``step_*`` folder, or only
-    saves that never finished. When finished checkpoints exist but none is intact this raises
+    different checkpoints. None when there is nothing to resume: only saves that never finished
+    (the job ended during its first save). When finished checkpoints exist but none is intact this raises
     `CorruptCheckpoint` instead of starting over: restarting from step 0 would silently throw
     the run's progress away, so the user decides. When ``identity`` differs from the one saved
     this raises `ForeignCheckpoint` listing the differences, or warns if ``resume_anyway``.
@@ -40,6 +61,9 @@ def choose(directory: str | Path, identity: dict[str, Any] | None = None, *,
 
 def _survey(root: Path, identity: dict[str, Any] | None) -> dict[str, Any]:
     """Rank 0's part of `choose`: plain data, to be sent to every rank."""
+    if not step_folders(root):
+        return {"path": None, "meta": None, "skipped": [], "differences": [], "missing": not root.is_dir(),
+                "empty": True}
     skipped: list[tuple[str, str, bool]] = []
     for path in reversed(step_folders(root)):
         try:
@@ -55,6 +79,8 @@ def _survey(root: Path, identity: dict[str, Any] | None) -> dict[str, Any]:
 def _decide(root: Path, answer: dict[str, Any], resume_anyway: bool) -> tuple[Path, dict[str, Any]] | None:
     """Every rank's part of `choose`: warn, refuse or accept the same way."""
     log = get_logger("plait.checkpoint")
+    if answer.get("empty"):
+        raise NoCheckpoint(root, missing=answer["missing"])
     for path, reason, _ in answer["skipped"]:
         log.warning("skipping checkpoint %s: %s", path, reason)
     if answer["path"] is None:
