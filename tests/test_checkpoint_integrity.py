@@ -271,14 +271,15 @@ def test_a_full_disk_says_so_and_the_next_resume_starts_from_the_last_good_check
     device" with the folder, in one line, and leaves no step_000002 behind."""
     disk = tmp_path / "disk"
     train = shlex.join([sys.executable, "-m", "plait", "train", *TRAIN_ARGV, "--strategy", "none", "--nproc",
-                        "1", "--save-every", "1", f"--save-dir={disk}/ckpt", f"--metrics={tmp_path}/m.jsonl"])
+                        "1", "--save-every", "1", f"--save-dir={disk}/ckpt", f"--run-dir={tmp_path}",
+                        "--name", "run"])
     script = (f"mkdir -p {disk} && mount -t tmpfs -o size=2600k tmpfs {disk} && {{ {train}; echo rc=$?; }}; "
               f"cp -r {disk}/ckpt {tmp_path}/ckpt")
     res = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
     errors = [line for line in res.stderr.splitlines() if line.startswith("plait train: error:")]
     assert "rc=1" in res.stdout and len(errors) == 1, res.stderr[-3000:]
     assert "No space left on device" in errors[0] and f"{disk}/ckpt/step_000002" in errors[0], errors[0]
-    assert "Traceback" not in res.stderr and (tmp_path / "traces" / "rank0.txt").is_file()
+    assert "Traceback" not in res.stderr and (tmp_path / "run" / "traces" / "rank0.txt").is_file()
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_000001"]
     found = checkpoint.choose(tmp_path / "ckpt")
     assert found is not None and found[1]["step"] == 1

@@ -102,12 +102,13 @@ def _alive(pid: int) -> bool:
 def _launch_and_signal(tmp_path: Path, args: list[str], *signals: int) -> tuple[int, str, float, list[int]]:
     """Start `plait train`, send ``signals`` to the launcher alone once a step is logged; its exit
     code, stderr, the seconds from the first signal until no rank was left, and the ranks."""
-    metrics = tmp_path / "m.jsonl"
-    launcher = subprocess.Popen([sys.executable, "-m", "plait", "train", *args, "--metrics", str(metrics)],
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    launcher = subprocess.Popen([sys.executable, "-m", "plait", "train", *args, "--run-dir", str(tmp_path),
+                                 "--name", "run"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)  # a signal to this test's group never reaches it
     deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # the header, then a step
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1]
         time.sleep(0.05)
     ranks = _descendants(launcher.pid)
@@ -132,14 +133,14 @@ def test_sigterm_stops_every_rank_after_a_step_with_a_checkpoint_resuming_bit_id
                         err)
     assert stopped, err[-3000:]
     step = int(stopped[1])
-    metrics = ["--metrics", str(tmp_path / "m.jsonl")]
-    assert stopped[3] == "plait train " + shlex.join([*args, *metrics, "--resume"])
+    named = ["--run-dir", str(tmp_path), "--name", "run"]
+    assert stopped[3] == "plait train " + shlex.join([*args, *named, "--resume"])
     assert [p.name for p in save.iterdir()] == [f"step_{step:06d}"] == [Path(stopped[2]).name]
-    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     before = [r["loss"] for r in rows if "step" in r]
     # The rest of the run from its checkpoint, and the uninterrupted run: the same losses, exactly.
     run = dict(strategy="ddp", nproc=2, steps=40)
-    after = pools[2].run(train_losses, str(tmp_path), save_dir=str(save), resume=True, **run)[0]
+    after = pools[2].run(train_losses, str(tmp_path / "after"), save_dir=str(save), resume=True, **run)[0]
     whole = pools[2].run(train_losses, str(tmp_path / "whole"), **run)[0]
     assert len(before) == step < 40 and before + after == whole
 
@@ -186,7 +187,7 @@ def _signal_reaches_rank1_only(tmp: str) -> tuple[int, int]:
     stop = StopRequest()
     if dist.get_rank() == 1:  # as under srun when only one node's tasks were signalled so far
         stop.signum = signal.SIGTERM
-    cfg = TrainConfig.from_flags(**{**TRAIN_BASE, "metrics": f"{tmp}/m.jsonl", "save_dir": f"{tmp}/ckpt",
+    cfg = TrainConfig.from_flags(**{**TRAIN_BASE, "run_dir": tmp, "save_dir": f"{tmp}/ckpt",
                                     "strategy": "ddp", "nproc": 2})
     out = train(cfg, stop, "plait train ... --resume")
     return len(out["losses"]), out["stopped_by"]

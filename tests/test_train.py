@@ -145,11 +145,14 @@ def test_resume_from_a_folder_without_checkpoints_is_refused_before_any_rank_sta
     # A mistyped --save-dir used to train from step 0 without a word.
     from plait.app.train import cli_main
 
-    for folder, what in ((tmp_path / "typo", "does not exist"), (tmp_path, "holds no checkpoint")):
-        code = cli_main(["--nproc", "2", "--resume", "--save-dir", str(folder), "--metrics",
-                         str(tmp_path / "m.jsonl")])
+    runs = tmp_path / "runs"
+    cases = [(["--save-dir", str(tmp_path / "typo")], tmp_path / "typo", "does not exist"),
+             (["--save-dir", str(tmp_path)], tmp_path, "holds no checkpoint"),
+             (["--name", "nothere"], runs / "nothere" / "checkpoints", "does not exist")]
+    for flags, folder, what in cases:
+        code = cli_main(["--nproc", "2", "--resume", "--run-dir", str(runs), *flags])
         assert code == 2 and f"--resume: {folder} {what}" in capsys.readouterr().err
-    assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "traces").exists()
+    assert not runs.exists()  # no run folder, no traces: nothing started
 
 
 def test_cli_reports_bad_flag():
