@@ -134,9 +134,7 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
         data="fsdp" if fsdp > 1 else "ddp", tp=tp_plan, sequence_parallel=sp, cp="ring" if cp > 1 else None,
         ac="full" if ac else None, **pipe))
     parts = list(net.stages.values()) if pp > 1 else [net]
-    if pp > 1:  # each microbatch's loss is divided by their count: so is its balancing loss
-        for part in parts:
-            set_aux_loss_scale(part, 0.5)
+    # (A pipeline weighs each microbatch's balancing loss by 1/m itself, as it does its loss.)
     make = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if optimizer == "sgd" else torch.optim.AdamW
     opt_ref, opt = make(oracle.parameters()), make(net.parameters())
     held = sum(p.numel() for p in net.parameters())

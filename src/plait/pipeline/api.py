@@ -126,6 +126,13 @@ class Pipeline:
         # Each name of a weight tied across pp ranks -> its first owner's (one optimizer state).
         self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
         self._my_segs = [seg for s in mine for seg in self._inner[s].segments]
+        # A module that adds a loss of its own in each forward (an MoE layer's balancing loss,
+        # `aux_loss_scale`) weighs it as the step weighs that forward's microbatch loss: 1/m of the
+        # batch's mean. Left at 1, its gradient would be m times the one-process run's.
+        for _, seg in self._my_segs:
+            for sub in seg.modules():
+                if hasattr(sub, "aux_loss_scale"):
+                    sub.aux_loss_scale = 1 / microbatches
         self._wrapper = stage_wrapper
         # W's pulled into waits (a helper thread watches the receives): on Gloo only, where a
         # receive's wait() returns when the data is there (NCCL's returns at once, ordering streams),
