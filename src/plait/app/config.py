@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 import torch
 import tyro
+from torch import nn
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -591,11 +592,9 @@ class TrainConfig:
         vocabulary holds the bytes, its positions the sequence, and the tensor-parallel plan
         `plait.plan_for` makes for it passes the dry run the ranks would run."""
         from plait.app import hf
-        from plait.models.plans import plan_for
-        from plait.tp.apply import check_plan
 
         assert self.model.hf_config is not None
-        par, flag = self.parallel, f"--hf-config {self.model.hf_config}"
+        flag = f"--hf-config {self.model.hf_config}"
         if self.model.name != ModelSection.name:
             raise ValueError(f"--model {self.model.name} and --hf-config both name the model: give one")
         config = hf.load_config(self.model.hf_config)
@@ -603,14 +602,7 @@ class TrainConfig:
         longest = hf.max_positions(config)
         if longest is not None and self.seq_len > longest:
             raise ValueError(f"--seq-len {self.seq_len}: the model's positions end at {longest}")
-        model = hf.build(config, self.run.seed, device="meta")
-        if par.pp > 1:
-            self._check_stages(model)
-        if par.tp > 1:
-            try:
-                check_plan(model, plan_for(model), tp=par.tp, sequence_parallel=par.sequence_parallel)
-            except ValueError as e:
-                raise ValueError(f"--tp {par.tp} with {flag}: {e}") from None
+        self._check_model_layout(hf.build(config, self.run.seed, device="meta"), flag)
 
     @property
     def model_factory(self) -> str | None:
@@ -620,9 +612,6 @@ class TrainConfig:
     def _check_factory_model(self) -> None:
         """The user's model on the meta device, against the data and the layout, as `_check_hf_model`
         does for transformers models: what plait's GPT alone has is refused by name."""
-        from plait.models.plans import plan_for
-        from plait.tp.apply import check_plan
-
         assert self.model_factory is not None
         m, par, flag = self.model, self.parallel, f"--model {self.model_factory}"
         for given, what in ((m.hf_config, "--hf-config"), (m.layers, "--layers"),
@@ -638,15 +627,22 @@ class TrainConfig:
         longest = usermodel.max_positions(model)
         if longest is not None and self.seq_len > longest:
             raise ValueError(f"--seq-len {self.seq_len}: the positions of {flag}'s model end at {longest}")
+        self._check_model_layout(model, flag, "; plait.plan_for knows plait's GPT and the common "
+                                 "transformers families: use --strategy fsdp or ddp without --tp")
+
+    def _check_model_layout(self, model: nn.Module, flag: str, advice: str = "") -> None:
+        """A meta-device model against --pp (its segments) and --tp (`plan_for`'s plan, checked)."""
+        from plait.models.plans import plan_for
+        from plait.tp.apply import check_plan
+
+        par = self.parallel
         if par.pp > 1:
             self._check_stages(model)
         if par.tp > 1:
             try:
                 check_plan(model, plan_for(model), tp=par.tp, sequence_parallel=par.sequence_parallel)
             except ValueError as e:
-                raise ValueError(f"--tp {par.tp} with {flag}: {e}; plait.plan_for knows plait's GPT and the "
-                                 "common transformers families: use --strategy fsdp or ddp without --tp"
-                                 ) from None
+                raise ValueError(f"--tp {par.tp} with {flag}: {e}{advice}") from None
 
     def _check_stages(self, model: torch.nn.Module) -> None:
         """Cut the model as the pipeline will (a meta-device copy, nothing allocated): every pp rank

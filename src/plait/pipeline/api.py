@@ -132,7 +132,7 @@ class Pipeline:
         for _, seg in self._my_segs:
             for sub in seg.modules():
                 if hasattr(sub, "aux_loss_scale"):
-                    sub.aux_loss_scale = 1 / microbatches
+                    sub.aux_loss_scale = 1 / microbatches  # type: ignore[assignment]
         self._wrapper = stage_wrapper
         # W's pulled into waits (a helper thread watches the receives): on Gloo only, where a
         # receive's wait() returns when the data is there (NCCL's returns at once, ordering streams),
