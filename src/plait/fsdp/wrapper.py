@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -246,6 +246,16 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        args, kwargs = self._begin_forward(args, kwargs)
+        out = self.module(*args, **kwargs)
+        self._end_forward(out)
+        return out
+
+    # Under torch.compile the wrapper's own work runs eagerly between graphs, as torch's DDP runs
+    # its reducer: gathers, reshards and the hooks that queue reductions are Python bookkeeping
+    # around collectives, which Dynamo would otherwise try (and fail) to trace.
+    @torch.compiler.disable
+    def _begin_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         root = self.units[0]
         self._order = []
         if self._backward_queued:  # the previous backward raised before its end callback
@@ -262,11 +272,14 @@ class FullyShardedDataParallel(nn.Module):
         self._pre_forward(root)
         if self.mp is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
-        out = self.module(*args, **kwargs)
-        self._post_forward(root, out)
-        self._prev_order = list(self._order)
-        return out
+        return args, kwargs
 
+    @torch.compiler.disable
+    def _end_forward(self, out: Any) -> None:
+        self._post_forward(self.units[0], out)
+        self._prev_order = list(self._order)
+
+    @torch.compiler.disable
     def _pre_forward(self, unit: Unit) -> None:
         unit.position = len(self._order)
         self._order.append(unit)
@@ -275,6 +288,7 @@ class FullyShardedDataParallel(nn.Module):
         if self.zero_stage == 3 and nxt < len(self._prev_order):
             self._prev_order[nxt].prefetch()  # overlaps the next unit's all-gather with this compute
 
+    @torch.compiler.disable
     def _post_forward(self, unit: Unit, out) -> None:
         grad_on = torch.is_grad_enabled()
         is_root = unit is self.units[0]
