@@ -90,9 +90,12 @@ def test_dry_run_of_thousands_of_ranks_allocates_nothing(planner):
                  mixed_precision="bf16")
     report, grown_mib = planner.submit(_dry_run_report, flags).result()
     (stage,) = report["stages"]
-    # 8.03B parameters over tp=8 x fsdp=256 ranks, up to FSDP's padding of each flat parameter.
+    # 8.03B parameters over tp=8 x fsdp=256 ranks, up to FSDP's padding: each parameter's rows are
+    # cut in chunks of ceil(rows / 256) (FSDP2's rule), and k_proj and v_proj hold 128 rows per tp
+    # rank, so their chunks are one row on half of the ranks and padding on the others (measured:
+    # 3.4% over an exact 1/N in all).
     share = 8_030_261_248 / 2048
-    assert share <= stage["parameters"] <= share * 1.01
+    assert share <= stage["parameters"] <= share * 1.04
     # fp32 master shards; Adam's two fp32 moments per parameter (and a step count per tensor).
     assert stage["parameter_bytes"] >= 4 * stage["parameters"]
     assert 8 * stage["parameters"] <= stage["optimizer_bytes"] <= 8 * stage["parameters"] + 4096
