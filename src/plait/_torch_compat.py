@@ -115,3 +115,11 @@ def in_backward() -> bool:
     one. torch exposes no public flag for it; the engine's current graph task is -1 outside.
     """
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (shapes only, no storage: what torch.compile traces with and
+    keeps in its caches), or a wrapper of one."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return bool(_is_fake(t))

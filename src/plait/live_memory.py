@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from plait._torch_compat import TorchDispatchMode, tensors_in
+from plait._torch_compat import TorchDispatchMode, is_fake, tensors_in
 
 __all__ = ["LiveStorageBytes", "storage_key"]
 
@@ -80,8 +80,8 @@ class LiveStorageBytes(TorchDispatchMode):
         local = getattr(t, "_local_tensor", None)  # a DTensor: the storage behind it
         if isinstance(local, torch.Tensor):
             t = local
-        if not isinstance(t, torch.Tensor) or t.device.type != self.device:
-            return 0
+        if not isinstance(t, torch.Tensor) or t.device.type != self.device or is_fake(t):
+            return 0  # a fake tensor (torch.compile's caches keep them) owns no memory
         st = t.untyped_storage()
         key, size = st._cdata, st.nbytes()
         seen = self._refs.get(key)

@@ -94,6 +94,19 @@ class RankFailure(RuntimeError):
         super().__init__(f"{len(errors)} rank(s) failed:\n{body}")
 
 
+def _unpicklable(value: Any) -> str:
+    """Which entries of a dict result cannot be pickled (an empty string for other results)."""
+    if not isinstance(value, dict):
+        return ""
+    bad = []
+    for k, v in value.items():
+        try:
+            pickle.dumps(v)
+        except Exception:
+            bad.append(repr(k))
+    return f" (its entries {', '.join(bad)})" if bad else ""
+
+
 def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_s: float,
             run_dir: str) -> None:
     set_rank_env(rank, world, port, threads=1)
@@ -122,7 +135,16 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
             _release_groups(mark, finished=False)
         else:
-            results.put((rank, True, value))
+            # Pickled here, by value: the queue's feeder thread would drop an answer it cannot
+            # pickle (torch's shared-memory reductions of tensors can fail) and leave the caller
+            # waiting out the timeout.
+            try:
+                answer = pickle.dumps(value)
+            except Exception as e:
+                results.put((rank, False, f"the task's result cannot be pickled{_unpicklable(value)}: "
+                                          f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            else:
+                results.put((rank, True, answer))
             _release_groups(mark, finished=True)
 
 
@@ -193,7 +215,7 @@ class RankPool:
         while len(out) + len(errors) < self.world_size:
             try:
                 rank, ok, value = self._results.get(timeout=0.5)
-                (out if ok else errors)[rank] = value
+                (out if ok else errors)[rank] = pickle.loads(value) if ok else value
                 continue
             except queue.Empty:
                 pass
