@@ -118,37 +118,23 @@ def test_compiled_tensor_parallel_matches_one_process(pools, how):
     assert 0 < sum(breaks.values()) <= 17, breaks
 
 
-def _fsdp_blocks() -> dict:
-    """ZeRO-3 over blocks compiled torchtitan's way (``layers[i] = torch.compile(block)`` first):
-    the units are the compiled wrappers, whose hooks run eagerly around each compiled block."""
+def test_zero3_over_compiled_blocks_matches_one_process(pools):
+    # torchtitan's way, ``layers[i] = torch.compile(block)`` first: the units are the compiled
+    # wrappers, whose hooks run eagerly around each compiled block.
+    assert pools[2].run(_fsdp_compiled, "wrapped blocks", 3)[0] == {}  # no graph break
+
+
+def _fsdp_compiled(how: str, zero_stage: int) -> dict:
+    """FSDP compiled whole after wrapping, or over blocks compiled before it: in torch.compile's
+    wrapper, or in place (``block.compile()``, whose FSDP hooks then run inside the compiled call)."""
     import plait
 
     _, model, oracle = _gpts()
     _fresh()
     for i, block in enumerate(model.layers):
-        model.layers[i] = torch.compile(block, backend="eager")
-    net = plait.FSDP(model, cached_mesh(fsdp=2), zero_stage=3)
-    want = _train(net, oracle, dp=True)
-    full = plait.full_state_dict(net)
-    assert set(full) == set(want), set(full) ^ set(want)
-    for k, v in want.items():
-        torch.testing.assert_close(full[k], v, **TOL64, msg=lambda s, k=k: f"{k}: {s}")
-    return _breaks()
-
-
-def test_zero3_over_compiled_blocks_matches_one_process(pools):
-    assert pools[2].run(_fsdp_blocks)[0] == {}  # no graph break
-
-
-def _fsdp_compiled(how: str, zero_stage: int) -> dict:
-    """FSDP compiled whole after wrapping, or over blocks compiled in place (``block.compile()``,
-    whose FSDP hooks then run inside the compiled call): the wrapper's work runs between graphs."""
-    import plait
-
-    _, model, oracle = _gpts()
-    _fresh()
-    if how == "blocks in place":
-        for block in model.layers:
+        if how == "wrapped blocks":
+            model.layers[i] = torch.compile(block, backend="eager")
+        elif how == "blocks in place":
             block.compile(backend="eager")
     net = plait.FSDP(model, cached_mesh(fsdp=2), zero_stage=zero_stage)
     if how == "whole":

@@ -78,7 +78,11 @@ def test_rehearsal_predicts_measured_memory_and_bytes(pools, planner, extra):
     assert [p.rank for p in predicted] == stage_ranks(cfg)
     for p in predicted:
         m = real[p.rank]
-        assert p.peak == pytest.approx(m["peak"], rel=0.05), (p.at_peak, m["at_peak"])
+        # ZB-H1's measured peak depends on timing: the runtime pulls deferred W's into receive waits
+        # when the data is late, freeing their saved activations sooner (measured 6.7% under on a
+        # loaded CI run, within 5% alone); the other layouts run one order.
+        rel = 0.08 if extra.get("schedule") == "zb-h1" else 0.05
+        assert p.peak == pytest.approx(m["peak"], rel=rel), (p.at_peak, m["at_peak"])
         sent = {k: v["bytes"] for k, v in m["comm"].items()}
         assert {k: round(v["bytes"]) for k, v in p.comm.items()} == sent
         assert p.flops == pytest.approx(m["flops"], rel=1e-9)
