@@ -51,6 +51,25 @@ def _train(net: torch.nn.Module, oracle: torch.nn.Module, dp: bool,
     return oracle.state_dict()
 
 
+def _compile_blocks(model: torch.nn.Module, how: str) -> None:
+    """Each block compiled in torch.compile's wrapper (``layers.0._orig_mod.*``) or in place."""
+    for i, block in enumerate(model.layers):
+        if how == "wrapped blocks":
+            model.layers[i] = torch.compile(block, backend="eager")
+        elif how == "blocks in place":
+            block.compile(backend="eager")
+
+
+def _assert_state_is(net: torch.nn.Module, want: dict[str, torch.Tensor]) -> None:
+    """The gathered state of ``net`` has exactly ``want``'s names and values."""
+    import plait
+
+    full = plait.full_state_dict(net)
+    assert set(full) == set(want), set(full) ^ set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(full[k], v, **TOL64, msg=lambda s, k=k: f"{k}: {s}")
+
+
 def _gpts():
     import plait
     from plait.models.gpt import GPT, GPTConfig
@@ -93,18 +112,11 @@ def _tp(how: str) -> dict:
 
     cfg, model, oracle = _gpts()
     _fresh()
-    for i, block in enumerate(model.layers):
-        if how == "wrapped blocks":
-            model.layers[i] = torch.compile(block, backend="eager")
-        elif how == "blocks in place":
-            block.compile(backend="eager")
+    _compile_blocks(model, how)
     plait.tensor_parallel(model, cached_mesh(tp=2), plait.gpt_plan(cfg, loss_parallel=False))
     net = torch.compile(model, backend="eager") if how == "whole" else model
     want = _train(net, oracle, dp=False)
-    full = plait.full_state_dict(net)  # the uncompiled model's names, gathered over tp
-    assert set(full) == set(want), set(full) ^ set(want)
-    for k, v in want.items():
-        torch.testing.assert_close(full[k], v, **TOL64, msg=lambda s, k=k: f"{k}: {s}")
+    _assert_state_is(net, want)  # the uncompiled model's names, gathered over tp
     return _breaks()
 
 
@@ -131,19 +143,12 @@ def _fsdp_compiled(how: str, zero_stage: int) -> dict:
 
     _, model, oracle = _gpts()
     _fresh()
-    for i, block in enumerate(model.layers):
-        if how == "wrapped blocks":
-            model.layers[i] = torch.compile(block, backend="eager")
-        elif how == "blocks in place":
-            block.compile(backend="eager")
+    _compile_blocks(model, how)
     net = plait.FSDP(model, cached_mesh(fsdp=2), zero_stage=zero_stage)
     if how == "whole":
         net = torch.compile(net, backend="eager")
     want = _train(net, oracle, dp=True)
-    full = plait.full_state_dict(net)
-    assert set(full) == set(want), set(full) ^ set(want)
-    for k, v in want.items():
-        torch.testing.assert_close(full[k], v, **TOL64, msg=lambda s, k=k: f"{k}: {s}")
+    _assert_state_is(net, want)
     return _breaks()
 
 
