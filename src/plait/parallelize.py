@@ -34,6 +34,10 @@ The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to ev
    recomputed, and DDP's and FSDP's gradient hooks fire as usual. In a pipeline each stage's
    share of the blocks (chosen in the whole model, so ``ac_every`` counts across stages) is
    checkpointed.
+2b. **Mixed precision** (``plan.mixed_precision``), in one place for both paths: FSDP casts its
+   gathered parameters itself; otherwise `plait.mixed_precision` is applied to the
+   (materialized, tensor-parallel, checkpointed) model, or to each pipeline stage, before DDP
+   wraps it, and DDP reads the policy's reduce dtype from it.
 3. **Data parallel** last, on the ``dp`` axis (DDP) or the ``fsdp`` axis with optional ``dp``
    replication (FSDP / HSDP): it only needs the final local parameters. FSDP over tensor
    parallelism (2-D fsdp x tp, or 3-D dp x fsdp x tp) flattens and shards each rank's tp
@@ -44,9 +48,6 @@ The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to ev
    In a pipeline each stage is its own DDP or FSDP module (torchtitan's layout): gradients
    accumulate over the step's microbatches and each stage's last backward of the step reduces
    them (all-reduce, or reduce-scatter for ZeRO-2/3) while it runs; see `plait.pipeline.runtime`.
-   Mixed precision comes with this step: FSDP casts its gathered parameters itself; otherwise
-   `plait.mixed_precision` is applied to the (materialized, tensor-parallel) model before DDP
-   wraps it, or to each pipeline stage, and DDP reduces in the policy's reduce dtype.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ __all__ = ["ParallelPlan", "parallelize", "ORDER"]
 
 DATA_STRATEGIES = ("ddp", "fsdp", "none")
 ORDER = ("pipeline split", "tensor parallel", "context parallel", "expert parallel",
-         "activation checkpointing", "data parallel (DDP or FSDP)")
+         "activation checkpointing", "mixed precision", "data parallel (DDP or FSDP)")
 # Pipeline options and their defaults: read only when the mesh has pp > 1.
 PIPELINE_DEFAULTS: dict[str, Any] = {"pp_split": "auto", "pp_schedule": "1f1b", "pp_microbatches": 4,
                                      "pp_chunks": 1, "loss_fn": None, "p2p": "auto"}
@@ -226,9 +227,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
                         seed=plan.seed, device=device(), tp_plan=plan.tp,
                         sequence_parallel=plan.sequence_parallel, p2p=plan.p2p,
                         stage_wrapper=_stage_wrapper(module, mesh, plan),
-                        activation_checkpointing=_stage_steps(module, mesh, plan))
-        if plan.precision is not None and plan.data != "fsdp":  # each stage casts its own parameters
-            mixed_precision(pipe, plan.precision)
+                        stage_steps=_stage_steps(module, mesh, plan))
         return pipe
     if plan.tp is not None:  # 1. tensor parallel
         module = tensor_parallel(module, mesh, plan.tp, sequence_parallel=plan.sequence_parallel,
@@ -347,11 +346,14 @@ def _fsdp_options(plan: ParallelPlan, units: Sequence[type | str] | None) -> dic
 
 
 def _stage_steps(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Callable[[nn.Module], None] | None:
-    """Steps 1b and 2 for pipeline stages: context parallelism, then checkpointing of the blocks
-    chosen in the whole model (``ac_every`` counts over all of them) that a stage holds (under
-    their names in the model)."""
+    """Steps 1b to 3's mixed precision for pipeline stages, in the plain path's order: context
+    parallelism, expert parallelism, checkpointing of the blocks chosen in the whole model
+    (``ac_every`` counts over all of them) that a stage holds (under their names in the model),
+    then mixed precision where FSDP does not cast (before the stage wrapper, as DDP is applied
+    after it on one model). The pipeline calls it on each materialized, tensor-parallel stage."""
     experts = bool(moe_layers(module))
-    if plan.ac is None and plan.cp is None and not experts:
+    precision = plan.precision if plan.data != "fsdp" else None
+    if plan.ac is None and plan.cp is None and not experts and precision is None:
         return None
     chosen = select_blocks(module, plan.ac_blocks, plan.ac_every) if plan.ac is not None else []
     policy, algorithm, sequence_parallel = plan.ac, plan.cp, plan.sequence_parallel
@@ -364,6 +366,8 @@ def _stage_steps(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Callable[
         if policy is not None:
             held = {n for n, _ in stage.named_modules()}
             checkpoint_blocks(stage, [n for n in chosen if n in held], policy)
+        if precision is not None:  # fp32 masters; DDP, wrapped next, reads its reduce dtype
+            mixed_precision(stage, precision)
 
     return apply
 
@@ -373,19 +377,8 @@ def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> StageWr
     if plan.data == "fsdp":
         return _FSDPStages(mesh, plan, set(blocks(module)))
     if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:
-        return _DDPStages(mesh, _ddp_options(plan))
+        return _DDPStages(mesh, plan.ddp_options)
     return None
-
-
-def _ddp_options(plan: ParallelPlan) -> dict[str, Any]:
-    """``ddp_options`` with the mixed precision's reduce dtype as DDP's gradient compression, for DDP
-    modules built before `plait.mixed_precision` is applied (pipeline stages; elsewhere DDP reads it
-    from the module)."""
-    mp = plan.precision
-    if mp is None or "gradient_compression" in plan.ddp_options:  # (checked to agree in validate)
-        return plan.ddp_options
-    return {**plan.ddp_options, "gradient_compression": _COMPRESSION_NAMES[mp.wire_dtype]}
-
 
 
 @dataclass

@@ -57,8 +57,9 @@ class Pipeline:
     With ``stage_wrapper`` (handed in by `plait.parallelize`), each stage is then wrapped for data
     parallelism (DDP or FSDP): the stages' gradients accumulate over the microbatches and each
     stage's last backward of the step reduces them, overlapping with it. ``stages`` holds the
-    wrapped modules. ``activation_checkpointing`` (also from `plait.parallelize`) is called on each
-    stage before it is wrapped (`plait.activation_checkpointing`).
+    wrapped modules. ``stage_steps`` (also from `plait.parallelize`) is called on each
+    materialized, tensor-parallel stage before it is wrapped: context and expert parallelism,
+    activation checkpointing and mixed precision, in `plait.parallelize`'s order.
     """
 
     def __init__(self, module: nn.Module, mesh: Mesh, *, split: str | Sequence[str] = "auto",
@@ -67,7 +68,7 @@ class Pipeline:
                  device: torch.device | str | None = None, tp_plan: Mapping[str, Any] | None = None,
                  sequence_parallel: bool = False, p2p: str = "auto",
                  stage_wrapper: StageWrapper | None = None,
-                 activation_checkpointing: Callable[[nn.Module], None] | None = None) -> None:
+                 stage_steps: Callable[[nn.Module], None] | None = None) -> None:
         # Every check below runs before the first collective, so bad input never hangs a rank.
         if not isinstance(module, nn.Module):
             raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -115,7 +116,7 @@ class Pipeline:
         self._replay = Replay(module, segs, plan, self.device)
         self.tp_module: nn.Module | None = None
         self._inner = {s: ReplayStage(s, self._replay, [segs[i] for i in plan[s]]) for s in mine}
-        self._checkpointing = activation_checkpointing
+        self._stage_steps = stage_steps
         self.loss_fn = loss_fn = self._parallelize_stages(module, mesh, tp_plan, sequence_parallel, seed,
                                                           loss_fn, stage_wrapper)
         # Copies of weights shared with another pp rank, with the group that sums their gradients.
@@ -140,7 +141,7 @@ class Pipeline:
         # would then come in another order on each replica; a checkpointed tensor-parallel block
         # that W recomputes, as on the first stage, whose B computes nothing), which would
         # desynchronize ranks.
-        quiet_w = not sequence_parallel and not (tp_plan is not None and activation_checkpointing)
+        quiet_w = not sequence_parallel and not (tp_plan is not None and stage_steps)
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
                              self.device, links=direction_groups(self.sched, mesh) if directed else None,
                              fill_w=quiet_w and backend == "gloo" and stage_wrapper is None,
@@ -185,9 +186,9 @@ class Pipeline:
             if not is_meta(st):  # a wrapper that materializes places the stage itself
                 st.to(self.device)
         self.stages: dict[int, nn.Module] = dict(self._inner)
-        if self._checkpointing is not None:  # after tensor parallelism, before the wrapper
+        if self._stage_steps is not None:  # after tensor parallelism, before the wrapper
             for st in self._inner.values():
-                self._checkpointing(st)
+                self._stage_steps(st)
         # Each stage's state-dict keys (original names) before a wrapper may replace its tensors.
         self._state_keys = {s: set(st.state_dict(keep_vars=True)) for s, st in self._inner.items()}
         if wrapper is not None:  # data parallelism last, on each stage's final parameters
