@@ -111,22 +111,68 @@ def test_the_library_never_imports_the_application():
     assert not bad, bad
 
 
-def test_the_library_never_imports_transformers():
+# One interpreter imports torch (most of a fresh interpreter's start) and forks a child per
+# question: each child starts with torch and the standard library only, as a new `python -c` would.
+FORKER = """
+import io, json, os, sys, traceback
+import torch
+
+for line in sys.stdin:
+    code, args = json.loads(line)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        out, ok = io.StringIO(), True
+        sys.argv, sys.stdout = ["-c", *args], out
+        try:
+            exec(compile(code, "<fresh>", "exec"), {"__name__": "__main__"})
+        except BaseException:
+            ok = False
+            out.write(traceback.format_exc())
+        with os.fdopen(w, "w") as f:
+            f.write(json.dumps([ok, out.getvalue()]))
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        answer = f.read()
+    os.waitpid(pid, 0)
+    sys.__stdout__.write(answer + "\\n")
+    sys.__stdout__.flush()
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """``fresh(code, *args)`` runs ``code`` in a process where no module that other tests imported is
+    loaded (so nothing hides what ``import plait`` alone provides) and returns what it printed."""
+    proc = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def run(code: str, *args: str) -> str:
+        proc.stdin.write(json.dumps([code, list(args)]) + "\n")
+        proc.stdin.flush()
+        ok, out = json.loads(proc.stdout.readline())
+        assert ok, out
+        return out
+
+    yield run
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+def test_the_library_never_imports_transformers(fresh):
     """`transformers` is the optional extra plait[hf]: importing plait (and building a layout's
     pieces) must not need it; models are recognised by their structure."""
     code = ("import sys, plait, plait.models.plans, plait.pipeline, plait.check, plait.tp; "
             "print('transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert fresh(code).strip() == "False"
 
 
-def _in_a_fresh_process(code: str, *args: str) -> object:
-    """Run ``code`` in a new interpreter (no module that other tests imported is loaded there, so
-    nothing hides what ``import plait`` alone provides) and return the JSON it prints."""
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+def test_a_fresh_process_has_imported_nothing_of_plait_or_transformers(fresh):
+    code = "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in ('plait', 'transformers')))"
+    assert fresh(code).strip() == "[]"
 
 
 SHADOWS = """
@@ -149,10 +195,10 @@ print(json.dumps(bad))
 """
 
 
-def test_no_package_attribute_hides_its_submodule():
+def test_no_package_attribute_hides_its_submodule(fresh):
     """A name bound in a package to something other than its submodule of that name hides the
     submodule: after ``import plait``, ``plait.pipeline.zbv`` was looked up on a function."""
-    assert _in_a_fresh_process(SHADOWS) == []
+    assert json.loads(fresh(SHADOWS)) == []
 
 
 CALLABLE_MODULES = ("plait.activation_checkpointing", "plait.check", "plait.parallelize", "plait.pipeline")
@@ -237,15 +283,28 @@ print(json.dumps(bad))
 """
 
 
-def test_every_name_the_readme_and_docs_show_resolves():
+def test_every_name_the_readme_and_docs_show_resolves(fresh):
     names = _readme_names()
     assert {"plait.pipeline.zbv", "plait.pipeline.split.segments", "plait.parallelize.ORDER",
             "plait.parallelize", "plait.pipeline"} <= set(names)
-    assert _in_a_fresh_process(RESOLVE, *names) == []
+    assert json.loads(fresh(RESOLVE, *names)) == []
 
 
 @pytest.mark.parametrize("written", ["plait.pipeline.split.segments", "plait.check.oracle"])
-def test_names_in_the_package_docs_resolve_after_import_plait(written):
+def test_names_in_the_package_docs_resolve_after_import_plait(fresh, written):
     """The docstrings name `plait.check.oracle` and `plait.pipeline.split.segments`; the same
     resolution as the README's names."""
-    assert _in_a_fresh_process(RESOLVE, written) == []
+    assert json.loads(fresh(RESOLVE, written)) == []
+
+
+def test_the_readme_lists_the_composition_order_as_parallelize_applies_it():
+    """`plait.parallelize.ORDER`, its docstring and the README say the same order."""
+    from plait.parallelize import ORDER
+
+    said = re.search(r"in one fixed order — (.*?) —", README.read_text(), flags=re.S)
+    assert said, "README: the order sentence is gone"
+    steps = [s.strip() for s in re.split(r",|\bthen\b", " ".join(said[1].split())) if s.strip()]
+    assert steps == [*ORDER[:-1], "DDP or FSDP"], steps
+    doc = plait.parallelize.__doc__ or ""
+    at = [doc.lower().find(f"**{step.split(' (')[0]}**") for step in ORDER]  # the numbered headings
+    assert -1 not in at and at == sorted(at), dict(zip(ORDER, at))
