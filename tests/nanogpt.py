@@ -5,7 +5,8 @@ Its attention splits the fused ``c_attn`` by ``self.n_embd`` and views the heads
 ``self.n_head``, as nanoGPT does. ``positions`` picks how it knows where a token is:
 ``"wpe"`` nanoGPT's learned table read at ``torch.arange(t)``; ``"table"`` a rotary table held as
 a buffer and sliced to the length (torchtitan's ``freqs_cis[:seqlen]``); ``"arange"`` a rotary
-table computed in forward from ``torch.arange(t)``; ``"none"`` nothing (no positions at all).
+table computed in forward from ``torch.arange(t)``; ``"module"`` a module whose forward takes
+``positions`` (plait GPT's rotary protocol); ``"none"`` nothing (no positions at all).
 ``width_from_input=True`` takes the attention's width from its input's shape (nanoGPT's
 ``C``), which no split of its heads can keep.
 """
@@ -82,6 +83,20 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class PositionAngles(nn.Module):
+    """Rotary angles of the tokens of ``x`` (dim 1) at ``positions`` (counted from 0 when None): a
+    module of one's own that takes positions, as plait GPT's rotary tables do."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        return torch.outer(positions.to(x.dtype), inverse_frequencies(self.head_dim).to(x.dtype))
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
@@ -94,6 +109,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied, as in nanoGPT
         head_dim = cfg.n_embd // cfg.n_head
+        if cfg.positions == "module":
+            self.angles_of = PositionAngles(head_dim)
         if cfg.positions == "table":
             t = torch.arange(cfg.block_size, dtype=torch.float64)
             self.register_buffer("angles", torch.outer(t, inverse_frequencies(head_dim)), persistent=False)
@@ -108,6 +125,8 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
         elif self.config.positions == "table":
             angles = self.angles[:t]
+        elif self.config.positions == "module":
+            angles = self.angles_of(x)
         elif self.config.positions == "arange":
             head_dim = self.config.n_embd // self.config.n_head
             angles = torch.outer(torch.arange(t, dtype=x.dtype), inverse_frequencies(head_dim).to(x.dtype))

@@ -3,7 +3,8 @@
 A nanoGPT-shaped model written here (`nanogpt`), its forward taking no ``position_ids``, with a
 learned position table read at ``torch.arange(t)`` (nanoGPT's ``wpe``), a rotary table held as a
 buffer and sliced to the length (torchtitan's ``freqs_cis[:seqlen]``) and a rotary table
-computed from ``torch.arange(t)``: cp=2 (ring, DDP over the cp ranks) against one process on the
+computed from ``torch.arange(t)``, and a module of its own whose forward takes ``positions``
+(the protocol plait GPT's rotary tables follow): cp=2 (ring, DDP over the cp ranks) against one process on the
 same batches, float64, this rank's tokens of the logits and every parameter after each of two
 SGD steps at ``rtol=1e-9`` (as `test_context_parallel.py`); and the torchtitan-style Llama of
 `test_meta_init.py`, whose attention slices the root's ``freqs_cis`` it is passed, with every
@@ -84,7 +85,12 @@ def _refusals() -> list[str]:
 
 
 def _all() -> list[str]:
-    for positions in ("wpe", "table", "arange", "torchtitan"):
+    from plait.cp.positions import positions_mode, rotaries
+
+    # A module of one's own that takes positions is given them (not left to the counting watcher).
+    own = build(positions="module")
+    assert positions_mode(own, "auto") == "rotary" and rotaries(own) == [own.angles_of]
+    for positions in ("wpe", "table", "arange", "module", "torchtitan"):
         _parity(positions)
     return _refusals()
 

@@ -162,6 +162,16 @@ def fresh():
     proc.wait(timeout=60)
 
 
+def test_the_library_never_imports_the_reference_gpt():
+    """The strategies know no model: losses are the library's (`plait.losses`), positions a
+    protocol (`plait.cp.positions.takes_positions`); only models, plans and the application use
+    the reference GPT."""
+    bad = sorted({f"{m} imports {t}" for m, deps in _imports(_modules()).items() for t, _ in deps
+                  if m.startswith("plait") and t.startswith("plait.models.gpt")
+                  and not m.startswith(("plait.models", "plait.app"))})
+    assert not bad, bad
+
+
 def test_the_library_never_imports_transformers(fresh):
     """`transformers` is the optional extra plait[hf]: importing plait (and building a layout's
     pieces) must not need it; models are recognised by their structure."""

@@ -64,13 +64,13 @@ from plait.activation_checkpointing import check_options, checkpoint_blocks, sel
 from plait.blocks import blocks
 from plait.callable_module import make_callable
 from plait.cp.apply import ALGORITHMS, context_parallel, has_attention
+from plait.cp.positions import rotaries
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
 from plait.ep.apply import expert_parallel, no_moe_reason
 from plait.fsdp.wrapper import FullyShardedDataParallel
 from plait.materialize import is_meta, keep_whole, materialize
 from plait.mesh import Mesh
-from plait.models.gpt import Rotary
 from plait.models.moe import moe_layers
 from plait.names import matches
 from plait.pipeline.api import Pipeline
@@ -325,10 +325,11 @@ def _check_cp(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
         raise ValueError(f"parallelize: cp={n} ranks hold the same parameters and see different tokens, so "
                          "their gradients must be averaged; data='none' would leave each rank with its own: "
                          "use data='ddp' or 'fsdp'")
-    if mesh.size("pp") > 1 and not any(isinstance(m, Rotary) for m in module.modules()):
-        raise ValueError("parallelize: context parallelism inside a pipeline gives positions to plait GPT's "
-                         f"rotary modules only; {type(module).__name__} has none (its positions are computed "
-                         "in its forward, which pipeline stages replay on local tokens)")
+    if mesh.size("pp") > 1 and not rotaries(module):
+        raise ValueError("parallelize: context parallelism inside a pipeline gives positions only to modules "
+                         "whose forward takes positions (plait GPT's rotary tables); "
+                         f"{type(module).__name__} has none (its positions are computed in its forward, "
+                         "which pipeline stages replay on local tokens)")
 
 
 def _check_units(module: nn.Module, units: Sequence[type | str]) -> None:

@@ -3,7 +3,8 @@
 Each rank holds two chunks of every sequence (`plait.cp.layout`), so a model that counts its
 positions from its local length (``0 .. local - 1``) trains silently wrong. The ways in:
 
-- ``"rotary"``: plait GPT's rotary modules read the layout's positions;
+- ``"rotary"``: modules whose forward takes ``positions`` (plait GPT's rotary tables;
+  `takes_positions`) read the layout's positions;
 - ``"position_ids"``: a ``forward`` that takes ``position_ids`` (transformers' causal LMs) gets
   them as that argument, and an all-ones ``attention_mask`` so that transformers does not take
   the zigzag positions for packed sequences (it looks for packing only when no mask is passed);
@@ -38,10 +39,18 @@ __all__ = ["POSITIONS", "Watcher", "install", "positions_mode"]
 POSITIONS = ("auto", "rotary", "position_ids", "counted", "none")
 
 
-def rotaries(model: nn.Module) -> list[nn.Module]:
-    from plait.models.gpt import Rotary
+def takes_positions(module: nn.Module) -> bool:
+    """The protocol of ``"rotary"``: a module whose ``forward`` takes ``positions``, the positions of
+    its input's tokens (dim 1) in the full sequence, and counts them from its local length when
+    it gets None (plait GPT's `Rotary`). Recognised by its signature, so the library needs no
+    model's class, and a model of one's own can take part."""
+    forward = type(module).forward
+    return "positions" in inspect.signature(forward).parameters
 
-    return [m for m in model.modules() if isinstance(m, Rotary)]
+
+def rotaries(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that take their tokens' positions (`takes_positions`)."""
+    return [m for m in model.modules() if takes_positions(m)]
 
 
 def positions_mode(model: nn.Module, positions: str) -> str:
@@ -51,7 +60,8 @@ def positions_mode(model: nn.Module, positions: str) -> str:
     if positions == "auto":
         return "rotary" if rotaries(model) else "position_ids" if takes_ids else "counted"
     if positions == "rotary" and not rotaries(model):
-        raise ValueError(f"context_parallel(positions='rotary'): {name} has no plait rotary modules")
+        raise ValueError(f"context_parallel(positions='rotary'): {name} has no module whose forward takes "
+                         "positions (plait GPT's rotary tables do)")
     if positions == "position_ids" and not takes_ids:
         raise ValueError(f"context_parallel(positions='position_ids'): {name}.forward takes no position_ids")
     return positions
@@ -74,13 +84,16 @@ def install(model: nn.Module, mode: str, cp: CPGroup) -> Watcher | None:
 
 # ------------------------------------------------------------------ rotary, position_ids
 def _give_positions(rotary: nn.Module, cp: CPGroup) -> None:
-    """plait GPT's rotary tables read at this rank's positions."""
-    original = type(rotary).forward
+    """A module that takes positions (`takes_positions`, e.g. plait GPT's rotary tables) gets this
+    rank's when its caller passes none."""
+    original = inspect.signature(type(rotary).forward)
 
-    def forward(x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
-        if positions is None:
-            positions = cp.layout_of_local(x.shape[1]).positions(device=x.device)
-        return original(rotary, x, start, positions)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        bound = original.bind(rotary, *args, **kwargs)
+        if bound.arguments.get("positions") is None:
+            x = next(a for a in bound.args[1:] if isinstance(a, torch.Tensor))
+            bound.arguments["positions"] = cp.layout_of_local(x.shape[1]).positions(device=x.device)
+        return type(rotary).forward(*bound.args, **bound.kwargs)
 
     rotary.forward = forward
 

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.losses import lm_loss
 from plait.models.moe import MoE, SwiGLU
 
-__all__ = ["GPTConfig", "GPT", "PRESETS"]
+# lm_loss is the library's (`plait.losses`), named here too as the loss GPT trains with.
+__all__ = ["GPTConfig", "GPT", "PRESETS", "lm_loss"]
 
 
 @dataclass
@@ -231,12 +232,3 @@ class GPT(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def lm_loss(logits: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position. ``logits`` may also be a model output
-    that holds them as ``.logits`` (what transformers' causal LMs return). Computed in float32
-    at least: low-precision logits are raised to it, float64 ones stay float64."""
-    logits = getattr(logits, "logits", logits)
-    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(wide.flatten(0, -2), targets.flatten())

@@ -38,6 +38,7 @@ from torch import nn
 from plait import comm
 from plait._torch_compat import compiled_original
 from plait.env import device as _device
+from plait.losses import lm_loss
 from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
 from plait.names import matches
@@ -189,8 +190,6 @@ def mark_part(part: nn.Module, info: TPInfo) -> None:
 def loss_fn_for(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss a training loop should call on ``model``'s output: `lm_loss` for full logits,
     vocab-parallel cross-entropy when the model's lm_head leaves its logits sharded."""
-    from plait.models.gpt import lm_loss
-
     info = tp_info(model)
     if info is None or info.vocab_size is None:
         return lm_loss
