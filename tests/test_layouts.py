@@ -32,11 +32,10 @@ LAYOUTS = {
     "pp2-tp2": dict(strategy="ddp", nproc=4, pp=2, tp=2),
     "pp2-zero1x2": dict(strategy="fsdp", nproc=4, pp=2, zero_stage=1),
     "pp2-tp2-sp-zb": dict(strategy="ddp", nproc=4, pp=2, tp=2, sequence_parallel=True, schedule="zb-h1"),
-    "pp2-dp2-tp2": dict(strategy="ddp", nproc=8, pp=2, tp=2),
+    "pp2-dp2-tp2": dict(strategy="ddp", nproc=8, pp=2, tp=2),  # pp x fsdp x tp: test_pipeline_fsdp
     "pp2-fsdp2-zero3": dict(strategy="fsdp", nproc=4, pp=2, zero_stage=3),
     "pp2-fsdp2-zero2-zb": dict(strategy="fsdp", nproc=4, pp=2, zero_stage=2, schedule="zb-h1"),
     "pp2-dp2-grad-accum2": dict(strategy="ddp", nproc=4, pp=2, microbatches=2, grad_accum=2),
-    "pp2-fsdp2-tp2": dict(strategy="fsdp", nproc=8, pp=2, tp=2),
     "cp2-dp2-ring": dict(strategy="ddp", nproc=4, cp=2),
     "cp2-fsdp2-allgather": dict(strategy="fsdp", nproc=4, cp=2, cp_algorithm="allgather"),
     "cp2-tp2-sp-ulysses": dict(strategy="ddp", nproc=4, cp=2, tp=2, sequence_parallel=True,
