@@ -222,6 +222,9 @@ class RunSection:
     with --resume"""
     tensorboard: bool = False
     """also write TensorBoard event files to RUN_DIR/NAME/tensorboard (needs the tensorboard package)"""
+    log_samples: bool = False
+    """record each step's global batch in metrics.jsonl as "samples": the sample ids (window offsets in
+    the training tokens) the data ranks read, gathered in rank order"""
     peak_tflops: float | None = None
     """one device's peak dense TFLOP/s in the training dtype, for MFU; None: known GPUs' (CPUs: no MFU)"""
     progress: bool = True

@@ -270,7 +270,12 @@ class BatchSampler:
     """Random windows of ``seq_len + 1`` tokens; batch k depends only on ``(seed, k)``.
 
     ``dp_rank``/``dp_size`` select this rank's contiguous slice of the global batch. ``tokens``
-    may be a memory map: only the windows drawn are read.
+    may be a memory map: only the windows drawn are read. A sample's id is the offset of its
+    window's first token: the global batch at step k is the same ids whatever the layout, so a
+    run resumed with another data-parallel size, or other tp, pp or cp, reads on exactly where it
+    stopped. Its state (`state_dict`) says where the stream is: the step, the samples consumed
+    and the global batch they were drawn in; another global batch would draw other samples, so
+    `load_state_dict` refuses one.
     """
 
     def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int, global_batch: int,
@@ -289,12 +294,19 @@ class BatchSampler:
     def local_batch(self) -> int:
         return self.global_batch // self.dp_size
 
-    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def global_ids(self, step: int) -> np.ndarray:
+        """The sample ids (window offsets) of the whole global batch at ``step``, in rank order."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=g)
+        high = len(self.tokens) - self.seq_len - 1
+        return torch.randint(0, high, (self.global_batch,), generator=g).numpy()
+
+    def local_ids(self, step: int) -> np.ndarray:
+        """This rank's slice of `global_ids`: the samples it reads at ``step``."""
         lo = self.dp_rank * self.local_batch
-        mine = starts[lo : lo + self.local_batch].numpy()
-        idx = mine[:, None] + np.arange(self.seq_len + 1)
+        return self.global_ids(step)[lo : lo + self.local_batch]
+
+    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.local_ids(step)[:, None] + np.arange(self.seq_len + 1)
         win = torch.from_numpy(np.asarray(self.tokens[idx]).astype(np.int64))
         return win[:, :-1], win[:, 1:]
 
@@ -307,7 +319,14 @@ class BatchSampler:
         return batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "seed": self.seed}
+        return {"step": self.step, "seed": self.seed, "samples": self.step * self.global_batch,
+                "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        saved = int(state.get("global_batch", self.global_batch))  # older checkpoints did not record it
+        if saved != self.global_batch:
+            raise ValueError(f"the checkpoint's data stream was drawn in global batches of {saved} sequences "
+                             f"({state.get('samples')} samples consumed); this run's --batch-size is "
+                             f"{self.global_batch}, which would read other samples: resume with --batch-size "
+                             f"{saved}")
         self.step, self.seed = int(state["step"]), int(state["seed"])

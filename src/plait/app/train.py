@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -205,6 +206,15 @@ def _balance_experts(layers: list[MoE], mesh: Mesh) -> None:
         update_balance(layer, [total.to(layer.expert_bias.device)])
 
 
+def _gathered_ids(local: np.ndarray, mesh: Mesh) -> list[int]:
+    """The global batch's sample ids as the data ranks drew them, in rank order (`--log-samples`):
+    what was read, not what the sampler would give, so a rank reading the wrong slice shows."""
+    if mesh.size(DATA_AXES) == 1:
+        return local.tolist()
+    parts = comm.all_gather_object(local.tolist(), mesh.group(DATA_AXES))
+    return [i for part in parts for i in part]
+
+
 def rank_tokens(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
             mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets on the device; with context parallelism, this rank's tokens of them."""
@@ -328,6 +338,7 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
+        ids = _gathered_ids(sampler.local_ids(step), mesh) if cfg.run.log_samples else None
         x, y = rank_tokens(next(sampler), device, mesh)
         with comm.scope(f"step {step + 1}"):  # named in desync reports, timeouts and flight records
             mean_loss, norm = train_step(model, opt, x, y, cfg, mesh, loss_fn, scaler, moe)
@@ -342,6 +353,8 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "model_flops_per_s": achieved,
                   "mfu": achieved / (peak * 1e12 * devices) if peak is not None else None,
                   "peak_mem_bytes": mem, "peak_mem_source": mem_source}
+        if ids is not None:
+            record["samples"] = ids
         if moe and cfg.model.capacity_factor is not None:
             record["moe_drop_rate"] = sum(layer.last_drop_rate for layer in moe) / len(moe)
         if scaler.enabled:
