@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -350,5 +351,9 @@ def test_wandb_offline_writes_the_run_files(tmp_path, monkeypatch):
     out, _ = _train(tmp_path, steps=3, eval_every=0, max_bytes=20_000, name="wb", wandb=True)
     [run] = (tmp_path / "wb" / "wandb").glob("offline-run-*")
     [records] = run.glob("run-*.wandb")  # W&B's binary log: values are held as JSON text in it
+    wanted = [json.dumps(loss).encode() for loss in out["losses"]]
+    deadline = time.monotonic() + 30  # W&B's own service process may still be writing the file
+    while not all(w in records.read_bytes() for w in wanted) and time.monotonic() < deadline:
+        time.sleep(0.5)
     held = records.read_bytes()
-    assert all(json.dumps(loss).encode() in held for loss in out["losses"]) and b"grad_norm" in held
+    assert all(w in held for w in wanted) and b"grad_norm" in held
