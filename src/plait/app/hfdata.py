@@ -119,8 +119,10 @@ def tokenized(data: str | Path, tokenizer: str | Path, cache: str | None = None,
     if out.is_file() and meta.is_file():
         return Tokenized(out, vocab, eod, json.loads(meta.read_text())["documents"], len(files), True)
     documents = _write(builder, files, tok, eod, field, root, out)
-    meta.write_text(json.dumps({"documents": documents, "files": [str(f) for f in files],
+    part = meta.with_name(f".{meta.name}.{os.getpid()}")  # renamed whole: a reader never sees half of it
+    part.write_text(json.dumps({"documents": documents, "files": [str(f) for f in files],
                                 "tokenizer": str(Path(tokenizer).resolve()), "field": field, "eod": eod}))
+    os.replace(part, meta)
     return Tokenized(out, vocab, eod, documents, len(files), False)
 
 
