@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
-from oracle import train_losses
+from oracle import TRAIN_BASE, train_losses
 
 from plait.app.train import TrainConfig
 
@@ -77,6 +79,61 @@ def test_expert_parallel_checkpoint_resumes_on_other_ep_degrees(pools, tmp_path)
 def test_resume_without_save_dir_or_name_is_rejected():
     with pytest.raises(ValueError, match="--resume needs --name .* or --save-dir"):
         TrainConfig.from_flags(resume=True)
+
+
+# ------------------------------------------------------------------ the data stream across layouts
+def _stream(tmp: str, **flags) -> tuple[list[float], list[list[int]]]:
+    """`plait train --log-samples` on this rank: the losses and the global batch's sample ids of each
+    step this run took, as rank 0's metrics.jsonl records them (picklable for rank pools)."""
+    import torch.distributed as dist
+
+    from plait.app.train import train
+
+    out = train(TrainConfig.from_flags(**{**TRAIN_BASE, "run_dir": tmp, "log_samples": True, **flags}))
+    if dist.get_rank() != 0:
+        return out["losses"], []
+    rows = [json.loads(line) for line in (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return out["losses"], [r["samples"] for r in rows if "step" in r]
+
+
+@pytest.fixture(scope="module")
+def dp2_stream(pools, tmp_path_factory):
+    """The uninterrupted run at dp 2, saving every 3 steps: (the step-3 save's folder, losses, ids)."""
+    root = tmp_path_factory.mktemp("stream")
+    losses, ids = pools[2].run(_stream, str(root), strategy="ddp", nproc=2, save_dir=str(root / "all"),
+                               save_every=3)[0]
+    shutil.copytree(root / "all" / "step_000003", root / "only3" / "step_000003")
+    return root / "only3", losses, ids
+
+
+@pytest.mark.parametrize("world,layout", [(4, dict(strategy="ddp", nproc=4)),
+                                          (2, dict(strategy="ddp", nproc=2, tp=2))])
+def test_a_run_resumed_in_another_layout_reads_the_global_batches_of_the_uninterrupted_run(
+        pools, oracle, dp2_stream, tmp_path, world, layout):
+    # dp 2 -> dp 4 splits each global batch over more ranks; dp 2 -> tp 2 (dp 1) reads it whole on
+    # both tp ranks. Either way steps 4-6 read the very samples the dp 2 run read, none skipped or
+    # repeated, and the losses continue its curve (the layouts' tolerance: fp32 sums in another order).
+    folder, losses, ids = dp2_stream
+    assert losses == pytest.approx(oracle, rel=1e-4)  # the uninterrupted run is one process's run
+    assert len(ids) == 6 and all(len(b) == TRAIN_BASE["batch_size"] for b in ids)
+    assert len({tuple(b) for b in ids}) == 6  # every step draws a new global batch
+    shutil.copytree(folder, tmp_path / "work")
+    got, got_ids = pools[world].run(_stream, str(tmp_path), save_dir=str(tmp_path / "work"), resume=True,
+                                    **layout)[0]
+    assert got_ids == ids[3:]
+    assert got == pytest.approx(losses[3:], rel=1e-4)
+
+
+def test_a_resume_with_another_global_batch_is_refused_by_name(dp2_stream, tmp_path):
+    from plait.checkpoint import ForeignCheckpoint
+
+    shutil.copytree(dp2_stream[0], tmp_path / "work")
+    other = dict(strategy="none", nproc=1, save_dir=str(tmp_path / "work"), resume=True, batch_size=4)
+    with pytest.raises(ForeignCheckpoint, match="batch_size"):
+        _stream(str(tmp_path), **other)
+    # Told to resume regardless, the stream still refuses: batches of 4 would read other samples.
+    with pytest.raises(ValueError, match="global batches of 8 sequences .* resume with --batch-size 8"):
+        _stream(str(tmp_path), **other, resume_anyway=True)
 
 
 # ------------------------------------------------------------------ tensor and pipeline parallelism

@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -230,3 +231,129 @@ def test_a_step_that_diverged_is_written_as_null_and_flagged(tmp_path):
     assert step == {"step": 7, "loss": None, "grad_norm": None, "lr": 1e-3,
                     "nonfinite": ["loss", "grad_norm"]}
     assert summary["summary"] == {"first_loss": 5.0, "final_loss": None, "nonfinite": ["final_loss"]}
+
+
+# ------------------------------------------------------------------ --tokenizer: datasets + transformers
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+         "twelve", "thirteen", "fourteen"]
+
+
+def _tokenizer(folder: Path) -> Path:
+    """A word-level transformers tokenizer built here with `tokenizers` (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[EOD]", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOD]")
+    fast.save_pretrained(folder)
+    return folder
+
+
+def _documents(path: Path, n: int = 300) -> list[str]:
+    """JSON Lines of counting documents (the next word is the last plus one): learnable."""
+    rng = np.random.default_rng(0)
+    docs = [" ".join(WORDS[(s + i) % len(WORDS)] for i in range(int(k)))
+            for s, k in zip(rng.integers(0, len(WORDS), n), rng.integers(3, 12, n))]
+    path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))
+    return docs
+
+
+def test_json_lines_tokenized_through_datasets_train_and_the_tokens_are_cached(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    from transformers import AutoTokenizer
+
+    from plait.app import hfdata
+
+    docs = _documents(tmp_path / "docs.jsonl")
+    tok_dir = _tokenizer(tmp_path / "tok")
+    flags = dict(data=str(tmp_path / "docs.jsonl"), tokenizer=str(tok_dir),
+                 data_cache=str(tmp_path / "cache"))
+    out, rows = _train(tmp_path, name="first", **flags)
+    header, steps = rows[0]["header"]["data"], [r for r in rows if "step" in r]
+    assert header["kind"] == "tokenized" and header["documents"] == len(docs) and not header["cache_reused"]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
+    assert [r["step"] for r in steps if "eval_loss" in r] == [6, 12]
+    # Packed: every document's tokens, then the end-of-document token, back to back.
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    want = [i for d in docs for i in [*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
+    cached = np.load(header["cache"])
+    assert cached.dtype == np.uint16 and cached.tolist() == want
+    assert Path(header["cache"]).parent == tmp_path / "cache" / "tokens"
+
+    def no_tokenizing(*args):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(hfdata, "_write", no_tokenizing)  # the second run reads the cache
+    again, rows = _train(tmp_path, name="second", **flags)
+    assert rows[0]["header"]["data"]["cache_reused"] and again["losses"] == out["losses"]
+
+
+def test_a_tokenizer_the_model_cannot_embed_is_refused_before_any_rank_starts(tmp_path):
+    pytest.importorskip("datasets")
+    _documents(tmp_path / "docs.jsonl", n=200)
+    flags = dict(data=str(tmp_path / "docs.jsonl"), tokenizer=str(_tokenizer(tmp_path / "tok")),
+                 data_cache=str(tmp_path / "cache"), run_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"vocab_size 8 cannot embed .* tokenized by --tokenizer .* 17"):
+        TrainConfig.from_flags(**flags, vocab_size=8)
+    with pytest.raises(ValueError, match="--text-field body: .* have no such field; they have id, text"):
+        TrainConfig.from_flags(**flags, text_field="body")
+    with pytest.raises(ValueError, match="--max-bytes 2000 applies to token files and byte-level text"):
+        TrainConfig.from_flags(**flags, max_bytes=2000)
+
+
+# ------------------------------------------------------------------ --wandb
+def test_wandb_is_refused_before_the_run_when_it_is_not_installed(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else
+                        real(name, *a))
+    with pytest.raises(ValueError, match=r"--wandb .* pip install 'plait\[wandb\]'"):
+        TrainConfig.from_flags(wandb=True)
+
+
+def test_wandb_gets_the_step_scalars_under_the_run_name(tmp_path, monkeypatch):
+    # A stand-in for the wandb package (installing it costs CI minutes): what plait calls, recorded.
+    import importlib.machinery
+    import types
+
+    calls: list[tuple] = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+
+    class Run:
+        def log(self, data, step):
+            calls.append(("log", step, data))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    _train(tmp_path, steps=3, eval_every=0, max_bytes=20_000, name="wb", wandb=True)
+    (_, init_kw), *logs, finish = calls
+    assert init_kw["name"] == "wb" and init_kw["dir"] == str(tmp_path / "wb")
+    assert init_kw["config"]["run"]["wandb"] and finish == ("finish",)
+    assert [step for _, step, _ in logs] == [1, 2, 3]
+    assert all({"loss", "lr", "grad_norm", "tokens_per_s"} <= set(data) for _, _, data in logs)
+
+
+def test_wandb_offline_writes_the_run_files(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")  # not in requirements-dev.txt: it takes minutes to install
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out, _ = _train(tmp_path, steps=3, eval_every=0, max_bytes=20_000, name="wb", wandb=True)
+    [run] = (tmp_path / "wb" / "wandb").glob("offline-run-*")
+    [records] = run.glob("run-*.wandb")  # W&B's binary log: values are held as JSON text in it
+    wanted = [json.dumps(loss).encode() for loss in out["losses"]]
+    deadline = time.monotonic() + 30  # W&B's own service process may still be writing the file
+    while not all(w in records.read_bytes() for w in wanted) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    held = records.read_bytes()
+    assert all(w in held for w in wanted) and b"grad_norm" in held

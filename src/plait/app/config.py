@@ -170,11 +170,18 @@ class OptimizerSection:
 
 @dataclass
 class DataSection:
-    """The corpus (text as bytes, or a token file) and the global batch."""
+    """The corpus (text as bytes, a token file, or documents for a tokenizer) and the global batch."""
 
     path: Annotated[str | None, tyro.conf.arg(name="data")] = None
-    """a token file (.bin, .npy), or a text file or folder (bytes; .git and binary files skipped); None:
-    the Python standard library's sources"""
+    """a token file (.bin, .npy), or a text file or folder (bytes; .git and binary files skipped); with
+    --tokenizer, text, JSON Lines or Parquet file(s); None: the Python standard library's sources"""
+    tokenizer: str | None = None
+    """a folder holding a transformers tokenizer: --data is read through Hugging Face datasets, tokenized
+    once and cached (needs plait[data])"""
+    text_field: str = "text"
+    """with --tokenizer: the field of a JSON Lines record or Parquet row that holds a document's text"""
+    data_cache: str | None = None
+    """with --tokenizer: where tokenized data is cached (DATA_CACHE/tokens/KEY.npy); None: ~/.cache/plait"""
     data_dtype: TokenDtype | None = None
     """a raw .bin's token width: uint16 (nanoGPT's) | uint32; None: from the Megatron .idx beside it"""
     eval_data: str | None = None
@@ -222,6 +229,12 @@ class RunSection:
     with --resume"""
     tensorboard: bool = False
     """also write TensorBoard event files to RUN_DIR/NAME/tensorboard (needs the tensorboard package)"""
+    wandb: bool = False
+    """also log the step records to Weights & Biases (needs the wandb package; WANDB_MODE=offline writes
+    them under RUN_DIR/NAME/wandb without a network)"""
+    log_samples: bool = False
+    """record each step's global batch in metrics.jsonl as "samples": the sample ids (window offsets in
+    the training tokens) the data ranks read, gathered in rank order"""
     peak_tflops: float | None = None
     """one device's peak dense TFLOP/s in the training dtype, for MFU; None: known GPUs' (CPUs: no MFU)"""
     progress: bool = True
@@ -459,11 +472,12 @@ class TrainConfig:
         """What --data holds (sizes, and the largest token id of a token file), read once here; the
         --eval-data file must be in a format the loader reads too."""
         data = self.data
+        tokenizing = self.tokenizing()
         try:
-            info = corpus.scan(data.path, data.data_dtype, data.max_bytes)
+            info = corpus.scan(data.path, data.data_dtype, data.max_bytes, tokenizing)
             if data.eval_data is not None:
                 eval_dtype = data.data_dtype if corpus.is_token_file(data.eval_data) else None
-                self._eval_info = corpus.scan(data.eval_data, eval_dtype, data.max_bytes)
+                self._eval_info = corpus.scan(data.eval_data, eval_dtype, data.max_bytes, tokenizing)
                 if self._eval_info.vocab > info.vocab:
                     info = dataclasses.replace(info, vocab=self._eval_info.vocab)
         except (OSError, ValueError) as e:
@@ -472,6 +486,26 @@ class TrainConfig:
             raise ValueError(f"--data {info.source}: holds {info.tokens} tokens; the corpus needs at least "
                              f"{MIN_CORPUS_BYTES}")
         return info
+
+    def tokenizing(self) -> corpus.Tokenizing | None:
+        """--tokenizer and the flags that go with it, checked before anything is tokenized."""
+        data = self.data
+        if data.tokenizer is None:
+            given_alone = (("--text-field", data.text_field != "text"), ("--data-cache", data.data_cache))
+            for flag, given in given_alone:
+                if given:
+                    raise ValueError(f"{flag} applies to data read through --tokenizer; without it, it would "
+                                     "be ignored: add --tokenizer DIR or drop the flag")
+            return None
+        for flag, value in (("--data-dtype", data.data_dtype), ("--max-bytes", data.max_bytes)):
+            if value is not None:
+                raise ValueError(f"{flag} {value} applies to token files and byte-level text; --tokenizer "
+                                 "reads every document of --data whole: drop one of them")
+        for flag, path in (("--data", data.path), ("--eval-data", data.eval_data)):
+            if path is not None and corpus.is_token_file(path):
+                raise ValueError(f"{flag} {path} is a token file already; drop --tokenizer to train on it, "
+                                 "or give text, JSON Lines or Parquet files to tokenize")
+        return corpus.Tokenizing(data.tokenizer, data.text_field, data.data_cache)
 
     def _check_windows(self, seq_len: int) -> None:
         """A training window is seq_len + 1 tokens, and the held-out data must hold one as well."""
@@ -491,7 +525,8 @@ class TrainConfig:
         """The data's token ids against the model's vocabulary, before any rank embeds one past it."""
         info = self._data_info
         if vocab is not None and info.vocab > vocab:
-            source = "byte-level text" if info.kind == "text" else f"the token file {info.source}"
+            source = {"text": "byte-level text", "tokenized": f"{info.source} tokenized by --tokenizer "
+                      f"{self.data.tokenizer}"}.get(info.kind, f"the token file {info.source}")
             raise ValueError(f"{what}: vocab_size {vocab} cannot embed the data's token ids: {source} holds "
                              f"ids up to {info.vocab - 1} (needs a vocabulary of at least {info.vocab}); use "
                              "a model with a larger vocabulary or data tokenized for this one")
@@ -689,6 +724,9 @@ class TrainConfig:
         if self.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ValueError("--tensorboard writes event files with the tensorboard package, which is not "
                              "installed: pip install 'plait[tensorboard]' (or drop --tensorboard)")
+        if self.run.wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb logs to Weights & Biases with the wandb package, which is not "
+                             "installed: pip install 'plait[wandb]' (or drop --wandb)")
         _check_writable("--run-dir", Path(self.run.run_dir), want_dir=True)
         if self.run.name is not None:
             folder = Path(self.run.run_dir) / self.run.name

@@ -1,4 +1,5 @@
-"""Language-modelling data: local text as bytes, or pre-tokenized token files of any size.
+"""Language-modelling data: local text as bytes, pre-tokenized token files of any size, or text,
+JSON Lines and Parquet tokenized through ``--tokenizer``.
 
 ``--data`` names one of:
 
@@ -10,6 +11,9 @@
 * **text**: a file, or a folder whose regular files are read in sorted order as bytes (vocabulary
   256). Hidden folders (``.git/``...) are skipped, and so are binary files (a NUL byte in their
   first 8000 bytes, git's test), which makes byte 0 free: it ends every document (one per file).
+* with ``--tokenizer DIR``, **text, JSON Lines or Parquet** read through Hugging Face `datasets`
+  and tokenized once into a cached token file, each document followed by the tokenizer's
+  end-of-document token (`plait.app.hfdata`).
 
 The default corpus is the Python standard library's own ``.py`` sources: real text present on
 every machine with Python, so nothing is downloaded. Token files are already packed by the tool
@@ -17,8 +21,9 @@ that wrote them (nanoGPT appends its end-of-text token to each document).
 
 Sampling is a pure function of ``(seed, step)``: the global batch at step k is the same
 whatever the number of data-parallel ranks, and each rank takes its contiguous slice. That
-makes the sampler trivially resumable (its state is the step) and makes multi-rank runs
-comparable with a single-process run on the same global batch.
+makes the sampler resumable in any layout (its state is the step; the global batch size and the
+data are part of the run's identity) and makes multi-rank runs comparable with a single-process
+run on the same global batch.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["load_corpus", "load_tokens", "scan", "Corpus", "DataInfo", "BatchSampler", "default_corpus_path",
+__all__ = ["load_corpus", "load_tokens", "scan", "Corpus", "Tokenizing", "DataInfo", "BatchSampler",
+           "default_corpus_path",
            "TOKEN_DTYPES", "EOD_BYTE", "MIN_TOKENS", "fingerprint"]
 
 VOCAB_SIZE = 256  # text is byte-level
@@ -64,10 +71,29 @@ class DataInfo:
     files: int = 1
     skipped: list[str] = field(default_factory=list)  # binary files left out of a text folder
     total_tokens: int = 0  # before --max-bytes; > tokens when the cap cut the corpus
+    cache: str | None = None  # tokenized through --tokenizer: the cached token file
+    eod: int | None = None  # ... the end-of-document token after each document
+    documents: int | None = None
+    reused: bool | None = None  # ... True: the cache was read, not written
 
     @property
     def truncated(self) -> bool:
         return self.total_tokens > self.tokens
+
+
+@dataclass(frozen=True)
+class Tokenizing:
+    """``--tokenizer DIR`` (with ``--text-field`` and ``--data-cache``): ``--data`` is text, JSON Lines
+    or Parquet read through Hugging Face datasets and tokenized once (`plait.app.hfdata`)."""
+
+    tokenizer: str
+    field: str = "text"
+    cache: str | None = None
+
+    def tokenized(self, path: str | Path) -> Any:
+        from plait.app import hfdata  # datasets and transformers: only when asked for
+
+        return hfdata.tokenized(path, self.tokenizer, self.cache, self.field)
 
 
 @dataclass
@@ -194,9 +220,19 @@ def _token_vocab(path: str, dtype: str | None, size: int, mtime: float) -> int:
     return hi + 1
 
 
-def scan(path: str | Path | None, dtype: str | None = None, max_bytes: int | None = None) -> DataInfo:
+def scan(path: str | Path | None, dtype: str | None = None, max_bytes: int | None = None,
+         tokenizing: Tokenizing | None = None) -> DataInfo:
     """What ``--data`` holds, read as cheaply as possible: sizes, and for token files the vocabulary
-    (one pass over the memory map, cached)."""
+    (one pass over the memory map, cached). With ``tokenizing`` the data is tokenized here, once
+    (later calls read the cache), and its vocabulary is the tokenizer's."""
+    if tokenizing is not None:
+        if path is None:
+            raise ValueError(f"--tokenizer {tokenizing.tokenizer} tokenizes --data: give --data FILE or "
+                             "FOLDER (text, JSON Lines or Parquet)")
+        done = tokenizing.tokenized(path)
+        n = len(load_tokens(done.path))
+        return DataInfo("tokenized", str(path), n, done.vocab, files=done.files, total_tokens=n,
+                        cache=str(done.path), eod=done.eod, documents=done.documents, reused=done.reused)
     root = Path(path) if path is not None else default_corpus_path()
     if path is not None and is_token_file(root):
         arr = load_tokens(root, dtype)
@@ -228,7 +264,10 @@ def _read_text(root: Path, max_bytes: int | None) -> np.ndarray:
     return np.frombuffer(blob[:max_bytes] if max_bytes is not None else blob, dtype=np.uint8)
 
 
-def _open(path: str | Path | None, dtype: str | None, max_bytes: int | None) -> np.ndarray:
+def _open(path: str | Path | None, dtype: str | None, max_bytes: int | None,
+          tokenizing: Tokenizing | None = None) -> np.ndarray:
+    if path is not None and tokenizing is not None:
+        return load_tokens(tokenizing.tokenized(path).path)
     if path is not None and is_token_file(path):
         return load_tokens(path, dtype)
     return _read_text(Path(path) if path is not None else default_corpus_path(), max_bytes)
@@ -236,16 +275,18 @@ def _open(path: str | Path | None, dtype: str | None, max_bytes: int | None) -> 
 
 def load_corpus(path: str | Path | None = None, max_bytes: int | None = None, val_fraction: float = 0.05,
                 dtype: str | None = None, eval_path: str | Path | None = None,
-                info: DataInfo | None = None) -> Corpus:
+                info: DataInfo | None = None, tokenizing: Tokenizing | None = None) -> Corpus:
     """The training tokens and the held-out ones: ``eval_path``'s, or else the last ``val_fraction``
     of ``path``'s. Text is read into memory (up to ``max_bytes``, None: all); token files are mapped.
-    ``info``: what `scan` found already (the config's), so that no rank reads a token file whole again."""
-    info = info if info is not None else scan(path, dtype, max_bytes)
-    tokens = _open(path, dtype, max_bytes)
+    ``info``: what `scan` found already (the config's), so that no rank reads a token file whole again.
+    ``tokenizing``: both are read through datasets and tokenized (from the cache `scan` filled)."""
+    info = info if info is not None else scan(path, dtype, max_bytes, tokenizing)
+    tokens = _open(path, dtype, max_bytes, tokenizing)
     if len(tokens) < MIN_TOKENS:
         raise ValueError(f"corpus at {info.source} has only {len(tokens)} tokens; need at least {MIN_TOKENS}")
     if eval_path is not None:
-        return Corpus(tokens, _open(eval_path, dtype if is_token_file(eval_path) else None, max_bytes), info)
+        eval_dtype = dtype if is_token_file(eval_path) and tokenizing is None else None
+        return Corpus(tokens, _open(eval_path, eval_dtype, max_bytes, tokenizing), info)
     split = int(len(tokens) * (1 - val_fraction))
     return Corpus(tokens[:split], tokens[split:], info)
 
@@ -270,7 +311,12 @@ class BatchSampler:
     """Random windows of ``seq_len + 1`` tokens; batch k depends only on ``(seed, k)``.
 
     ``dp_rank``/``dp_size`` select this rank's contiguous slice of the global batch. ``tokens``
-    may be a memory map: only the windows drawn are read.
+    may be a memory map: only the windows drawn are read. A sample's id is the offset of its
+    window's first token: the global batch at step k is the same ids whatever the layout, so a
+    run resumed with another data-parallel size, or other tp, pp or cp, reads on exactly where it
+    stopped. Its state (`state_dict`) says where the stream is: the step, the samples consumed
+    and the global batch they were drawn in; another global batch would draw other samples, so
+    `load_state_dict` refuses one.
     """
 
     def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int, global_batch: int,
@@ -289,12 +335,19 @@ class BatchSampler:
     def local_batch(self) -> int:
         return self.global_batch // self.dp_size
 
-    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def global_ids(self, step: int) -> np.ndarray:
+        """The sample ids (window offsets) of the whole global batch at ``step``, in rank order."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=g)
+        high = len(self.tokens) - self.seq_len - 1
+        return torch.randint(0, high, (self.global_batch,), generator=g).numpy()
+
+    def local_ids(self, step: int) -> np.ndarray:
+        """This rank's slice of `global_ids`: the samples it reads at ``step``."""
         lo = self.dp_rank * self.local_batch
-        mine = starts[lo : lo + self.local_batch].numpy()
-        idx = mine[:, None] + np.arange(self.seq_len + 1)
+        return self.global_ids(step)[lo : lo + self.local_batch]
+
+    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.local_ids(step)[:, None] + np.arange(self.seq_len + 1)
         win = torch.from_numpy(np.asarray(self.tokens[idx]).astype(np.int64))
         return win[:, :-1], win[:, 1:]
 
@@ -307,7 +360,14 @@ class BatchSampler:
         return batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "seed": self.seed}
+        return {"step": self.step, "seed": self.seed, "samples": self.step * self.global_batch,
+                "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        saved = int(state.get("global_batch", self.global_batch))  # older checkpoints did not record it
+        if saved != self.global_batch:
+            raise ValueError(f"the checkpoint's data stream was drawn in global batches of {saved} sequences "
+                             f"({state.get('samples')} samples consumed); this run's --batch-size is "
+                             f"{self.global_batch}, which would read other samples: resume with --batch-size "
+                             f"{saved}")
         self.step, self.seed = int(state["step"]), int(state["seed"])

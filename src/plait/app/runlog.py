@@ -8,7 +8,10 @@
   listed under ``"nonfinite"``;
 * ``flight/``: the ranks' flight records when a collective fails (`plait.comm`);
 * ``checkpoints/``, unless ``--save-dir`` names another folder;
-* ``tensorboard/`` with ``--tensorboard``.
+* ``tensorboard/`` with ``--tensorboard``;
+* ``wandb/`` with ``--wandb``: the Weights & Biases run (its offline files when ``WANDB_MODE=offline``),
+  named after the run, with the resolved config; W&B's own variables (``WANDB_PROJECT``,
+  ``WANDB_MODE``...) choose the rest.
 
 MFU (model FLOPs utilization) counts the FLOPs the model needs, not those the layout spends
 (recomputation excluded), as in PaLM (Chowdhery et al. 2022, appendix B): per token,
@@ -113,16 +116,21 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
 class RunLog:
     """The run folder's files, written by rank 0 only (the others hold a RunLog that writes nothing)."""
 
-    def __init__(self, folder: Path, active: bool, tensorboard: bool = False) -> None:
+    def __init__(self, folder: Path, active: bool, tensorboard: bool = False,
+                 wandb_config: dict[str, Any] | None = None) -> None:
+        """``wandb_config``: log to Weights & Biases too, this config with the run (None: not)."""
         self.folder, self.active = folder, active
         self.metrics = folder / "metrics.jsonl"
         self._tb: Any = None
+        self._wb: Any = None
         if active:
             folder.mkdir(parents=True, exist_ok=True)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter  # the optional extra, only when asked
 
                 self._tb = SummaryWriter(str(folder / "tensorboard"))
+            if wandb_config is not None:
+                self._wb = _wandb_run(folder, wandb_config)
 
     def write_config(self, toml: str) -> None:
         if self.active:
@@ -140,10 +148,13 @@ class RunLog:
         if not self.active:
             return
         self._append(record)
+        scalars = {key: value for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, record["step"])
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, record["step"])
+        if self._wb is not None:
+            self._wb.log(scalars, step=record["step"])
 
     def summary(self, summary: dict[str, Any]) -> None:
         if not self.active:
@@ -151,3 +162,13 @@ class RunLog:
         self._append({"summary": summary})
         if self._tb is not None:
             self._tb.close()
+        if self._wb is not None:
+            self._wb.finish()
+
+
+def _wandb_run(folder: Path, config: dict[str, Any]) -> Any:
+    """A W&B run writing under ``folder`` (the optional extra, imported only when asked for). A
+    resumed run is a new W&B run of the same name: W&B's own resumption needs its server."""
+    import wandb
+
+    return wandb.init(name=folder.name, dir=str(folder), config=config)

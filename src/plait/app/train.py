@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -205,6 +206,15 @@ def _balance_experts(layers: list[MoE], mesh: Mesh) -> None:
         update_balance(layer, [total.to(layer.expert_bias.device)])
 
 
+def _gathered_ids(local: np.ndarray, mesh: Mesh) -> list[int]:
+    """The global batch's sample ids as the data ranks drew them, in rank order (`--log-samples`):
+    what was read, not what the sampler would give, so a rank reading the wrong slice shows."""
+    if mesh.size(DATA_AXES) == 1:
+        return local.tolist()
+    parts = comm.all_gather_object(local.tolist(), mesh.group(DATA_AXES))
+    return [i for part in parts for i in part]
+
+
 def rank_tokens(batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
             mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets on the device; with context parallelism, this rank's tokens of them."""
@@ -229,6 +239,9 @@ def _header(cfg: TrainConfig, name: str, mesh: Mesh, corpus: Corpus, n_params: i
             "train_tokens": len(corpus.train), "eval_tokens": len(corpus.val), "files": info.files,
             "skipped_binary": len(info.skipped), "truncated": info.truncated,
             "tokens_before_max_bytes": info.total_tokens, "eval_data": cfg.data.eval_data}
+    if info.kind == "tokenized":
+        data.update(tokenizer=cfg.data.tokenizer, cache=info.cache, cache_reused=info.reused, eod=info.eod,
+                    documents=info.documents)
     return {"run_id": name, "start_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "resumed_from_step": start or None, "config": dataclasses.asdict(cfg),
             "plait_version": _version(), "torch_version": torch.__version__, "world": dist.get_world_size(),
@@ -253,6 +266,10 @@ def _say_what_was_read(corpus: Corpus, log: Any) -> None:
     if info.truncated:
         log.warning("--data %s: --max-bytes read %d of its %d bytes; leave --max-bytes out to train on all",
                     info.source, info.tokens, info.total_tokens)
+    if info.kind == "tokenized":
+        how = "read from the cache" if info.reused else "tokenized to"
+        log.info("--data %s: %d documents, %d tokens (each document ended by token %s), %s %s", info.source,
+                 info.documents, info.tokens, info.eod, how, info.cache)
 
 
 def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None = None) -> dict[str, Any]:
@@ -269,7 +286,8 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
     comm.configure(run_dir=str(folder))  # flight records of a failing collective go to the run's folder
     dp_rank, dp_size = mesh.rank(DATA_AXES), mesh.size(DATA_AXES)
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, dtype=cfg.data.data_dtype,
-                         eval_path=cfg.data.eval_data, info=getattr(cfg, "_data_info", None))
+                         eval_path=cfg.data.eval_data, info=getattr(cfg, "_data_info", None),
+                         tokenizing=cfg.tokenizing())
     if is_main:
         _say_what_was_read(corpus, log)
     model = build_model(cfg, mesh, device)
@@ -301,7 +319,8 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
              f"{len(corpus.train):,}", cfg.parallel.strategy,
              mesh if cfg.parallel.strategy != "dp" else f"{cfg.parallel.nproc} threads",
              cfg.data.batch_size, seq, folder)
-    run = runlog.RunLog(folder, is_main, tensorboard=cfg.run.tensorboard)
+    run = runlog.RunLog(folder, is_main, tensorboard=cfg.run.tensorboard,
+                        wandb_config=dataclasses.asdict(cfg) if cfg.run.wandb else None)
     resolved = copy.copy(cfg)  # not dataclasses.replace: that would check the whole config again
     resolved.run = dataclasses.replace(cfg.run, name=name)
     run.write_config(to_toml(resolved))
@@ -328,6 +347,7 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
+        ids = _gathered_ids(sampler.local_ids(step), mesh) if cfg.run.log_samples else None
         x, y = rank_tokens(next(sampler), device, mesh)
         with comm.scope(f"step {step + 1}"):  # named in desync reports, timeouts and flight records
             mean_loss, norm = train_step(model, opt, x, y, cfg, mesh, loss_fn, scaler, moe)
@@ -338,10 +358,13 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
         dt = time.perf_counter() - t0
         achieved = flops[0] * tokens_per_step / dt
         mem, mem_source = runlog.peak_memory(device)
-        record = {"step": step + 1, "loss": last_loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
-                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "model_flops_per_s": achieved,
-                  "mfu": achieved / (peak * 1e12 * devices) if peak is not None else None,
-                  "peak_mem_bytes": mem, "peak_mem_source": mem_source}
+        record: dict[str, Any] = {
+            "step": step + 1, "loss": last_loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "model_flops_per_s": achieved,
+            "mfu": achieved / (peak * 1e12 * devices) if peak is not None else None,
+            "peak_mem_bytes": mem, "peak_mem_source": mem_source}
+        if ids is not None:
+            record["samples"] = ids
         if moe and cfg.model.capacity_factor is not None:
             record["moe_drop_rate"] = sum(layer.last_drop_rate for layer in moe) / len(moe)
         if scaler.enabled:
