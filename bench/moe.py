@@ -181,7 +181,7 @@ def theory(a: dict, res: list[dict], rank: int, variant: str) -> dict[str, tuple
     from what the other ranks received from this one. Plus the counts, E int64, forward only (half
     of them to the other rank). All-reduce: DDP's dense buckets on dp; expert gradients in one
     coalesced all-reduce with a had-a-gradient flag per expert tensor (fp32), over edp (dp at ep=1,
-    this rank alone at ep=2: counted, nothing sent). Broadcast: DDP's buffers before the forward
+    this rank alone at ep=2: nothing launched or counted). Broadcast: DDP's buffers before the forward
     (plait.comm books the whole tensor on every rank's wire).
     """
     c = res[rank]["counts"][variant]
@@ -191,7 +191,7 @@ def theory(a: dict, res: list[dict], rank: int, variant: str) -> dict[str, tuple
     if variant == "ep1":
         out["all_reduce@dp"] = (pb["dense"] + experts,) * 2
         return out
-    out["all_reduce@dp"], out["all_reduce@edp"] = (pb["dense"],) * 2, (experts, 0.0)
+    out["all_reduce@dp"] = (pb["dense"],) * 2  # edp is this rank alone: nothing launched or counted
     logical = wire = 0.0
     for layer, got in enumerate(c["received"]):
         sent = sum(r["counts"][variant]["received"][layer][rank] for r in res)  # A

@@ -293,6 +293,28 @@ def test_counted_all_to_all_bytes_equal_theory_for_the_measured_routing(pools):
         assert out["wire"] == out["theory_wire"]
 
 
+def _one_rank_edp_calls() -> dict:
+    """At dp=2 x ep=2 each rank alone holds its experts (an edp group of one rank): a step's
+    collectives on each axis, counted."""
+    import plait
+    from plait import comm
+
+    mesh = cached_mesh(dp=2, ep=2)
+    net = plait.parallelize(_gpt(), mesh, plait.ParallelPlan())
+    x, y = (t.chunk(2)[mesh.rank("dp")] for t in _batch(0))
+    comm.reset_stats()
+    loss64(net(x), y).backward()
+    return {"edp": comm.stats().calls(axis="edp"), "dp": comm.stats().calls("all_reduce", "dp")}
+
+
+def test_a_one_rank_expert_data_group_launches_and_counts_nothing(pools):
+    # The experts' gradients need no sum when one rank holds them; the parity of this layout
+    # with one process is test_expert_parallel_trains_like_one_process[ep2].
+    for out in pools[2].run(_one_rank_edp_calls):
+        assert out["edp"] == 0, out
+        assert out["dp"] > 0  # the dense buckets still are
+
+
 def _transformers_moe_refused() -> str:
     import plait
 

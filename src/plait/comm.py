@@ -471,11 +471,13 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
     async_op: bool = False,
 ) -> Handle | None:
-    """In-place all-reduce of ``t`` across ``group``."""
+    """In-place all-reduce of ``t`` across ``group``. A one-rank group neither launches nor counts
+    anything: its all-reduce is the identity, and counting it would make the statistics claim
+    collectives that never happen."""
     n = _n(group)
-    _record("all_reduce", group, t.numel() * t.element_size(), 2 * (n - 1) / n)
     if n == 1:
         return Handle(None, "") if async_op else None
+    _record("all_reduce", group, t.numel() * t.element_size(), 2 * (n - 1) / n)
     return _run("all_reduce", t, group,
                 lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op, _reduce_name(op))
 

@@ -80,6 +80,11 @@ def reduce_expert_grads(params: list[nn.Parameter], divisor: float) -> None:
         return
     where = placement_of(params[0])
     assert where is not None
+    if dist.get_world_size(where.edp) == 1:  # this rank alone holds its experts: nothing to sum
+        for p in params:
+            if p.grad is not None and divisor != 1.0:
+                p.grad.div_(divisor)
+        return
     dev = comm.device_of(where.edp)
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(
