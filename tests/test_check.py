@@ -117,3 +117,54 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
                         (["--ep", "2"], "--ep 2: plait check does not build")):
         assert _exit_code(["test_check:tiny_gpt", *flags]) == 2
         assert says in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- the layout fuzzer
+
+
+def _fuzz_in_job(k: int, seed: int):
+    from plait.check.fuzz import layouts, run_layouts, sample
+
+    todo = sample([c for c in layouts(2) if c.nproc == 2], k, seed)
+    return run_layouts(tiny_gpt, todo, steps=2, batch_size=8)
+
+
+def test_a_seeded_sample_of_layouts_matches_one_process(pools):
+    # Two layouts of two ranks drawn by a fixed seed; the whole enumeration runs in bench/RESULTS.md.
+    outcomes = pools[2].run(_fuzz_in_job, 2, 7)[0]
+    from plait.check.fuzz import format_table
+
+    table = format_table(outcomes)
+    ran = [o for o in outcomes if o.verdict != "skipped"]
+    assert ran and not any(o.failed for o in outcomes), table
+    for o in ran:  # float64: at rounding level, far under the tolerance
+        assert o.rel < 1e-11 and o.report is not None and o.report.ok, table
+    assert f"{len(ran)} layouts run, 0 failed" in table
+
+
+def test_the_fuzzer_enumerates_and_skips_by_plait_checks_own_reasons():
+    from plait.check.fuzz import layouts, run_layouts
+
+    every = layouts(4)
+    labels = {c.label for c in every}
+    assert "--strategy fsdp --zero-stage 2 --dp 2 --nproc 4" in labels  # hybrid sharding
+    assert "--strategy ddp --nproc 2 --tp 2 --sequence-parallel" in labels
+    assert "--strategy ddp --nproc 4 --tp 2 --pp 2 --schedule interleaved --chunks 2" in labels
+    assert "--strategy none --nproc 2 --pp 2 --schedule dualpipev" in labels
+    assert len(labels) == len(every)
+    refused = [c for c in every if c.nproc == 2 and (("cp", 2) in c.fields or ("ac", "full") in c.fields)]
+
+    def never(*a, **k):  # a skipped layout never reaches the check
+        raise AssertionError("ran")
+
+    out = run_layouts("test_check:tiny_gpt", refused, runner=never)
+    assert [o.verdict for o in out] == ["skipped"] * len(refused)
+    assert "--cp 2: plait check does not build" in out[0].detail
+    assert any("--ac full: plait check does not build" in o.detail for o in out)
+
+
+def test_fuzz_flags_refuse_layout_flags(capsys):
+    assert _exit_code(["test_check:tiny_gpt", "--all-layouts", "--tp", "2"]) == 2
+    assert "--tp with --all-layouts/--sample: the fuzzer chooses the layouts" in capsys.readouterr().err
+    assert _exit_code(["test_check:tiny_gpt", "--mixed-precision", "bf16"]) == 2
+    assert "--mixed-precision bf16: plait check does not build" in capsys.readouterr().err
