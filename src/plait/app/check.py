@@ -124,8 +124,8 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
          "the compared layout would hold every expert on every rank: this would check a layout without "
          "expert parallelism"),
         ("--mixed-precision", par.mixed_precision,
-         "it computes in a coarser dtype than --dtype by design, so the comparison would measure its rounding, "
-         "not the layout"))
+         "it computes in a coarser dtype than --dtype by design, so the comparison would measure its "
+         "rounding, not the layout"))
     for flag, refused, why in unsupported:
         if refused:
             raise ValueError(f"{flag} {refused}: plait check does not build this into the layout it compares "

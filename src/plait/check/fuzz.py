@@ -164,7 +164,7 @@ def run_layouts(factory: str | Callable[[], Any], candidates: Sequence[Layout], 
 def _outcome(layout: Layout, report: CheckReport) -> Outcome:
     worst, rel = "-", 0.0
     for s in report.steps:
-        rows = [(f"grad {k}", d.rel) for k, d in s.grads.items()] + list((k, d.rel) for k, d in s.params.items())
+        rows = [(f"grad {k}", d.rel) for k, d in s.grads.items()] + [(k, d.rel) for k, d in s.params.items()]
         rows.append(("loss", s.loss_rel))
         if s.worst is not None:
             rows.append((f"output {s.worst.module or '(model)'}", s.worst.rel))
