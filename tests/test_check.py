@@ -168,3 +168,47 @@ def test_fuzz_flags_refuse_layout_flags(capsys):
     assert "--tp with --all-layouts/--sample: the fuzzer chooses the layouts" in capsys.readouterr().err
     assert _exit_code(["test_check:tiny_gpt", "--mixed-precision", "bf16"]) == 2
     assert "--mixed-precision bf16: plait check does not build" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- injected bugs
+
+
+def _faults_in_job():
+    import plait
+    from plait import faults
+    from plait.testing import cached_mesh
+
+    out = {}
+    for fault, mesh in (("ddp-divisor", {"dp": 2}), ("tp-backward-all-reduce", {"tp": 2})):
+        with faults.inject(fault):
+            out[fault] = plait.check(tiny_gpt, mesh=cached_mesh(**mesh), steps=1, batch_size=4)
+    return out
+
+
+def test_the_check_finds_each_injected_bug(pools):
+    # Each fault against the one layout that exposes it, both in one pool task; the reference
+    # process never has the fault. Without it the same layouts pass (test_a_correct_layout_passes).
+    reports = pools[2].run(_faults_in_job)[0]
+    ddp, tp = reports["ddp-divisor"], reports["tp-backward-all-reduce"]
+    for r in (ddp, tp):
+        assert not r.ok and r.first is not None, r.format()
+    # Every gradient is 2/3 of the right one: forward is untouched, gradients are named.
+    assert ddp.first.kind == "gradient" and ddp.first.rel > 0.1, ddp.format()
+    g = ddp.steps[0].grads
+    assert all(abs(d.rel - 1 / 3) < 1e-6 for d in g.values() if d.abs > 0), ddp.format()
+    # A dropped tp all-reduce loses the other rank's share of a column-parallel input's gradient. The
+    # last one in backward order is lm_head's input: lm_head's own gradient is right, the final norm's,
+    # which feeds it, is the first wrong one, and it is named.
+    assert tp.first.kind == "gradient" and tp.first.module == "norm", tp.format()
+    assert not tp.steps[0].grads["lm_head.weight"].over(tp.tolerance), tp.format()
+
+
+def test_faults_are_off_unless_injected():
+    from plait import faults
+
+    assert not any(faults.active(f) for f in faults.FAULTS)
+    with faults.inject("ddp-divisor"):
+        assert faults.active("ddp-divisor")
+    assert not faults.active("ddp-divisor")
+    with pytest.raises(ValueError, match="unknown faults"), faults.inject("no-such-fault"):
+        pass
