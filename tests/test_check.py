@@ -123,10 +123,11 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
 
 
 def _fuzz_in_job(k: int, seed: int):
+    from plait.app.check import layout_from_flags
     from plait.check.fuzz import layouts, run_layouts, sample
 
     todo = sample([c for c in layouts(2) if c.nproc == 2], k, seed)
-    return run_layouts(tiny_gpt, todo, steps=2, batch_size=8)
+    return run_layouts(tiny_gpt, todo, layout_from_flags, steps=2, batch_size=8)
 
 
 def test_a_seeded_sample_of_layouts_matches_one_process(pools):
@@ -143,6 +144,7 @@ def test_a_seeded_sample_of_layouts_matches_one_process(pools):
 
 
 def test_the_fuzzer_enumerates_and_skips_by_plait_checks_own_reasons():
+    from plait.app.check import layout_from_flags
     from plait.check.fuzz import layouts, run_layouts
 
     every = layouts(4)
@@ -157,7 +159,7 @@ def test_the_fuzzer_enumerates_and_skips_by_plait_checks_own_reasons():
     def never(*a, **k):  # a skipped layout never reaches the check
         raise AssertionError("ran")
 
-    out = run_layouts("test_check:tiny_gpt", refused, runner=never)
+    out = run_layouts("test_check:tiny_gpt", refused, layout_from_flags, runner=never)
     assert [o.verdict for o in out] == ["skipped"] * len(refused)
     assert "--cp 2: plait check does not build" in out[0].detail
     assert any("--ac full: plait check does not build" in o.detail for o in out)

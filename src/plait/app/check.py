@@ -24,7 +24,8 @@ from plait.app.config import STRATEGIES, ParallelSection, given_flags
 from plait.parallelize import ZERO3_SPLIT_BACKWARD, ParallelPlan
 from plait.pipeline.generators import SPLIT_BACKWARD
 
-__all__ = ["CheckSection", "BatchSection", "CheckConfig", "parse_args", "layout_of", "cli_main"]
+__all__ = ["CheckSection", "BatchSection", "CheckConfig", "parse_args", "layout_of", "layout_from_flags",
+           "cli_main"]
 
 
 @dataclass
@@ -157,6 +158,11 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
     return plan, mesh
 
 
+def layout_from_flags(fields: dict[str, Any]) -> tuple[ParallelPlan, dict[str, int]]:
+    """`layout_of` for parallel flags given as `ParallelSection` fields (the fuzzer's layouts)."""
+    return layout_of(CheckConfig("-", ParallelSection(**fields)))
+
+
 _FUZZ_OWN = {"nproc", "all_layouts", "sample", "steps", "dtype", "tolerance", "lr", "seed", "activations",
              "no_activations", "vocab", "seq", "batch_size"}
 
@@ -179,8 +185,9 @@ def _fuzz(cfg: CheckConfig, argv: list[str]) -> int:
     if cfg.check.sample is not None:
         todo = sample(todo, cfg.check.sample, cfg.check.seed)
     c, b = cfg.check, cfg.batch
-    outcomes = run_layouts(cfg.factory, todo, steps=c.steps, dtype=c.dtype, tolerance=c.tolerance,
-                           batch_size=b.batch_size, seq=b.seq, vocab=b.vocab, lr=c.lr, seed=c.seed,
+    outcomes = run_layouts(cfg.factory, todo, layout_from_flags, steps=c.steps, dtype=c.dtype,
+                           tolerance=c.tolerance, batch_size=b.batch_size, seq=b.seq, vocab=b.vocab,
+                           lr=c.lr, seed=c.seed,
                            activations=c.activations,
                            progress=lambda o: print(f"  {o.verdict:<7} {o.layout.label}", flush=True))
     print(format_table(outcomes), flush=True)

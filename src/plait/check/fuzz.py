@@ -130,23 +130,24 @@ def sample(candidates: Sequence[Layout], k: int, seed: int) -> list[Layout]:
 
 
 Runner = Callable[..., CheckReport]
+ToPlan = Callable[[dict[str, Any]], tuple[Any, dict[str, int]]]
 
 
-def run_layouts(factory: str | Callable[[], Any], candidates: Sequence[Layout], runner: Runner | None = None,
-                progress: Callable[[Outcome], None] | None = None, **check_kwargs: Any) -> list[Outcome]:
+def run_layouts(factory: str | Callable[[], Any], candidates: Sequence[Layout], to_plan: ToPlan,
+                runner: Runner | None = None, progress: Callable[[Outcome], None] | None = None,
+                **check_kwargs: Any) -> list[Outcome]:
     """Check each layout against one process; ``check_kwargs`` go to `plait.check` (steps, dtype, ...).
-    ``runner`` replaces `plait.check` (same signature), e.g. to run inside a job."""
-    from plait.app.check import CheckConfig, layout_of
-    from plait.app.config import ParallelSection
+    ``to_plan`` turns a layout's flags into the plan and mesh degrees or refuses them with a
+    ValueError (`plait.app.check.layout_from_flags`, plait check's own validation); ``runner``
+    replaces `plait.check` (same signature)."""
     from plait.check.run import check
 
     run = runner or check
     out = []
     for layout in candidates:
-        cfg = CheckConfig(factory if isinstance(factory, str) else "-", ParallelSection(**layout.kwargs))
         start = time.perf_counter()
         try:
-            plan, mesh = layout_of(cfg)
+            plan, mesh = to_plan(layout.kwargs)
             report = run(factory, plan, nproc=layout.nproc, mesh=mesh, **check_kwargs)
         except (CheckInputError, ValueError, TypeError) as e:
             result = Outcome(layout, "skipped", detail=str(e).split("\n")[0])
