@@ -117,3 +117,100 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
                         (["--ep", "2"], "--ep 2: plait check does not build")):
         assert _exit_code(["test_check:tiny_gpt", *flags]) == 2
         assert says in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- the layout fuzzer
+
+
+def _fuzz_in_job(k: int, seed: int):
+    from plait.app.check import layout_from_flags
+    from plait.check.fuzz import layouts, run_layouts, sample
+
+    todo = sample([c for c in layouts(2) if c.nproc == 2], k, seed)
+    return run_layouts(tiny_gpt, todo, layout_from_flags, steps=2, batch_size=8)
+
+
+def test_a_seeded_sample_of_layouts_matches_one_process(pools):
+    # Two layouts of two ranks drawn by a fixed seed; the whole enumeration runs in bench/RESULTS.md.
+    outcomes = pools[2].run(_fuzz_in_job, 2, 7)[0]
+    from plait.check.fuzz import format_table
+
+    table = format_table(outcomes)
+    ran = [o for o in outcomes if o.verdict != "skipped"]
+    assert ran and not any(o.failed for o in outcomes), table
+    for o in ran:  # float64: at rounding level, far under the tolerance
+        assert o.rel < 1e-11 and o.report is not None and o.report.ok, table
+    assert f"{len(ran)} layouts run, 0 failed" in table
+
+
+def test_the_fuzzer_enumerates_and_skips_by_plait_checks_own_reasons():
+    from plait.app.check import layout_from_flags
+    from plait.check.fuzz import layouts, run_layouts
+
+    every = layouts(4)
+    labels = {c.label for c in every}
+    assert "--strategy fsdp --zero-stage 2 --dp 2 --nproc 4" in labels  # hybrid sharding
+    assert "--strategy ddp --nproc 2 --tp 2 --sequence-parallel" in labels
+    assert "--strategy ddp --nproc 4 --tp 2 --pp 2 --schedule interleaved --chunks 2" in labels
+    assert "--strategy none --nproc 2 --pp 2 --schedule dualpipev" in labels
+    assert len(labels) == len(every)
+    refused = [c for c in every if c.nproc == 2 and (("cp", 2) in c.fields or ("ac", "full") in c.fields)]
+
+    def never(*a, **k):  # a skipped layout never reaches the check
+        raise AssertionError("ran")
+
+    out = run_layouts("test_check:tiny_gpt", refused, layout_from_flags, runner=never)
+    assert [o.verdict for o in out] == ["skipped"] * len(refused)
+    assert "--cp 2: plait check does not build" in out[0].detail
+    assert any("--ac full: plait check does not build" in o.detail for o in out)
+
+
+def test_fuzz_flags_refuse_layout_flags(capsys):
+    assert _exit_code(["test_check:tiny_gpt", "--all-layouts", "--tp", "2"]) == 2
+    assert "--tp with --all-layouts/--sample: the fuzzer chooses the layouts" in capsys.readouterr().err
+    assert _exit_code(["test_check:tiny_gpt", "--mixed-precision", "bf16"]) == 2
+    assert "--mixed-precision bf16: plait check does not build" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- injected bugs
+
+
+def _faults_in_job():
+    import plait
+    from plait import faults
+    from plait.testing import cached_mesh
+
+    out = {}
+    for fault, mesh in (("ddp-divisor", {"dp": 2}), ("tp-backward-all-reduce", {"tp": 2})):
+        with faults.inject(fault):
+            out[fault] = plait.check(tiny_gpt, mesh=cached_mesh(**mesh), steps=1, batch_size=4)
+    return out
+
+
+def test_the_check_finds_each_injected_bug(pools):
+    # Each fault against the one layout that exposes it, both in one pool task; the reference
+    # process never has the fault. Without it the same layouts pass (test_a_correct_layout_passes).
+    reports = pools[2].run(_faults_in_job)[0]
+    ddp, tp = reports["ddp-divisor"], reports["tp-backward-all-reduce"]
+    for r in (ddp, tp):
+        assert not r.ok and r.first is not None, r.format()
+    # Every gradient is 2/3 of the right one: forward is untouched, gradients are named.
+    assert ddp.first.kind == "gradient" and ddp.first.rel > 0.1, ddp.format()
+    g = ddp.steps[0].grads
+    assert all(abs(d.rel - 1 / 3) < 1e-6 for d in g.values() if d.abs > 0), ddp.format()
+    # A dropped tp all-reduce loses the other rank's share of a column-parallel input's gradient. The
+    # last one in backward order is lm_head's input: lm_head's own gradient is right, the final norm's,
+    # which feeds it, is the first wrong one, and it is named.
+    assert tp.first.kind == "gradient" and tp.first.module == "norm", tp.format()
+    assert not tp.steps[0].grads["lm_head.weight"].over(tp.tolerance), tp.format()
+
+
+def test_faults_are_off_unless_injected():
+    from plait import faults
+
+    assert not any(faults.active(f) for f in faults.FAULTS)
+    with faults.inject("ddp-divisor"):
+        assert faults.active("ddp-divisor")
+    assert not faults.active("ddp-divisor")
+    with pytest.raises(ValueError, match="unknown faults"), faults.inject("no-such-fault"):
+        pass

@@ -24,7 +24,8 @@ from plait.app.config import STRATEGIES, ParallelSection, given_flags
 from plait.parallelize import ZERO3_SPLIT_BACKWARD, ParallelPlan
 from plait.pipeline.generators import SPLIT_BACKWARD
 
-__all__ = ["CheckSection", "BatchSection", "CheckConfig", "parse_args", "layout_of", "cli_main"]
+__all__ = ["CheckSection", "BatchSection", "CheckConfig", "parse_args", "layout_of", "layout_from_flags",
+           "cli_main"]
 
 
 @dataclass
@@ -43,6 +44,10 @@ class CheckSection:
     """initial values and batches"""
     activations: bool = True
     """compare every module's output too, which names the module where a difference starts"""
+    all_layouts: bool = False
+    """check every layout up to --nproc ranks instead of the one the flags give (`plait.check.fuzz`)"""
+    sample: int | None = None
+    """check this many of those layouts, drawn by --seed"""
 
 
 @dataclass
@@ -118,7 +123,10 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
         ("--ac-every", par.ac_every != 1 and par.ac_every, "it needs --ac"),
         ("--ep", par.ep > 1 and par.ep,
          "the compared layout would hold every expert on every rank: this would check a layout without "
-         "expert parallelism"))
+         "expert parallelism"),
+        ("--mixed-precision", par.mixed_precision,
+         "it computes in a coarser dtype than --dtype by design, so the comparison would measure its "
+         "rounding, not the layout"))
     for flag, refused, why in unsupported:
         if refused:
             raise ValueError(f"{flag} {refused}: plait check does not build this into the layout it compares "
@@ -150,6 +158,42 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
     return plan, mesh
 
 
+def layout_from_flags(fields: dict[str, Any]) -> tuple[ParallelPlan, dict[str, int]]:
+    """`layout_of` for parallel flags given as `ParallelSection` fields (the fuzzer's layouts)."""
+    return layout_of(CheckConfig("-", ParallelSection(**fields)))
+
+
+_FUZZ_OWN = {"nproc", "all_layouts", "sample", "steps", "dtype", "tolerance", "lr", "seed", "activations",
+             "no_activations", "vocab", "seq", "batch_size"}
+
+
+def _fuzz(cfg: CheckConfig, argv: list[str]) -> int:
+    """--all-layouts / --sample: the fuzzer's table; 1 if any layout failed."""
+    from plait.check.fuzz import format_table, layouts, run_layouts, sample
+
+    extra = sorted(given_flags(argv) - _FUZZ_OWN)
+    if extra:
+        print(f"plait check: error: --{extra[0].replace('_', '-')} with --all-layouts/--sample: the fuzzer "
+              "chooses the layouts; drop the flag", file=sys.stderr)
+        return 2
+    if cfg.check.sample is not None and cfg.check.sample < 1:
+        print(f"plait check: error: --sample {cfg.check.sample}: must be an integer >= 1", file=sys.stderr)
+        return 2
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    todo = layouts(cfg.parallel.nproc)
+    if cfg.check.sample is not None:
+        todo = sample(todo, cfg.check.sample, cfg.check.seed)
+    c, b = cfg.check, cfg.batch
+    outcomes = run_layouts(cfg.factory, todo, layout_from_flags, steps=c.steps, dtype=c.dtype,
+                           tolerance=c.tolerance, batch_size=b.batch_size, seq=b.seq, vocab=b.vocab,
+                           lr=c.lr, seed=c.seed,
+                           activations=c.activations,
+                           progress=lambda o: print(f"  {o.verdict:<7} {o.layout.label}", flush=True))
+    print(format_table(outcomes), flush=True)
+    return 1 if any(o.failed for o in outcomes) else 0
+
+
 def cli_main(argv: list[str]) -> int:
     import torch.distributed as dist
 
@@ -157,6 +201,8 @@ def cli_main(argv: list[str]) -> int:
     from plait.env import init, launch_from_env
 
     cfg = parse_args(argv)
+    if cfg.check.all_layouts or cfg.check.sample is not None:
+        return _fuzz(cfg, argv)
     nproc = cfg.parallel.nproc
     launch = launch_from_env()
     if launch.source != "single":  # under a launcher: its ranks are the layout's

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from plait import comm
+from plait import comm, faults
 from plait._torch_compat import queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import params_reached_by, plan_buckets
@@ -286,10 +286,11 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         slot = b.slots[i]
         # Pre-divide while copying (one pass over memory): the all-reduced sum is then the mean,
         # and a half-precision wire format cannot overflow.
+        divisor = self._divisor + faults.active("ddp-divisor")  # an injected bug in tests only
         if p.grad.data_ptr() == slot.data_ptr():  # the grad already lives in the bucket
-            slot.div_(self._divisor)
+            slot.div_(divisor)
         else:
-            torch.div(p.grad.reshape(-1), self._divisor, out=slot)
+            torch.div(p.grad.reshape(-1), divisor, out=slot)
         self._mark_ready(b, i)
 
     def _mark_ready(self, b: _Bucket, i: int) -> None:
