@@ -155,3 +155,22 @@ def assemble_results() -> Path:
     out = BENCH_DIR / "RESULTS.md"
     out.write_text(head + "\n".join(parts))
     return out
+
+
+def preset_gpt(preset: str, seq: int):
+    """plait's GPT of a preset at sequence length ``seq``, initialised with seed 0."""
+    import dataclasses
+
+    import plait
+    from plait.models.gpt import GPT, PRESETS
+
+    return plait.init_weights(GPT(dataclasses.replace(PRESETS[preset], seq_len=seq)), seed=0)
+
+
+def rank_batch(global_batch: int, seq: int):
+    """This rank's share of a seeded global batch of byte tokens: (inputs, next tokens)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (global_batch, seq + 1), generator=g)
+    mine = data.chunk(world)[rank]
+    return mine[:, :-1], mine[:, 1:]

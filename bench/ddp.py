@@ -13,16 +13,15 @@ import os
 import torch
 import torch.distributed as dist
 
-from bench.common import alternate, markdown_table, median, peak_rss_mib, write_section
-
-
-def _model(preset: str, seq: int):
-    import dataclasses
-
-    import plait
-    from plait.models.gpt import GPT, PRESETS
-
-    return plait.init_weights(GPT(dataclasses.replace(PRESETS[preset], seq_len=seq)), seed=0)
+from bench.common import (
+    alternate,
+    markdown_table,
+    median,
+    peak_rss_mib,
+    preset_gpt,
+    rank_batch,
+    write_section,
+)
 
 
 def _step_fn(model, opt, x, y):
@@ -36,14 +35,6 @@ def _step_fn(model, opt, x, y):
     return step
 
 
-def _batch(global_batch: int, seq: int):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 256, (global_batch, seq + 1), generator=g)
-    mine = data.chunk(world)[rank]
-    return mine[:, :-1], mine[:, 1:]
-
-
 def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, bucket_mb: float) -> dict:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -51,9 +42,9 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
     from plait.ddp.wrapper import DDP
     from plait.testing import cached_mesh
 
-    x, y = _batch(global_batch, seq)
-    ours = DDP(_model(preset, seq), cached_mesh(dp=dist.get_world_size()), bucket_cap_mb=bucket_mb)
-    theirs = TorchDDP(_model(preset, seq), bucket_cap_mb=bucket_mb)
+    x, y = rank_batch(global_batch, seq)
+    ours = DDP(preset_gpt(preset, seq), cached_mesh(dp=dist.get_world_size()), bucket_cap_mb=bucket_mb)
+    theirs = TorchDDP(preset_gpt(preset, seq), bucket_cap_mb=bucket_mb)
     opt_a = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     opt_b = torch.optim.AdamW(theirs.parameters(), lr=1e-4)
     plait_step = _step_fn(ours, opt_a, x, y)
@@ -78,8 +69,8 @@ def _memory(impl: str, preset: str, seq: int, global_batch: int, bucket_mb: floa
     from plait.ddp.wrapper import DDP
     from plait.testing import cached_mesh
 
-    x, y = _batch(global_batch, seq)
-    model = _model(preset, seq)
+    x, y = rank_batch(global_batch, seq)
+    model = preset_gpt(preset, seq)
     if impl == "plait":
         model = DDP(model, cached_mesh(dp=dist.get_world_size()), bucket_cap_mb=bucket_mb)
     else:

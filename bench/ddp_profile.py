@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import markdown_table, median
+from bench.common import markdown_table, median, preset_gpt, rank_batch
 
 PHASES = ("forward", "backward", "optimizer", "zero_grad")
 
@@ -78,18 +78,17 @@ def _instrument(inner: dict[str, float]) -> Callable[[], None]:
 def profile(preset: str, seq: int, global_batch: int, warmup: int, iters: int, bucket_mb: float) -> dict:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from bench.ddp import _batch, _model
     from plait import comm
     from plait.ddp.wrapper import DDP
     from plait.testing import cached_mesh
 
-    x, y = _batch(global_batch, seq)
+    x, y = rank_batch(global_batch, seq)
     inner: dict[str, float] = {"hooks": 0.0, "finish": 0.0}
     # Patched for the whole run: the hooks hold their function weakly, so restoring the class's
     # before the steps would let the timed wrapper be collected and the hooks do nothing.
     restore = _instrument(inner)
-    ours = DDP(_model(preset, seq), cached_mesh(dp=dist.get_world_size()), bucket_cap_mb=bucket_mb)
-    theirs = TorchDDP(_model(preset, seq), bucket_cap_mb=bucket_mb)
+    ours = DDP(preset_gpt(preset, seq), cached_mesh(dp=dist.get_world_size()), bucket_cap_mb=bucket_mb)
+    theirs = TorchDDP(preset_gpt(preset, seq), bucket_cap_mb=bucket_mb)
     steps = {"plait": _phased(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4), x, y, inner),
              "torch": _phased(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-4), x, y, None)}
     load0 = os.getloadavg()[0]
