@@ -471,6 +471,28 @@ def _shard(module: nn.Module, specs: dict[int, ShardSpec]) -> dict[int, str]:
     return names
 
 
+def _record(mod: nn.Module, name: str, record: dict[str, Any], trace: _Trace) -> None:
+    """Store ``mod``'s first call in ``record[name]``: (args, kwargs) as `Blank`s, and the
+    layouts of its output tensors, each as it enters or leaves (before or after the styles)."""
+    from plait.tp.numeric import describe
+
+    seen: dict[str, Any] = {}
+
+    def before(_m: nn.Module, args: Args, kwargs: Kwargs) -> None:
+        if "in" not in seen:
+            with trace.quietly():
+                seen["in"] = (describe(args, layout_of), describe(kwargs, layout_of))
+
+    def after(_m: nn.Module, _args: Args, _kwargs: Kwargs, out: Any) -> None:
+        if "in" in seen and name not in record_done:
+            record_done.add(name)
+            record[name] = (*seen["in"], [layout_of(t) for t in _tensors(out)])
+
+    record_done: set[str] = set()
+    mod.register_forward_pre_hook(before, prepend=True, with_kwargs=True)
+    mod.register_forward_hook(after, with_kwargs=True)
+
+
 def _local_counts(ctx: TPContext, failed_at: str) -> str:
     """What the attention around ``failed_at`` was told of its local sizes, if it was."""
     from plait.tp.attention import AttentionParallel
@@ -487,11 +509,13 @@ def _local_counts(ctx: TPContext, failed_at: str) -> str:
 
 
 def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args: Args, kwargs: Kwargs,
-            allow_sequence_output: bool = False) -> None:
+            allow_sequence_output: bool = False, record: dict[str, Any] | None = None) -> None:
     """Run ``module`` (a meta copy, styles assigned in ``ctx`` but not installed) as rank 0 of
     ``ctx.size`` would, on ``args``/``kwargs`` (meta tensors, tagged); raise `PlanError` on the
     first operation the rules refuse, or when the run fails. Sequence-split outputs are allowed
-    only when the inputs were sequence-split too (``allow_sequence_output``)."""
+    only when the inputs were sequence-split too (``allow_sequence_output``). ``record``: for
+    each of its keys (module names), the first call's inputs and outputs' layouts are stored
+    there (`plait.tp.numeric.verify` replays them with values)."""
     modules = dict(module.named_modules())
     sharded = _shard(module, specs)
     for name, style in ctx.assigned.items():
@@ -504,6 +528,9 @@ def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args
         hooked = ctx.assigned.get(name)
         mod.register_forward_pre_hook(partial(trace.enter, name, hooked), prepend=True, with_kwargs=True)
         mod.register_forward_hook(partial(trace.leave, name, hooked), always_call=True, with_kwargs=True)
+    if record is not None:
+        for name in list(record):
+            _record(modules[name], name, record, trace)
     try:
         shapes_only = fake_tensors()
         # Compiled blocks run eagerly here: the trace follows each module's own call and hooks,
