@@ -137,3 +137,12 @@ def test_the_check_is_on_by_default_logs_its_cost_and_can_be_switched_off(caplog
     assert any("7 distinct of 8 units at tp=2 with sp" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="check= must be True"):
         plait.tensor_parallel(model, plait.Mesh.__new__(plait.Mesh), plan, check="numbers")
+
+
+def test_a_unit_too_large_to_check_is_named_in_a_warning(caplog, monkeypatch):
+    monkeypatch.setattr("plait.tp.numeric.MAX_UNIT_BYTES", 8 * 96 * 32 - 1)  # just under the embedding
+    model = _llama()
+    with caplog.at_level(logging.INFO, logger="plait.tp.numeric"):
+        check_plan(model, plait.plan_for(model), tp=2)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("'model.embed_tokens' (Embedding) not checked" in w for w in warned), warned

@@ -95,7 +95,9 @@ def tensor_parallel(
     process and split over ``tp`` ranks on the same random inputs, and a difference in outputs
     or gradients refuses the plan, naming the module and the tensor. ``check="shapes"`` runs
     the dry run only (it costs no data; the numeric check costs one forward and backward of
-    each distinct unit, logged at INFO); ``check=False`` skips both (a model whose forward
+    each distinct unit, logged at INFO; skipped on the meta device, where a layout is only
+    rehearsed, and for a unit over `plait.tp.numeric.MAX_UNIT_BYTES`, with a warning);
+    ``check=False`` skips both (a model whose forward
     cannot run without data).
     ``origin``, the whole model when ``module`` holds only some of it (see
     `plait.materialize.materialize`), gives a meta tensor tied to a module outside ``module`` its
@@ -133,6 +135,7 @@ def tensor_parallel(
     vocab_size = _head_vocab(specs, modules, heads)
     later = None
     if check:
+        numeric = numeric and dev.type != "meta"  # a rehearsal of the layout (`plait plan`): no values
         later = _check_now_or_later(module, plan, n, bool(sequence_parallel), strict, example_inputs, numeric)
 
     materialize(module, seed, _keep_tp_shard(specs, dev), origin)

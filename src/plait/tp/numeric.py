@@ -49,9 +49,12 @@ from plait.tp.context import RNGFork, SequenceShardGrads, Style, TPContext
 from plait.tp.layers import find_activation
 from plait.tp.shards import ShardSpec
 
-__all__ = ["Blank", "RTOL", "units", "verify"]
+__all__ = ["Blank", "MAX_UNIT_BYTES", "RTOL", "units", "verify"]
 
 RTOL = 1e-8
+# A unit whose float64 parameters exceed this is not checked (a warning names it): the check
+# holds it whole, its gradient, and every rank's shards with theirs (~4x this), on the CPU.
+MAX_UNIT_BYTES = 1 << 30
 _TIMEOUT_S = 120.0  # one rank waiting this long at an exchange means another failed
 _log = logging.getLogger("plait.tp.numeric")
 
@@ -470,6 +473,12 @@ def verify(module: nn.Module, assigned: dict[str, Style], n: int, sp: bool,
     for name in todo:
         sig = (_signature(modules[name], _styles_under(assigned, name)), repr(seen[name]))
         if sig in done:
+            continue
+        size = 8 * sum(p.numel() for p in modules[name].parameters())
+        if size > MAX_UNIT_BYTES:
+            _log.warning("numeric plan check: module %r (%s) not checked: %.1f GiB in float64, over "
+                         "plait.tp.numeric.MAX_UNIT_BYTES (check it on a smaller config of the model)", name,
+                         type(modules[name]).__name__, size / 2**30)
             continue
         done.add(sig)
         try:
