@@ -167,7 +167,9 @@ def _train(family: str, sp: bool, data: str) -> dict:
             opt_.zero_grad()
     full, ref = plait.full_state_dict(net), oracle.state_dict()
     assert set(full) == set(ref)
-    tol = TOL_FLOAT32_NORMS if sp and family in FLOAT32_NORMS else TOL
+    # Gemma3's q_norm/k_norm (float32 inside) have their gradients summed over tp with or without
+    # SP (each rank normalizes its own heads): float32 rounding as above (measured 3e-7 relative).
+    tol = TOL_FLOAT32_NORMS if family in FLOAT32_NORMS and (sp or family == "gemma3") else TOL
     for name, want in ref.items():
         torch.testing.assert_close(full[name], want, **tol, msg=lambda m, n=name: f"{family} {n}: {m}")
     moved = max(float((ref[k] - v).abs().max()) for k, v in init.items())
@@ -205,7 +207,7 @@ def test_tp2_splits_each_group_of_codegens_fused_qkv(pools):
 def test_tp2_splits_attention_with_per_head_qk_norms(pools):
     # Qwen3's and Gemma3's q_norm and k_norm act on each head's 8 features: replicated, their
     # gradients summed over tp (each rank applies them to its own heads). Before: refused.
-    pools[4].run(_tp2, [("qwen3", False), ("qwen3", True), ("gemma3", True)])
+    pools[4].run(_tp2, [("qwen3", False), ("qwen3", True), ("gemma3", False), ("gemma3", True)])
 
 
 def test_tp2_sp_matches_single_process_in_yet_more_families(pools):
