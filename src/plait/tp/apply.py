@@ -43,7 +43,7 @@ from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
 from plait.names import matches
 from plait.tp.context import RNGFork, SequenceShardGrads, Style, TPContext
-from plait.tp.dryrun import PlanError, dry_run, mark, meta_copy
+from plait.tp.dryrun import PlanError, dry_run, mark, meta_copy, shard_parameters
 from plait.tp.layers import activation_name
 from plait.tp.loss import vocab_parallel_cross_entropy
 from plait.tp.numeric import verify
@@ -291,7 +291,15 @@ def _dry_run_plan(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool,
     dry_run(template, ctx, specs, args, kwargs, allow_sequence_output=floats == "S", record=record)
     if record is not None:
         seen = {k: v for k, v in record.items() if v is not None}
-        verify(module, ctx.assigned, n, sp, seen, PlanError)
+        verify(module, ctx.assigned, n, sp, seen, PlanError, _split_for_check)
+
+
+def _split_for_check(module: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
+    """Give ``module`` (a copy in the numeric check) rank ``ctx.rank``'s shards; by name."""
+    specs = _param_specs(module, ctx)
+    named = {k: specs[id(p)] for k, p in module.named_parameters() if id(p) in specs}
+    shard_parameters(module, specs)
+    return named
 
 
 def _on_meta(obj: Any, float_layout: str) -> Any:

@@ -57,6 +57,7 @@ from plait._torch_compat import fake_tensors
 from plait.tp.collectives import emulated
 from plait.tp.context import Style, TPContext
 from plait.tp.layers import find_activation
+from plait.tp.numeric import describe
 from plait.tp.sequence import GatherSequence, ScatterSequence
 from plait.tp.shards import ShardSpec
 from plait.tp.styles import (
@@ -68,7 +69,7 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["PlanError", "dry_run", "meta_copy", "mark", "layout_of"]
+__all__ = ["PlanError", "dry_run", "meta_copy", "mark", "layout_of", "shard_parameters"]
 
 
 class PlanError(ValueError):
@@ -456,7 +457,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
                         f"run ({type(e).__name__}: {e}); pass check=False to skip the check") from e
 
 
-def _shard(module: nn.Module, specs: dict[int, ShardSpec]) -> dict[int, str]:
+def shard_parameters(module: nn.Module, specs: dict[int, ShardSpec]) -> dict[int, str]:
     """Replace each split parameter of the meta ``module`` by its shard; id -> name of the shards."""
     done: dict[int, nn.Parameter] = {}
     names: dict[int, str] = {}
@@ -474,8 +475,6 @@ def _shard(module: nn.Module, specs: dict[int, ShardSpec]) -> dict[int, str]:
 def _record(mod: nn.Module, name: str, record: dict[str, Any], trace: _Trace) -> None:
     """Store ``mod``'s first call in ``record[name]``: (args, kwargs) as `Blank`s, and the
     layouts of its output tensors, each as it enters or leaves (before or after the styles)."""
-    from plait.tp.numeric import describe
-
     seen: dict[str, Any] = {}
 
     def before(_m: nn.Module, args: Args, kwargs: Kwargs) -> None:
@@ -517,7 +516,7 @@ def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args
     each of its keys (module names), the first call's inputs and outputs' layouts are stored
     there (`plait.tp.numeric.verify` replays them with values)."""
     modules = dict(module.named_modules())
-    sharded = _shard(module, specs)
+    sharded = shard_parameters(module, specs)
     for name, style in ctx.assigned.items():
         style.install(modules[name], name, ctx)
     for p in module.parameters():

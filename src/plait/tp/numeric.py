@@ -52,6 +52,10 @@ from plait.tp.shards import ShardSpec
 __all__ = ["Blank", "MAX_UNIT_BYTES", "RTOL", "units", "verify"]
 
 RTOL = 1e-8
+# Replaces the parameters of a module by this rank's shards under ``ctx``'s styles; returns the
+# shards by parameter name (`plait.tp.apply` passes its own: this module imports neither it nor
+# the dry run, which imports this module).
+Split = Callable[[nn.Module, TPContext], dict[str, ShardSpec]]
 # A unit whose float64 parameters exceed this is not checked (a warning names it): the check
 # holds it whole, its gradient, and every rank's shards with theirs (~4x this), on the CPU.
 MAX_UNIT_BYTES = 1 << 30
@@ -188,10 +192,8 @@ def _signature(mod: nn.Module, styles: dict[str, Style]) -> tuple:
 
 def _materialize(mod: nn.Module, gen: torch.Generator) -> nn.Module:
     """A float64 CPU copy of ``mod`` with random parameters (its real buffers kept)."""
-    from plait.tp.dryrun import meta_copy
-
     real = {n: b for n, b in mod.named_buffers() if not b.is_meta}
-    full = meta_copy(mod).to_empty(device="cpu")
+    full = copy.deepcopy(mod).to_empty(device="cpu")
     with torch.no_grad():
         for p in full.parameters():
             if p.is_floating_point():
@@ -327,7 +329,7 @@ class _RankResult:
 
 
 def check_unit(mod: nn.Module, styles: dict[str, Style], n: int, sp: bool, blanks: tuple[Any, Any],
-               out_tags: list[str], seed: int = 0) -> None:
+               out_tags: list[str], split: Split, seed: int = 0) -> None:
     """Raise `Mismatch` when ``mod`` split by ``styles`` (names relative to ``mod``) over ``n``
     ranks does not compute what it computes whole, on inputs shaped as ``blanks`` (rank 0's, as
     the dry run saw them) whose outputs the dry run laid out as ``out_tags``."""
@@ -343,7 +345,7 @@ def check_unit(mod: nn.Module, styles: dict[str, Style], n: int, sp: bool, blank
         weights = [torch.randn(t.shape, generator=gen, dtype=torch.float64) if t.is_floating_point() else None
                    for t in outs]
         _loss(outs, weights, tags, n, None)
-    ranks = _run_split(whole, styles, n, sp, inputs, weights, tags, seed)
+    ranks = _run_split(whole, styles, n, sp, inputs, weights, tags, seed, split)
     compare = partial(_compare, rtol=precision.rtol())
     for i, (want, tag) in enumerate(zip(outs, tags)):
         if tag == "R":
@@ -373,7 +375,8 @@ def check_unit(mod: nn.Module, styles: dict[str, Style], n: int, sp: bool, blank
 
 
 def _run_split(whole: nn.Module, styles: dict[str, Style], n: int, sp: bool, inputs: _Inputs,
-               weights: list[torch.Tensor | None], tags: list[str], seed: int) -> list[_RankResult]:
+               weights: list[torch.Tensor | None], tags: list[str], seed: int,
+               split: Split) -> list[_RankResult]:
     """Each rank's results, the ranks run as threads of this process."""
     group = _Group(n)
     results: list[_RankResult | None] = [None] * n
@@ -381,7 +384,7 @@ def _run_split(whole: nn.Module, styles: dict[str, Style], n: int, sp: bool, inp
 
     def rank(r: int) -> None:
         try:
-            mod, specs = _split_copy(whole, styles, n, r, sp, group, seed)
+            mod, specs = _split_copy(whole, styles, n, r, sp, group, seed, split)
             args, kwargs, act = inputs.local(n, r)
             with torch.enable_grad(), emulated(_Exchange(group, r)):
                 outs = [t for t in _leaves(mod(*args, **kwargs)) if isinstance(t, torch.Tensor)]
@@ -404,11 +407,8 @@ def _run_split(whole: nn.Module, styles: dict[str, Style], n: int, sp: bool, inp
 
 
 def _split_copy(whole: nn.Module, styles: dict[str, Style], n: int, r: int, sp: bool, group: _Group,
-                seed: int) -> tuple[nn.Module, dict[str, ShardSpec]]:
+                seed: int, split: Split) -> tuple[nn.Module, dict[str, ShardSpec]]:
     """A copy of ``whole`` holding rank ``r``'s shards, its styles installed."""
-    from plait.tp.apply import _param_specs
-    from plait.tp.dryrun import _shard
-
     mod = copy.deepcopy(whole)
     mod.zero_grad(set_to_none=True)
     ctx = TPContext(group=None, size=n, rank=r, sequence_parallel=sp,
@@ -417,9 +417,7 @@ def _split_copy(whole: nn.Module, styles: dict[str, Style], n: int, r: int, sp: 
     modules = dict(mod.named_modules())
     for k, style in styles.items():
         style.validate(modules[k], k, ctx)
-    specs = _param_specs(mod, ctx)
-    named = {k: specs[id(p)] for k, p in mod.named_parameters() if id(p) in specs}
-    _shard(mod, specs)
+    named = split(mod, ctx)
     for k, style in styles.items():
         style.install(modules[k], k, ctx)
     return mod, named
@@ -433,14 +431,14 @@ def _styles_under(assigned: dict[str, Style], name: str) -> dict[str, Style]:
 
 
 def _mismatch(modules: dict[str, nn.Module], assigned: dict[str, Style], name: str, n: int, sp: bool,
-              seen: dict[str, tuple[Any, Any, list[str]]]) -> tuple[str, Mismatch] | None:
+              seen: dict[str, tuple[Any, Any, list[str]]], split: Split) -> tuple[str, Mismatch] | None:
     """(module, what differs) for unit ``name``, or None. A unit holding styled modules of its own
     (a decoder layer that starts the sequence split) that differs is narrowed down to the first
     of those that differs too."""
     args, kwargs, out_tags = seen[name]
     with torch.random.fork_rng(devices=[]):
         try:
-            check_unit(modules[name], _styles_under(assigned, name), n, sp, (args, kwargs), out_tags)
+            check_unit(modules[name], _styles_under(assigned, name), n, sp, (args, kwargs), out_tags, split)
             return None
         except Mismatch as e:
             found: tuple[str, Mismatch] = (name, e)
@@ -449,7 +447,7 @@ def _mismatch(modules: dict[str, nn.Module], assigned: dict[str, Style], name: s
         if sub not in seen or not _whole_inputs(seen[sub]):
             continue  # a layer inside a region gets feature-split inputs: not a unit of its own
         try:
-            deeper = _mismatch(modules, assigned, sub, n, sp, seen)
+            deeper = _mismatch(modules, assigned, sub, n, sp, seen, split)
         except Exception:  # noqa: BLE001 (only narrowing down: the unit itself is refused anyway)
             deeper = None
         if deeper is not None:
@@ -462,7 +460,7 @@ def _whole_inputs(call: tuple[Any, Any, list[str]]) -> bool:
 
 
 def verify(module: nn.Module, assigned: dict[str, Style], n: int, sp: bool,
-           seen: dict[str, tuple[Any, Any, list[str]]], error: type[Exception]) -> None:
+           seen: dict[str, tuple[Any, Any, list[str]]], error: type[Exception], split: Split) -> None:
     """Check each distinct unit of ``assigned`` (module name -> style) in ``module`` whose inputs
     the dry run saw (``seen``: name -> (args, kwargs) of `Blank`s, output tags); raise ``error``
     naming the module and the tensor that differ. Logs the count and the time taken."""
@@ -482,7 +480,7 @@ def verify(module: nn.Module, assigned: dict[str, Style], n: int, sp: bool,
             continue
         done.add(sig)
         try:
-            found = _mismatch(modules, assigned, name, n, sp, seen)
+            found = _mismatch(modules, assigned, name, n, sp, seen, split)
         except Exception as failed:
             raise error(f"plan check: module {name!r} ({type(modules[name]).__name__}) could not be run "
                         "whole and split on random inputs shaped as in the dry run "
