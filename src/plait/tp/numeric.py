@@ -165,6 +165,23 @@ class _Exchange:
         return _Op.apply(x, fwd, bwd)
 
 
+class _NoStream(RNGFork):
+    """The per-rank random stream of a unit run in ``eval()`` mode, which draws nothing: swapping
+    the process's generator state from several threads at once deadlocks in torch."""
+
+    def __init__(self) -> None:
+        self._depth, self._paused, self._saved, self._cuda = 0, False, None, False
+
+    def enter(self, *_: Any) -> None:
+        self._depth += 1
+
+    def exit(self, *_: Any) -> None:
+        self._depth -= 1
+
+    def pause(self) -> None:
+        pass
+
+
 class _Sums(SequenceShardGrads):
     """`SequenceShardGrads` whose sum is the threads' exchange."""
 
@@ -412,7 +429,7 @@ def _split_copy(whole: nn.Module, styles: dict[str, Style], n: int, r: int, sp: 
     mod = copy.deepcopy(whole)
     mod.zero_grad(set_to_none=True)
     ctx = TPContext(group=None, size=n, rank=r, sequence_parallel=sp,
-                    rng=RNGFork(seed + r, torch.device("cpu")), seq_grads=_Sums(group, r))
+                    rng=_NoStream(), seq_grads=_Sums(group, r))
     ctx.assigned = dict(styles)
     modules = dict(mod.named_modules())
     for k, style in styles.items():
