@@ -264,6 +264,7 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     for name, mod in model.named_modules():  # say what the closest candidate lacks
         candidate = mod[0] if isinstance(mod, nn.ModuleList) and len(mod) > 0 else None
         if candidate is not None and any(_attention_kind(c) for c in candidate.children()):
+            _refuse_fused_experts(candidate, f"{name}.0")
             loose = sorted(_linears(candidate))
             where = f" (its linear layers {loose} sit in the layer itself, as in OPT)" if loose else ""
             raise _fail(f"{name}.0", candidate,
@@ -272,6 +273,22 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
                         "parallelism (DDP, FSDP) instead, or write a plan by hand")
     raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: no nn.ModuleList of decoder layers, "
                      "each holding an attention (q/k/v/o or fused qkv projections) and an MLP")
+
+
+def _refuse_fused_experts(block: nn.Module, prefix: str) -> None:
+    """Refuse, by name, a mixture-of-experts block whose experts are stacked in 3-D tensors
+    (transformers' Mixtral and Qwen-MoE: ``experts.gate_up_proj`` of shape (experts, 2 * inner,
+    hidden)), which no style splits."""
+    for cname, child in block.named_children():
+        fused = [(k, tuple(p.shape)) for k, p in child.named_parameters() if p.dim() == 3]
+        if fused:
+            k, shape = fused[0]
+            raise _fail(f"{prefix}.{cname}", child,
+                        f"a mixture of experts whose experts are fused in 3-D tensors ({k!r} of shape "
+                        f"{shape}, one slice per expert), which plan_for splits neither over tp nor over ep: "
+                        "train this model with data or fully sharded parallelism (FSDP shards the expert "
+                        "tensors with the rest; DDP) instead, or write the MoE as one module per expert "
+                        "for plait's expert parallelism (docs/moe.md)")
 
 
 def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, Style]:

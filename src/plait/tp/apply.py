@@ -43,9 +43,10 @@ from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
 from plait.names import matches
 from plait.tp.context import RNGFork, SequenceShardGrads, Style, TPContext
-from plait.tp.dryrun import dry_run, mark, meta_copy
+from plait.tp.dryrun import PlanError, dry_run, mark, meta_copy, shard_parameters
 from plait.tp.layers import activation_name
 from plait.tp.loss import vocab_parallel_cross_entropy
+from plait.tp.numeric import verify
 from plait.tp.sequence import ScatterSequence
 from plait.tp.shards import ShardSpec
 from plait.tp.styles import VocabParallelEmbedding, VocabParallelOutput
@@ -73,7 +74,7 @@ class TPInfo:
 
 def tensor_parallel(
     module: nn.Module, mesh: Mesh, plan: Plan, *, sequence_parallel: bool = False, seed: int = 0,
-    strict: bool = True, example_inputs: Any = None, check: bool = True,
+    strict: bool = True, example_inputs: Any = None, check: bool | str = True,
     origin: nn.Module | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place over ``mesh.group('tp')`` following ``plan``; return it.
@@ -89,7 +90,15 @@ def tensor_parallel(
     would not reproduce single-process training. It runs here on ``example_inputs`` (see
     `check_plan`), or on token ids it makes itself when ``forward``'s first parameter is named
     like them; otherwise on the first call's own inputs, before that call communicates.
-    ``check=False`` skips the dry run (a model whose forward cannot run without data).
+    The check then verifies the plan by its numbers (`plait.tp.numeric`): each distinct unit
+    (an attention, an MLP, the embedding...) is built whole on the CPU in float64, run as one
+    process and split over ``tp`` ranks on the same random inputs, and a difference in outputs
+    or gradients refuses the plan, naming the module and the tensor. ``check="shapes"`` runs
+    the dry run only (it costs no data; the numeric check costs one forward and backward of
+    each distinct unit, logged at INFO; skipped on the meta device, where a layout is only
+    rehearsed, and for a unit over `plait.tp.numeric.MAX_UNIT_BYTES`, with a warning);
+    ``check=False`` skips both (a model whose forward
+    cannot run without data).
     ``origin``, the whole model when ``module`` holds only some of it (see
     `plait.materialize.materialize`), gives a meta tensor tied to a module outside ``module`` its
     first owner's initial values (a pipeline's last stage holding the LM head tied to the first
@@ -108,6 +117,7 @@ def tensor_parallel(
                             "'pattern (str)': Style (e.g. ColwiseParallel())")
     if getattr(module, _INFO_ATTR, None) is not None:
         raise ValueError("tensor_parallel: this module is already tensor-parallel")
+    numeric = _check_mode(check)
 
     n, r = mesh.size("tp"), mesh.rank("tp")
     dev = _device()
@@ -125,7 +135,8 @@ def tensor_parallel(
     vocab_size = _head_vocab(specs, modules, heads)
     later = None
     if check:
-        later = _check_now_or_later(module, plan, n, bool(sequence_parallel), strict, example_inputs)
+        numeric = numeric and dev.type != "meta"  # a rehearsal of the layout (`plait plan`): no values
+        later = _check_now_or_later(module, plan, n, bool(sequence_parallel), strict, example_inputs, numeric)
 
     materialize(module, seed, _keep_tp_shard(specs, dev), origin)
     for name, style in ctx.assigned.items():
@@ -196,8 +207,16 @@ def loss_fn_for(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torc
     return partial(vocab_parallel_cross_entropy, group=info.group, vocab_size=info.vocab_size)
 
 
+def _check_mode(check: bool | str) -> bool:
+    """Whether ``check`` (True, "shapes" or False) asks for the numeric check."""
+    if check not in (True, False, "shapes"):
+        raise ValueError(f"check= must be True (dry run and numeric check), 'shapes' (dry run only) or "
+                         f"False, got {check!r}")
+    return check is True
+
+
 def check_plan(module: nn.Module, plan: Plan, *, tp: int, sequence_parallel: bool = False,
-               example_inputs: Any = None, strict: bool = True) -> None:
+               example_inputs: Any = None, strict: bool = True, numeric: bool = True) -> None:
     """Refuse ``plan`` for ``module`` at tensor-parallel size ``tp`` if it would not reproduce
     single-process training: raise ``ValueError`` (`plait.tp.dryrun.PlanError` for what the
     dry run finds) naming the module and the reason. No process group is needed, nothing
@@ -209,6 +228,8 @@ def check_plan(module: nn.Module, plan: Plan, *, tp: int, sequence_parallel: boo
     token ids (``input_ids``, ``idx``...). Under sequence parallelism, floating-point inputs
     count as this rank's sequence shard unless the plan splits the sequence itself (a
     `ScatterSequence` or a `VocabParallelEmbedding`).
+
+    ``numeric`` (default): also verify each distinct unit by its numbers (`plait.tp.numeric`).
     """
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"check_plan(tp=...) must be a positive int, got {tp!r}")
@@ -216,7 +237,7 @@ def check_plan(module: nn.Module, plan: Plan, *, tp: int, sequence_parallel: boo
     if inputs is None:
         raise TypeError(f"check_plan: {type(module).__name__}.forward does not take token ids as its first "
                         "argument; pass example_inputs=(args...) or {kwargs...}")
-    _dry_run_plan(module, plan, tp, sequence_parallel, strict, inputs)
+    _dry_run_plan(module, plan, tp, sequence_parallel, strict, inputs, numeric)
 
 
 def check_tied_splits(module: nn.Module, plan: Plan, *, tp: int) -> None:
@@ -252,8 +273,9 @@ def _example_inputs(module: nn.Module, n: int, given: Any) -> tuple[tuple, dict]
 
 
 def _dry_run_plan(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool,
-                  inputs: tuple[tuple, dict]) -> None:
-    """`check_plan` on ``inputs``: the styles' own checks, then `plait.tp.dryrun.dry_run`."""
+                  inputs: tuple[tuple, dict], numeric: bool = True) -> None:
+    """`check_plan` on ``inputs``: the styles' own checks, `plait.tp.dryrun.dry_run`, then
+    (``numeric``) `plait.tp.numeric.verify` of each distinct unit the dry run called."""
     template = meta_copy(module)
     ctx = TPContext(group=None, size=n, rank=0, sequence_parallel=sp, rng=RNGFork(0, torch.device("cpu")),
                     seq_grads=SequenceShardGrads(None))
@@ -265,7 +287,19 @@ def _dry_run_plan(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool,
     splits = any(isinstance(s, (ScatterSequence, VocabParallelEmbedding)) for s in ctx.assigned.values())
     floats = "S" if sp and not splits else "R"
     args, kwargs = _on_meta(inputs[0], floats), _on_meta(inputs[1], floats)
-    dry_run(template, ctx, specs, args, kwargs, allow_sequence_output=floats == "S")
+    record: dict[str, Any] | None = dict.fromkeys(ctx.assigned) if numeric else None
+    dry_run(template, ctx, specs, args, kwargs, allow_sequence_output=floats == "S", record=record)
+    if record is not None:
+        seen = {k: v for k, v in record.items() if v is not None}
+        verify(module, ctx.assigned, n, sp, seen, PlanError, _split_for_check)
+
+
+def _split_for_check(module: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
+    """Give ``module`` (a copy in the numeric check) rank ``ctx.rank``'s shards; by name."""
+    specs = _param_specs(module, ctx)
+    named = {k: specs[id(p)] for k, p in module.named_parameters() if id(p) in specs}
+    shard_parameters(module, specs)
+    return named
 
 
 def _on_meta(obj: Any, float_layout: str) -> Any:
@@ -283,19 +317,20 @@ def _on_meta(obj: Any, float_layout: str) -> Any:
     return obj
 
 
-def _check_now_or_later(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool, given: Any):
+def _check_now_or_later(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool, given: Any,
+                        numeric: bool):
     """Run `check_plan`'s dry run now when inputs are known; else return a forward pre-hook that
     runs it on the first call's inputs (None when the module is never called as a whole)."""
     inputs = _example_inputs(module, n, given)
     if inputs is not None:
-        _dry_run_plan(module, plan, n, sp, strict, inputs)
+        _dry_run_plan(module, plan, n, sp, strict, inputs, numeric)
         return None
     if type(module).forward is nn.Module.forward:  # a container (a pipeline's view): never called
         return None
     template = meta_copy(module)
 
     def first_call(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        _dry_run_plan(template, plan, n, sp, strict, (args, kwargs))  # refused: every call is refused
+        _dry_run_plan(template, plan, n, sp, strict, (args, kwargs), numeric)  # refused: every call is
         first_call.handle.remove()  # type: ignore[attr-defined]
 
     return first_call

@@ -57,6 +57,7 @@ from plait._torch_compat import fake_tensors
 from plait.tp.collectives import emulated
 from plait.tp.context import Style, TPContext
 from plait.tp.layers import find_activation
+from plait.tp.numeric import describe
 from plait.tp.sequence import GatherSequence, ScatterSequence
 from plait.tp.shards import ShardSpec
 from plait.tp.styles import (
@@ -68,7 +69,7 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["PlanError", "dry_run", "meta_copy", "mark", "layout_of"]
+__all__ = ["PlanError", "dry_run", "meta_copy", "mark", "layout_of", "shard_parameters"]
 
 
 class PlanError(ValueError):
@@ -456,7 +457,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
                         f"run ({type(e).__name__}: {e}); pass check=False to skip the check") from e
 
 
-def _shard(module: nn.Module, specs: dict[int, ShardSpec]) -> dict[int, str]:
+def shard_parameters(module: nn.Module, specs: dict[int, ShardSpec]) -> dict[int, str]:
     """Replace each split parameter of the meta ``module`` by its shard; id -> name of the shards."""
     done: dict[int, nn.Parameter] = {}
     names: dict[int, str] = {}
@@ -469,6 +470,26 @@ def _shard(module: nn.Module, specs: dict[int, ShardSpec]) -> dict[int, str]:
                 names[id(done[id(p)])] = f"{mname}.{key}" if mname else key
             mod._parameters[key] = done[id(p)]
     return names
+
+
+def _record(mod: nn.Module, name: str, record: dict[str, Any], trace: _Trace) -> None:
+    """Store ``mod``'s first call in ``record[name]``: (args, kwargs) as `Blank`s, and the
+    layouts of its output tensors, each as it enters or leaves (before or after the styles)."""
+    seen: dict[str, Any] = {}
+
+    def before(_m: nn.Module, args: Args, kwargs: Kwargs) -> None:
+        if "in" not in seen:
+            with trace.quietly():
+                seen["in"] = (describe(args, layout_of), describe(kwargs, layout_of))
+
+    def after(_m: nn.Module, _args: Args, _kwargs: Kwargs, out: Any) -> None:
+        if "in" in seen and name not in record_done:
+            record_done.add(name)
+            record[name] = (*seen["in"], [layout_of(t) for t in _tensors(out)])
+
+    record_done: set[str] = set()
+    mod.register_forward_pre_hook(before, prepend=True, with_kwargs=True)
+    mod.register_forward_hook(after, with_kwargs=True)
 
 
 def _local_counts(ctx: TPContext, failed_at: str) -> str:
@@ -487,13 +508,15 @@ def _local_counts(ctx: TPContext, failed_at: str) -> str:
 
 
 def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args: Args, kwargs: Kwargs,
-            allow_sequence_output: bool = False) -> None:
+            allow_sequence_output: bool = False, record: dict[str, Any] | None = None) -> None:
     """Run ``module`` (a meta copy, styles assigned in ``ctx`` but not installed) as rank 0 of
     ``ctx.size`` would, on ``args``/``kwargs`` (meta tensors, tagged); raise `PlanError` on the
     first operation the rules refuse, or when the run fails. Sequence-split outputs are allowed
-    only when the inputs were sequence-split too (``allow_sequence_output``)."""
+    only when the inputs were sequence-split too (``allow_sequence_output``). ``record``: for
+    each of its keys (module names), the first call's inputs and outputs' layouts are stored
+    there (`plait.tp.numeric.verify` replays them with values)."""
     modules = dict(module.named_modules())
-    sharded = _shard(module, specs)
+    sharded = shard_parameters(module, specs)
     for name, style in ctx.assigned.items():
         style.install(modules[name], name, ctx)
     for p in module.parameters():
@@ -504,6 +527,9 @@ def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args
         hooked = ctx.assigned.get(name)
         mod.register_forward_pre_hook(partial(trace.enter, name, hooked), prepend=True, with_kwargs=True)
         mod.register_forward_hook(partial(trace.leave, name, hooked), always_call=True, with_kwargs=True)
+    if record is not None:
+        for name in list(record):
+            _record(modules[name], name, record, trace)
     try:
         shapes_only = fake_tensors()
         # Compiled blocks run eagerly here: the trace follows each module's own call and hooks,
