@@ -146,3 +146,16 @@ def test_a_unit_too_large_to_check_is_named_in_a_warning(caplog, monkeypatch):
         check_plan(model, plait.plan_for(model), tp=2)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("'model.embed_tokens' (Embedding) not checked" in w for w in warned), warned
+
+
+def test_a_unit_that_passed_is_not_run_again_in_the_process(monkeypatch):
+    model = _llama()
+    check_plan(model, plait.plan_for(model), tp=2)  # checked (or already, by an earlier test)
+
+    def never(*_a, **_k):
+        raise AssertionError("a unit that passed was run again")
+
+    monkeypatch.setattr("plait.tp.numeric._mismatch", never)
+    check_plan(_llama(), plait.plan_for(model), tp=2)  # a second model of the same kinds of unit
+    with pytest.raises(PlanError, match="run again"):  # another tp degree is another check
+        check_plan(_llama(), plait.plan_for(model), tp=4)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["FAULTS", "active", "inject"]
+__all__ = ["FAULTS", "active", "inject", "injected"]
 
 FAULTS = {
     "ddp-divisor": "DDP divides the summed gradients by world size + 1 (an off-by-one divisor)",
@@ -26,6 +26,11 @@ _on: set[str] = set()
 
 def active(name: str) -> bool:
     return name in _on
+
+
+def injected() -> frozenset[str]:
+    """The switches on now (a result that depends on them must not outlive them)."""
+    return frozenset(_on)
 
 
 @contextlib.contextmanager
