@@ -200,14 +200,15 @@ def test_the_summary_after_resume_counts_this_runs_steps_and_a_finished_run_has_
     assert rows[-1]["summary"]["steps_this_run"] == 0
 
 
-def test_tensorboard_is_refused_before_the_run_when_it_is_not_installed(monkeypatch):
+@pytest.mark.parametrize("package", ["tensorboard", "wandb"])
+def test_a_logger_is_refused_before_the_run_when_it_is_not_installed(monkeypatch, package):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else
                         real(name, *a))
-    with pytest.raises(ValueError, match=r"--tensorboard .* pip install 'plait\[tensorboard\]'"):
-        TrainConfig.from_flags(tensorboard=True)
+    with pytest.raises(ValueError, match=rf"--{package} .* pip install 'plait\[{package}\]'"):
+        TrainConfig.from_flags(**{package: True})
 
 
 def test_tensorboard_event_files_hold_the_scalars(tmp_path):
@@ -304,16 +305,6 @@ def test_a_tokenizer_the_model_cannot_embed_is_refused_before_any_rank_starts(tm
 
 
 # ------------------------------------------------------------------ --wandb
-def test_wandb_is_refused_before_the_run_when_it_is_not_installed(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else
-                        real(name, *a))
-    with pytest.raises(ValueError, match=r"--wandb .* pip install 'plait\[wandb\]'"):
-        TrainConfig.from_flags(wandb=True)
-
-
 def test_wandb_gets_the_step_scalars_under_the_run_name(tmp_path, monkeypatch):
     # A stand-in for the wandb package (installing it costs CI minutes): what plait calls, recorded.
     import importlib.machinery
