@@ -72,9 +72,9 @@ def test_every_rank_of_every_launch_exits_cleanly(tmp_path):
 
 # ------------------------------------------------------------------ signals to `plait train --nproc 2`
 # From the signal to every rank gone. The stop itself takes one step (well under a second here);
-# the rest is each rank's exit (barriers, teardown, the interpreter's finalization), which took
-# 13-16 s on this project's shared 2-core machine at a load average of 20, so the bound is wide.
-STOP_BOUND_S = 30.0
+# the rest is each rank's exit (barriers, teardown, the interpreter's finalization): about 4 s on
+# this project's 2-core machine at a load average of 4. The bound is the one users are promised.
+STOP_BOUND_S = 10.0
 
 
 def _descendants(pid: int) -> list[int]:
