@@ -45,9 +45,10 @@ def _discard(pool: RankPool) -> None:
     pool.close()  # reaps them (dead already, so at once)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def oracle(tmp_path_factory) -> list[float]:
-    """Per-step losses of the single-process run that every layout must reproduce."""
+    """Per-step losses of the single-process run that every layout must reproduce: seeded, so one
+    run serves every module."""
     from oracle import train_losses
 
     return train_losses(str(tmp_path_factory.mktemp("single")), strategy="none", nproc=1)

@@ -96,9 +96,20 @@ def new_local_group(rank: int, label: str) -> dist.ProcessGroup:
     return pg
 
 
+_on_destroy: list[Callable[[dist.ProcessGroup], None]] = []
+
+
+def on_destroy(forget: Callable[[dist.ProcessGroup], None]) -> None:
+    """Call ``forget(group)`` before each `destroy_group`: what keeps a group (a cache keyed on it)
+    must let it go, or its Gloo threads and connections outlive it."""
+    _on_destroy.append(forget)
+
+
 def destroy_group(pg: dist.ProcessGroup) -> None:
     """Destroy a group `new_group` made, with its companion, and forget it. Local to this rank:
     call it where no collective on the group is in flight on any of its ranks."""
+    for forget in _on_destroy:
+        forget(pg)
     info = _groups.pop(id(pg), None)
     for g in (pg, None if info is None else info.checker):
         if g is None:

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait import comm
+
 __all__ = ["mesh_of", "mesh_over", "contiguous_stride"]
 
 _meshes: dict[tuple[tuple[int, str], str], DeviceMesh] = {}
@@ -31,9 +33,27 @@ def _dim_name(axis: str, group: dist.ProcessGroup) -> str:
     return f"{axis}:{getattr(group, 'group_name', id(group))}"
 
 
-# Every group a mesh was made for, kept alive so that its id is never reused by a later group
-# (a pool destroys its task's groups; a mesh over a destroyed one cannot run collectives).
+# Every live group a mesh was made for, kept so that its id is not reused by a later group while
+# a mesh is keyed on it (a mesh over a destroyed group cannot run collectives). `_forget` drops a
+# group and its meshes when the group is destroyed: held for ever, every group a long process
+# (a test pool, a job that rebuilds its layout) ever made kept its Gloo threads, each waking
+# many times a second.
 _held: list[dist.ProcessGroup] = []
+
+
+def _forget(group: dist.ProcessGroup) -> None:
+    if not any(g is group for g in _held):
+        return
+    _held[:] = [g for g in _held if g is not group]
+    dropped = [_meshes.pop(k) for k in [k for k in _meshes if k[0][0] == id(group)]]
+    dropped += [_grids.pop(k) for k in [k for k in _grids if any(i == id(group) for i, _ in k[0])]]
+    # DTensor's caches of sharding decisions may keep a dropped mesh a while longer; the mesh
+    # holds its groups by name (torch's `_pg_registry`): unhooked, the group can be freed now.
+    for mesh in dropped:
+        getattr(mesh, "_pg_registry", {}).pop(getattr(group, "group_name", None), None)
+
+
+comm.on_destroy(_forget)
 
 
 def _key(group: dist.ProcessGroup) -> tuple[int, str]:
