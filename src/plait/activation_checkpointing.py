@@ -33,7 +33,7 @@ saves. The recomputation:
 * stops as soon as it has saved the last tensor backward reads (the ops after it, such as a
   row-parallel layer's all-reduce when no dropout follows, are not run again);
 * draws the **same random numbers**: the default CPU and CUDA generators and tensor parallelism's
-  per-rank stream (`plait.tp.context.RNGFork`, swapped in by the regions inside the block) are
+  per-rank stream (`plait.rng.RNGFork`, swapped in by the regions inside the block) are
   set to their states at the start of the block's forward, then put back, so later forwards'
   dropout masks are unchanged too; autocast is entered as it was;
 * calls the block's **submodules** as the forward did, with their hooks (tensor parallelism's
@@ -72,7 +72,7 @@ from plait.blocks import DESCRIBED
 from plait.blocks import blocks as repeated_blocks
 from plait.callable_module import make_callable
 from plait.names import matches
-from plait.tp.context import RNGFork
+from plait.rng import RNGFork
 
 __all__ = ["activation_checkpointing", "select_blocks", "checkpoint_blocks", "checkpointed", "check_options",
            "POLICIES", "KEPT_OPS"]

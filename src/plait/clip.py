@@ -49,7 +49,7 @@ def grad_norm_parts(model: nn.Module | Any) -> GradParts:
 
 
 def _experts_apart(model: nn.Module, parts: GradParts) -> GradParts:
-    from plait.ep.apply import ep_info, placement_of
+    from plait.placement.records import ep_info, placement_of
 
     info = ep_info(model)
     if info is None or info.placement.ep_size == 1:
@@ -63,7 +63,7 @@ def _experts_apart(model: nn.Module, parts: GradParts) -> GradParts:
 
 
 def _module_parts(model: nn.Module) -> GradParts:
-    from plait.tp.apply import tp_info, tp_module
+    from plait.placement.records import tp_info, tp_module
 
     inner, info = tp_module(model), tp_info(model)
     grads = [p.grad for p in model.parameters() if p.grad is not None]

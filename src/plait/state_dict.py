@@ -30,9 +30,9 @@ from torch import nn
 
 from plait import comm
 from plait.names import plain_name
+from plait.placement import state as tp_state
+from plait.placement.records import ep_info, tp_module
 from plait.tensor_source import FullValue, whole
-from plait.tp import state as tp_state
-from plait.tp.apply import tp_module
 
 __all__ = ["full_state_dict", "load_full_state_dict", "union_over", "with_other_experts",
            "without_others_experts"]
@@ -73,8 +73,6 @@ def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue])
 
 def with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with the experts other ep ranks hold (`plait.expert_parallel`), gathered over ep."""
-    from plait.ep.apply import ep_info
-
     info = ep_info(model)
     if info is None or info.placement.ep_size == 1:
         return state
@@ -86,8 +84,6 @@ def with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) -
 
 def without_others_experts(model: nn.Module, state: Mapping[str, FullValue]) -> dict[str, FullValue]:
     """``state`` without the experts other ep ranks hold (`plait.expert_parallel`)."""
-    from plait.ep.apply import ep_info
-
     info = ep_info(model)
     if info is None or not info.absent:
         return dict(state)

@@ -33,8 +33,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from plait.tp.apply import TPInfo, tp_info, tp_module
-from plait.tp.state import checkpoint_entry, restore_entry
+from plait.placement.records import TPInfo, tp_info, tp_module
+from plait.placement.state import checkpoint_entry, restore_entry
 
 __all__ = ["Checkpointable", "state_dict", "load_state_dict", "module_state", "load_module_state",
            "state_layout"]

@@ -30,9 +30,10 @@ from plait import comm, faults
 from plait._torch_compat import queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import params_reached_by, plan_buckets
-from plait.ep.apply import placement_of, reduce_expert_grads
 from plait.materialize import is_meta
 from plait.mesh import Mesh
+from plait.placement.grads import reduce_expert_grads
+from plait.placement.records import placement_of
 from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
 

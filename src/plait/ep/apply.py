@@ -18,7 +18,6 @@ how to treat it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,30 +27,20 @@ from plait import comm
 from plait.ep.dispatch import ExpertDispatch
 from plait.mesh import Mesh
 from plait.models.moe import MoE, moe_layers
+from plait.placement.grads import reduce_expert_grads
+from plait.placement.records import (
+    ExpertParallelInfo,
+    ExpertPlacement,
+    attach_ep_info,
+    ep_info,
+    mark_expert,
+    placement_of,
+)
 
 __all__ = ["expert_parallel", "ExpertPlacement", "ExpertParallelInfo", "ep_info", "placement_of",
            "reduce_expert_grads"]
 
-_ATTR = "_plait_ep"
 _DATA = ("dp", "fsdp", "cp")  # the ranks that see different tokens of the step (ep folded in)
-
-
-@dataclass(frozen=True)
-class ExpertPlacement:
-    """Where an expert parameter's copies and siblings are."""
-
-    edp: dist.ProcessGroup  # ranks holding the same experts: its gradient is summed here
-    ep: dist.ProcessGroup  # ranks holding the other experts of the layer
-    ep_size: int
-    ep_ranks: tuple[int, ...]
-    edp_ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ExpertParallelInfo:
-    placement: ExpertPlacement
-    local: tuple[str, ...]  # this rank's expert state keys (names in the model)
-    absent: tuple[str, ...]  # prefixes of the experts other ep ranks hold
 
 
 class _Elsewhere(nn.Module):
@@ -63,49 +52,6 @@ class _Elsewhere(nn.Module):
 
     def forward(self, *_: object) -> None:
         raise RuntimeError(f"expert {self.index} lives on ep rank {self.owner}; its tokens go there")
-
-
-def placement_of(p: nn.Parameter | object) -> ExpertPlacement | None:
-    found = getattr(p, "_plait_expert", None)
-    return found if isinstance(found, ExpertPlacement) else None
-
-
-@torch.no_grad()
-def reduce_expert_grads(params: list[nn.Parameter], divisor: float) -> None:
-    """Sum each expert parameter's gradient over the ranks holding it (its `ExpertPlacement`'s
-    edp group), in one coalesced all-reduce, and divide by ``divisor`` (what the dense gradients
-    are divided by). A rank that routed no token to an expert has no gradient for it: it sends
-    zeros and a flag, and an expert with no gradient anywhere keeps none, as in one process."""
-    if not params:
-        return
-    where = placement_of(params[0])
-    assert where is not None
-    if dist.get_world_size(where.edp) == 1:  # this rank alone holds its experts: nothing to sum
-        for p in params:
-            if p.grad is not None and divisor != 1.0:
-                p.grad.div_(divisor)
-        return
-    dev = comm.device_of(where.edp)
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(
-        [float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)])
-    flat = flat.to(dev)  # (a no-op where the gradients already live on the group's device)
-    with comm.operation("expert gradients"):
-        comm.all_reduce(flat, where.edp)
-    offset = 0
-    had = flat[-len(params):].tolist()
-    for p, g, n in zip(params, grads, had):
-        p.grad = (flat[offset: offset + g.numel()].view_as(g) / divisor) if n else None
-        offset += g.numel()
-
-
-def ep_info(model: nn.Module | object) -> ExpertParallelInfo | None:
-    modules = model.modules() if isinstance(model, nn.Module) else []
-    for mod in modules:
-        info = getattr(mod, _ATTR, None)
-        if isinstance(info, ExpertParallelInfo):
-            return info
-    return None
 
 
 def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> nn.Module:
@@ -138,7 +84,7 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
             prefix = f"{name}.experts.{e}" if name else f"experts.{e}"
             if e in mine:
                 for pname, p in moe.experts[e].named_parameters():
-                    p._plait_expert = placement  # type: ignore[attr-defined]
+                    mark_expert(p, placement)
                     local.append(f"{prefix}.{pname}")
             else:
                 moe.experts[e] = _Elsewhere(e, e // per)
@@ -147,7 +93,7 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
         if n > 1:
             moe.experts_forward = ExpertDispatch(moe.experts, moe.n_experts, j * per,  # type: ignore[method-assign]
                                                  mesh.group("ep"), n)
-    setattr(model, _ATTR, ExpertParallelInfo(placement, tuple(local), tuple(absent)))
+    attach_ep_info(model, ExpertParallelInfo(placement, tuple(local), tuple(absent)))
     return model
 
 

@@ -30,10 +30,10 @@ from plait import comm
 from plait.checkpoint.protocol import state_layout
 from plait.fsdp.flat import FlatParam, ShardCfg, Slot
 from plait.fsdp.units import Unit
+from plait.placement.records import TPInfo
+from plait.placement.state import checkpoint_entry, gather_full, restore_entry
 from plait.state_dict import with_other_experts, without_others_experts
 from plait.tensor_source import FullValue, flat_range, whole
-from plait.tp.apply import TPInfo
-from plait.tp.state import checkpoint_entry, gather_full, restore_entry
 
 __all__ = ["ShardedModel", "full_state_dict", "load_full_state_dict", "sharded_state_dict",
            "load_sharded_state_dict"]

@@ -18,10 +18,10 @@ from torch import nn
 
 from plait.blocks import DESCRIBED, blocks
 from plait.env import get_logger
-from plait.ep.apply import placement_of
 from plait.fsdp.flat import GRAD_HOOKS_ATTR, FlatParam, ShardCfg, Slot
 from plait.materialize import Keep, materialize
 from plait.names import matches
+from plait.placement.records import mark_expert, placement_of
 
 __all__ = ["Unit", "build_units", "check_no_optimizer"]
 
@@ -155,7 +155,7 @@ def _keep_shard(where: dict[int, tuple[FlatParam, int]], cfg: ShardCfg) -> Keep:
             if not t.is_meta and t.device == cfg.device:
                 return t
             kept = nn.Parameter(full.to(cfg.device), requires_grad=t.requires_grad)
-            kept._plait_expert = placed  # type: ignore[attr-defined]
+            mark_expert(kept, placed)
             return kept
         flat, i = where[id(t)]
         slot = flat.slots[i]

@@ -66,12 +66,12 @@ from torch.distributed.tensor.placement_types import Placement
 from plait._torch_compat import queue_end_of_backward
 from plait.dtensors import mesh_over
 from plait.env import device as default_device
-from plait.ep.apply import ep_info, placement_of, reduce_expert_grads
 from plait.fsdp.flat import FlatParam, Placing, ShardCfg, Slot
 from plait.fsdp.units import Unit, build_units, check_no_optimizer
 from plait.mesh import Mesh
+from plait.placement.grads import reduce_expert_grads
+from plait.placement.records import TPInfo, ep_info, placement_of, tp_info
 from plait.precision import MixedPrecision, parse_mixed_precision, precision_of
-from plait.tp.apply import TPInfo, tp_info
 
 if TYPE_CHECKING:
     from plait.clip import GradParts

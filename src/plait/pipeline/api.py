@@ -24,7 +24,8 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import above, named_view, plan_stages, segments
 from plait.pipeline.ties import TiedCopy, drop_earlier_sums, find_ties, sync_grads, tie_groups
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
-from plait.tp.apply import TPInfo, check_tied_splits, loss_fn_for, mark_part, tensor_parallel, tp_info
+from plait.placement.records import TPInfo, mark_part, tp_info
+from plait.tp.apply import check_tied_splits, loss_fn_for, tensor_parallel
 
 if TYPE_CHECKING:
     from plait.clip import GradParts

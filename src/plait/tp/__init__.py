@@ -1,6 +1,7 @@
 """Tensor and sequence parallelism (Megatron-LM), applied to unmodified models by a plan."""
 
-from plait.tp.apply import TPInfo, assign_styles, check_plan, loss_fn_for, tensor_parallel, tp_info, tp_module
+from plait.placement.records import TPInfo, tp_info, tp_module
+from plait.tp.apply import assign_styles, check_plan, loss_fn_for, tensor_parallel
 from plait.tp.attention import AttentionParallel, HeadNorm
 from plait.tp.context import Style
 from plait.tp.dryrun import PlanError

@@ -25,30 +25,28 @@ along the sequence, and norms and dropouts run on sequence shards.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from plait import comm
-from plait._torch_compat import compiled_original
 from plait.env import device as _device
 from plait.losses import lm_loss
 from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
 from plait.names import matches
-from plait.tp.context import RNGFork, SequenceShardGrads, Style, TPContext
+from plait.placement.records import TPInfo, attach_tp_info, attached_tp_info, mark_part, tp_info, tp_module
+from plait.placement.shards import ShardSpec
+from plait.rng import RNGFork
+from plait.tp.context import SequenceShardGrads, Style, TPContext
 from plait.tp.dryrun import PlanError, dry_run, mark, meta_copy, shard_parameters
 from plait.tp.layers import activation_name
 from plait.tp.loss import vocab_parallel_cross_entropy
 from plait.tp.numeric import verify
 from plait.tp.sequence import ScatterSequence
-from plait.tp.shards import ShardSpec
 from plait.tp.styles import VocabParallelEmbedding, VocabParallelOutput
 
 __all__ = ["tensor_parallel", "check_plan", "check_tied_splits", "assign_styles", "loss_fn_for", "tp_info",
@@ -57,19 +55,6 @@ __all__ = ["tensor_parallel", "check_plan", "check_tied_splits", "assign_styles"
 Plan = Mapping[str, Style]
 # Names of a forward's first parameter that mean "token ids": the dry run can make such an input.
 TOKEN_INPUTS = ("input_ids", "idx", "ids", "tokens", "token_ids", "input_tokens")
-
-
-@dataclass
-class TPInfo:
-    """Attached to a tensor-parallel model: what was split, and how the loss must be computed."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-    sequence_parallel: bool
-    specs: dict[str, ShardSpec]  # qualified parameter name -> its shard (absent: replicated)
-    styles: dict[str, Style]  # module name -> style
-    vocab_size: int | None  # full vocabulary of a VocabParallelOutput with sharded logits
 
 
 def tensor_parallel(
@@ -115,7 +100,7 @@ def tensor_parallel(
         if not isinstance(pattern, str) or not isinstance(style, Style):
             raise TypeError(f"tensor_parallel(plan=...): entry {pattern!r}: {style!r} is not "
                             "'pattern (str)': Style (e.g. ColwiseParallel())")
-    if getattr(module, _INFO_ATTR, None) is not None:
+    if attached_tp_info(module) is not None:
         raise ValueError("tensor_parallel: this module is already tensor-parallel")
     numeric = _check_mode(check)
 
@@ -145,7 +130,7 @@ def tensor_parallel(
         later.handle = module.register_forward_pre_hook(later, prepend=True, with_kwargs=True)
     _sync_default_rng(mesh, dev)
 
-    _attach(module, TPInfo(
+    attach_tp_info(module, TPInfo(
         group=ctx.group, size=n, rank=r, sequence_parallel=ctx.sequence_parallel,
         specs=named_specs, styles=dict(ctx.assigned), vocab_size=vocab_size,
     ))
@@ -159,43 +144,6 @@ def _head_vocab(specs: dict[int, ShardSpec], modules: dict[str, nn.Module],
         raise ValueError(f"plan: at most one VocabParallelOutput may leave its logits sharded, got "
                          f"{[h for h, _ in heads]}")
     return specs[id(modules[heads[0][0]].weight)].full if heads else None
-
-
-_INFO_ATTR = "_plait_tp"  # where a tensor-parallel module carries its TPInfo
-
-
-def _attach(module: nn.Module, info: TPInfo) -> None:
-    setattr(module, _INFO_ATTR, info)
-
-
-def tp_info(model: nn.Module) -> TPInfo | None:
-    """The `TPInfo` of a tensor-parallel model (looking through ``.module`` wrappers), else None."""
-    found = tp_module(model)
-    return None if found is None else getattr(found, _INFO_ATTR)
-
-
-def tp_module(model: nn.Module) -> nn.Module | None:
-    """The tensor-parallel module itself, inside ``.module`` wrappers such as DDP and inside
-    torch.compile's wrapper (else None). Parameter names in `TPInfo.specs` are relative to it."""
-    for _ in range(8):
-        original = compiled_original(model)  # its attributes read through to the original's
-        model = model if original is None else original
-        if getattr(model, _INFO_ATTR, None) is not None:
-            return model
-        inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            return None
-        model = inner
-    return None
-
-
-def mark_part(part: nn.Module, info: TPInfo) -> None:
-    """Make ``part``, a piece of a tensor-parallel model holding some of its modules under the same
-    names (a pipeline stage), tensor-parallel in its own right: `tp_info` of the part is ``info``
-    limited to the part's parameters, so strategies wrapping the part (FSDP's gradient norm and
-    state dicts) see which of its tensors are tp shards."""
-    names = {n for n, _ in _named_params(part)}
-    _attach(part, dataclasses.replace(info, specs={n: s for n, s in info.specs.items() if n in names}))
 
 
 def loss_fn_for(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

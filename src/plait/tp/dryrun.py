@@ -54,12 +54,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from plait._torch_compat import fake_tensors
+from plait.placement.shards import ShardSpec
 from plait.tp.collectives import emulated
 from plait.tp.context import Style, TPContext
 from plait.tp.layers import find_activation
 from plait.tp.numeric import describe
 from plait.tp.sequence import GatherSequence, ScatterSequence
-from plait.tp.shards import ShardSpec
 from plait.tp.styles import (
     ColwiseParallel,
     ParallelRegion,

@@ -46,10 +46,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from plait import faults
+from plait.placement.shards import ShardSpec
+from plait.rng import RNGFork
 from plait.tp.collectives import emulated
-from plait.tp.context import RNGFork, SequenceShardGrads, Style, TPContext
+from plait.tp.context import SequenceShardGrads, Style, TPContext
 from plait.tp.layers import find_activation
-from plait.tp.shards import ShardSpec
 
 __all__ = ["Blank", "MAX_UNIT_BYTES", "RTOL", "units", "verify"]
 

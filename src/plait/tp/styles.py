@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.placement.shards import ShardSpec, make_spec
 from plait.tp.collectives import (
     copy_to_tp,
     gather_from_sp,
@@ -42,7 +43,6 @@ from plait.tp.collectives import (
 )
 from plait.tp.context import Style, TPContext
 from plait.tp.layers import LinearLayout, input_pre_hook, linear_layout
-from plait.tp.shards import ShardSpec, make_spec
 
 __all__ = [
     "ColwiseParallel", "RowwiseParallel", "VocabParallelEmbedding",

@@ -1,0 +1,169 @@
+"""The state of a tensor-parallel model: full (unsharded) state dicts, and checkpoint entries
+(DTensors of the full tensors) that load at any tp size. `plait.full_state_dict` and
+`plait.checkpoint`'s default path call these for a tensor-parallel module; FSDP over tp calls
+`gather_full`, `checkpoint_entry` and `restore_entry` per flat slot.
+
+All read the shard layout that `plait.tensor_parallel` records (`plait.placement.tp_info(model).specs`);
+parameters without a spec are replicated on every tp rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.dtensors import contiguous_stride, mesh_of
+from plait.placement.records import TPInfo, tp_info, tp_module
+from plait.placement.shards import ShardSpec
+from plait.tensor_source import FullValue, whole
+
+__all__ = ["full_state_dict", "load_full_state_dict", "gather_full",
+           "checkpoint_entry", "restore_entry"]
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every entry of ``model.state_dict()`` at its full, unpadded size, on every tp rank.
+
+    Sharded entries are all-gathered over the tp group (one all-gather each), so the result
+    loads into the single-process model or, through `load_full_state_dict`, into a
+    tensor-parallel one of any tp size. Keys are those of the tensor-parallel module itself
+    (without the ``module.`` prefix of a DDP wrapper around it).
+    """
+    inner = tp_module(model)  # not `or`: a compiled wrapper's truth value asks for its len()
+    model = model if inner is None else inner
+    info = tp_info(model)
+    _check_not_fsdp(model, "full_state_dict")
+    out = {}
+    for name, t in model.state_dict().items():
+        spec = info.specs.get(name) if info is not None else None
+        out[name] = t.detach().clone() if spec is None else gather_full(t, spec, info)
+    return out
+
+
+@torch.no_grad()
+def gather_full(t: torch.Tensor, spec: ShardSpec | None, info: TPInfo | None) -> torch.Tensor:
+    """The full tensor of which ``t`` is this rank's shard, on every tp rank (one all-gather over
+    ``info.group``); ``t`` itself when replicated (``spec`` None).
+
+    Rank r's rows start at ``r * spec.local``, so the shards concatenated in rank order are the
+    full tensor followed by the padding of an uneven (vocabulary) split, which is cut off.
+    """
+    if spec is None or info is None:  # a spec always comes from an info's specs
+        return t.detach()
+    moved = t.detach().movedim(spec.dim, 0).contiguous()
+    buf = moved.new_empty((info.size * moved.shape[0], *moved.shape[1:]))
+    comm.all_gather_into(buf, moved, info.group)
+    if not spec.contiguous:  # a fused tensor: part i is the ranks' i-th blocks, in rank order
+        per_rank = buf.view(info.size, moved.shape[0], *moved.shape[1:])
+        blocks, at = [], 0
+        for _, rows in spec.pieces():
+            blocks.append(per_rank[:, at : at + rows].reshape(-1, *moved.shape[1:]))
+            at += rows
+        buf = torch.cat(blocks)
+    return buf[: spec.full].movedim(0, spec.dim).contiguous()
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: Mapping[str, FullValue]) -> None:
+    """Load full-size tensors (e.g. from `full_state_dict` or a single-process model) into a
+    tensor-parallel ``model``: each rank copies its slice (of a `plait.tensor_source.TensorSource`
+    it reads only that slice; replicated tensors whole). No communication. Keys as in
+    `full_state_dict`."""
+    inner = tp_module(model)  # not `or`: a compiled wrapper's truth value asks for its len()
+    model = model if inner is None else inner
+    info = tp_info(model)
+    _check_not_fsdp(model, "load_full_state_dict")
+    own = model.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    loaded: set[int] = set()
+    for name, target in own.items():
+        if id(target) in loaded:  # a tied tensor, listed under each of its names, is read once
+            continue
+        loaded.add(id(target))
+        spec = info.specs.get(name) if info is not None else None
+        value = state[name]
+        if spec is not None:
+            if value.shape[spec.dim] != spec.full:
+                raise ValueError(f"load_full_state_dict: {name!r} has {value.shape[spec.dim]} entries "
+                                 f"along dim {spec.dim}, expected the full {spec.full}")
+            value = spec.take(value)
+        if value.shape != target.shape:
+            raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(whole(value))
+
+
+def _check_not_fsdp(model: nn.Module, what: str) -> None:
+    """FSDP over the tp model shards its parameters again (DTensors placed over fsdp too): a
+    state dict of the module would silently hold this rank's fsdp rows only."""
+    from torch.distributed.tensor import DTensor
+
+    info = tp_info(model)
+    sd = model.state_dict()
+    held = [sd[n] for n in info.specs if n in sd] if info is not None else []
+    if info is not None and info.specs and (not held or any(isinstance(t, DTensor) for t in held)):
+        raise ValueError(f"plait.tp.state.{what}: this tensor-parallel model is wrapped by FSDP, which "
+                         f"holds its parameters: call plait.{what}(model) on the FSDP wrapper")
+
+
+# ------------------------------------------------------------------ checkpoint entries
+def _chunk_rows(spec: ShardSpec, size: int) -> bool:
+    """Whether every rank's valid rows are exactly its ``torch.chunk`` part (DTensor's Shard).
+
+    True for even splits and vocabulary splits padded at the end in single rows; never for a
+    fused tensor (its rows are one block per part).
+    """
+    if not spec.contiguous:
+        return False
+    per = -(-spec.full // size)
+    chunks = [max(0, min(per, spec.full - r * per)) for r in range(size)]
+    mine = [max(0, min(spec.local, spec.full - r * spec.local)) for r in range(size)]
+    return chunks == mine
+
+
+def checkpoint_entry(t: torch.Tensor, spec: ShardSpec | None, info: TPInfo | None,
+                     name: str = "") -> torch.Tensor:
+    """``t`` (this rank's shard when ``spec``) as an entry of the full-size checkpoint layout.
+
+    A shard becomes a DTensor of the full tensor over the tp group, ``Shard(spec.dim)``, holding
+    this rank's valid rows (padding is not saved), so each rank writes its own rows and any
+    layout can read them back. No communication, except for a fused tensor (q, k and v in one
+    weight), whose rows DTensor cannot describe: it is gathered over tp (one all-gather) and
+    saved whole, as a replicated entry that any layout reads back (`restore_entry`).
+    """
+    t = t.detach()
+    if spec is None or info is None:  # a spec always comes from an info's specs
+        return t.clone()
+    if not spec.contiguous:
+        return gather_full(t, spec, info)
+    if not _chunk_rows(spec, info.size):
+        raise ValueError(f"checkpoint: {name!r} is split into {spec.local}-row shards of {spec.full} "
+                         f"rows over tp={info.size}, which is not DTensor's chunking; cannot save it")
+    from torch.distributed.tensor import DTensor, Shard
+
+
+    shape = list(t.shape)
+    shape[spec.dim] = spec.full
+    local = t.narrow(spec.dim, 0, spec.valid).contiguous().clone()
+    return DTensor.from_local(local, mesh_of(info.group, t.device), [Shard(spec.dim)], run_check=False,
+                              shape=torch.Size(shape), stride=contiguous_stride(torch.Size(shape)))
+
+
+@torch.no_grad()
+def restore_entry(target: torch.Tensor, value: torch.Tensor, spec: ShardSpec | None) -> None:
+    """Copy a loaded `checkpoint_entry` back into this rank's tensor (its shard when ``spec``)."""
+    from torch.distributed.tensor import DTensor
+
+    if spec is None:
+        target.copy_(value)
+    elif not spec.contiguous:  # saved whole (see checkpoint_entry)
+        target.copy_(spec.take(value))
+    else:
+        assert isinstance(value, DTensor), "a tp shard's template entry is a DTensor"
+        target.narrow(spec.dim, 0, spec.valid).copy_(value.to_local())
