@@ -111,6 +111,59 @@ def test_the_library_never_imports_the_application():
     assert not bad, bad
 
 
+# The strategies: each places parameters or runs the model its own way, and none imports another.
+STRATEGIES = ("plait.ddp", "plait.fsdp", "plait.tp", "plait.ep", "plait.cp", "plait.pipeline",
+              "plait.data_parallel", "plait.activation_checkpointing")
+# What learns how a parameter is placed from `plait.placement` alone (never from the strategy
+# that placed it), and the record itself.
+PLACEMENT_READERS = ("plait.ddp", "plait.fsdp", "plait.clip", "plait.state_dict", "plait.checkpoint",
+                     "plait.activation_checkpointing", "plait.materialize", "plait.placement")
+# The composition edges that remain, each for a reason that is about composing, not placement:
+COMPOSITION_EDGES = {
+    # `Pipeline(tp_plan=...)` applies tensor parallelism to each stage it builds, and checks the
+    # plan's styles against the stage boundaries, before the stages are wrapped.
+    ("plait.pipeline", "plait.tp"),
+    # `context_parallel` refuses a block that is checkpointed already (its position hooks must be
+    # inside the recomputation): it reads activation checkpointing's mark, so the order is checked.
+    ("plait.cp", "plait.activation_checkpointing"),
+}
+
+
+def _owner(module: str, owners: tuple[str, ...]) -> str | None:
+    return next((o for o in owners if module == o or module.startswith(o + ".")), None)
+
+
+def _cross_edges(imports: dict[str, set[tuple[str, str]]]) -> set[tuple[str, str]]:
+    """(importer, imported) for every import from one strategy (or placement reader) into another
+    strategy, by package, at any depth (top, function body, type checking)."""
+    found: set[tuple[str, str]] = set()
+    for m, deps in imports.items():
+        for importer in {_owner(m, STRATEGIES), _owner(m, PLACEMENT_READERS)} - {None}:
+            for t, _ in deps:
+                imported = _owner(t, STRATEGIES)
+                if imported is not None and imported != importer:
+                    found.add((str(importer), imported))
+    return found
+
+
+def test_the_strategy_edge_finder_sees_a_reader_importing_a_strategy():
+    mods = {"plait.clip": (ast.parse("def f():\n    from plait.tp.apply import tp_info\n"), False),
+            "plait.tp.apply": (ast.parse("from plait.rng import RNGFork\n"), False),
+            "plait.rng": (ast.parse(""), False)}
+    assert _cross_edges(_imports(mods)) == {("plait.clip", "plait.tp")}
+
+
+def test_no_strategy_imports_another_and_readers_read_only_the_placement_record():
+    """DDP, FSDP, clipping, state dicts and checkpoints learn how each parameter is placed from
+    `plait.placement`, which tensor and expert parallelism write; no strategy imports another
+    except the listed composition edges (`plait.parallelize` is the composition and may)."""
+    edges = _cross_edges(_imports(_modules()))
+    assert not edges - COMPOSITION_EDGES, sorted(edges - COMPOSITION_EDGES)
+    assert not COMPOSITION_EDGES - edges, f"no longer needed: {sorted(COMPOSITION_EDGES - edges)}"
+    readers_edges = {e for e in edges if e[0] in PLACEMENT_READERS}
+    assert not readers_edges, sorted(readers_edges)
+
+
 # One interpreter imports torch (most of a fresh interpreter's start) and forks a child per
 # question: each child starts with torch and the standard library only, as a new `python -c` would.
 FORKER = """

@@ -13,7 +13,7 @@ point-to-point buffers take the dtypes its metadata pass reports). Backward runs
 casts: each use's low-precision weight gradient is summed in the low dtype (tied uses included)
 and then cast back, so ``.grad`` of every master weight is fp32 and accumulation over
 microbatches or ``no_sync`` steps happens in fp32. Losses are computed in fp32
-(`plait.models.gpt.lm_loss` and the vocab-parallel cross-entropy raise the logits to it).
+(`plait.losses.lm_loss` and the vocab-parallel cross-entropy raise the logits to it).
 
 A module called *outside* the root's forward (a recomputation by activation checkpointing, during
 backward) casts its own parameters in its own pre-hook, so it sees the same values.

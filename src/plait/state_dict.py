@@ -11,7 +11,7 @@ A wrapper that holds the state in its own way supplies it with two methods,
 ``full_state_dict()`` and ``load_full_state_dict(state)``: FSDP gathers its flat shards (and,
 over tensor parallelism, the tp shards), a pipeline gathers its stages across pp (`union_over`),
 DDP and DataParallel ask their module. Any other module takes the default path: a
-tensor-parallel module's shards are gathered over tp (`plait.tp.state`), a plain module's
+tensor-parallel module's shards are gathered over tp (`plait.placement.state`), a plain module's
 state dict is copied. The checkpoint protocol (`plait.checkpoint.protocol`) has the same shape.
 
 The values given to `load_full_state_dict` may also be `plait.tensor_source.TensorSource`s (a

@@ -17,7 +17,7 @@ and know no wrapper type:
 FSDP returns its sharded state dict; a pipeline, its own stages' entries (`module_state`,
 renaming weights tied across pp ranks); DDP and DataParallel, their module's. Any other module
 takes the default path, `module_state`: its ``state_dict()``, with a tensor-parallel module's
-shards as DTensors over tp (`plait.tp.state.checkpoint_entry`).
+shards as DTensors over tp (`plait.placement.state.checkpoint_entry`).
 
 The optimizer side is duck-typed as well: an optimizer that steps only a share of the
 parameters (`plait.ZeroRedundancyOptimizer`) answers ``owns(p)``, and only the owner of a

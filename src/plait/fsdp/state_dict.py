@@ -100,7 +100,7 @@ def _scatter_flat(flat: FlatParam, full: torch.Tensor, dest: torch.Tensor) -> No
 def full_state_dict(model: ShardedModel) -> dict[str, torch.Tensor]:
     """Every parameter and buffer at full size on CPU, the same on every rank: one all-gather per
     flat group over fsdp, then, over tensor parallelism, one per tp-sharded slot over tp (the slot
-    holds this rank's tp shard; `plait.tp.state.gather_full` drops uneven splits' padding)."""
+    holds this rank's tp shard; `plait.placement.state.gather_full` drops uneven splits' padding)."""
     out: dict[str, torch.Tensor] = {}
     for flat in _flats(model):
         full = _gather_flat(flat, _shard_of(flat))
@@ -165,7 +165,7 @@ def _to_entries(model: ShardedModel, flat: FlatParam, locals_: list[torch.Tensor
     Without tensor parallelism: the DTensors themselves (``Shard(0)`` over fsdp, HSDP replicated
     over dp), made from the locals. With it, a slot is a tp shard of the original parameter: the
     flat vector is gathered over fsdp (one unit at a time) and each slot becomes
-    `plait.tp.state.checkpoint_entry` of its tp shard, a DTensor over tp that every fsdp rank of
+    `plait.placement.state.checkpoint_entry` of its tp shard, a DTensor over tp that every fsdp rank of
     the tp coordinate writes alike (stored once); that also covers fused and padded tp splits.
     """
     if model.tp is None:

@@ -67,7 +67,7 @@ def vocab_parallel_cross_entropy(
     ``[r * local_vocab, (r + 1) * local_vocab)``); ``targets``: ``(...)`` full token ids,
     the same on every rank; ``vocab_size``: the real vocabulary when the last slice is padded
     (default: ``local_vocab * tp``). Returns the same scalar on every rank, equal to
-    `plait.models.gpt.lm_loss` on the full logits.
+    `plait.losses.lm_loss` on the full logits.
     """
     n, r = dist.get_world_size(group), dist.get_rank(group)
     local = logits.shape[-1]
