@@ -371,3 +371,15 @@ def test_the_readme_lists_the_composition_order_as_parallelize_applies_it():
     doc = plait.parallelize.__doc__ or ""
     at = [doc.lower().find(f"**{step.split(' (')[0]}**") for step in ORDER]  # the numbered headings
     assert -1 not in at and at == sorted(at), dict(zip(ORDER, at))
+
+
+def test_each_composition_step_is_called_once_for_both_paths():
+    """The order is written once: `plait.parallelize` calls each strategy in one place, a step
+    the plain path and every pipeline stage share (not one copy per path)."""
+    import plait.parallelize as composition
+
+    tree = ast.parse(inspect.getsource(composition))
+    called = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    for step in ("context_parallel", "expert_parallel", "checkpoint_blocks", "mixed_precision",
+                 "tensor_parallel", "Pipeline"):
+        assert called.count(step) == 1, (step, called.count(step))

@@ -221,31 +221,28 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     with the same error instead of leaving some ranks waiting.
     """
     _check(module, mesh, plan)
-    if mesh.size("pp") > 1:  # 0. split; the pipeline applies 1-3 to each of this rank's stages
-        pipe = Pipeline(module, mesh, split=plan.pp_split, schedule=plan.pp_schedule,
+    pipelined = mesh.size("pp") > 1
+    # Steps 1b to 2b, one function for both paths: applied to the whole model, or by the pipeline
+    # to each of this rank's stages (materialized and tensor parallel, as below).
+    steps = _steps_after_tensor_parallel(module, mesh, plan, pipelined)
+    if pipelined:  # 0. split; the pipeline applies 1 to 3 to each of this rank's stages
+        return Pipeline(module, mesh, split=plan.pp_split, schedule=plan.pp_schedule,
                         microbatches=plan.pp_microbatches, loss_fn=plan.loss_fn, chunks=plan.pp_chunks,
                         seed=plan.seed, device=device(), tp_plan=plan.tp,
                         sequence_parallel=plan.sequence_parallel, p2p=plan.p2p,
-                        stage_wrapper=_stage_wrapper(module, mesh, plan),
-                        stage_steps=_stage_steps(module, mesh, plan))
-        return pipe
+                        stage_wrapper=_stage_wrapper(module, mesh, plan), stage_steps=steps)
     if plan.tp is not None:  # 1. tensor parallel
         module = tensor_parallel(module, mesh, plan.tp, sequence_parallel=plan.sequence_parallel,
                                  seed=plan.seed, strict=False, check=plan.tp_check)
-    if plan.cp is not None:  # 1b. context parallel
-        context_parallel(module, mesh, plan.cp)
-    if moe_layers(module):  # 1c. expert parallel (ep=1: the experts are only marked)
-        expert_parallel(module, mesh, plan.sequence_parallel)
-    if plan.ac is not None:  # 2. activation checkpointing
-        checkpoint_blocks(module, select_blocks(module, plan.ac_blocks, plan.ac_every), plan.ac)
+    if is_meta(module) and plan.data != "fsdp":
+        # Full replicas: materialized where a pipeline materializes its stages (FSDP materializes
+        # only its shards itself). Not to_empty() + init_weights: to_empty makes a new tensor per
+        # module, untying tied weights (an embedding shared with the LM head would train as two).
+        materialize(module, plan.seed, keep_whole(device()))
+    if steps is not None:  # 1b to 2b
+        steps(module)
     if plan.data == "fsdp":  # 3. data parallel
         return FullyShardedDataParallel(module, mesh, **_fsdp_options(plan, plan.fsdp_units))
-    if is_meta(module):  # DDP keeps full replicas: materialize with the same per-module init
-        # Not to_empty() + init_weights: to_empty makes a new tensor per module, untying tied
-        # weights (an embedding shared with the LM head would train as two).
-        materialize(module, plan.seed, keep_whole(device()))
-    if plan.precision is not None:  # fp32 masters, low-precision compute; DDP reads its reduce dtype
-        mixed_precision(module, plan.precision)
     if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:
         return DistributedDataParallel(module, mesh, **plan.ddp_options)
     return module
@@ -346,29 +343,32 @@ def _fsdp_options(plan: ParallelPlan, units: Sequence[type | str] | None) -> dic
                 offload=plan.offload, seed=plan.seed)
 
 
-def _stage_steps(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Callable[[nn.Module], None] | None:
-    """Steps 1b to 3's mixed precision for pipeline stages, in the plain path's order: context
-    parallelism, expert parallelism, checkpointing of the blocks chosen in the whole model
-    (``ac_every`` counts over all of them) that a stage holds (under their names in the model),
-    then mixed precision where FSDP does not cast (before the stage wrapper, as DDP is applied
-    after it on one model). The pipeline calls it on each materialized, tensor-parallel stage."""
+def _steps_after_tensor_parallel(module: nn.Module, mesh: Mesh, plan: ParallelPlan,
+                                 pipelined: bool) -> Callable[[nn.Module], None] | None:
+    """Steps 1b to 2b, in `ORDER`, for one part: the whole model, or (``pipelined``) each of this
+    rank's materialized, tensor-parallel pipeline stages: context parallelism, expert parallelism,
+    checkpointing of the blocks chosen in the whole model (``ac_every`` counts over all of them,
+    so a stage checkpoints those it holds, under their names in the model), then mixed precision
+    where FSDP does not cast (DDP, wrapped next, reads its reduce dtype). None: nothing to apply."""
     experts = bool(moe_layers(module))
     precision = plan.precision if plan.data != "fsdp" else None
     if plan.ac is None and plan.cp is None and not experts and precision is None:
         return None
     chosen = select_blocks(module, plan.ac_blocks, plan.ac_every) if plan.ac is not None else []
     policy, algorithm, sequence_parallel = plan.ac, plan.cp, plan.sequence_parallel
+    # A stage does not hold the whole model, where "auto" looks for the kind of positions.
+    positions = "rotary" if pipelined else "auto"
 
-    def apply(stage: nn.Module) -> None:
-        if algorithm is not None and has_attention(stage):
-            context_parallel(stage, mesh, algorithm, positions="rotary")
-        if experts and moe_layers(stage):
-            expert_parallel(stage, mesh, sequence_parallel)
-        if policy is not None:
-            held = {n for n, _ in stage.named_modules()}
-            checkpoint_blocks(stage, [n for n in chosen if n in held], policy)
-        if precision is not None:  # fp32 masters; DDP, wrapped next, reads its reduce dtype
-            mixed_precision(stage, precision)
+    def apply(part: nn.Module) -> None:
+        if algorithm is not None and (not pipelined or has_attention(part)):  # 1b
+            context_parallel(part, mesh, algorithm, positions=positions)
+        if experts and moe_layers(part):  # 1c (ep=1: the experts are only marked)
+            expert_parallel(part, mesh, sequence_parallel)
+        if policy is not None:  # 2
+            held = {n for n, _ in part.named_modules()}
+            checkpoint_blocks(part, [n for n in chosen if n in held], policy)
+        if precision is not None:  # 2b: fp32 masters, low-precision compute
+            mixed_precision(part, precision)
 
     return apply
 
