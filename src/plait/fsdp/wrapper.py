@@ -53,6 +53,7 @@ a CPU-only machine the same copies run host-to-host, so tests can check the data
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -331,28 +332,39 @@ class FullyShardedDataParallel(nn.Module):
                 nxt.prefetch()
 
     def _make_post_backward(self, flat: FlatParam, i: int):
-        def hook(_leaf: torch.Tensor) -> None:
-            if not self._backward_queued:
-                # A backward that entered no unit through its outputs (a pipeline's deferred
-                # weight-gradient pass starts inside the stage): reductions are still awaited
-                # when it ends.
-                self._backward_queued = True
-                queue_end_of_backward(self._end_backward)
-            if not self._sync:
-                return  # no_sync: unsharded gradients keep accumulating on the leaves
-            if not flat.grad_ready(i):
-                return  # the unit's other parameters have not reported yet
-            flat.start_reduce()  # overlaps with the rest of backward
-            self._reduced.add(id(flat))
-            if self.zero_stage == 3:
-                flat.reshard()
-            # Keep one reduction in flight: an issued reduce-scatter holds its full-size input
-            # gradient until awaited, so waiting for the older one here bounds memory to about
-            # one unit's unsharded gradient while the newest still overlaps with compute.
-            self._inflight.append(flat)
-            while len(self._inflight) > 1:
-                self._inflight.pop(0).finish_reduce()
+        # Held weakly: autograd keeps a leaf's hooks on the C++ side, where the garbage collector
+        # cannot see the cycle leaf -> hook -> flat -> leaf, so a strong reference would keep every
+        # wrapped model (and its process groups, each with its Gloo threads) alive for good.
+        me, flat_ref = weakref.ref(self), weakref.ref(flat)
+
+        def hook(leaf: torch.Tensor) -> None:
+            fsdp, alive = me(), flat_ref()
+            if fsdp is not None and alive is not None:
+                fsdp._post_backward(alive, i)
         return hook
+
+    def _post_backward(self, flat: FlatParam, i: int) -> None:
+        """A leaf of ``flat`` (its ``i``-th) has accumulated its gradient."""
+        if not self._backward_queued:
+            # A backward that entered no unit through its outputs (a pipeline's deferred
+            # weight-gradient pass starts inside the stage): reductions are still awaited
+            # when it ends.
+            self._backward_queued = True
+            queue_end_of_backward(self._end_backward)
+        if not self._sync:
+            return  # no_sync: unsharded gradients keep accumulating on the leaves
+        if not flat.grad_ready(i):
+            return  # the unit's other parameters have not reported yet
+        flat.start_reduce()  # overlaps with the rest of backward
+        self._reduced.add(id(flat))
+        if self.zero_stage == 3:
+            flat.reshard()
+        # Keep one reduction in flight: an issued reduce-scatter holds its full-size input
+        # gradient until awaited, so waiting for the older one here bounds memory to about
+        # one unit's unsharded gradient while the newest still overlaps with compute.
+        self._inflight.append(flat)
+        while len(self._inflight) > 1:
+            self._inflight.pop(0).finish_reduce()
 
     def _end_backward(self) -> None:
         self._backward_queued = False
