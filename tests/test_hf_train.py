@@ -66,7 +66,7 @@ def test_hf_config_is_checked_before_anything_starts(tmp_path, llama_config, cap
         (["--hf-config", llama_config, "--model", "small"], "--model small and --hf-config both name"),
         (["--hf-config", llama_config, "--seq-len", "65"], "--seq-len 65: the model's positions end at 64"),
         (["--hf-config", llama_config, "--nproc", "8", "--pp", "8", "--batch-size", "32"],
-         r"--pp 8 x 1 stages per rank \(--chunks.*\) = 8 pipeline stages, but the .* model has only 6 "
+         r"--pp 8 x 1 stages per rank \(the chunks.*\) = 8 pipeline stages, but LlamaForCausalLM has only 6 "
          "segments"),
     ]
     for argv, match in cases:

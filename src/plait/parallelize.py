@@ -53,163 +53,36 @@ The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to ev
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from plait.activation_checkpointing import check_options, checkpoint_blocks, select_blocks
+from plait.activation_checkpointing import checkpoint_blocks, select_blocks
 from plait.blocks import blocks
 from plait.callable_module import make_callable
-from plait.cp.apply import ALGORITHMS, context_parallel, has_attention
-from plait.cp.positions import rotaries
+from plait.cp.apply import context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
-from plait.ep.apply import expert_parallel, no_moe_reason
+from plait.ep.apply import expert_parallel
 from plait.fsdp.wrapper import FullyShardedDataParallel
 from plait.materialize import is_meta, keep_whole, materialize
 from plait.mesh import Mesh
 from plait.models.moe import moe_layers
 from plait.names import matches
+from plait.parallel_plan import ParallelPlan
 from plait.pipeline.api import Pipeline
-from plait.pipeline.arguments import P2P_MODES, resolve_schedule
-from plait.pipeline.generators import SCHEDULES
-from plait.pipeline.schedules import Schedule
 from plait.pipeline.wrapping import StageWrapper
-from plait.precision import MixedPrecision, check_castable, mixed_precision, parse_mixed_precision
+from plait.precision import mixed_precision
+from plait.rules import ZERO3_SPLIT_BACKWARD, LayoutError, check_layout
 from plait.tp.apply import tensor_parallel
-from plait.tp.context import Style
-from plait.tp.styles import ParallelRegion
 
 __all__ = ["ParallelPlan", "parallelize", "ORDER"]
 
-DATA_STRATEGIES = ("ddp", "fsdp", "none")
 ORDER = ("pipeline split", "tensor parallel", "context parallel", "expert parallel",
          "activation checkpointing", "mixed precision", "data parallel (DDP or FSDP)")
-# Pipeline options and their defaults: read only when the mesh has pp > 1.
-PIPELINE_DEFAULTS: dict[str, Any] = {"pp_split": "auto", "pp_schedule": "1f1b", "pp_microbatches": 4,
-                                     "pp_chunks": 1, "loss_fn": None, "p2p": "auto"}
-ZERO3_SPLIT_BACKWARD = (
-    "ZeRO-3 frees each stage's gathered parameters when a backward pass ends, so the deferred W, "
-    "which runs later from the saved graph, could read freed parameters (any weight gradient that "
-    "depends on the weight itself); use zero_stage=2 (parameters stay gathered) or data='ddp', or a "
-    "schedule without W: 'gpipe', '1f1b' or 'interleaved'")
-
-
-@dataclass
-class ParallelPlan:
-    """What to apply on each mesh axis. The ``pp_*`` fields, ``loss_fn`` and ``p2p`` are
-    `plait.pipeline`'s ``split``, ``schedule``, ``microbatches``, ``chunks``, ``loss_fn`` and
-    ``p2p``, read when the mesh has pp > 1. ``ac``, ``ac_every`` and ``ac_blocks`` are
-    `plait.activation_checkpointing`'s ``policy``, ``every`` and ``blocks``."""
-
-    tp: Mapping[str, Style] | None = None  # module-name pattern -> style; None: no tensor parallel
-    sequence_parallel: bool = False
-    cp: str | None = None  # context parallel algorithm: "ring", "allgather", "ulysses"; None: off
-    ac: str | None = None  # activation checkpointing: "full", "selective" or None (off)
-    ac_every: int = 1  # checkpoint every k-th block only
-    ac_blocks: Sequence[type | str] | None = None  # None: the blocks of the outermost containers
-    data: str = "ddp"  # "ddp" over dp, "fsdp" over fsdp (hybrid with dp), or "none"
-    zero_stage: int = 3
-    mixed_precision: str | MixedPrecision | None = None  # "bf16" / "fp16": compute dtype, fp32 masters
-    offload: bool = False
-    reshard_after_forward: bool = True
-    backward_prefetch: bool = True
-    fsdp_units: Sequence[type | str] | None = None
-    ddp_options: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0  # init seed for modules still on the meta device
-    tp_check: bool | str = True  # `tensor_parallel(check=...)`: dry run and numeric check; "shapes"; False
-    pp_split: str | Sequence[str] = "auto"  # "auto" or the segment names that start stages 1..
-    pp_schedule: str | Schedule | Sequence[Sequence[Any]] = "1f1b"
-    pp_microbatches: int = 4
-    pp_chunks: int = 1  # stages per pp rank (interleaved schedules)
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None  # (last stage output, targets) -> scalar
-    p2p: str = "auto"
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> ParallelPlan:
-        """Raise on a plan that names an option its data strategy would ignore, or a malformed
-        pipeline option; return ``self``."""
-        if self.data not in DATA_STRATEGIES:
-            raise ValueError(f"ParallelPlan(data=...) must be one of {DATA_STRATEGIES}, got {self.data!r}")
-        # Options only FSDP reads: under DDP or no data parallelism they would change nothing,
-        # so a run asked for bf16 or offloading would silently train in fp32 on the device.
-        fsdp_only = {"zero_stage": self.zero_stage != 3, "offload": self.offload,
-                     "reshard_after_forward": not self.reshard_after_forward,
-                     "backward_prefetch": not self.backward_prefetch,
-                     "fsdp_units": self.fsdp_units is not None}
-        given = [f"{k}={getattr(self, k)!r}" for k, on in fsdp_only.items() if on]
-        if self.data != "fsdp" and given:
-            raise ValueError(f"ParallelPlan({', '.join(given)}): FSDP options, read only with data='fsdp' "
-                             f"(FSDP / HSDP); data={self.data!r} would ignore them: use data='fsdp' or leave "
-                             "them unset")
-        if self.data != "ddp" and self.ddp_options:
-            raise ValueError(f"ParallelPlan(ddp_options={self.ddp_options!r}) applies to data='ddp'; "
-                             f"got data={self.data!r}")
-        if self.cp is not None and self.cp not in ALGORITHMS:
-            raise ValueError(f"ParallelPlan(cp=...) must be one of {tuple(ALGORITHMS)} or None, got "
-                             f"{self.cp!r}")
-        _check_precision(self)
-        _check_pipeline_fields(self)
-        check_options(self.ac, self.ac_every, self.ac_blocks, where="ParallelPlan(ac=...)")
-        return self
-
-    @property
-    def precision(self) -> MixedPrecision | None:
-        """``mixed_precision`` as a `MixedPrecision` (None: fp32)."""
-        return parse_mixed_precision(self.mixed_precision, "ParallelPlan(mixed_precision=...)")
-
-    def pipeline_options(self) -> dict[str, Any]:
-        """The pipeline fields set to something other than their defaults."""
-        return {k: getattr(self, k) for k, d in PIPELINE_DEFAULTS.items() if getattr(self, k) != d}
-
-
-def _check_precision(plan: ParallelPlan) -> None:
-    """Mixed precision under every data strategy: FSDP casts its gathered parameters itself; DDP and
-    no data parallelism use `plait.mixed_precision`, whose reduce dtype DDP reads (see `_ddp_options`)."""
-    mp = plan.precision  # raises on a value that names no precision
-    if mp is None or plan.data != "ddp":
-        return
-    asked = plan.ddp_options.get("gradient_compression")
-    if mp.wire_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"ParallelPlan(mixed_precision={plan.mixed_precision!r}): DDP reduces the fp32 "
-                         f"master gradients as they are or as a bf16 / fp16 copy, not in {mp.wire_dtype}")
-    if asked is not None and _COMPRESSION_NAMES.get(mp.wire_dtype) != asked:
-        raise ValueError(f"ParallelPlan(ddp_options={{'gradient_compression': {asked!r}}}) disagrees with "
-                         f"mixed_precision={plan.mixed_precision!r}, which reduces gradients in "
-                         f"{mp.wire_dtype}; drop the option (it follows the precision's reduce dtype) or "
-                         "change the reduce dtype")
-
-
-# DDP's gradient_compression for a reduce dtype (fp32: none; the master gradients are fp32).
-_COMPRESSION_NAMES: dict[torch.dtype, str | None] = {torch.float32: None, torch.bfloat16: "bf16",
-                                                     torch.float16: "fp16"}
-
-
-def _check_pipeline_fields(plan: ParallelPlan) -> None:
-    for name in ("pp_microbatches", "pp_chunks"):
-        v = getattr(plan, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"ParallelPlan({name}=...) must be an integer >= 1, got {v!r}")
-    if plan.p2p not in P2P_MODES:
-        raise ValueError(f"ParallelPlan(p2p=...) must be one of {P2P_MODES}, got {plan.p2p!r}")
-    if plan.loss_fn is not None and not callable(plan.loss_fn):
-        raise TypeError(f"ParallelPlan(loss_fn=...) must be a callable (output, targets) -> scalar loss, "
-                        f"got {plan.loss_fn!r}")
-    split = plan.pp_split
-    names_ok = (isinstance(split, Sequence) and not isinstance(split, str)
-                and all(isinstance(n, str) for n in split))
-    if split != "auto" and not names_ok:
-        raise ValueError(f"ParallelPlan(pp_split=...) must be 'auto' or a list of segment names starting "
-                         f"stages 1.. (e.g. ['layers.4']), got {split!r}")
-    sched = plan.pp_schedule
-    if sched not in SCHEDULES if isinstance(sched, str) else not isinstance(sched, (Schedule, Sequence)):
-        raise ValueError(f"ParallelPlan(pp_schedule=...) must be one of {SCHEDULES}, a plait Schedule or "
-                         f"per-rank action lists, got {sched!r}")
 
 
 def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module | Pipeline:
@@ -249,92 +122,16 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
 
 
 def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
+    """`plait.rules.check_layout`, the one rule set ``plait train``, ``plait check`` and ``plait plan``
+    also run. The tensor-parallel plan's dry run is left to `tensor_parallel`, which runs it (with
+    its numeric check) as step 1, still before any collective."""
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"parallelize(plan=...) expects a plait.ParallelPlan, got {type(plan).__name__}")
-    plan.validate()  # again: its fields may have been changed since it was made
-    if mesh.size("tp") > 1 and plan.tp is None:
-        raise ValueError(f"parallelize: {mesh} has tp={mesh.size('tp')} but the plan has no tp styles")
-    if mesh.size("cp") > 1:
-        _check_cp(module, mesh, plan)
-    split_experts = [p for p, st in (plan.tp or {}).items()
-                     if ".experts." in p and isinstance(st, ParallelRegion)]
-    if plan.sequence_parallel and split_experts:
-        raise ValueError(f"parallelize: tensor-parallel experts ({split_experts[0]!r}) with "
-                         "sequence parallelism: an expert's rows are the tokens routed to it, not a sequence "
-                         "that SP's all-gather and reduce-scatter could cut; use "
-                         "gpt_plan(experts='replicate') or sequence_parallel=False")
-    _check_balance(module, mesh, plan)
-    if mesh.ep > 1 and not moe_layers(module):
-        raise ValueError(f"parallelize: {mesh} has ep={mesh.ep}, but {no_moe_reason(module)}")
-    if plan.data == "ddp" and mesh.size("fsdp") > 1:
-        raise ValueError(f"parallelize: data='ddp' uses the dp axis, but {mesh} has fsdp="
-                         f"{mesh.size('fsdp')}; use data='fsdp' or put those ranks on dp")
-    if plan.precision is not None and plan.data != "fsdp":
-        check_castable(module)
-    if plan.fsdp_units is not None:  # against the whole model: each stage holds only some units
-        _check_units(module, plan.fsdp_units)
-    if plan.ac is not None:
-        select_blocks(module, plan.ac_blocks, plan.ac_every)  # raises when nothing is matched
-    if mesh.size("pp") == 1:
-        given = plan.pipeline_options()
-        if given:
-            listed = ", ".join(f"{k}={v!r}" for k, v in given.items())
-            raise ValueError(f"ParallelPlan({listed}): pipeline options, read only when the mesh has pp > 1; "
-                             f"{mesh} has pp=1: leave them unset or add a pp axis")
-    elif plan.ddp_options.get("find_unused_parameters"):
-        raise ValueError("ParallelPlan(ddp_options={'find_unused_parameters': True}) cannot be used with a "
-                         "pipeline: DDP walks a forward's graph for unused parameters, but a stage's "
-                         "microbatches run several forwards before the backward that reduces; every "
-                         "parameter of a stage must get a gradient")
-    elif plan.ddp_options.get("broadcast_buffers"):
-        raise ValueError("ParallelPlan(ddp_options={'broadcast_buffers': True}) cannot be used with a "
-                         "pipeline: the broadcast writes the buffers in place before every forward, while "
-                         "earlier microbatches' graphs still hold them for their backward; pipeline stages "
-                         "get their buffers broadcast once, when wrapped")
-
-
-def _check_balance(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
-    """The MoE balancing loss's statistic can be honoured on this layout."""
-    layers = [m for m in moe_layers(module) if m.aux_loss_coef]
-    per_microbatch = [m for m in layers if m.balance_statistic == "microbatch"]
-    if mesh.size("cp") > 1 and per_microbatch:
-        raise ValueError("parallelize: an MoE balancing loss over each micro-batch "
-                         "(balance_statistic='microbatch') with context parallelism: each cp rank would "
-                         "count the assignments of its part of the sequence only; use "
-                         "balance_statistic='global' (or aux_loss_coef=0 with bias balancing)")
-    if mesh.size("pp") > 1 and len(per_microbatch) < len(layers):
-        sched = resolve_schedule(plan.pp_schedule, mesh.size("pp"), plan.pp_microbatches, plan.pp_chunks)
-        if not sched.forwards_first:
-            raise ValueError(f"parallelize: the MoE balancing loss over the step's whole batch "
-                             f"(balance_statistic='global') with the {sched.name!r} pipeline schedule: a "
-                             "stage runs a microbatch's backward before the step's last forward, so the "
-                             "statistic over every microbatch is not known when that backward needs it; use "
-                             "pp_schedule='gpipe' (every forward first), or balance_statistic='microbatch' "
-                             "(each microbatch's own statistic)")
-
-
-def _check_cp(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
-    n = mesh.size("cp")
-    if plan.cp is None:
-        raise ValueError(f"parallelize: {mesh} has cp={n} but the plan names no context-parallel algorithm; "
-                         f"set ParallelPlan(cp=...) to one of {tuple(ALGORITHMS)}")
-    if plan.data == "none":
-        raise ValueError(f"parallelize: cp={n} ranks hold the same parameters and see different tokens, so "
-                         "their gradients must be averaged; data='none' would leave each rank with its own: "
-                         "use data='ddp' or 'fsdp'")
-    if mesh.size("pp") > 1 and not rotaries(module):
-        raise ValueError("parallelize: context parallelism inside a pipeline gives positions only to modules "
-                         "whose forward takes positions (plait GPT's rotary tables); "
-                         f"{type(module).__name__} has none (its positions are computed in its forward, "
-                         "which pipeline stages replay on local tokens)")
-
-
-def _check_units(module: nn.Module, units: Sequence[type | str]) -> None:
-    names = [n for n, _ in module.named_modules() if n]
-    for u in units:
-        if isinstance(u, str) and not any(matches(u, n) for n in names):
-            raise ValueError(f"ParallelPlan(fsdp_units=...): {u!r} matches no submodule of "
-                             f"{type(module).__name__}")
+    try:
+        check_layout(module, mesh, plan, tp_dry_run=False)
+    except LayoutError as e:
+        e.message = f"parallelize: {e.message}"
+        raise
 
 
 def _fsdp_options(plan: ParallelPlan, units: Sequence[type | str] | None) -> dict[str, Any]:

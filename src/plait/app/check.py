@@ -20,9 +20,9 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from plait.app.config import STRATEGIES, ParallelSection, given_flags
-from plait.parallelize import ZERO3_SPLIT_BACKWARD, ParallelPlan
-from plait.pipeline.generators import SPLIT_BACKWARD
+from plait.app.config import STRATEGIES, ParallelSection, given_flags, in_flags
+from plait.parallel_plan import ParallelPlan
+from plait.rules import LayoutError
 
 __all__ = ["CheckSection", "BatchSection", "CheckConfig", "parse_args", "layout_of", "layout_from_flags",
            "cli_main"]
@@ -131,11 +131,6 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
         if refused:
             raise ValueError(f"{flag} {refused}: plait check does not build this into the layout it compares "
                              f"({why}); drop the flag")
-    if par.sequence_parallel and par.tp < 2:
-        raise ValueError(f"--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
-                         f"--tp 2 or more, got --tp {par.tp}")
-    if par.pp > 1 and par.strategy == "fsdp" and par.zero_stage == 3 and par.schedule in SPLIT_BACKWARD:
-        raise ValueError(f"--schedule {par.schedule} with --zero-stage 3: {ZERO3_SPLIT_BACKWARD}")
     if par.chunks > 1 and par.pp < 2:
         raise ValueError(f"--chunks {par.chunks} sets pipeline stages per rank: it needs --pp 2 or more")
     if par.nproc % (par.pp * par.tp * par.dp):
@@ -221,7 +216,8 @@ def cli_main(argv: list[str]) -> int:
                        tolerance=c.tolerance, batch_size=b.batch_size, seq=b.seq, vocab=b.vocab, lr=c.lr,
                        seed=c.seed, activations=c.activations)
     except (ValueError, TypeError) as e:
-        print(f"plait check: error: {e}", file=sys.stderr)
+        said = f"check: {in_flags(e.__cause__)}" if isinstance(e.__cause__, LayoutError) else str(e)
+        print(f"plait check: error: {said}", file=sys.stderr)
         return 2
     except RuntimeError as e:
         print(f"plait check: {e}", file=sys.stderr)

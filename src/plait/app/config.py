@@ -25,6 +25,7 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +44,9 @@ from plait.app import data as corpus
 from plait.app import usermodel
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, PRESETS, GPTConfig
-from plait.pipeline import SCHEDULES, make_schedule
-from plait.pipeline.generators import SPLIT_BACKWARD, stages_per_rank
-from plait.pipeline.split import plan_stages, segments
+from plait.parallel_plan import ParallelPlan
+from plait.pipeline import SCHEDULES
+from plait.rules import LayoutError, MeshShape, check_layout
 
 __all__ = ["ModelSection", "ParallelSection", "OptimizerSection", "DataSection", "CheckpointSection",
            "RunSection", "TrainConfig", "parse_args", "given_flags", "to_toml"]
@@ -389,9 +390,6 @@ class TrainConfig:
         if par.cp == 1 and par.cp_algorithm != "ring":
             raise ValueError(f"--cp-algorithm {par.cp_algorithm} chooses how --cp splits attention; --cp 1 "
                              "would ignore it: add --cp 2 or more")
-        if par.sequence_parallel and par.tp < 2:
-            raise ValueError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it "
-                             f"needs --tp 2 or more, got --tp {par.tp}")
         if par.dp > 1 and par.strategy != "fsdp":
             raise ValueError("--dp (hybrid replicas) applies to --strategy fsdp; with ddp every data rank "
                              "is dp")
@@ -414,10 +412,6 @@ class TrainConfig:
             raise ValueError("--pp combines with --strategy ddp or fsdp (data parallel across pipelines, "
                              "each stage its own DDP or FSDP module) and --tp; got --strategy "
                              f"{par.strategy}")
-        if par.strategy == "fsdp" and par.zero_stage == 3 and par.schedule in SPLIT_BACKWARD:
-            raise ValueError(f"--schedule {par.schedule} with --zero-stage 3: ZeRO-3 frees each stage's "
-                             "gathered parameters when a backward pass ends, so the deferred weight-gradient "
-                             "pass (W) could read freed parameters; use --zero-stage 2 or another --schedule")
         # --grad-accum K runs K times the microbatches in one schedule: the same accumulation, without
         # K pipeline fills and drains, and 1F1B keeps at most --pp microbatches' activations alive.
         microbatches = self.pipeline_microbatches
@@ -425,12 +419,6 @@ class TrainConfig:
         if per_pipeline % microbatches:
             raise ValueError(f"the per-pipeline batch {per_pipeline} is not divisible by --microbatches "
                              f"{par.microbatches} x --grad-accum {self.run.grad_accum}")
-        try:  # the same generator the ranks run: a pure function, no process group needed
-            make_schedule(par.schedule, par.pp, microbatches, par.chunks)
-        except ValueError as e:
-            raise ValueError(f"--schedule {par.schedule} with --pp {par.pp} --microbatches "
-                             f"{par.microbatches} --grad-accum {self.run.grad_accum} --chunks {par.chunks}: "
-                             f"{e}") from None
 
     def _check_model_fit(self) -> None:
         """Model and data against the layout: head counts, pipeline segments, sequence length."""
@@ -453,20 +441,10 @@ class TrainConfig:
     def _check_gpt_model(self) -> None:
         """plait's GPT against the layout (its heads and MLP units over --tp, its blocks over --pp)
         and the data (its vocabulary)."""
-        gcfg, par = self.gpt_config(), self.parallel
-        if par.tp > 1:
-            kv_heads, mlp_units = gcfg.n_kv_heads, gcfg.d_ff
-            assert kv_heads is not None and mlp_units is not None  # GPTConfig.__post_init__ sets them
-            sizes = {"attention heads": gcfg.n_heads, "KV heads": kv_heads, "MLP units": mlp_units}
-            if any(n % par.tp for n in sizes.values()):
-                fits = [d for d in range(1, gcfg.n_heads + 1) if all(n % d == 0 for n in sizes.values())]
-                have = ", ".join(f"{n} {what}" for what, n in sizes.items())
-                raise ValueError(f"--tp {par.tp}: tensor parallelism splits the {self.model.name} model's "
-                                 f"{have} evenly over the tp ranks; --tp must divide them all: one of {fits}")
+        gcfg = self.gpt_config()
         self._check_vocab(gcfg.vocab_size, f"--model {self.model.name} (--vocab-size)")
-        if par.pp > 1:
-            with torch.device("meta"):
-                self._check_stages(GPT(gcfg))
+        with torch.device("meta"):
+            self._check_model_layout(GPT(gcfg), f"--model {self.model.name}")
 
     def _check_data(self) -> corpus.DataInfo:
         """What --data holds (sizes, and the largest token id of a token file), read once here; the
@@ -555,31 +533,11 @@ class TrainConfig:
             raise ValueError(f"--capacity-factor {m.capacity_factor}: must be > 0 (leave it unset: dropless)")
         if par.strategy == "dp":
             raise ValueError("--experts with --strategy dp: use ddp, fsdp or none")
-        if m.experts % par.ep:
-            raise ValueError(f"--ep {par.ep} splits the {m.experts} experts evenly: it must divide --experts")
-        data = par.nproc // (par.pp * par.cp * par.tp)
-        if par.ep > 1 and data % par.ep:
-            raise ValueError(f"--ep {par.ep} folds its groups out of the {data} data-parallel ranks "
-                             "(--nproc / (--pp x --cp x --tp)): it must divide them")
         if par.strategy == "fsdp" and (par.mixed_precision or par.offload):
             raise ValueError("--experts with --strategy fsdp: the experts stay whole outside FSDP's shards, "
                              "where --mixed-precision and --offload would not reach them")
-        if m.balance_statistic == "microbatch":
-            self._check_microbatch_balance()
-        elif m.aux_loss_coef:
+        if m.balance_statistic == "global" and m.aux_loss_coef:
             self._check_global_balance()
-
-    def _check_microbatch_balance(self) -> None:
-        m, par = self.model, self.parallel
-        if par.cp > 1 and m.aux_loss_coef:
-            raise ValueError("--balance-statistic microbatch with --cp: each cp rank would count the "
-                             "balancing loss's assignments over its part of the sequence only; use "
-                             "--balance-statistic global (or --aux-loss-coef 0: --bias-update-rate "
-                             "balances without it)")
-        if par.pp > 1 and m.bias_update_rate:
-            raise ValueError("--bias-update-rate --balance-statistic microbatch with --pp: the balancing "
-                             "step reads every stage's routing counts, which pipeline stages keep apart; "
-                             "use --balance-statistic global (each layer's counts over the whole step)")
 
     def _check_global_balance(self) -> None:
         """The balancing loss's statistic over the step's whole batch is read by the first backward:
@@ -593,13 +551,6 @@ class TrainConfig:
                              "the next micro-batch's forward, so the statistic over the step is not known "
                              "when the first backward needs it; use a larger --nproc or --batch-size per "
                              f"step instead, {advice}")
-        if par.pp > 1 and not make_schedule(par.schedule, par.pp, self.pipeline_microbatches,
-                                            par.chunks).forwards_first:
-            raise ValueError(f"--schedule {par.schedule} with the MoE balancing loss over the step's "
-                             "whole batch (--balance-statistic global): a stage runs a microbatch's "
-                             "backward before the step's last forward, so the statistic over every "
-                             "microbatch is not known when that backward needs it; use --schedule gpipe "
-                             f"(every forward first), {advice}")
 
     def _check_cp(self, seq_len: int) -> None:
         par = self.parallel
@@ -607,20 +558,6 @@ class TrainConfig:
             raise ValueError(f"--cp {par.cp} cuts each sequence into {2 * par.cp} equal chunks (two per "
                              f"rank, balancing causal attention); --seq-len {seq_len} must be divisible by "
                              f"{2 * par.cp}")
-        if par.cp_algorithm == "ulysses":
-            if self.model.hf_config is None:
-                heads = self.gpt_config().n_heads  # plait's GPT repeats its KV heads to the query heads
-            else:
-                from plait.app import hf
-
-                heads = getattr(hf.load_config(self.model.hf_config), "num_attention_heads", 0)
-            if (heads // par.tp) % par.cp:
-                raise ValueError(f"--cp-algorithm ulysses splits each rank's {heads // par.tp} attention "
-                                 f"heads over --cp {par.cp}; they must divide evenly (or use ring or "
-                                 "allgather)")
-        if par.pp > 1 and self.model.hf_config is not None:
-            raise ValueError("--cp with --pp: pipeline stages of a transformers model compute positions "
-                             "locally; context parallelism in a pipeline supports plait's GPT only")
 
     def _check_hf_model(self) -> None:
         """A transformers model against the corpus and the layout, on a meta-device copy: its
@@ -665,42 +602,56 @@ class TrainConfig:
         self._check_model_layout(model, flag, "; plait.plan_for knows plait's GPT and the common "
                                  "transformers families: use --strategy fsdp or ddp without --tp")
 
-    def _check_model_layout(self, model: nn.Module, flag: str, advice: str = "") -> None:
-        """A meta-device model against --pp (its segments) and --tp (`plan_for`'s plan, checked)."""
+    def _check_model_layout(self, model: nn.Module, flag: str, advice: str = "",
+                            dry_run: bool = True) -> None:
+        """A meta-device model against the layout: `plait.rules.check_layout`, the rules
+        `plait.parallelize` applies on the ranks, with the plan `build_model` will use (its numeric
+        check included), its refusal told in flags."""
+        if self.parallel.strategy == "dp":  # threads: no mesh, and DataParallel's own checks
+            return
+        try:
+            plan = self.parallel_plan(model, tp_styles=dry_run)
+        except ValueError as e:  # plan_for knows no plan for the model
+            raise ValueError(f"--tp {self.parallel.tp} with {flag}: {e}{advice}") from None
+        try:
+            # plait's GPT plan is plait's own (tested); a transformers or FACTORY model's plan is
+            # also dry-run and checked by its numbers, one block of each kind materialized.
+            foreign = dry_run and not (self.model.hf_config is None and self.model_factory is None)
+            check_layout(model, self.mesh_shape(), plan, tp_dry_run=foreign, numeric=foreign)
+        except LayoutError as e:
+            said = in_flags(e, self.parallel.microbatches, self.run.grad_accum)
+            raise ValueError(f"{flag}: {said}{advice if 'tp' in e.fields else ''}") from None
+
+    def parallel_plan(self, model: nn.Module, tp_styles: bool = True) -> ParallelPlan:
+        """The `plait.ParallelPlan` these flags ask of ``model`` (`plait train` parallelizes with it).
+        ``tp_styles=False``: with --tp, an empty plan stands for `plan_for`'s (not made)."""
         from plait.models.plans import plan_for
-        from plait.tp.apply import check_plan
 
         par = self.parallel
+        own_gpt = self.model.hf_config is None and self.model_factory is None
+        styles = (plan_for(model, loss_parallel=own_gpt) if tp_styles else {}) if par.tp > 1 else None
+        plan = ParallelPlan(tp=styles,
+                            sequence_parallel=par.sequence_parallel,
+                            data="fsdp" if par.strategy == "fsdp" else "ddp", seed=self.run.seed,
+                            zero_stage=par.zero_stage, mixed_precision=par.mixed_precision,
+                            offload=par.offload,
+                            reshard_after_forward=par.reshard_after_forward,
+                            backward_prefetch=par.backward_prefetch,
+                            ac=None if par.ac == "none" else par.ac, ac_every=par.ac_every,
+                            cp=par.cp_algorithm if par.cp > 1 else None)
         if par.pp > 1:
-            self._check_stages(model)
-        if par.tp > 1:
-            try:
-                check_plan(model, plan_for(model), tp=par.tp, sequence_parallel=par.sequence_parallel)
-            except ValueError as e:
-                raise ValueError(f"--tp {par.tp} with {flag}: {e}{advice}") from None
+            plan = dataclasses.replace(plan, pp_schedule=par.schedule, pp_chunks=par.chunks,
+                                       pp_microbatches=self.pipeline_microbatches)
+        return plan
 
-    def _check_stages(self, model: torch.nn.Module) -> None:
-        """Cut the model as the pipeline will (a meta-device copy, nothing allocated): every pp rank
-        needs at least one stage that holds parameters, or its optimizer would have nothing to step."""
+    def mesh_shape(self) -> MeshShape:
+        """The shape of `mesh`, without process groups: the data ranks on fsdp (with --dp replicas)
+        or on dp."""
         par = self.parallel
-        segs = segments(model)
-        names = [n for n, _ in segs]
-        per_rank = stages_per_rank(par.schedule, par.chunks)
-        n_stages = par.pp * per_rank
-        what = self.model.hf_config or self.model.name
-        if n_stages > len(segs):
-            raise ValueError(f"--pp {par.pp} x {per_rank} stages per rank (--chunks, or 2 for --schedule zbv "
-                             f"and dualpipev) = {n_stages} pipeline stages, but the {what} model has only "
-                             f"{len(segs)} segments to split ({', '.join(names)})")
-        sched = make_schedule(par.schedule, par.pp, par.microbatches, par.chunks)
-        plan = plan_stages(segs, sched.stages, "auto")
-        for rank in range(par.pp):
-            mine = [i for s in sched.rank_stages(rank) for i in plan[s]]
-            if not any(p.numel() for i in mine for p in segs[i][1].parameters()):
-                held = ", ".join(names[i] for i in mine)
-                raise ValueError(f"--pp {par.pp} x --chunks {par.chunks}: cutting the {what} "
-                                 f"model's {len(segs)} segments into {n_stages} stages leaves pipeline rank "
-                                 f"{rank} with only {held}, which holds no parameters; use fewer stages")
+        rest = par.nproc // (par.pp * par.cp * par.tp)
+        if par.strategy == "fsdp":
+            return MeshShape(pp=par.pp, dp=par.dp, fsdp=rest // par.dp, cp=par.cp, tp=par.tp, ep=par.ep)
+        return MeshShape(pp=par.pp, dp=rest, cp=par.cp, tp=par.tp, ep=par.ep)
 
     def _check_init_from(self) -> None:
         """The weights against the model: config, names and shapes (file headers only), here,
@@ -787,6 +738,36 @@ class TrainConfig:
     def flags(self) -> dict[str, Any]:
         """The flat view, keyed like the flags (``from_flags(**cfg.flags())`` gives the same config)."""
         return {flag: getattr(getattr(self, s), name) for flag, (s, name) in FLAGS.items()}
+
+
+# `plait.rules` names mesh axes and `ParallelPlan` fields; `plait train` says them as its flags.
+_RULE_FLAGS: dict[str, str] = {"pp": "--pp", "dp": "--dp", "cp": "--cp", "tp": "--tp", "ep": "--ep",
+                               "pp_schedule": "--schedule", "pp_microbatches": "--microbatches",
+                               "pp_chunks": "--chunks", "zero_stage": "--zero-stage", "data": "--strategy",
+                               "sequence_parallel": "--sequence-parallel",
+                               "balance_statistic": "--balance-statistic", "ac_every": "--ac-every",
+                               "aux_loss_coef": "--aux-loss-coef",
+                               # the schedule generators' own words
+                               "schedule": "--schedule", "microbatches": "--microbatches",
+                               "chunks": "--chunks"}
+
+
+def in_flags(error: LayoutError, microbatches: int | None = None, grad_accum: int = 1) -> str:
+    """A `plait.rules` refusal as `plait train` says it: ``tp=3`` reads ``--tp 3``, and so on for
+    every field with a flag (``pp_schedule='zbv'``: ``--schedule zbv``; ``fsdp=4``, which no flag
+    sets directly, stays); the nearest valid layouts likewise. ``microbatches`` and ``grad_accum``:
+    a pipeline step runs their product, which the rules see as one number."""
+    def flag(m: re.Match[str]) -> str:
+        name, value = m[1], m[2].strip("'")
+        if name not in _RULE_FLAGS:
+            return m[0]
+        if name in ("pp_microbatches", "microbatches") and grad_accum > 1:  # a step runs mb x accum
+            return f"--microbatches {microbatches} x --grad-accum {grad_accum}"
+        if name == "sequence_parallel":
+            return "--sequence-parallel"
+        return f"{_RULE_FLAGS[name]} {value}"
+
+    return re.sub(r"\b([a-z_]+)=('[^']*'|[\w.]+)", flag, str(error))
 
 
 def _require(section: object, name: str, ok: bool, allowed: str) -> None:

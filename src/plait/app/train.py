@@ -85,28 +85,17 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
 
         devices = list(range(par.nproc)) if device.type == "cuda" else ["cpu"] * par.nproc
         return DataParallel(unwrapped_model(cfg, device), devices)
-    from plait.models.plans import plan_for
-    from plait.parallelize import ParallelPlan, parallelize
+    from plait.parallelize import parallelize
 
     # plait's GPT starts on the meta device: each strategy materializes only what this rank keeps.
     own_gpt = cfg.model.hf_config is None and cfg.model_factory is None
     model = unwrapped_model(cfg, "meta" if own_gpt else device)
-    # The config refused FSDP options under another strategy, so here they are FSDP's or defaults;
-    # mixed precision applies to every strategy (FSDP's own, elsewhere plait.mixed_precision).
-    plan = ParallelPlan(tp=plan_for(model, loss_parallel=own_gpt) if par.tp > 1 else None,
-                        sequence_parallel=par.sequence_parallel,
-                        data="fsdp" if par.strategy == "fsdp" else "ddp", seed=cfg.run.seed,
-                        zero_stage=par.zero_stage, mixed_precision=par.mixed_precision, offload=par.offload,
-                        reshard_after_forward=par.reshard_after_forward,
-                        backward_prefetch=par.backward_prefetch,
-                        ac=None if par.ac == "none" else par.ac, ac_every=par.ac_every,
-                        cp=par.cp_algorithm if par.cp > 1 else None)
+    plan = cfg.parallel_plan(model)  # the plan the config's checks ran
     if par.pp > 1:
         # With --tp the last stage computes the vocab-parallel loss (loss_fn unset); a FACTORY's model
         # gets gathered logits and its own loss.
         loss_fn = _factory_loss(cfg) if cfg.model_factory is not None else lm_loss if par.tp == 1 else None
-        plan = dataclasses.replace(plan, pp_schedule=par.schedule, pp_microbatches=cfg.pipeline_microbatches,
-                                   pp_chunks=par.chunks, loss_fn=loss_fn)
+        plan = dataclasses.replace(plan, loss_fn=loss_fn)
     return parallelize(model, mesh, plan)
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.env import seed_everything
-from plait.parallelize import ParallelPlan
+from plait.parallel_plan import ParallelPlan
 
 __all__ = ["Spec", "CheckInputError", "load_factory", "build", "next_token_loss", "logits_of", "Exchange",
            "as_args", "chunk", "LossFn", "BatchFn"]

@@ -161,7 +161,7 @@ def _complete_plan(plan: ParallelPlan, model: nn.Module, mesh: Mesh,
                    user_loss: LossFn | None) -> ParallelPlan:
     """The plan with what the check fills in: tp styles for plait's GPT, and a pipeline's loss."""
     if mesh.size("tp") > 1 and plan.tp is None:
-        plan = dataclasses.replace(plan, tp=_tp_styles(model, mesh.size("tp")))
+        plan = dataclasses.replace(plan, tp=tp_styles(model, mesh.size("tp")))
     if mesh.size("pp") > 1 and plan.loss_fn is None:
         styles = (plan.tp or {}).values()
         sharded = any(isinstance(s, VocabParallelOutput) and not s.gather_output for s in styles)
@@ -170,7 +170,7 @@ def _complete_plan(plan: ParallelPlan, model: nn.Module, mesh: Mesh,
     return plan
 
 
-def _tp_styles(model: nn.Module, tp: int) -> dict[str, Any]:
+def tp_styles(model: nn.Module, tp: int) -> dict[str, Any]:
     """The built-in plan of the model (`plait.plan_for`), with gathered logits: the loss then sees
     full logits in the check's dtype, as in the one-process run."""
     from plait.models.plans import plan_for

@@ -27,12 +27,12 @@ import torch.multiprocessing as mp
 
 from plait import comm
 from plait.check.common import CheckInputError, Exchange, Spec, load_factory
-from plait.check.layout import LayoutRun
+from plait.check.layout import LayoutRun, tp_styles
 from plait.check.report import CheckReport
 from plait.env import free_port, init, mark_failed, set_rank_env
 from plait.mesh import AXES, Mesh
-from plait.parallelize import ParallelPlan
-from plait.pipeline import make_schedule
+from plait.parallel_plan import ParallelPlan
+from plait.rules import LayoutError, check_layout
 
 __all__ = ["check", "DEFAULT_TOLERANCE"]
 
@@ -135,18 +135,11 @@ def _fit(spec: Spec, world: int) -> Spec:
     full = {a: world // known if degrees.get(a) == -1 else degrees.get(a, 1) for a in AXES}
     if math.prod(full.values()) != world:
         raise CheckInputError(f"check: the mesh {given} has {math.prod(full.values())} ranks, not {world}")
-    if plan.sequence_parallel and full["tp"] < 2:
-        raise CheckInputError("check: sequence parallelism splits the sequence over the tp ranks: it needs "
-                              "tp >= 2")
     spec = dataclasses.replace(spec, degrees=full)
+    _check_rules(spec)
     if spec.batch_size % (spec.data_size * spec.microbatches):
         raise CheckInputError(f"check: batch size {spec.batch_size} is not divisible by the data-parallel "
                               f"size {spec.data_size} x microbatches {spec.microbatches}")
-    if full["pp"] > 1 and isinstance(plan.pp_schedule, str):
-        try:  # the generator the ranks run: a pure function, no process group needed
-            make_schedule(plan.pp_schedule, full["pp"], plan.pp_microbatches, plan.pp_chunks)
-        except ValueError as e:
-            raise CheckInputError(f"check: schedule {plan.pp_schedule!r} with pp={full['pp']}: {e}") from None
     for what, obj in (("the factory", spec.factory), ("the plan", plan)):
         try:  # both travel to other processes
             pickle.dumps(obj)
@@ -154,6 +147,27 @@ def _fit(spec: Spec, world: int) -> Spec:
             raise CheckInputError(f"{what} must reach other processes by pickling: use top-level functions "
                                   f"or 'package.module:function': {e}") from None
     return spec
+
+
+def _check_rules(spec: Spec) -> None:
+    """`plait.rules.check_layout` here, before any process starts: the factory's model built on the
+    meta device (nothing allocated), the plan the ranks will use. A factory that cannot build on
+    meta is left to the ranks, which run the same rules in `plait.parallelize`."""
+    plan, full = spec.plan, spec.degrees
+    try:
+        with torch.device("meta"):
+            made = load_factory(spec.factory)()
+    except Exception:  # noqa: BLE001 - the user's code; the ranks build it for real and report
+        return
+    model = made[0] if isinstance(made, (tuple, list)) and made else made
+    if not isinstance(model, torch.nn.Module):
+        return  # `build` refuses it by name on the ranks
+    if full["tp"] > 1 and plan.tp is None:
+        plan = dataclasses.replace(plan, tp=tp_styles(model, full["tp"]))
+    try:
+        check_layout(model, full, plan, tp_dry_run=True)  # the ranks' plan check would fail alike
+    except LayoutError as e:
+        raise CheckInputError(f"check: {e}") from e  # the cause: a CLI names its flags
 
 
 # ---------------------------------------------------------------------------- processes

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism (Megatron-LM), applied to unmodified models by a plan."""
 
 from plait.placement.records import TPInfo, tp_info, tp_module
-from plait.tp.apply import assign_styles, check_plan, loss_fn_for, tensor_parallel
+from plait.tp.apply import assign_styles, check_plan, loss_fn_for, tensor_parallel, validate_styles
 from plait.tp.attention import AttentionParallel, HeadNorm
 from plait.tp.context import Style
 from plait.tp.dryrun import PlanError
@@ -16,7 +16,8 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["tensor_parallel", "check_plan", "PlanError", "assign_styles", "loss_fn_for", "tp_info",
+__all__ = ["tensor_parallel", "check_plan", "validate_styles", "PlanError", "assign_styles", "loss_fn_for",
+           "tp_info",
            "tp_module", "TPInfo", "vocab_parallel_cross_entropy", "Style", "ColwiseParallel",
            "RowwiseParallel", "VocabParallelEmbedding", "VocabParallelOutput", "SequenceParallel",
            "ParallelRegion", "AttentionParallel", "HeadNorm", "ScatterSequence", "GatherSequence"]

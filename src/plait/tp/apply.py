@@ -196,8 +196,16 @@ def check_tied_splits(module: nn.Module, plan: Plan, *, tp: int) -> None:
     tp rank holds the same rows at every use (`VocabParallelEmbedding` and `VocabParallelOutput`
     both take rows ``[r * ceil(V / tp), ...)``, padding included). Nothing communicates and
     ``module`` is not changed."""
-    ctx = TPContext(group=None, size=tp, rank=0, sequence_parallel=False, rng=RNGFork(0, torch.device("cpu")),
-                    seq_grads=SequenceShardGrads(None))
+    validate_styles(module, plan, tp=tp)
+
+
+def validate_styles(module: nn.Module, plan: Plan, *, tp: int, sequence_parallel: bool = False) -> None:
+    """Each style of ``plan`` against the module it is assigned to at size ``tp`` (what it splits
+    divides evenly, the module is of a kind it can split) and every tensor split one way: the static
+    part of `check_plan`, without running a forward (milliseconds for a model of any depth).
+    Nothing communicates and ``module`` is not changed."""
+    ctx = TPContext(group=None, size=tp, rank=0, sequence_parallel=sequence_parallel,
+                    rng=RNGFork(0, torch.device("cpu")), seq_grads=SequenceShardGrads(None))
     ctx.assigned = assign_styles(module, plan, strict=False)
     modules = dict(module.named_modules())
     for name, style in ctx.assigned.items():

@@ -96,7 +96,8 @@ def _divisible(name: str, style: Style, what: str, size: int, unit: int, ctx: TP
         count = f"{size} {what}"
         if unit > 1:
             count = f"{size // unit} {what} ({size} features in units of {unit})"
-        raise ValueError(f"plan: {style!r} on {name!r} cannot split {count} evenly across tp={ctx.size}")
+        raise ValueError(f"plan: {type(style).__name__} on {name!r} cannot split {count} evenly across "
+                         f"tp={ctx.size}")
 
 
 def _layout(style: Style, mod: nn.Module, name: str) -> LinearLayout:
