@@ -24,6 +24,7 @@ variants) belong to tensor parallelism: `plait.tp.collectives`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime as _dt
 import threading
 import time
@@ -65,6 +66,38 @@ class GroupInfo:
 
 _groups: dict[int, GroupInfo] = {}
 _made: list[dist.ProcessGroup] = []  # every group plait created, in creation order (for teardown)
+
+# Straggler blame (`plait.straggler`): the seconds this rank waited in the desync check for the
+# other ranks to arrive, by the group's axis label and the phase of the step (`phase`). A rank
+# that others wait for waits little itself; nothing is sent for it (the check meets anyway).
+_waited: defaultdict[tuple[str, tuple[int, ...], str], float] = defaultdict(float)
+_phase: contextvars.ContextVar[str] = contextvars.ContextVar("plait_phase", default="step")
+
+
+def phase(name: str) -> contextlib.AbstractContextManager[None]:
+    """``with comm.phase("forward"):`` files the waits of the collectives inside under ``name``."""
+    return _in_phase(name)
+
+
+@contextmanager
+def _in_phase(name: str) -> Iterator[None]:
+    token = _phase.set(name)
+    try:
+        yield
+    finally:
+        _phase.reset(token)
+
+
+def waited() -> dict[tuple[str, tuple[int, ...], str], float]:
+    """Seconds this rank has waited for the others in each group (its axis label and global
+    ranks) and phase, since the start."""
+    with _lock:
+        return dict(_waited)
+
+
+def _waiting(info: GroupInfo, seconds: float) -> None:
+    with _lock:
+        _waited[(info.label, info.ranks, _phase.get())] += seconds
 
 
 def new_group(ranks: Sequence[int], label: str, checked: bool = True) -> dist.ProcessGroup | None:
@@ -381,7 +414,9 @@ class _PendingCheck:
     def verify(self) -> None:
         try:
             if self.work is not None:
+                start = time.perf_counter()
                 self.work.wait()
+                _waiting(self.info, time.perf_counter() - start)
         except RuntimeError as e:
             raise CollectiveError(f"waiting for every rank to reach {self.what} failed{self.on_fail(e)}: "
                                   f"{e}") from e
@@ -404,11 +439,17 @@ def _check(info: GroupInfo, rec: CallRecord, on_fail: Callable[[Exception], str]
         return None
     try:
         if mode == "full":
-            if len({r.key() for r in _gather_records(info, [rec])}) > 1:
+            start = time.perf_counter()
+            gathered = _gather_records(info, [rec])
+            _waiting(info, time.perf_counter() - start)
+            if len({r.key() for r in gathered}) > 1:
                 raise CollectiveError(_desync_report(info))
             return None
         fp = torch.tensor([info.log.fingerprint, -info.log.fingerprint], dtype=torch.int64)
+        start = time.perf_counter()
         work = dist.all_reduce(fp, op=ReduceOp.MAX, group=info.checker, async_op=defer)
+        if not defer:  # this rank waited here for the last one to arrive
+            _waiting(info, time.perf_counter() - start)
     except RuntimeError as e:
         raise CollectiveError(f"waiting for every rank to reach {what} failed{on_fail(e)}: {e}") from e
     pending = _PendingCheck(info, fp, work, what, on_fail)

@@ -240,6 +240,9 @@ class RunSection:
     """one device's peak dense TFLOP/s in the training dtype, for MFU; None: known GPUs' (CPUs: no MFU)"""
     progress: bool = True
     """a progress bar on rank 0"""
+    straggler_every: int = 20
+    """steps between straggler reports: a rank the others waited for, per axis and phase, logged and
+    written to metrics.jsonl as "stragglers" (0: off; measured by the desync check)"""
 
 
 SECTIONS: dict[str, type] = {"model": ModelSection, "parallel": ParallelSection,
@@ -325,7 +328,7 @@ class TrainConfig:
             _require(sec, name, getattr(sec, name) >= 1, "an integer >= 1")
         if self.checkpoint.keep < 1:
             raise ValueError(f"--keep must be >= 1 (the newest checkpoints kept), got {self.checkpoint.keep}")
-        for sec, name in ((run, "eval_every"), (self.checkpoint, "save_every")):
+        for sec, name in ((run, "eval_every"), (run, "straggler_every"), (self.checkpoint, "save_every")):
             _require(sec, name, getattr(sec, name) >= 0, "an integer >= 0 (0: off)")
         seq_len = self.model.seq_len
         _require(self.model, "seq_len", seq_len is None or seq_len >= 1, "an integer >= 1")

@@ -36,6 +36,7 @@ from plait.mesh import Mesh
 from plait.models.gpt import GPT, lm_loss
 from plait.models.moe import MoE, moe_layers, update_balance
 from plait.pipeline import Pipeline
+from plait.straggler import StragglerTracker
 from plait.tp.apply import loss_fn_for
 
 __all__ = ["TrainConfig", "parse_args", "train", "build_model", "lr_at", "cli_main"]
@@ -117,15 +118,18 @@ def _forward_backward(model: nn.Module | Pipeline, x: torch.Tensor, y: torch.Ten
     if isinstance(model, Pipeline):
         # Microbatches (x --grad-accum) run on the schedule; each stage's last backward reduces
         # the accumulated gradients over the data axes while it runs.
-        return model.step(x, y, loss_scale=scaler.get_scale() if scaler.enabled else None)
+        with comm.phase("pipeline"):
+            return model.step(x, y, loss_scale=scaler.get_scale() if scaler.enabled else None)
     loss_sum = torch.zeros((), device=x.device)
     for i, (xm, ym) in enumerate(zip(x.chunk(cfg.run.grad_accum), y.chunk(cfg.run.grad_accum))):
         # Only the last micro-batch communicates; the others accumulate locally.
         no_sync = getattr(model, "no_sync", None)  # DDP and FSDP; DataParallel has nothing to defer
         quiet = no_sync if no_sync is not None and i < cfg.run.grad_accum - 1 else contextlib.nullcontext
         with quiet():
-            loss = loss_fn(model(xm), ym) / cfg.run.grad_accum
-            scaler.scale(loss).backward()
+            with comm.phase("forward"):
+                loss = loss_fn(model(xm), ym) / cfg.run.grad_accum
+            with comm.phase("backward"):
+                scaler.scale(loss).backward()
         loss_sum = loss_sum + loss.detach()
     return loss_sum
 
@@ -141,11 +145,12 @@ def train_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, x: torch
     scaler.unscale_(opt)  # fp16: the true gradients, before clipping measures them
     # --grad-clip 0: no clipping (torch's formula would zero every gradient); the norm is still
     # measured for the metrics.
-    grad_norm = clip_grad_norm_(model, cfg.optimizer.grad_clip or math.inf)
-    scaler.step(opt)  # skipped on every rank when any rank's gradients overflowed
-    scaler.update()
-    if cfg.model.bias_update_rate:
-        _balance_experts(moe, mesh)
+    with comm.phase("optimizer"):
+        grad_norm = clip_grad_norm_(model, cfg.optimizer.grad_clip or math.inf)
+        scaler.step(opt)  # skipped on every rank when any rank's gradients overflowed
+        scaler.update()
+        if cfg.model.bias_update_rate:
+            _balance_experts(moe, mesh)
     if scaler.skipped:  # no optimizer step ended this one: the next step's statistics start afresh
         for layer in moe:
             layer.restart_statistics()
@@ -332,6 +337,7 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
     eval_loss = None
     t_start = time.perf_counter()
     end = cfg.run.steps  # the step the run ends after: a stop (SIGTERM, SIGINT) may end it sooner
+    stragglers = StragglerTracker()
     for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
         for g in opt.param_groups:
@@ -362,6 +368,12 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
                 log.warning("step %d: fp16 gradients overflowed on some rank; step skipped on every rank, "
                             "loss scale now %g (%d skipped so far)", step + 1, scaler.get_scale(),
                             scaler.skipped_steps)
+        stragglers.step()
+        if cfg.run.straggler_every and (step + 1) % cfg.run.straggler_every == 0:
+            blamed = stragglers.blame()  # every rank: one gather of the ranks' waits
+            record["stragglers"] = [dataclasses.asdict(b) for b in blamed]
+            for b in blamed if is_main else []:
+                log.warning("step %d: %s", step + 1, b)
         if cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.run.steps):
             eval_loss = _evaluate(model, val, cfg, device, mesh, loss_fn)
             record["eval_loss"] = eval_loss

@@ -1,0 +1,60 @@
+"""Straggler blame through `plait train`: a rank made slow on purpose (a sleep in its model's
+forward) is named, with its axis, within 20 steps; an even run raises no alarm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from plait.straggler import Blame
+
+SLEEP_S = 0.03  # per forward on the slow rank: far above a tiny model's step on two ranks
+
+
+def _train_with_a_slow_rank(tmp: str, slow: int | None) -> list[dict]:
+    """20 steps of plait train at dp=2 with reports every 10; ``slow``'s forwards sleep. Returns
+    the steps' "stragglers" records (rank 0 writes the metrics)."""
+    import time
+
+    import torch.distributed as dist
+    from oracle import TRAIN_BASE
+
+    from plait.app.train import TrainConfig, train
+    from plait.models.gpt import GPT
+
+    original = GPT.forward
+
+    def sleepy(self, *args, **kwargs):
+        time.sleep(SLEEP_S)
+        return original(self, *args, **kwargs)
+
+    if dist.get_rank() == slow:
+        GPT.forward = sleepy  # type: ignore[method-assign]
+    try:
+        train(TrainConfig.from_flags(**{**TRAIN_BASE, "run_dir": tmp, "name": "r", "strategy": "ddp",
+                                        "nproc": 2, "steps": 20, "straggler_every": 10}))
+    finally:
+        GPT.forward = original  # type: ignore[method-assign]
+    if dist.get_rank() != 0:
+        return []
+    rows = [json.loads(line) for line in (Path(tmp) / "r" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "stragglers" in r]
+
+
+@pytest.mark.parametrize("slow", [1, 0])
+def test_a_slow_rank_is_named_within_20_steps(pools, tmp_path, slow):
+    reports = pools[2].run(_train_with_a_slow_rank, str(tmp_path), slow)[0]
+    assert [r["step"] for r in reports] == [10, 20]
+    blamed = [Blame(**b) for r in reports for b in r["stragglers"]]
+    assert blamed, "no straggler named"
+    assert {b.rank for b in blamed} == {slow} and {b.axis for b in blamed} == {"dp"}, blamed
+    # Over a window of 10 steps the peer waited about 10 x SLEEP_S for it.
+    assert all(b.waited_s > 5 * SLEEP_S for b in blamed if b.steps == 10), blamed
+
+
+def test_an_even_run_raises_no_alarm(pools, tmp_path):
+    reports = pools[2].run(_train_with_a_slow_rank, str(tmp_path), None)[0]
+    assert [r["step"] for r in reports] == [10, 20]
+    assert all(r["stragglers"] == [] for r in reports), reports
