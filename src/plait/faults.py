@@ -20,6 +20,12 @@ __all__ = ["FAULTS", "active", "inject", "injected"]
 FAULTS = {
     "ddp-divisor": "DDP divides the summed gradients by world size + 1 (an off-by-one divisor)",
     "tp-backward-all-reduce": "a column-parallel input's backward skips its all-reduce over the tp ranks",
+    "tp-vocab-padding": "the vocabulary-parallel loss counts the last shard's padding columns",
+    "pp-recv-order": "a pipeline stage receives microbatch pairs swapped (0 gets 1's activations)",
+    "fsdp-reduce-scatter-shard": "FSDP reduces gradients into the wrong shard (rank r keeps r-1's rows)",
+    "pp-tied-grad": "a weight tied across pipeline stages keeps only its own stage's gradient",
+    "ep-expert-divisor": "expert gradients are summed over their replicas but not divided",
+    "cp-ring-grad": "ring attention returns another rank's key/value block gradient",
 }
 _on: set[str] = set()
 

@@ -54,7 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from plait import comm
+from plait import comm, faults
 from plait.dtensors import contiguous_stride
 
 __all__ = ["Slot", "FlatParam", "GRAD_HOOKS_ATTR"]
@@ -415,6 +415,8 @@ class FlatParam:
         g, self.arrived = self._flatten_grads(), 0
         if g is None:
             return
+        if faults.active("fsdp-reduce-scatter-shard"):  # an injected bug in tests only: rows shifted a rank
+            g = g.view(self.cfg.world, -1).roll(1, 0).reshape(-1)
         if self.cfg.reduce_dtype is not None and g.dtype != self.cfg.reduce_dtype:
             g = g.to(self.cfg.reduce_dtype)
             if self.cfg.stage == 3:
