@@ -27,6 +27,7 @@ from plait.check.common import (
 )
 from plait.check.probe import Comparer, module_order
 from plait.check.report import CheckReport, StepDiff, first_divergence, tensor_diff, update_rounding
+from plait.cp import shard as cp_shard
 from plait.env import init
 from plait.materialize import is_meta
 from plait.mesh import AXES, Mesh
@@ -35,9 +36,10 @@ from plait.pipeline import Pipeline
 from plait.state_dict import full_state_dict
 from plait.tp import VocabParallelOutput, loss_fn_for, tp_info
 
-__all__ = ["LayoutRun", "DATA_AXES"]
+__all__ = ["LayoutRun", "DATA_AXES", "LOSS_AXES"]
 
 DATA_AXES = ("dp", "fsdp")  # ranks along these see different slices of the batch
+LOSS_AXES = ("dp", "fsdp", "cp")  # and along these, different tokens: their losses average to the batch's
 State = dict[str, torch.Tensor]
 
 
@@ -64,7 +66,8 @@ class LayoutRun:
         self.layout = parallelize(model, self.mesh, plan)
         self.loss = _layout_loss(self.layout, user_loss)
         self.opt = torch.optim.SGD(list(self.layout.parameters()), lr=spec.lr)
-        self.comparer = Comparer(modules, dist.get_rank()) if spec.activations else None
+        cp = (self.mesh.size("cp"), self.mesh.rank("cp"))
+        self.comparer = Comparer(modules, dist.get_rank(), cp) if spec.activations else None
         self.data_rank = self.mesh.rank(DATA_AXES)
 
     def run(self) -> CheckReport:
@@ -92,6 +95,8 @@ class LayoutRun:
         n = self.spec.data_size
         x, y = (map_tensors(partial(_slice, device=self.device, n=n, i=self.data_rank), ref[k])
                 for k in ("inputs", "targets"))
+        if self.mesh.size("cp") > 1:  # this rank's tokens of every sequence, as plait train feeds them
+            x, y = (map_tensors(self._tokens, t) for t in (x, y))
         if self.comparer is not None:
             outputs = self.exchange.get_slice(step, self.data_rank)["outputs"]
             order = order or module_order(outputs)
@@ -119,8 +124,12 @@ class LayoutRun:
                 self.exchange.consumed(done)
         return diff, after, ref_after, order
 
+    def _tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch tensor's tokens on this cp rank: dim 1 is the sequence (a tensor of one dim has none)."""
+        return cp_shard(t, self.mesh) if t.dim() > 1 else t
+
     def _forward_backward(self, x: Any, y: Any) -> tuple[float, float]:
-        """This rank's slice forward and backward; returns the loss averaged over the data ranks and
+        """This rank's slice forward and backward; returns the loss averaged over the data and cp ranks and
         the epsilon of the coarser of the model's dtype and the loss's (a pipeline reports its loss
         in float64 whatever the model computed it in)."""
         if isinstance(self.layout, Pipeline):
@@ -128,11 +137,11 @@ class LayoutRun:
         else:
             loss = self.loss(self.layout(*as_args(x)), y)
             loss.backward()
-        group = self.mesh.group(DATA_AXES)
+        group = self.mesh.group(LOSS_AXES)  # cp ranks' equal shares of the tokens: the mean of means
         t = torch.tensor([float(loss.detach())], dtype=torch.float64, device=comm.device_of(group))
         comm.all_reduce(t, group)
         eps = max(torch.finfo(loss.dtype).eps, torch.finfo(self.spec.dtype).eps)
-        return float(t) / self.spec.data_size, eps
+        return float(t) / self.mesh.size(LOSS_AXES), eps
 
     def _gather_outputs(self, diff: StepDiff) -> None:
         """Every rank's findings: how many outputs it compared, its worst, its earliest past tolerance."""
@@ -196,11 +205,16 @@ def _vocab_parallel_loss(loss: LossFn, output: Any, targets: torch.Tensor) -> to
 
 
 def _describe(plan: ParallelPlan, mesh: Mesh) -> str:
-    degrees = ", ".join(f"{a}={mesh.size(a)}" for a in AXES if mesh.size(a) > 1) or "one rank"
+    sizes = [(a, mesh.size(a)) for a in AXES] + [("ep", mesh.ep)]
+    degrees = ", ".join(f"{a}={n}" for a, n in sizes if n > 1) or "one rank"
     data = {"ddp": "DDP", "fsdp": f"FSDP (ZeRO-{plan.zero_stage})", "none": "no data parallelism"}
     parts = [data[plan.data]]
     if mesh.size("tp") > 1:
         parts.append("tensor parallel" + (" + sequence parallel" if plan.sequence_parallel else ""))
+    if mesh.size("cp") > 1:
+        parts.append(f"context parallel ({plan.cp})")
+    if mesh.ep > 1:
+        parts.append("expert parallel")
     if mesh.size("pp") > 1:
         parts.append(f"pipeline {plan.pp_schedule} x {plan.pp_microbatches} microbatches")
     if plan.mixed_precision:

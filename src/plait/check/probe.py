@@ -2,9 +2,11 @@
 
 The layout is built in place from the model the one-process run also builds, so their modules
 carry the same names; a hook on each module, keyed by its name, pairs the outputs call by call
-(a module called twice per forward, or once per microbatch, has several). Outputs a rank holds
-only in part (a column-parallel layer's shard, a sequence-parallel activation) have another shape
-and are left out; modules a rank never runs record nothing there.
+(a module called twice per forward, or once per microbatch, has several). Under context
+parallelism a rank's outputs hold its tokens of each sequence (`plait.cp.Layout`'s two chunks):
+they are compared with the same tokens of the one-process output. Other outputs a rank holds only
+in part (a column-parallel layer's shard, a sequence-parallel activation) have another shape and
+are left out; modules a rank never runs record nothing there.
 
 Copies of a module (a pipeline's meta-device skeletons, stand-ins and shells share or copy the
 hooks) call the hook with themselves: only the module the hook was put on counts. A pipeline
@@ -23,6 +25,7 @@ from torch import nn
 
 from plait._torch_compat import tensors_in
 from plait.check.report import ActivationDiff, TensorDiff, tensor_diff
+from plait.cp.layout import Layout
 
 __all__ = ["Recorder", "Comparer", "Reference", "module_order"]
 
@@ -82,9 +85,12 @@ class Comparer(_Hooks):
     """Compares the layout's outputs with a `Reference` as they come; ``stop()`` pairs the calls and
     leaves the findings in ``diffs``."""
 
-    def __init__(self, modules: Iterable[tuple[str, nn.Module]], rank: int) -> None:
+    def __init__(self, modules: Iterable[tuple[str, nn.Module]], rank: int,
+                 cp: tuple[int, int] = (1, 0)) -> None:
+        """``rank``: this rank's global rank, named in the findings; ``cp``: the cp degree and this
+        rank's index along cp."""
         super().__init__(modules)
-        self.rank = rank
+        self.rank, self.cp = rank, cp
         self.diffs: list[ActivationDiff] = []
         self._want: dict[str, list[tuple[int, Sequence[torch.Tensor]]]] = {}
         self._got: dict[str, list[dict[int, TensorDiff]]] = {}  # per layout call: reference call -> diff
@@ -101,8 +107,8 @@ class Comparer(_Hooks):
         want = self._want.get(name, [])
         # Against every reference call it could be paired with (from the first or from the last),
         # so that no output has to be kept until the step's calls are counted.
-        self._got.setdefault(name, []).append(
-            {r: d for r in range(min(call + 1, len(want))) if (d := _diff(ts, want[r][1])) is not None})
+        pairs = ((r, _diff(ts, want[r][1], self.cp)) for r in range(min(call + 1, len(want))))
+        self._got.setdefault(name, []).append({r: d for r, d in pairs if d is not None})
 
     def stop(self) -> None:
         super().stop()
@@ -115,13 +121,28 @@ class Comparer(_Hooks):
                     self.diffs.append(ActivationDiff(name, call, self.rank, d.abs, d.rel, want[call][0]))
 
 
-def _diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> TensorDiff | None:
+def _diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor],
+          cp: tuple[int, int]) -> TensorDiff | None:
     """The worst difference over the output's tensors; None when none can be compared (another
     structure, or held in part on this rank: tensor- or sequence-parallel shards)."""
     if len(got) != len(want):
         return None
+    if cp[0] > 1:
+        want = [w if g.shape == w.shape else _tokens(w, g.shape, *cp) for g, w in zip(got, want)]
     diffs = [tensor_diff(g, w) for g, w in zip(got, want) if g.shape == w.shape and w.is_floating_point()]
     return max(diffs, key=lambda d: math.inf if math.isnan(d.rel) else d.rel, default=None)
+
+
+def _tokens(want: torch.Tensor, shape: torch.Size, cp: int, rank: int) -> torch.Tensor:
+    """Cp rank ``rank``'s tokens of a one-process output, when ``shape`` is its shape with one
+    dimension cut to that rank's share of a sequence; else ``want`` itself (not comparable)."""
+    if len(shape) != want.dim():
+        return want
+    cut = [d for d, (n, m) in enumerate(zip(want.shape, shape)) if n != m]
+    if len(cut) != 1 or want.shape[cut[0]] < 2 * cp:
+        return want
+    layout = Layout(want.shape[cut[0]], cp, rank)
+    return layout.shard(want, cut[0]) if layout.local_len() == shape[cut[0]] else want
 
 
 def module_order(reference: Reference) -> dict[str, int]:
