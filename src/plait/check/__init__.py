@@ -14,7 +14,8 @@ How it works, and why this way:
   one, rather than a seat on one of the ranks: a model whose computation reads the rank would
   otherwise compute the reference differently on each rank, and the check would miss exactly
   the rank-dependent code it exists to find. It hands its results to the ranks step by step
-  through a folder (`plait.check.common.Exchange`).
+  through a folder (`plait.check.common.Exchange`). A series of checks can share that process
+  (`shared_reference`): it then runs one check's model after the other's.
 * **Plain SGD, gradients from updates.** Gradients live in a different form in every layout
   (FSDP flat shards, tensor-parallel shards, pipeline stages on other ranks). With plain SGD the
   update is ``p_after = p_before - lr * grad``, so ``(p_before - p_after) / lr`` is the gradient
@@ -44,9 +45,9 @@ from plait.callable_module import make_callable
 from plait.check import oracle  # the reference process's entry point, named in the notes above
 from plait.check.common import CheckInputError, load_factory, next_token_loss
 from plait.check.report import ActivationDiff, CheckReport, Divergence, StepDiff, TensorDiff
-from plait.check.run import DEFAULT_TOLERANCE, check
+from plait.check.run import DEFAULT_TOLERANCE, check, shared_reference
 
-__all__ = ["check", "CheckReport", "CheckInputError", "StepDiff", "TensorDiff", "ActivationDiff",
-           "Divergence", "load_factory", "next_token_loss", "DEFAULT_TOLERANCE", "oracle"]
+__all__ = ["check", "shared_reference", "CheckReport", "CheckInputError", "StepDiff", "TensorDiff",
+           "ActivationDiff", "Divergence", "load_factory", "next_token_loss", "DEFAULT_TOLERANCE", "oracle"]
 
 make_callable(__name__)

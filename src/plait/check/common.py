@@ -3,13 +3,10 @@ which the one-process run hands each step's results to the layout's ranks."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import os
 import pickle
-import subprocess
-import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -149,7 +146,7 @@ class Exchange:
     and renamed into place, so a reader never sees half of one; rank 0 deletes a step's files once
     every rank has read them, and the one-process run waits to be at most `AHEAD` steps ahead, so
     the folder holds a few full states, not one per step. A reader stops waiting when the
-    one-process run has failed (``oracle.err``, written by the run itself, or by `watch` when its
+    one-process run has failed (``oracle.err``, written by the run itself, or by the caller when its
     process ends without finishing).
     """
 
@@ -210,16 +207,3 @@ class Exchange:
         if kind == "input":
             return CheckInputError(f"{name} in the one-process run: {msg}\n{tb}")
         return RuntimeError(f"plait check: the one-process run failed: {name}: {msg}\n{tb}")
-
-    def watch(self, proc: subprocess.Popen) -> threading.Thread:
-        """Wait for the one-process run's process in a thread; if it ends with an error and no
-        error file of its own (killed, out of memory), write one."""
-        def wait() -> None:
-            code = proc.wait()
-            if code != 0 and not (self.folder / self.ERROR).exists():
-                with contextlib.suppress(OSError):  # the check is over and its folder gone
-                    self.fail(RuntimeError(f"its process exited with code {code}"), "")
-
-        t = threading.Thread(target=wait, name="check-oracle-watch", daemon=True)
-        t.start()
-        return t

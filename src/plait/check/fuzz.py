@@ -140,25 +140,26 @@ def run_layouts(factory: str | Callable[[], Any], candidates: Sequence[Layout], 
     ``to_plan`` turns a layout's flags into the plan and mesh degrees or refuses them with a
     ValueError (`plait.app.check.layout_from_flags`, plait check's own validation); ``runner``
     replaces `plait.check` (same signature)."""
-    from plait.check.run import check
+    from plait.check.run import check, shared_reference
 
     run = runner or check
     out = []
-    for layout in candidates:
-        start = time.perf_counter()
-        try:
-            plan, mesh = to_plan(layout.kwargs)
-            report = run(factory, plan, nproc=layout.nproc, mesh=mesh, **check_kwargs)
-        except (CheckInputError, ValueError, TypeError) as e:
-            result = Outcome(layout, "skipped", detail=str(e).split("\n")[0])
-        except RuntimeError as e:
-            result = Outcome(layout, "ERROR", detail=str(e).split("\n")[0])
-        else:
-            result = _outcome(layout, report)
-        result.seconds = time.perf_counter() - start
-        out.append(result)
-        if progress is not None:
-            progress(result)
+    with shared_reference():  # one one-process interpreter for every layout
+        for layout in candidates:
+            start = time.perf_counter()
+            try:
+                plan, mesh = to_plan(layout.kwargs)
+                report = run(factory, plan, nproc=layout.nproc, mesh=mesh, **check_kwargs)
+            except (CheckInputError, ValueError, TypeError) as e:
+                result = Outcome(layout, "skipped", detail=str(e).split("\n")[0])
+            except RuntimeError as e:
+                result = Outcome(layout, "ERROR", detail=str(e).split("\n")[0])
+            else:
+                result = _outcome(layout, report)
+            result.seconds = time.perf_counter() - start
+            out.append(result)
+            if progress is not None:
+                progress(result)
     return out
 
 

@@ -37,20 +37,22 @@ from plait.materialize import is_meta, keep_whole, materialize
 __all__ = ["main", "run_oracle"]
 
 
-def main(path: str) -> None:
-    """Entry point of the process (``python -c "from plait.check.oracle import main; main(PATH)"``):
-    PATH holds the caller's ``sys.path`` (so the factory imports as it did there) and the job."""
-    with open(path, "rb") as f:
-        sys_path, job = pickle.load(f)
-    sys.path[:] = sys_path
-    spec, folder, timeout_s, threads = pickle.loads(job)
-    exchange = Exchange(folder, timeout_s)
-    try:
-        torch.set_num_threads(threads)
-        run_oracle(spec, exchange)
-    except BaseException as e:
-        exchange.fail(e, traceback.format_exc())
-        raise SystemExit(1) from None
+def main() -> None:
+    """Entry point of the process (``python -c "from plait.check.oracle import main; main()"``): runs
+    the job at each path that arrives on stdin, one a line, until stdin closes. A job file holds the
+    caller's ``sys.path`` (so the factory imports as it did there) and the job; a job that fails
+    leaves its error in its folder (`Exchange.fail`) and the process goes on to the next."""
+    for line in sys.stdin:
+        with open(line.rstrip("\n"), "rb") as f:
+            sys_path, job = pickle.load(f)
+        sys.path[:] = sys_path
+        spec, folder, timeout_s, threads = pickle.loads(job)
+        exchange = Exchange(folder, timeout_s)
+        try:
+            torch.set_num_threads(threads)
+            run_oracle(spec, exchange)
+        except Exception as e:
+            exchange.fail(e, traceback.format_exc())
 
 
 def run_oracle(spec: Spec, exchange: Exchange) -> None:

@@ -17,8 +17,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from plait.mesh import AXES, Mesh
 from plait.parallel_plan import ParallelPlan
 from plait.rules import LayoutError, check_layout
 
-__all__ = ["check", "DEFAULT_TOLERANCE"]
+__all__ = ["check", "shared_reference", "DEFAULT_TOLERANCE"]
 
 # Relative tolerances. float64 leaves room for reduction-order rounding (~1e-15) grown over a few
 # steps and for float32 islands inside models (norms that upcast); layout bugs are far above.
@@ -173,24 +175,97 @@ def _check_rules(spec: Spec) -> None:
 # ---------------------------------------------------------------------------- processes
 
 
-def _start_oracle(spec: Spec, folder: str, timeout_s: float, threads: int) -> subprocess.Popen:
-    """The one-process run, in a fresh interpreter with this one's ``sys.path``."""
-    path = os.path.join(folder, "oracle.job")
-    with open(path, "wb") as f:
-        pickle.dump((list(sys.path), pickle.dumps((spec, folder, timeout_s, threads))), f)
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    proc = subprocess.Popen([sys.executable, "-c", f"from plait.check.oracle import main; main({path!r})"],
-                            env=env)
-    Exchange(folder, timeout_s).watch(proc)
-    return proc
+class _Reference:
+    """The process of the one-process runs: a fresh interpreter with this one's ``sys.path``, given
+    jobs one at a time on its stdin (`plait.check.oracle.main`). One serves a single check, or every
+    check in a `shared_reference` block. If it dies, the job in progress gets an error file of its
+    own, so the ranks waiting on it stop."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.backend: str | None = None
+        self.folder: str | None = None  # the job in progress
+
+    def submit(self, spec: Spec, folder: str, timeout_s: float, threads: int) -> None:
+        if self.proc is not None and (self.proc.poll() is not None or spec.backend != self.backend):
+            self.close()  # dead, or the world of one is on another kind of device
+        if self.proc is None:
+            env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+            cmd = [sys.executable, "-c", "from plait.check.oracle import main; main()"]
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, text=True)
+            self.backend = spec.backend
+            threading.Thread(target=self._watch, args=(self.proc,), name="check-oracle-watch",
+                             daemon=True).start()
+        path = os.path.join(folder, "oracle.job")
+        with open(path, "wb") as f:
+            pickle.dump((list(sys.path), pickle.dumps((spec, folder, timeout_s, threads))), f)
+        self.folder = folder
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(path + "\n")
+        self.proc.stdin.flush()
+
+    def _watch(self, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        folder = self.folder
+        if code != 0 and folder is not None and not os.path.exists(os.path.join(folder, Exchange.ERROR)):
+            with contextlib.suppress(OSError):  # the check is over and its folder gone
+                Exchange(folder, 0).fail(RuntimeError(f"its process exited with code {code}"), "")
+
+    def close(self) -> None:
+        """No more jobs: the process ends once it has finished the last one."""
+        if self.proc is None:
+            return
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)  # done writing by the time the ranks finish; it is exiting
+        self.kill()
+
+    def kill(self) -> None:
+        """End it now (a failed check: the job in progress is of no more use)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            if self.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
+        self.proc = None
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=30)  # done writing by the time the ranks finish; it is exiting
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+_SHARED: ContextVar[_Reference | None] = ContextVar("plait_check_shared_reference", default=None)
+
+
+@contextlib.contextmanager
+def shared_reference() -> Iterator[None]:
+    """Run the one-process side of every `check` in the block in one process, started on first use
+    and ended with the block. Otherwise each check starts an interpreter that imports torch and plait,
+    seconds of CPU, which a series of checks (the layout fuzzer, a test of many layouts) pays once
+    this way. Each check still builds its model from the factory; a factory's module is imported
+    once per block. Inside a job, every rank enters the block (rank 0 holds the process)."""
+    shared = _Reference()
+    token = _SHARED.set(shared)
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+        shared.close()
+
+
+def _reference(spec: Spec, folder: str, timeout_s: float, threads: int) -> tuple[_Reference, bool]:
+    """The process that runs this check's one-process side, and whether it is this check's own."""
+    shared = _SHARED.get()
+    ref = shared if shared is not None else _Reference()
+    ref.submit(spec, folder, timeout_s, threads)
+    return ref, shared is None
+
+
+def _done(ref: _Reference, own: bool, ok: bool) -> None:
+    if not ok:  # failed: the one-process run is of no more use, and may be waiting on the ranks
+        ref.kill()
+    elif own:
+        ref.close()
 
 
 def _in_job(spec: Spec, timeout_s: float, mesh: Mesh | None) -> CheckReport:
@@ -198,16 +273,14 @@ def _in_job(spec: Spec, timeout_s: float, mesh: Mesh | None) -> CheckReport:
     spec = dataclasses.replace(spec, backend=None if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
     folder = comm.all_gather_object(tempfile.mkdtemp(prefix="plait-check-") if rank == 0 else None)[0]
-    proc = _start_oracle(spec, folder, timeout_s, torch.get_num_threads()) if rank == 0 else None
+    ref = _reference(spec, folder, timeout_s, torch.get_num_threads()) if rank == 0 else None
     report = None
     try:
         report = LayoutRun(spec, Exchange(folder, timeout_s), mesh).run()
         comm.barrier()  # every rank has read its last file
     finally:
-        if proc is not None:
-            if report is None:  # failed: the one-process run is of no more use
-                proc.kill()
-            _stop(proc)
+        if ref is not None:
+            _done(*ref, ok=report is not None)
             shutil.rmtree(folder, ignore_errors=True)
     return report
 
@@ -218,16 +291,18 @@ def _spawn(spec: Spec, n: int, timeout_s: float) -> CheckReport:
     spec = dataclasses.replace(spec, backend=None if gpus >= n else "gloo")
     threads = max(1, (os.cpu_count() or 1) // (n + 1))
     with tempfile.TemporaryDirectory(prefix="plait-check-") as folder:
-        proc = _start_oracle(spec, folder, timeout_s, threads)
+        ref, own = _reference(spec, folder, timeout_s, threads)
         try:
             mp.start_processes(_entry, args=(spec, n, free_port(), threads, timeout_s, folder), nprocs=n,
                                join=True, start_method="spawn")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             error = _rank_error(folder, e)  # before the one-process run is stopped
-            proc.kill()
+            _done(ref, own, ok=False)
             raise error from None
-        finally:
-            _stop(proc)
+        except BaseException:
+            _done(ref, own, ok=False)
+            raise
+        _done(ref, own, ok=True)
         with open(os.path.join(folder, "report.pkl"), "rb") as f:
             return pickle.load(f)
 
