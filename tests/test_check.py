@@ -112,11 +112,13 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
     assert _exit_code(["test_check:tiny_gpt", "--nproc", "3", "--tp", "2"]) == 2
     assert "--nproc 3 is not divisible" in capsys.readouterr().err
     # Flags plait train reads but the comparison does not build are refused, not dropped.
-    for flags, says in ((["--cp", "2"], "--cp 2: plait check does not build"),
-                        (["--ac", "full"], "--ac full: plait check does not build"),
-                        (["--ep", "2"], "--ep 2: plait check does not build")):
+    for flags, says in ((["--ac", "full"], "--ac full: plait check does not build"),
+                        (["--cp-algorithm", "ulysses"], "--cp 1 would ignore it"),
+                        (["--cp", "2", "--strategy", "none"], "--cp 2 needs gradients averaged"),
+                        (["--cp", "2", "--seq", "6"], "--seq 6 does not divide by 4"),
+                        (["--ep", "2", "--nproc", "3"], "ep=2 folds expert groups out of the 3")):
         assert _exit_code(["test_check:tiny_gpt", *flags]) == 2
-        assert says in capsys.readouterr().err
+        assert says in capsys.readouterr().err, flags
 
 
 # ---------------------------------------------------------------------------- the layout fuzzer
@@ -154,14 +156,15 @@ def test_the_fuzzer_enumerates_and_skips_by_plait_checks_own_reasons():
     assert "--strategy ddp --nproc 4 --tp 2 --pp 2 --schedule interleaved --chunks 2" in labels
     assert "--strategy none --nproc 2 --pp 2 --schedule dualpipev" in labels
     assert len(labels) == len(every)
-    refused = [c for c in every if c.nproc == 2 and (("cp", 2) in c.fields or ("ac", "full") in c.fields)]
+    refused = [c for c in every if c.nproc == 2 and (("mixed_precision", "bf16") in c.fields
+                                                     or ("ac", "full") in c.fields)]
 
     def never(*a, **k):  # a skipped layout never reaches the check
         raise AssertionError("ran")
 
     out = run_layouts("test_check:tiny_gpt", refused, layout_from_flags, runner=never)
     assert [o.verdict for o in out] == ["skipped"] * len(refused)
-    assert "--cp 2: plait check does not build" in out[0].detail
+    assert any("--mixed-precision bf16: plait check does not build" in o.detail for o in out)
     assert any("--ac full: plait check does not build" in o.detail for o in out)
 
 

@@ -1,9 +1,11 @@
-"""Proof that `plait check` finds layout bugs: each test-only fault switch (`plait.faults`) against
-the smallest layout that exposes it fails the check and is named where it lives; the same layout
-without the switch passes, so each switch is what the check sees.
+"""Proof that the layout fuzzer finds layout bugs: each test-only fault switch (`plait.faults`) on
+the smallest layout that exposes it fails `plait check` and is named where it lives; the same
+layout without the switch passes, so each switch is what the check sees.
 
-Tiny float64 GPTs, 2 ranks of the shared pool, one SGD step each. The factories live here so the
-one-process run can import them (``test_faults:...`` inside pytest's rank pool).
+The layouts are `plait check` flags run by the fuzzer's own loop (`plait.check.fuzz.run_layouts`).
+Tiny float64 GPTs, 2 ranks of the shared pool, one SGD step each, one reference process for all.
+The factories live here so the one-process run can import them (``test_faults:...`` inside
+pytest's rank pool).
 """
 
 from __future__ import annotations
@@ -35,87 +37,78 @@ def moe_gpt() -> nn.Module:
     return GPT(MOE)
 
 
-def _layout(fault: str):
-    """The model and the smallest layout that exposes ``fault``: (factory, mesh degrees, plan)."""
-    from plait.models.plans import gpt_plan
-    from plait.parallelize import ParallelPlan
-
-    pipe = ParallelPlan(data="none", pp_schedule="gpipe", pp_microbatches=2)
-    return {
-        "ddp-divisor": (tiny_gpt, {"dp": 2}, ParallelPlan()),
-        "tp-backward-all-reduce": (tiny_gpt, {"tp": 2}, ParallelPlan(data="none")),
-        "tp-vocab-padding": (padded_gpt, {"tp": 2}, ParallelPlan(data="none", tp=gpt_plan(PADDED))),
-        "pp-recv-order": (tiny_gpt, {"pp": 2}, pipe),
-        "fsdp-reduce-scatter-shard": (tiny_gpt, {"fsdp": 2}, ParallelPlan(data="fsdp")),
-        "pp-tied-grad": (tied_gpt, {"pp": 2}, pipe),
-        "ep-expert-divisor": (moe_gpt, {"dp": 2, "ep": 2}, ParallelPlan()),
-        "cp-ring-grad": (tiny_gpt, {"cp": 2}, ParallelPlan(cp="ring")),
-    }[fault]
-
-
-# What the check names for each fault, as measured: (the divergence's kind, its module, its parameter).
+# Each fault with the smallest layout that exposes it, as the fuzzer's flags (`plait check`'s own),
+# and what the check names there, as measured: (the divergence's kind, its module, its parameter).
 # The loss itself has no module: "" is the model's output.
-NAMED = {
-    "ddp-divisor": ("gradient", "lm_head", "lm_head.weight"),
-    "tp-backward-all-reduce": ("gradient", "norm", "norm.weight"),
-    "tp-vocab-padding": ("loss", "", "lm_head.weight"),
-    "pp-recv-order": ("activation", "layers.1.attn_norm", "layers.1.attn_norm.weight"),
-    "fsdp-reduce-scatter-shard": ("gradient", "lm_head", "lm_head.weight"),
-    "pp-tied-grad": ("gradient", "lm_head", "lm_head.weight"),
-    "ep-expert-divisor": ("gradient", "layers.1.mlp.experts.3.down_proj",
-                          "layers.1.mlp.experts.3.down_proj.weight"),
-    "cp-ring-grad": ("gradient", "layers.1.attn.v_proj", "layers.1.attn.v_proj.weight"),
+PIPE = (("strategy", "none"), ("nproc", 2), ("pp", 2), ("schedule", "gpipe"), ("microbatches", 2))
+CASES = {
+    "ddp-divisor": (tiny_gpt, (("strategy", "ddp"), ("nproc", 2)),
+                    ("gradient", "lm_head", "lm_head.weight")),
+    "tp-backward-all-reduce": (tiny_gpt, (("strategy", "none"), ("nproc", 2), ("tp", 2)),
+                               ("gradient", "norm", "norm.weight")),
+    "tp-vocab-padding": (padded_gpt, (("strategy", "none"), ("nproc", 2), ("tp", 2)),
+                         ("loss", "", "lm_head.weight")),
+    "pp-recv-order": (tiny_gpt, PIPE, ("activation", "layers.1.attn_norm", "layers.1.attn_norm.weight")),
+    "fsdp-reduce-scatter-shard": (tiny_gpt, (("strategy", "fsdp"), ("nproc", 2)),
+                                  ("gradient", "lm_head", "lm_head.weight")),
+    "pp-tied-grad": (tied_gpt, PIPE, ("gradient", "lm_head", "lm_head.weight")),
+    "ep-expert-divisor": (moe_gpt, (("strategy", "ddp"), ("nproc", 2), ("ep", 2)),
+                          ("gradient", "layers.1.mlp.experts.3.down_proj",
+                           "layers.1.mlp.experts.3.down_proj.weight")),
+    "cp-ring-grad": (tiny_gpt, (("strategy", "ddp"), ("nproc", 2), ("cp", 2)),
+                     ("gradient", "layers.1.attn.v_proj", "layers.1.attn.v_proj.weight")),
 }
 
 
-def _checks_in_job():
-    """Every fault's layout checked with the fault and without it, one step each, one reference
-    process for all of them."""
+def _fuzz_in_job():
+    """Every fault's layout through the fuzzer with the fault and without it, one step each, one
+    reference process for all of them."""
     import plait
     from plait import faults
-    from plait.testing import cached_mesh
+    from plait.app.check import layout_from_flags
+    from plait.check.fuzz import Layout, run_layouts
 
     out = {}
     with plait.check.shared_reference():
-        for fault in NAMED:
-            factory, mesh, plan = _layout(fault)
+        for fault, (factory, flags, _) in CASES.items():
             runs = []
             for on in ((fault,), ()):
                 with faults.inject(*on):
-                    runs.append(plait.check(factory, plan, mesh=cached_mesh(**mesh), steps=1, batch_size=4))
+                    runs += run_layouts(factory, [Layout(flags)], layout_from_flags, steps=1, batch_size=4)
             out[fault] = tuple(runs)
     return out
 
 
 @pytest.fixture(scope="module")
-def reports(pools):
-    return pools[2].run(_checks_in_job)[0]
+def outcomes(pools):
+    return pools[2].run(_fuzz_in_job)[0]
 
 
 def test_every_fault_has_a_layout():
     from plait import faults
 
-    assert sorted(NAMED) == sorted(faults.FAULTS)
+    assert sorted(CASES) == sorted(faults.FAULTS)
 
 
-@pytest.mark.parametrize("fault", list(NAMED))
-def test_the_check_finds_and_names_each_injected_bug(reports, fault):
-    bad, good = reports[fault]
+@pytest.mark.parametrize("fault", list(CASES))
+def test_the_fuzzer_finds_and_names_each_injected_bug(outcomes, fault):
+    bad, good = outcomes[fault]
     # Without the switch the same layout matches one process at rounding level: the switch is what
     # the check sees, and the check of this layout is one that can fail.
-    assert good.ok, good.format()
-    assert all(d.rel < 1e-11 for d in good.steps[0].grads.values()), good.format()
-    assert good.steps[0].compared > 0, good.format()
-    assert not bad.ok and bad.first is not None, bad.format()
-    assert (bad.first.kind, bad.first.module, bad.first.parameter) == NAMED[fault], bad.format()
-    assert bad.first.step == 1 and bad.first.rel > 1e-3, bad.format()
-    assert "FAILED" in bad.format()
+    assert good.verdict == "OK" and good.rel < 1e-11, good.report.format()
+    assert good.report.steps[0].compared > 0, good.report.format()
+    assert bad.verdict == "FAIL", bad.detail
+    first = bad.report.first
+    assert (first.kind, first.module, first.parameter) == CASES[fault][2], bad.report.format()
+    assert first.step == 1 and first.rel > 1e-3, bad.report.format()
+    assert bad.detail == first.describe()
 
 
-def test_what_each_fault_leaves_right(reports):
+def test_what_each_fault_leaves_right(outcomes):
     # The named tensor is where the bug is, not only the first of many that differ.
-    grads = {f: reports[f][0].steps[0].grads for f in NAMED}
-    tol = reports["ddp-divisor"][0].tolerance
+    reports = {f: outcomes[f][0].report for f in CASES}
+    grads = {f: r.steps[0].grads for f, r in reports.items()}
+    tol = reports["ddp-divisor"].tolerance
     # DDP's divisor 3 for 2: every gradient is 2/3 of the right one.
     assert all(abs(d.rel - 1 / 3) < 1e-6 for d in grads["ddp-divisor"].values() if d.abs > 0)
     # The all-reduce dropped is of lm_head's input: lm_head's own gradient is right, the norm's is not.
@@ -125,12 +118,12 @@ def test_what_each_fault_leaves_right(reports):
         assert d.over(tol) == (".experts." in name and d.abs > 0), name
     assert any(abs(d.rel - 1) < 1e-6 for d in grads["ep-expert-divisor"].values())
     # A receive swapped on stage 1: its own forward is wrong, stage 0's outputs are right.
-    assert reports["pp-recv-order"][0].first.rank == 1
+    assert reports["pp-recv-order"].first.rank == 1
     # The wrong key/value block gradient reaches k and v of the last layer, never q.
     cp = grads["cp-ring-grad"]
     assert cp["layers.1.attn.k_proj.weight"].over(tol) and not cp["layers.1.attn.q_proj.weight"].over(tol)
-    # The tied weight keeps one stage's share: wrong; the loss and forward are right.
-    tied = reports["pp-tied-grad"][0].steps[0]
+    # The tied weight keeps one stage's share: its gradient is wrong, the loss is right.
+    tied = reports["pp-tied-grad"].steps[0]
     assert tied.grads["lm_head.weight"].over(tol) and not tied.loss_rel > tol
 
 

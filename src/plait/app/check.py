@@ -114,16 +114,9 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
                              "would ignore it: use --strategy fsdp or drop the flag")
     # Flags plait train reads that this comparison does not build: refused, not dropped.
     unsupported: tuple[tuple[str, object, str], ...] = (
-        ("--cp", par.cp > 1 and par.cp,
-         "each rank's outputs would be a shard of the sequence, which the per-module comparison does not "
-         "reassemble"),
-        ("--cp-algorithm", par.cp_algorithm != "ring" and par.cp_algorithm, "it needs --cp"),
         ("--ac", par.ac != "none" and par.ac,
          "checkpointing recomputes the same values; compare the layout without it"),
         ("--ac-every", par.ac_every != 1 and par.ac_every, "it needs --ac"),
-        ("--ep", par.ep > 1 and par.ep,
-         "the compared layout would hold every expert on every rank: this would check a layout without "
-         "expert parallelism"),
         ("--mixed-precision", par.mixed_precision,
          "it computes in a coarser dtype than --dtype by design, so the comparison would measure its "
          "rounding, not the layout"))
@@ -131,11 +124,17 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
         if refused:
             raise ValueError(f"{flag} {refused}: plait check does not build this into the layout it compares "
                              f"({why}); drop the flag")
+    if par.cp == 1 and par.cp_algorithm != "ring":
+        raise ValueError(f"--cp-algorithm {par.cp_algorithm} chooses how --cp splits attention; --cp 1 would "
+                         "ignore it: add --cp 2 or more")
+    if par.cp > 1 and cfg.batch.seq % (2 * par.cp):
+        raise ValueError(f"--cp {par.cp} cuts each sequence into {2 * par.cp} equal chunks (two per rank); "
+                         f"--seq {cfg.batch.seq} does not divide by {2 * par.cp}")
     if par.chunks > 1 and par.pp < 2:
         raise ValueError(f"--chunks {par.chunks} sets pipeline stages per rank: it needs --pp 2 or more")
-    if par.nproc % (par.pp * par.tp * par.dp):
-        raise ValueError(f"--nproc {par.nproc} is not divisible by --pp {par.pp} x --tp {par.tp} x --dp "
-                         f"{par.dp}")
+    if par.nproc % (par.pp * par.cp * par.tp * par.dp):
+        raise ValueError(f"--nproc {par.nproc} is not divisible by --pp {par.pp} x --cp {par.cp} x --tp "
+                         f"{par.tp} x --dp {par.dp}")
     if par.strategy == "none" and par.nproc != par.pp * par.tp:
         raise ValueError(f"--strategy none has no data-parallel ranks: --nproc must be --pp x --tp = "
                          f"{par.pp * par.tp}, got {par.nproc}")
@@ -147,9 +146,10 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
     if par.pp > 1:
         pipe = dict(pp_schedule=par.schedule, pp_microbatches=par.microbatches, pp_chunks=par.chunks)
     plan = ParallelPlan(data={"fsdp": "fsdp", "ddp": "ddp", "none": "none"}[par.strategy],
-                        sequence_parallel=par.sequence_parallel, seed=c.seed,
-                        mixed_precision=par.mixed_precision, **fsdp, **pipe)
-    mesh = {"pp": par.pp, "tp": par.tp, **({"dp": par.dp} if par.strategy == "fsdp" else {})}
+                        sequence_parallel=par.sequence_parallel, cp=par.cp_algorithm if par.cp > 1 else None,
+                        seed=c.seed, mixed_precision=par.mixed_precision, **fsdp, **pipe)
+    mesh = {"pp": par.pp, "tp": par.tp, "cp": par.cp, **({"dp": par.dp} if par.strategy == "fsdp" else {}),
+            **({"ep": par.ep} if par.ep > 1 else {})}
     return plan, mesh
 
 

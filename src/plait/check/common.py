@@ -38,7 +38,7 @@ class Spec:
     factory: Callable[[], Any] | str
     label: str
     plan: ParallelPlan
-    degrees: dict[str, int]  # every axis, resolved for the world size
+    degrees: dict[str, int]  # every axis, resolved for the world size, and ep
     steps: int
     dtype: torch.dtype
     tolerance: float

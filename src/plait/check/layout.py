@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
-from plait._torch_compat import map_tensors
+from plait._torch_compat import map_tensors, tensors_in
 from plait.check.common import (
     CheckInputError,
     Exchange,
@@ -54,7 +54,7 @@ class LayoutRun:
             model.to(self.device)
         d = spec.degrees
         self.mesh = mesh if mesh is not None else Mesh(pp=d["pp"], dp=d["dp"], fsdp=d["fsdp"], tp=d["tp"],
-                                                       cp=d["cp"], ep=d.get("ep", 1))
+                                                       cp=d["cp"], ep=d["ep"])
         plan = _complete_plan(spec.plan, model, self.mesh, user_loss)
         self.label = _describe(plan, self.mesh)
         modules = list(model.named_modules())  # the original names, before any wrapper
@@ -95,12 +95,13 @@ class LayoutRun:
         n = self.spec.data_size
         x, y = (map_tensors(partial(_slice, device=self.device, n=n, i=self.data_rank), ref[k])
                 for k in ("inputs", "targets"))
+        seq = next((t.shape[1] for t in tensors_in(x) if t.dim() > 1), 0)
         if self.mesh.size("cp") > 1:  # this rank's tokens of every sequence, as plait train feeds them
             x, y = (map_tensors(self._tokens, t) for t in (x, y))
         if self.comparer is not None:
             outputs = self.exchange.get_slice(step, self.data_rank)["outputs"]
             order = order or module_order(outputs)
-            self.comparer.compare_with(outputs)
+            self.comparer.compare_with(outputs, seq)
         self.opt.zero_grad(set_to_none=True)
         with comm.scope(f"check step {step}"):  # named in desync reports and timeouts
             loss, loss_eps = self._forward_backward(x, y)
@@ -170,7 +171,7 @@ def _complete_plan(plan: ParallelPlan, model: nn.Module, mesh: Mesh,
                    user_loss: LossFn | None) -> ParallelPlan:
     """The plan with what the check fills in: tp styles for plait's GPT, and a pipeline's loss."""
     if mesh.size("tp") > 1 and plan.tp is None:
-        plan = dataclasses.replace(plan, tp=tp_styles(model, mesh.size("tp")))
+        plan = dataclasses.replace(plan, tp=tp_styles(model, mesh.size("tp"), user_loss is None))
     if mesh.size("pp") > 1 and plan.loss_fn is None:
         styles = (plan.tp or {}).values()
         sharded = any(isinstance(s, VocabParallelOutput) and not s.gather_output for s in styles)
@@ -179,13 +180,16 @@ def _complete_plan(plan: ParallelPlan, model: nn.Module, mesh: Mesh,
     return plan
 
 
-def tp_styles(model: nn.Module, tp: int) -> dict[str, Any]:
-    """The built-in plan of the model (`plait.plan_for`), with gathered logits: the loss then sees
-    full logits in the check's dtype, as in the one-process run."""
+def tp_styles(model: nn.Module, tp: int, default_loss: bool) -> dict[str, Any]:
+    """The built-in plan of the model (`plait.plan_for`) as `plait train` builds it: plait's GPT
+    under the default loss keeps its logits split by vocabulary for the vocabulary-parallel loss
+    (which the check then covers); other models and losses get the full logits, in the check's
+    dtype, as in the one-process run."""
+    from plait.models.gpt import GPT
     from plait.models.plans import plan_for
 
     try:
-        return plan_for(model)
+        return plan_for(model, loss_parallel=default_loss and isinstance(model, GPT))
     except (ValueError, TypeError) as e:
         raise CheckInputError(f"tp={tp}: no built-in tensor-parallel plan fits {type(model).__name__} ({e}); "
                               "pass plan=plait.ParallelPlan(tp={module pattern: style})") from None

@@ -3,8 +3,9 @@
 The layout is built in place from the model the one-process run also builds, so their modules
 carry the same names; a hook on each module, keyed by its name, pairs the outputs call by call
 (a module called twice per forward, or once per microbatch, has several). Under context
-parallelism a rank's outputs hold its tokens of each sequence (`plait.cp.Layout`'s two chunks):
-they are compared with the same tokens of the one-process output. Other outputs a rank holds only
+parallelism a rank's outputs hold its tokens of each sequence (`plait.cp.Layout`'s two chunks),
+along the sequence's dimension or one that flattens batch and sequence: they are compared with
+the same tokens of the one-process output. Other outputs a rank holds only
 in part (a column-parallel layer's shard, a sequence-parallel activation) have another shape and
 are left out; modules a rank never runs record nothing there.
 
@@ -91,12 +92,14 @@ class Comparer(_Hooks):
         rank's index along cp."""
         super().__init__(modules)
         self.rank, self.cp = rank, cp
+        self.seq = 0  # tokens per sequence this step (under cp: what a rank's shares add up to)
         self.diffs: list[ActivationDiff] = []
         self._want: dict[str, list[tuple[int, Sequence[torch.Tensor]]]] = {}
         self._got: dict[str, list[dict[int, TensorDiff]]] = {}  # per layout call: reference call -> diff
 
-    def compare_with(self, reference: Reference) -> None:
-        """Arm the hooks for one step against ``reference``."""
+    def compare_with(self, reference: Reference, seq: int = 0) -> None:
+        """Arm the hooks for one step against ``reference``, on sequences of ``seq`` tokens."""
+        self.seq = seq
         self._want = {}
         for name, _call, order, ts in sorted(reference, key=lambda r: r[1]):
             self._want.setdefault(name, []).append((order, ts))
@@ -107,7 +110,7 @@ class Comparer(_Hooks):
         want = self._want.get(name, [])
         # Against every reference call it could be paired with (from the first or from the last),
         # so that no output has to be kept until the step's calls are counted.
-        pairs = ((r, _diff(ts, want[r][1], self.cp)) for r in range(min(call + 1, len(want))))
+        pairs = ((r, _diff(ts, want[r][1], self.cp, self.seq)) for r in range(min(call + 1, len(want))))
         self._got.setdefault(name, []).append({r: d for r, d in pairs if d is not None})
 
     def stop(self) -> None:
@@ -121,28 +124,32 @@ class Comparer(_Hooks):
                     self.diffs.append(ActivationDiff(name, call, self.rank, d.abs, d.rel, want[call][0]))
 
 
-def _diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor],
-          cp: tuple[int, int]) -> TensorDiff | None:
+def _diff(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], cp: tuple[int, int],
+          seq: int) -> TensorDiff | None:
     """The worst difference over the output's tensors; None when none can be compared (another
     structure, or held in part on this rank: tensor- or sequence-parallel shards)."""
     if len(got) != len(want):
         return None
-    if cp[0] > 1:
-        want = [w if g.shape == w.shape else _tokens(w, g.shape, *cp) for g, w in zip(got, want)]
+    if cp[0] > 1 and seq:
+        want = [w if g.shape == w.shape else _tokens(w, g.shape, *cp, seq) for g, w in zip(got, want)]
     diffs = [tensor_diff(g, w) for g, w in zip(got, want) if g.shape == w.shape and w.is_floating_point()]
     return max(diffs, key=lambda d: math.inf if math.isnan(d.rel) else d.rel, default=None)
 
 
-def _tokens(want: torch.Tensor, shape: torch.Size, cp: int, rank: int) -> torch.Tensor:
+def _tokens(want: torch.Tensor, shape: torch.Size, cp: int, rank: int, seq: int) -> torch.Tensor:
     """Cp rank ``rank``'s tokens of a one-process output, when ``shape`` is its shape with one
-    dimension cut to that rank's share of a sequence; else ``want`` itself (not comparable)."""
+    dimension of ``k * seq`` entries (k sequences, one after the other: 1, or a batch flattened
+    with them) cut to ``k`` times the rank's share; else ``want`` itself (not comparable)."""
     if len(shape) != want.dim():
         return want
     cut = [d for d, (n, m) in enumerate(zip(want.shape, shape)) if n != m]
-    if len(cut) != 1 or want.shape[cut[0]] < 2 * cp:
+    if len(cut) != 1 or want.shape[cut[0]] % seq:
         return want
-    layout = Layout(want.shape[cut[0]], cp, rank)
-    return layout.shard(want, cut[0]) if layout.local_len() == shape[cut[0]] else want
+    d, k = cut[0], want.shape[cut[0]] // seq
+    layout = Layout(seq, cp, rank)
+    if shape[d] != k * layout.local_len():
+        return want
+    return layout.shard(want.unflatten(d, (k, seq)), d + 1).flatten(d, d + 1)
 
 
 def module_order(reference: Reference) -> dict[str, int]:

@@ -62,8 +62,10 @@ def check(factory: Callable[[], Any] | str, plan: ParallelPlan | None = None, *,
 
     ``plan``: the `ParallelPlan` (default: DDP, FSDP when ``mesh`` has fsdp > 1); with tp > 1 and
     no ``plan.tp``, the model's built-in plan (`plait.plan_for`), logits gathered. ``mesh``:
-    degrees by axis (``{"tp": 2}``), the data axis (fsdp under FSDP, else dp) taking the ranks
-    left over, or inside a job a `plait.Mesh` to use (no new process groups). Outside a process
+    degrees by axis (``{"tp": 2}``; ``"ep"``: expert parallelism folded out of the data axes), the
+    data axis (fsdp under FSDP, else dp) taking the ranks left over, or inside a job a `plait.Mesh`
+    to use (no new process groups). With cp > 1 each rank gets its tokens of every sequence
+    (`plait.cp.shard` of every batch tensor with a dim 1), as `plait train` feeds them. Outside a process
     group ``nproc`` ranks (default 2) are spawned here; inside one, every rank calls this and the
     job's ranks are the layout's.
 
@@ -73,7 +75,7 @@ def check(factory: Callable[[], Any] | str, plan: ParallelPlan | None = None, *,
     skips the comparison of module outputs (the culprit is then named from gradients only).
     Raises `CheckInputError` (a ValueError) on arguments, factories or layouts that cannot run.
     """
-    given, degrees = (mesh, mesh.shape) if isinstance(mesh, Mesh) else (None, mesh)
+    given, degrees = (mesh, {**mesh.shape, "ep": mesh.ep}) if isinstance(mesh, Mesh) else (None, mesh)
     if given is not None and not dist.is_initialized():
         raise CheckInputError("check(mesh=plait.Mesh(...)): a Mesh belongs to a running job; outside one "
                               "give the degrees, e.g. mesh={'tp': 2}")
@@ -112,9 +114,10 @@ def _make_spec(factory: Callable[[], Any] | str, plan: ParallelPlan | None, mesh
     if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
         raise CheckInputError(f"check(tolerance=...) must be a finite number > 0, got {tolerance!r}")
     degrees = dict(mesh or {})
-    if set(degrees) - set(AXES):
-        raise CheckInputError(f"check(mesh=...): unknown axes {sorted(set(degrees) - set(AXES))}; the axes "
-                              f"are {AXES}")
+    unknown = sorted(set(degrees) - {*AXES, "ep"})
+    if unknown:
+        raise CheckInputError(f"check(mesh=...): unknown axes {unknown}; the axes are {AXES}, and ep (expert "
+                              "parallelism, folded out of the data axes)")
     if plan is None:
         plan = ParallelPlan(data="fsdp" if degrees.get("fsdp", 1) > 1 else "ddp", seed=seed)
     if not isinstance(plan, ParallelPlan):
@@ -127,6 +130,7 @@ def _make_spec(factory: Callable[[], Any] | str, plan: ParallelPlan | None, mesh
 def _fit(spec: Spec, world: int) -> Spec:
     """Resolve the mesh degrees for ``world`` ranks and check the batch and schedule against them."""
     plan, degrees = spec.plan, dict(spec.degrees)
+    ep = degrees.pop("ep", 1)
     degrees.setdefault("fsdp" if plan.data == "fsdp" else "dp", -1)  # the data axis takes the rest
     given = ", ".join(f"{a}={d}" for a, d in degrees.items())
     bad = [a for a, d in degrees.items() if not isinstance(d, int) or (d < 1 and d != -1)]
@@ -137,7 +141,7 @@ def _fit(spec: Spec, world: int) -> Spec:
     full = {a: world // known if degrees.get(a) == -1 else degrees.get(a, 1) for a in AXES}
     if math.prod(full.values()) != world:
         raise CheckInputError(f"check: the mesh {given} has {math.prod(full.values())} ranks, not {world}")
-    spec = dataclasses.replace(spec, degrees=full)
+    spec = dataclasses.replace(spec, degrees={**full, "ep": ep})
     _check_rules(spec)
     if spec.batch_size % (spec.data_size * spec.microbatches):
         raise CheckInputError(f"check: batch size {spec.batch_size} is not divisible by the data-parallel "
@@ -161,11 +165,12 @@ def _check_rules(spec: Spec) -> None:
             made = load_factory(spec.factory)()
     except Exception:  # noqa: BLE001 - the user's code; the ranks build it for real and report
         return
-    model = made[0] if isinstance(made, (tuple, list)) and made else made
+    parts = tuple(made) if isinstance(made, (tuple, list)) else (made,)
+    model, user_loss = parts[0], (parts[2] if len(parts) > 2 else None)
     if not isinstance(model, torch.nn.Module):
         return  # `build` refuses it by name on the ranks
     if full["tp"] > 1 and plan.tp is None:
-        plan = dataclasses.replace(plan, tp=tp_styles(model, full["tp"]))
+        plan = dataclasses.replace(plan, tp=tp_styles(model, full["tp"], user_loss is None))
     try:
         check_layout(model, full, plan, tp_dry_run=True)  # the ranks' plan check would fail alike
     except LayoutError as e:
@@ -243,7 +248,11 @@ def shared_reference() -> Iterator[None]:
     and ended with the block. Otherwise each check starts an interpreter that imports torch and plait,
     seconds of CPU, which a series of checks (the layout fuzzer, a test of many layouts) pays once
     this way. Each check still builds its model from the factory; a factory's module is imported
-    once per block. Inside a job, every rank enters the block (rank 0 holds the process)."""
+    once per block. Inside a job, every rank enters the block (rank 0 holds the process). A block
+    inside another uses the outer one's process."""
+    if _SHARED.get() is not None:
+        yield
+        return
     shared = _Reference()
     token = _SHARED.set(shared)
     try:

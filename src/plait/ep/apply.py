@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm, faults
+from plait import comm
 from plait.ep.dispatch import ExpertDispatch
 from plait.mesh import Mesh
 from plait.models.moe import MoE, moe_layers
