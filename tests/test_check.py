@@ -114,9 +114,10 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
     # Flags plait train reads but the comparison does not build are refused, not dropped.
     for flags, says in ((["--ac", "full"], "--ac full: plait check does not build"),
                         (["--cp-algorithm", "ulysses"], "--cp 1 would ignore it"),
-                        (["--cp", "2", "--strategy", "none"], "--cp 2 needs gradients averaged"),
+                        (["--cp", "2", "--strategy", "none"], "--cp 2 ranks hold the same parameters"),
                         (["--cp", "2", "--seq", "6"], "--seq 6 does not divide by 4"),
-                        (["--ep", "2", "--nproc", "3"], "ep=2 folds expert groups out of the 3")):
+                        (["--ep", "2", "--nproc", "3"],
+                         "--ep 2: expert parallelism folds its groups out of the data axes, dp x fsdp = 3")):
         assert _exit_code(["test_check:tiny_gpt", *flags]) == 2
         assert says in capsys.readouterr().err, flags
 

@@ -135,9 +135,9 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
     if par.nproc % (par.pp * par.cp * par.tp * par.dp):
         raise ValueError(f"--nproc {par.nproc} is not divisible by --pp {par.pp} x --cp {par.cp} x --tp "
                          f"{par.tp} x --dp {par.dp}")
-    if par.strategy == "none" and par.nproc != par.pp * par.tp:
-        raise ValueError(f"--strategy none has no data-parallel ranks: --nproc must be --pp x --tp = "
-                         f"{par.pp * par.tp}, got {par.nproc}")
+    if par.strategy == "none" and par.nproc != par.pp * par.cp * par.tp:
+        raise ValueError(f"--strategy none has no data-parallel ranks: --nproc must be --pp x --cp x --tp = "
+                         f"{par.pp * par.cp * par.tp}, got {par.nproc}")
     fsdp: dict[str, Any] = {}
     if par.strategy == "fsdp":
         fsdp = dict(zero_stage=par.zero_stage, offload=par.offload,

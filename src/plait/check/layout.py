@@ -185,11 +185,10 @@ def tp_styles(model: nn.Module, tp: int, default_loss: bool) -> dict[str, Any]:
     under the default loss keeps its logits split by vocabulary for the vocabulary-parallel loss
     (which the check then covers); other models and losses get the full logits, in the check's
     dtype, as in the one-process run."""
-    from plait.models.gpt import GPT
-    from plait.models.plans import plan_for
+    from plait.models.plans import plan_for, splits_logits_by_default
 
     try:
-        return plan_for(model, loss_parallel=default_loss and isinstance(model, GPT))
+        return plan_for(model, loss_parallel=default_loss and splits_logits_by_default(model))
     except (ValueError, TypeError) as e:
         raise CheckInputError(f"tp={tp}: no built-in tensor-parallel plan fits {type(model).__name__} ({e}); "
                               "pass plan=plait.ParallelPlan(tp={module pattern: style})") from None

@@ -15,7 +15,7 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["gpt_plan", "plan_for"]
+__all__ = ["gpt_plan", "plan_for", "splits_logits_by_default"]
 
 
 def plan_for(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Style]:
@@ -91,3 +91,11 @@ def gpt_plan(cfg: object, *, loss_parallel: bool = True, experts: str = "replica
         "norm": SequenceParallel(),
         "lm_head": VocabParallelOutput(gather_output=not loss_parallel),
     }
+
+
+def splits_logits_by_default(model: nn.Module) -> bool:
+    """Whether `plait train` leaves ``model``'s logits split by vocabulary under its own loss
+    (plait's GPT, whose loss is plait's: the vocabulary-parallel cross-entropy)."""
+    from plait.models.gpt import GPT
+
+    return isinstance(model, GPT)
