@@ -230,6 +230,14 @@ def test_expert_parallel_with_pipeline_or_context_parallel(pools, axis):
         assert set().union(*(o["compared"] for o in out)) == set(_gpt().state_dict())
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_fsdp_stages_of_a_pipeline_train_their_experts(pools, ep):
+    # The pipeline runs each stage's backward on the stage's leaves: the experts FSDP keeps whole
+    # outside its flat shards must be among them, or they get no gradient (the fuzzer found them
+    # off by 100% at pp2 x fsdp2 before).
+    pools[4].run(_ep_parity, 1, ep, fsdp=2, pp=2, cfg_kw=BIAS)
+
+
 def test_a_forward_after_the_step_statistic_was_read_is_refused():
     # Gradient accumulation with a backward per micro-batch: the first backward used f over the
     # forwards so far, which a second forward of the same step would change.

@@ -232,9 +232,11 @@ class _FSDPStages:
 
     # `wrapped` is what `wrap` returned (the StageWrapper protocol hands it back as a module).
     def leaves(self, wrapped: nn.Module) -> list[torch.Tensor]:
+        # The flat shards' leaves, and the experts FSDP keeps whole (plait.expert_parallel): a
+        # backward restricted to leaves that left them out would give the experts no gradient.
         fsdp = cast(FullyShardedDataParallel, wrapped)
-        return [leaf for unit in fsdp.units for flat in unit.flats if flat.requires_grad
-                for leaf in flat.leaves]
+        return [*(leaf for unit in fsdp.units for flat in unit.flats if flat.requires_grad
+                  for leaf in flat.leaves), *fsdp.experts]
 
     def grad_sync(self, wrapped: nn.Module, reduce: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if reduce else cast(FullyShardedDataParallel, wrapped).no_sync()

@@ -381,6 +381,11 @@ class FullyShardedDataParallel(nn.Module):
                 unit.reshard()
 
     # ------------------------------------------------------------------ user API
+    @property
+    def experts(self) -> list[nn.Parameter]:
+        """The expert parameters kept whole outside the flat shards (`plait.expert_parallel`)."""
+        return list(self._experts)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (unsharded, no communication) for the enclosed backwards.
