@@ -52,7 +52,7 @@ STEPS = 5
 VOCAB, HIDDEN, SEQ, BATCH = 96, 32, 16, 4
 FAMILIES = ["llama", "llama-mqa", "gpt2", "phi3", "neox", "qwen2", "mistral", "gemma", "gemma2", "codegen",
             "qwen3", "gemma3", "stablelm", "granite", "starcoder2", "phi", "smollm3", "llama-nocache",
-            "gpt2-nocache"]
+            "gpt2-nocache", "falcon", "bigcode", "cohere"]
 
 
 def _build(family: str, **extra) -> torch.nn.Module:
@@ -98,10 +98,16 @@ def _build(family: str, **extra) -> torch.nn.Module:
             **common, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=8, **extra))
     elif family == "olmo2":  # q_norm and k_norm over the whole projection: refused
         model = t.Olmo2ForCausalLM(t.Olmo2Config(**common, num_key_value_heads=2, **extra))
-    elif family == "falcon":  # multi-query: 1 KV head, where the config says 4
+    elif family == "falcon":  # multi-query: 1 KV head (where the config says 4) in a fused projection
         model = t.FalconForCausalLM(t.FalconConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
             multi_query=True, new_decoder_architecture=False, bos_token_id=0, eos_token_id=0, **extra))
+    elif family == "bigcode":  # GPT-BigCode: multi-query in a fused c_attn, [q | k | v]
+        model = t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(
+            vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, multi_query=True,
+            bos_token_id=0, eos_token_id=0, **{"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **extra}))
+    elif family == "cohere":  # attention and MLP in parallel, LayerNorm without bias, logit scale, tied
+        model = t.CohereForCausalLM(t.CohereConfig(**common, num_key_value_heads=2, **extra))
     elif family == "opt":  # fc1/fc2 directly in the decoder layer: refused
         model = t.OPTForCausalLM(t.OPTConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
@@ -222,11 +228,17 @@ def test_tp2_sp_matches_single_process_in_yet_more_families(pools):
                         ("smollm3", True)])
 
 
+def test_tp2_replicates_the_kv_head_of_a_fused_multi_query_projection(pools):
+    # Falcon's query_key_value and GPT-BigCode's c_attn hold [q of 4 heads | k | v] of one KV head:
+    # each rank computes its 2 query heads and the KV head, the layer's gradient summed over tp.
+    # Cohere (parallel attention and MLP, bias-free LayerNorm, logit scale) planned as it was.
+    pools[4].run(_tp2, [(f, sp) for f in ("falcon", "bigcode", "cohere") for sp in (False, True)])
+
+
 def test_norms_across_heads_multi_query_loose_mlp_layers_and_fused_experts_are_refused_by_name():
     import plait
 
     refused = {"olmo2": "'model.layers.0.self_attn.q_norm' (Olmo2RMSNorm): it normalizes [32] features",
-               "falcon": "serves 4 heads with 1 KV heads (Falcon's multi-query",
                "opt": "'model.decoder.layers.0' (OPTDecoderLayer): the decoder layer holds an attention but "
                       "no MLP module (its linear layers ['fc1', 'fc2']",
                "mixtral": "'model.layers.0.mlp' (MixtralSparseMoeBlock): a mixture of experts whose experts "

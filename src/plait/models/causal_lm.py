@@ -64,7 +64,8 @@ PLAIN_MLP = (("c_fc", "c_proj"), ("fc1", "fc2"), ("dense_h_to_4h", "dense_4h_to_
 # Attention attributes some families read in forward, and the count each holds.
 HEAD_ATTRS = {"num_heads": "heads", "num_attention_heads": "heads", "n_head": "heads",
               "num_key_value_heads": "kv_heads", "num_kv_heads": "kv_heads", "num_key_value_groups": "groups",
-              "split_size": "width", "embed_dim": "width", "n_embd": "width", "hidden_size": "width"}
+              "kv_heads": "kv_heads", "split_size": "width", "embed_dim": "width", "n_embd": "width",
+              "hidden_size": "width", "kv_dim": "kv_width"}
 CONFIG_ATTRS = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads"}
 
 
@@ -142,7 +143,7 @@ def _geometry(model: nn.Module, attn: nn.Module, name: str, hidden: int) -> tupl
         raise _fail(name, attn, "no head count found (config.num_attention_heads or the module's num_heads)")
     # The attention's own KV count first: Falcon's config says 4 KV heads where its multi-query
     # attention uses 1.
-    kv = _count(sources[::-1], ("num_key_value_heads", "num_kv_heads", "n_head_kv")) or heads
+    kv = _count(sources[::-1], ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_heads")) or heads
     dim = _count(sources, ("head_dim", "head_size")) or hidden // heads
     return heads, kv, dim
 
@@ -152,11 +153,16 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
     assert found is not None
     kind, names = found
     heads, kv, d = _geometry(model, attn, name, hidden)
-    if kind == "per_head" and kv != heads:  # checked first: the sizes below assume one KV head per head
+    if kind == "per_head" and kv == 1 < heads:  # Falcon's multi-query: [q of every head | k | v]
+        kind = "fused"
+    elif kind == "per_head" and kv != heads:  # checked first: the sizes below assume one KV head per head
         raise _fail(name, attn, f"its fused {names[0]!r} serves {heads} heads with {kv} KV heads (Falcon's "
-                                "multi-query or grouped layout, read from the attention), and plait splits "
-                                f"{names[0]!r} only as [q k v] per head (GPT-NeoX's); train this model "
-                                "with data or fully sharded parallelism (DDP, FSDP) instead")
+                                "grouped layout, [q... k v] per KV head, read from the attention), and plait "
+                                f"splits {names[0]!r} only as [q k v] per head (GPT-NeoX's) or as [q | k | v] "
+                                "with one KV head (multi-query); train this model with data or fully sharded "
+                                "parallelism (DDP, FSDP) instead")
+    elif kind == "fused" and getattr(attn, "multi_query", None) is False and kv == heads:
+        kind = "per_head"  # GPT-BigCode without multi-query: c_attn holds [q k v] per head
     lin = _linears(attn)
     qkv_out = sum(_sizes(lin[n])[1] for n in names[:-1])
     want = 3 * heads * d if kind == "per_head" else (heads + 2 * kv) * d
@@ -177,11 +183,14 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
         plan[names[0]] = ColwiseParallel(input_comm=False, unit=d, what="heads", parts=out_parts * 3)
     elif kind == "fused":
         o = names[1]
+        # Fewer KV heads than ranks (multi-query): k and v kept whole, each rank computing the one
+        # its query heads use, as with separate projections.
         plan[names[0]] = ColwiseParallel(input_comm=False, unit=d, what="heads",
-                                         parts=(heads * d, kv * d, kv * d))
+                                         parts=(heads * d, kv * d, kv * d), replicate=True)
     else:
         o = names[1]
-        plan[names[0]] = ColwiseParallel(input_comm=False, unit=3 * d, what="attention heads")
+        plan[names[0]] = ColwiseParallel(input_comm=False, unit=3 * d, what="attention heads",
+                                         parts=(3 * heads * d,) * (names[0] != "query_key_value"))
     # The rank's heads in the order its attention outputs them: with groups, its share of each.
     plan[o] = RowwiseParallel(unit=d, what="attention heads", parts=out_parts)
     norms = _head_norms(attn, name, d)
@@ -222,7 +231,7 @@ def _qkv_groups(attn: nn.Module, name: str, heads: int, kv: int) -> int:
 
 
 def _head_attrs(attn: nn.Module, heads: int, kv: int, d: int) -> tuple[tuple[str, str], ...]:
-    full = {"heads": heads, "kv_heads": kv, "groups": heads // kv, "width": heads * d}
+    full = {"heads": heads, "kv_heads": kv, "groups": heads // kv, "width": heads * d, "kv_width": kv * d}
     out = [(a, what) for a, what in HEAD_ATTRS.items() if getattr(attn, a, None) == full[what]]
     cfg = getattr(attn, "config", None)
     out += [(f"config.{a}", what) for a, what in CONFIG_ATTRS.items() if getattr(cfg, a, None) == full[what]]

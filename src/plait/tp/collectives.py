@@ -24,7 +24,7 @@ from plait import faults
 from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
-           "reduce_scatter_to_sp", "scatter_to_sp", "replicate_from_sp", "Emulator", "emulated"]
+           "reduce_scatter_to_sp", "scatter_to_sp", "replicate_from_sp", "Emulator", "emulated", "fresh"]
 
 
 class Emulator(Protocol):
@@ -47,13 +47,20 @@ def emulated(emulator: Emulator) -> Iterator[None]:
         _EMULATOR.reset(token)
 
 
+def fresh(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of its own. What an operator returns must not be a view: a model that
+    adds to it in place (Falcon's ``mlp_output += attention_output``) would otherwise be refused by
+    autograd, which cannot rewrite a custom Function's backward for a view (a copy of b*s*h/tp)."""
+    return x.clone(memory_format=torch.contiguous_format) if x._is_view() else x.contiguous()
+
+
 def _split_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
     """This rank's contiguous chunk of ``x`` along ``dim`` (no communication)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[dim] % n:
         raise ValueError(f"splitting dim {dim} ({x.shape[dim]}) of a {tuple(x.shape)} tensor across the "
                          f"{n} ranks of {describe(group)}: it is not divisible")
-    return x.chunk(n, dim=dim)[r].contiguous()
+    return fresh(x.chunk(n, dim=dim)[r])
 
 
 def _gather_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -64,7 +71,7 @@ def _gather_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
     out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_into(out, moved, group)
     # Contiguous: layers that flatten their input with .view (GPT-2's Conv1D) need it.
-    return out.movedim(0, dim).contiguous()
+    return fresh(out.movedim(0, dim))
 
 
 def _reduce_scatter_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -77,7 +84,7 @@ def _reduce_scatter_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
                          f"by the {n} ranks of {describe(group)}")
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_into(out, moved, group)
-    return out.movedim(0, dim)
+    return fresh(out.movedim(0, dim))
 
 
 class _CopyToTP(torch.autograd.Function):

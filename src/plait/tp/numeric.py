@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from plait import faults
 from plait.placement.shards import ShardSpec
 from plait.rng import RNGFork
-from plait.tp.collectives import emulated
+from plait.tp.collectives import emulated, fresh
 from plait.tp.context import SequenceShardGrads, Style, TPContext
 from plait.tp.layers import find_activation
 
@@ -135,7 +135,7 @@ class _Group:
         return torch.cat(self.exchange(rank, x), dim=dim).contiguous()
 
     def split(self, rank: int, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return x.chunk(self.n, dim=dim)[rank].contiguous()
+        return fresh(x.chunk(self.n, dim=dim)[rank])  # as the real operators: never a view
 
 
 class _Op(torch.autograd.Function):

@@ -137,7 +137,12 @@ class ColwiseParallel(Style):
     (grouped-query attention with fewer KV heads than ranks), every rank keeps the whole
     weight and computes only the unit its query heads use, rank r the unit
     ``r * units // tp``; the gradient, which each rank computes for its own query heads, is
-    summed over tp (one all-reduce of the weight's gradient per step).
+    summed over tp (one all-reduce of the weight's gradient per step). With ``parts`` too, a part
+    of fewer units than ranks is replicated that way and the others are split (a fused
+    multi-query projection, [q | k | v] with one KV head: Falcon's, GPT-BigCode's): every rank
+    keeps the whole weight and computes its slice of each split part and its unit of each
+    replicated one; the gradient of the whole weight is summed over tp, each rank having
+    contributed only to the rows it computed.
     """
 
     gather_output: bool = False
@@ -158,9 +163,25 @@ class ColwiseParallel(Style):
                              "(a fused or replicated output gathered in rank order would be reordered)")
         self._check_size(layout.sizes(mod)[1], name, ctx)
 
+    def _replicated_part(self, size: int, ctx: TPContext) -> bool:
+        units = size // self.unit
+        return self.replicate and size % self.unit == 0 and units < ctx.size and ctx.size % units == 0
+
     def _replicates(self, out: int, ctx: TPContext) -> bool:
-        units = out // self.unit
-        return self.replicate and out % self.unit == 0 and units < ctx.size and ctx.size % units == 0
+        """Whether the layer is kept whole on every rank (some part has fewer units than ranks)."""
+        return any(self._replicated_part(p, ctx) for p in self.parts or (out,))
+
+    def _rows(self, out: int, ctx: TPContext) -> list[tuple[int, int]]:
+        """(start, length) of the output features this rank computes from a replicated weight:
+        its slice of each split part, its unit of each replicated one, in the parts' order."""
+        rows, start = [], 0
+        for p in self.parts or (out,):
+            if self._replicated_part(p, ctx):
+                rows.append((start + ctx.rank * (p // self.unit) // ctx.size * self.unit, self.unit))
+            else:
+                rows.append((start + ctx.rank * p // ctx.size, p // ctx.size))
+            start += p
+        return rows
 
     def _check_size(self, out: int, name: str, ctx: TPContext) -> None:
         last = name.rpartition(".")[2]
@@ -178,11 +199,12 @@ class ColwiseParallel(Style):
             raise ValueError(f"plan: {self!r} on {name!r}: the parts {self.parts} do not add up to its {out} "
                              "output features")
         for i, p in enumerate(self.parts):
-            if p % self.unit or (p // self.unit) % ctx.size:
+            if not self._replicated_part(p, ctx) and (p % self.unit or (p // self.unit) % ctx.size):
                 raise ValueError(
                     f"plan: {self!r} on {name!r} cannot split part {i} of the fused projection ({p} features "
-                    f"in units of {self.unit}: {p // self.unit} {self.what}) evenly across tp={ctx.size}; "
-                    "fewer KV heads than ranks can be replicated only in separate k/v projections")
+                    f"in units of {self.unit}: {p // self.unit} {self.what}) evenly across tp={ctx.size}"
+                    + ("" if self.replicate else "; replicate=True keeps a part of fewer units than ranks "
+                       "whole on every rank (tp a multiple of its units)"))
 
     def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
         layout = linear_layout(mod)
@@ -214,16 +236,19 @@ class ColwiseParallel(Style):
             mod.register_forward_hook(gather)
 
     def _install_replicated(self, mod: nn.Module, layout: LinearLayout, full: int, ctx: TPContext) -> None:
-        start = ctx.rank * (full // self.unit) // ctx.size * self.unit
+        rows = self._rows(full, ctx)
+
+        def take(t: torch.Tensor, dim: int) -> torch.Tensor:
+            pieces = [t.narrow(dim, start, n) for start, n in rows]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
         def forward(self_: nn.Module, x: torch.Tensor) -> torch.Tensor:
             w, b = self_.weight, getattr(self_, "bias", None)
             assert isinstance(w, torch.Tensor)
-            return layout.apply(x, w.narrow(layout.out_dim, start, self.unit),
-                                None if b is None else b.narrow(0, start, self.unit))
+            return layout.apply(x, take(w, layout.out_dim), None if b is None else take(b, 0))
 
         mod.forward = types.MethodType(forward, mod)
-        layout.set_sizes(mod, out_features=self.unit)
+        layout.set_sizes(mod, out_features=sum(n for _, n in rows))
         for p in mod.parameters(recurse=False):
             if p.requires_grad:
                 ctx.seq_grads.watch(p)
