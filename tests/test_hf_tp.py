@@ -105,7 +105,8 @@ def _build(family: str, **extra) -> torch.nn.Module:
     elif family == "bigcode":  # GPT-BigCode: multi-query in a fused c_attn, [q | k | v]
         model = t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(
             vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, multi_query=True,
-            bos_token_id=0, eos_token_id=0, **{"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **extra}))
+            bos_token_id=0, eos_token_id=0,
+            **{"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **extra}))
     elif family == "cohere":  # attention and MLP in parallel, LayerNorm without bias, logit scale, tied
         model = t.CohereForCausalLM(t.CohereConfig(**common, num_key_value_heads=2, **extra))
     elif family == "opt":  # fc1/fc2 directly in the decoder layer: refused

@@ -158,9 +158,9 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
     elif kind == "per_head" and kv != heads:  # checked first: the sizes below assume one KV head per head
         raise _fail(name, attn, f"its fused {names[0]!r} serves {heads} heads with {kv} KV heads (Falcon's "
                                 "grouped layout, [q... k v] per KV head, read from the attention), and plait "
-                                f"splits {names[0]!r} only as [q k v] per head (GPT-NeoX's) or as [q | k | v] "
-                                "with one KV head (multi-query); train this model with data or fully sharded "
-                                "parallelism (DDP, FSDP) instead")
+                                f"splits {names[0]!r} only as [q k v] per head (GPT-NeoX's) or as "
+                                "[q | k | v] with one KV head (multi-query); train this model with data or "
+                                "fully sharded parallelism (DDP, FSDP) instead")
     elif kind == "fused" and getattr(attn, "multi_query", None) is False and kv == heads:
         kind = "per_head"  # GPT-BigCode without multi-query: c_attn holds [q k v] per head
     lin = _linears(attn)
