@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-from plait.tp.attention import AttentionParallel, HeadNorm
+from plait.tp.attention import AttentionParallel, HeadNorm, SplitRMSNorm
 from plait.tp.layers import linear_layout
 from plait.tp.sequence import GatherSequence, ScatterSequence
 from plait.tp.styles import (
@@ -193,28 +193,30 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
                                          parts=(3 * heads * d,) * (names[0] != "query_key_value"))
     # The rank's heads in the order its attention outputs them: with groups, its share of each.
     plan[o] = RowwiseParallel(unit=d, what="attention heads", parts=out_parts)
-    norms = _head_norms(attn, name, d)
-    plan.update({n: HeadNorm() for n in norms})
+    norms = _head_norms(attn, name, heads, kv, d)
+    plan.update(norms)
     _only_known_params(attn, name, set(names) | set(norms))
     return plan
 
 
-def _head_norms(attn: nn.Module, name: str, d: int) -> list[str]:
-    """The norms inside ``attn`` over one head's ``d`` features (replicated, `HeadNorm`); a norm
-    over a wider projection would need its statistics from every rank's heads: refused."""
-    found = []
+def _head_norms(attn: nn.Module, name: str, heads: int, kv: int, d: int) -> dict[str, Style]:
+    """The norms inside ``attn``: over one head's ``d`` features (Qwen3's, Gemma3's: replicated,
+    `HeadNorm`) or over the whole q or k projection (OLMo2's: `SplitRMSNorm`, its statistic
+    summed over tp); a norm of another width is refused."""
+    found: dict[str, Style] = {}
     for cname, child in attn.named_children():
         if not _is_norm(child):
             continue
         widths = {p.shape[0] for p in child.parameters()}
-        if widths != {d}:
-            raise _fail(f"{name}.{cname}", child, f"it normalizes {sorted(widths)} features at once, across "
-                                                  f"heads of {d} (OLMo2's q_norm and k_norm span the whole "
-                                                  "projection), so under tensor parallelism it would need "
-                                                  "statistics from every rank's heads, which plait does not "
-                                                  "compute; train this model with data or fully sharded "
-                                                  "parallelism (DDP, FSDP) instead")
-        found.append(cname)
+        if widths == {d}:
+            found[cname] = HeadNorm()
+        elif widths <= {heads * d, kv * d} and len(widths) == 1:
+            found[cname] = SplitRMSNorm(width=widths.pop(), unit=d, what="heads")
+        else:
+            raise _fail(f"{name}.{cname}", child,
+                        f"it normalizes {sorted(widths)} features at once, neither one head's {d} nor a "
+                        f"whole projection's ({heads} or {kv} heads); train this model with data or fully "
+                        "sharded parallelism (DDP, FSDP) instead")
     return found
 
 

@@ -1,18 +1,24 @@
 """Attention split by heads in models that read their own head counts in forward, and the norms
-inside it that act on one head at a time."""
+inside it: over one head at a time (`HeadNorm`), or over all heads at once (`SplitRMSNorm`)."""
 
 from __future__ import annotations
 
 import copy
+import types
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
+from plait.placement.shards import ShardSpec, make_spec
+from plait.tp.collectives import sum_over_tp
 from plait.tp.context import Style, TPContext
 from plait.tp.styles import ParallelRegion
 
-__all__ = ["AttentionParallel", "HEAD_COUNTS", "HeadNorm"]
+__all__ = ["AttentionParallel", "HEAD_COUNTS", "HeadNorm", "SplitRMSNorm"]
+
+EPS_ATTRS = ("variance_epsilon", "eps", "epsilon")
 
 HEAD_COUNTS = ("heads", "kv_heads", "groups", "width", "kv_width")
 
@@ -96,6 +102,93 @@ class HeadNorm(Style):
         for p in mod.parameters(recurse=False):
             if p.requires_grad:
                 ctx.seq_grads.watch(p)
+
+
+@dataclass(frozen=True)
+class SplitRMSNorm(Style):
+    """An RMSNorm over a whole projection split by heads (OLMo2's ``q_norm`` and ``k_norm``
+    normalize all ``heads * head_dim`` features of a position at once): each rank holds its
+    heads' slice of the weight and normalizes its heads' features by the statistic of all of
+    them, the mean of squares whose sum is all-reduced over tp (`sum_over_tp`: b*s values each
+    way, per norm and step).
+
+    ``width``: the norm's features (its weight's full size); ``unit``: the features of one head.
+    The weight is split in whole units like the projection before it (rank r its r-th
+    contiguous slice). With fewer units than ranks (tp a multiple of
+    them: the key norm of a replicated KV head), every rank keeps the whole weight, applies its
+    unit ``r * units // tp`` (the one ``ColwiseParallel(replicate=True)`` computes there) and the
+    weight's gradient is summed over tp. Either way the mean of squares over all ranks' features
+    equals the whole projection's, each unit present as often as every other.
+
+    The module must hold an RMSNorm's one ``weight`` (1-D) and an ``eps`` (`EPS_ATTRS`); its
+    forward is replaced by ``weight * x / sqrt(mean(x**2) + eps)``, computed in at least float32
+    (as the models' own RMSNorms do) and returned in ``x``'s dtype. A norm that computes
+    something else is caught by the numeric check (`plait.tp.numeric`) before training.
+    """
+
+    width: int = 0
+    unit: int = 1
+    what: str = "heads"
+
+    def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        super().validate(mod, name, ctx)
+        params = dict(mod.named_parameters(recurse=False))
+        w = params.get("weight")
+        if set(params) != {"weight"} or w is None or w.dim() != 1 or any(True for _ in mod.children()):
+            held = sorted((k, tuple(p.shape)) for k, p in mod.named_parameters())
+            raise ValueError(f"plan: {self!r} on {name!r}: an RMSNorm holds one 1-D weight and no "
+                             f"submodules; it has {held}")
+        if _eps(mod) is None:
+            raise ValueError(f"plan: {self!r} on {name!r}: no epsilon attribute ({', '.join(EPS_ATTRS)})")
+        width, n = w.shape[0], ctx.size
+        if width != self.width:
+            raise ValueError(f"plan: {self!r} on {name!r}: its weight has {width} features, not {self.width}")
+        units = width // self.unit if self.unit > 0 else 0
+        if self.unit < 1 or width % self.unit or (units % n and n % units):
+            raise ValueError(f"plan: {self!r} on {name!r} cannot split its {width} features in units of "
+                             f"{self.unit} ({units} {self.what}) across tp={n}: tp must divide the "
+                             f"{self.what} or be a multiple of them")
+
+    def _replicates(self, ctx: TPContext) -> bool:
+        return (self.width // self.unit) % ctx.size != 0
+
+    def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
+        if self._replicates(ctx):
+            return {}
+        return {"weight": make_spec(0, self.width, ctx.size, ctx.rank, self.unit)}
+
+    def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        # Called on this rank's shards: the full width comes from the plan, not the weight.
+        eps, n = _eps(mod), ctx.size
+        assert eps is not None  # validated
+        start = None
+        if self._replicates(ctx):
+            start = ctx.rank * (self.width // self.unit) // n * self.unit
+            ctx.seq_grads.watch(_weight(mod))
+
+        def forward(self_: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            w: torch.Tensor = _weight(self_)
+            w = w if start is None else w.narrow(0, start, self.unit)
+            h = x.to(torch.promote_types(x.dtype, torch.float32))
+            # Every rank holds as many features: the mean over all of them is the sum over tp / (n * local).
+            mean = sum_over_tp(h.pow(2).sum(-1, keepdim=True), ctx.group) / (n * h.shape[-1])
+            return (w * (h * torch.rsqrt(mean + eps))).to(x.dtype)
+
+        mod.forward = types.MethodType(forward, mod)
+
+
+def _weight(mod: nn.Module) -> nn.Parameter:
+    w = mod.weight
+    assert isinstance(w, nn.Parameter)
+    return w
+
+
+def _eps(mod: nn.Module) -> float | None:
+    for a in EPS_ATTRS:
+        value = getattr(mod, a, None)
+        if isinstance(value, float):
+            return value
+    return None
 
 
 def _resolve(obj: Any, path: str) -> Any:

@@ -24,7 +24,8 @@ from plait import faults
 from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
-           "reduce_scatter_to_sp", "scatter_to_sp", "replicate_from_sp", "Emulator", "emulated", "fresh"]
+           "reduce_scatter_to_sp", "scatter_to_sp", "replicate_from_sp", "sum_over_tp", "Emulator",
+           "emulated", "fresh"]
 
 
 class Emulator(Protocol):
@@ -115,6 +116,23 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
+class _SumOverTP(torch.autograd.Function):
+    """Forward: all-reduce (sum). Backward: all-reduce (sum) of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone(memory_format=torch.contiguous_format)
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.clone(memory_format=torch.contiguous_format)
+        all_reduce(g, ctx.group)
         return g, None
 
 
@@ -213,6 +231,20 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     if (em := _EMULATOR.get()) is not None:
         return em.collective("reduce_from_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+@torch.compiler.disable
+def sum_over_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Forward all-reduce (sum) of per-rank partial statistics; backward all-reduce of the gradient.
+
+    For a statistic over features split across the ranks (the sum of squares of an RMSNorm over
+    all heads, OLMo2's ``q_norm``): every rank's output depends on every rank's input, so the
+    gradient of each rank's partial sum is the sum of what every rank's output sends back. The
+    same exchange as Megatron's vocabulary-parallel softmax (Shoeybi et al. 2019, sec. 3), whose
+    denominator sums over vocabulary shards; here a tensor of b*s values moves each way."""
+    if (em := _EMULATOR.get()) is not None:
+        return em.collective("sum_over_tp", x, -1)
+    return x if dist.get_world_size(group) == 1 else _SumOverTP.apply(x, group)
 
 
 @torch.compiler.disable

@@ -55,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 
 from plait._torch_compat import fake_tensors
 from plait.placement.shards import ShardSpec
+from plait.tp.attention import SplitRMSNorm
 from plait.tp.collectives import emulated
 from plait.tp.context import Style, TPContext
 from plait.tp.layers import find_activation
@@ -158,7 +159,8 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, key: str, defaul
 # ------------------------------------------------------------------ the trace
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
-INTERNAL = (ColwiseParallel, RowwiseParallel, VocabParallelEmbedding)  # trusted: they set their outputs
+# Trusted: they set their outputs.
+INTERNAL = (ColwiseParallel, RowwiseParallel, VocabParallelEmbedding, SplitRMSNorm)
 
 
 class _Trace(TorchFunctionMode):
@@ -223,6 +225,8 @@ class _Trace(TorchFunctionMode):
             return R if style.gather_output else V if isinstance(style, VocabParallelOutput) else F
         if isinstance(style, VocabParallelEmbedding):
             return S if sp and style.shard_sequence else R
+        if isinstance(style, SplitRMSNorm):
+            return F
         return S if sp else R
 
     def _expects(self, style: Style) -> tuple[str, str] | None:
@@ -240,6 +244,8 @@ class _Trace(TorchFunctionMode):
             return R, "a full replicated activation to split"
         if isinstance(style, VocabParallelEmbedding):
             return R, "replicated token ids"
+        if isinstance(style, SplitRMSNorm):
+            return F, "the feature-split output of its column-parallel projection"
         if isinstance(style, ParallelRegion):
             return entry, "this rank's sequence shard" if sp else "a replicated activation"
         if isinstance(style, ScatterSequence) and sp:
@@ -430,6 +436,8 @@ class _Emulator:
         with self.trace.quietly():
             if op in ("copy_to_tp", "reduce_from_tp"):
                 out, tag = x.clone(), IN if op == "copy_to_tp" else R
+            elif op == "sum_over_tp":  # a statistic of split features: rank-local in its gradient
+                out, tag = x.clone(), layout_of(x)
             elif op in ("gather_from_sp", "replicate_from_sp", "gather_from_tp"):
                 out, tag = torch.cat([x] * n, dim=dim), IN if op == "gather_from_sp" else R
             elif op in ("reduce_scatter_to_sp", "scatter_to_sp", "scatter_to_tp"):

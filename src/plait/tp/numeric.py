@@ -164,7 +164,7 @@ class _Exchange:
         split = (lambda t: g.split(r, t, dim))
         reduce_scatter = (lambda t: g.split(r, g.reduce(r, t), dim))
         fwd, bwd = {
-            "copy_to_tp": (same, reduce), "reduce_from_tp": (reduce, same),
+            "copy_to_tp": (same, reduce), "reduce_from_tp": (reduce, same), "sum_over_tp": (reduce, reduce),
             "gather_from_tp": (gather, split), "scatter_to_tp": (split, gather),
             "gather_from_sp": (gather, reduce_scatter), "reduce_scatter_to_sp": (reduce_scatter, gather),
             "scatter_to_sp": (split, gather), "replicate_from_sp": (gather, split),
