@@ -195,6 +195,31 @@ def _pp_tp(kind: str, runs: list[tuple[str, bool]]) -> dict:
     return {"worst": worst, "coords": mesh.coords, "tied": tied}
 
 
+def _opt_pipeline() -> str:
+    import transformers as tf
+
+    from plait.pipeline import pipeline
+
+    torch.manual_seed(0)
+    model = tf.OPTForCausalLM(tf.OPTConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+        max_position_embeddings=SEQ, word_embed_proj_dim=32, pad_token_id=1, bos_token_id=0, eos_token_id=0,
+        dropout=0.0, use_cache=False)).double()
+    pipe = pipeline(model, cached_mesh(pp=2), split=["model.decoder.layers.1"], schedule="1f1b",
+                    microbatches=M, loss_fn=_loss)
+    with pytest.raises(ValueError) as err:
+        pipe.step(*_batch(0, False))
+    return str(err.value)
+
+
+def test_opt_is_refused_naming_its_final_norm_registered_before_the_layers(pools):
+    # OPT's decoder registers final_layer_norm before its layers and runs it after them: segments
+    # follow the registration order, so every split would put it before the layers it reads.
+    for msg in pools[2].run(_opt_pipeline):
+        assert "segment 'model.decoder.final_layer_norm' (stage 0) reads the output of" in msg, msg
+        assert "is registered before 'model.decoder.layers.1' but runs after it" in msg, msg
+
+
 def test_pp2_tp2_llama_matches_one_process(pools):
     out = pools[4].run(_pp_tp, "llama", [("1f1b", False), ("zb-h1", False), ("1f1b", True)])
     assert sorted((o["coords"]["pp"], o["coords"]["tp"]) for o in out) == [(0, 0), (0, 1), (1, 0), (1, 1)]

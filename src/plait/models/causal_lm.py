@@ -38,6 +38,7 @@ from plait.tp.layers import linear_layout
 from plait.tp.sequence import GatherSequence, ScatterSequence
 from plait.tp.styles import (
     ColwiseParallel,
+    InlineMLP,
     ParallelRegion,
     RowwiseParallel,
     SequenceParallel,
@@ -270,17 +271,19 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
             block = mod[0]
             kids = list(block.children())
-            if any(_attention_kind(c) for c in kids) and any(_mlp_kind(c) for c in kids):
+            mlp = any(_mlp_kind(c) for c in kids) or _mlp_kind(block)  # OPT's: in the layer itself
+            if any(_attention_kind(c) for c in kids) and mlp:
                 return name, mod
     for name, mod in model.named_modules():  # say what the closest candidate lacks
         candidate = mod[0] if isinstance(mod, nn.ModuleList) and len(mod) > 0 else None
         if candidate is not None and any(_attention_kind(c) for c in candidate.children()):
             _refuse_fused_experts(candidate, f"{name}.0")
             loose = sorted(_linears(candidate))
-            where = f" (its linear layers {loose} sit in the layer itself, as in OPT)" if loose else ""
+            where = f" (its linear layers {loose} are not an MLP's)" if loose else ""
             raise _fail(f"{name}.0", candidate,
-                        f"the decoder layer holds an attention but no MLP module{where}; plan_for splits an "
-                        "MLP held in a module of its own: train this model with data or fully sharded "
+                        f"the decoder layer holds an attention but no MLP{where}; plan_for splits an MLP "
+                        "held in a module of its own or as linear layers of the layer named as in "
+                        f"{[n for n, _ in PLAIN_MLP]}: train this model with data or fully sharded "
                         "parallelism (DDP, FSDP) instead, or write a plan by hand")
     raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: no nn.ModuleList of decoder layers, "
                      "each holding an attention (q/k/v/o or fused qkv projections) and an MLP")
@@ -307,8 +310,19 @@ def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, St
     attn = mlp = None
     if any(True for _ in block.parameters(recurse=False)):
         raise _fail(prefix, block, "the decoder layer owns parameters of its own")
+    inline = () if any(_mlp_kind(c) for c in block.children()) else _mlp_kind(block)
+    if inline:  # OPT: fc1 and fc2 in the layer itself, which is then the region (without f)
+        kind, names = inline
+        plan[""] = InlineMLP()
+        plan[names[-1]] = RowwiseParallel()
+        for n in names[:-1]:
+            plan[n] = ColwiseParallel() if kind != "fused_gated" else ColwiseParallel(
+                parts=(_sizes(_linears(block)[n])[1] // 2,) * 2)
+        mlp = "(the layer)"
     for cname, child in block.named_children():
         where = f"{prefix}.{cname}"
+        if inline and cname in inline[1]:
+            continue
         if attn is None and _attention_kind(child):
             attn = cname
             hidden = _sizes(_linears(child)[_attention_kind(child)[1][-1]])[1]  # type: ignore[index]
@@ -358,6 +372,8 @@ def _top_level(model: nn.Module, layers_name: str, hidden: int) -> tuple[str, nn
     children = list(base.named_children())
     after = [n for n, c in children[[n for n, _ in children].index(layers_name.rpartition(".")[2]) + 1:]
              if _is_norm(c)]
+    if not after:  # OPT registers its final_layer_norm before its layers
+        after = [n for n, c in children if _is_norm(c) and "final" in n]
     if len(after) > 1:
         raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: several norms after the decoder "
                          f"layers ({after}); which one is final is ambiguous")
@@ -371,13 +387,15 @@ def causal_lm_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str
     what it returns on one device. Raises ``ValueError`` naming a module it cannot place."""
     layers_name, layers = _decoder_layers(model)
     _same_blocks(layers, layers_name)
-    plan = {f"{layers_name}.*.{k}": s for k, s in _layer_plan(model, layers[0], f"{layers_name}.0").items()}
+    plan = {f"{layers_name}.*" + f".{k}" * bool(k): s
+            for k, s in _layer_plan(model, layers[0], f"{layers_name}.0").items()}
     attn = next(c for c in layers[0].children() if _attention_kind(c))
     kind = _attention_kind(attn)
     assert kind is not None
     hidden = _sizes(_linears(attn)[kind[1][-1]])[1]
     head_name, _, emb, norm = _top_level(model, layers_name, hidden)
-    plan[f"{layers_name}.0"] = ScatterSequence()
+    if not isinstance(plan.get(f"{layers_name}.*"), InlineMLP):  # InlineMLP refuses SP itself
+        plan[f"{layers_name}.0"] = ScatterSequence()
     plan[emb] = VocabParallelEmbedding(shard_sequence=False)
     if norm is not None:
         plan[norm] = GatherSequence()

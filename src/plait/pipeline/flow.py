@@ -95,10 +95,15 @@ class Flow:
             for c in calls:
                 for k in c.needs:
                     if owner[k[0]] > owner[j]:
+                        fix = ("a stage can only use what earlier stages computed: move the split points"
+                               if j > k[0] else
+                               f"{names[j]!r} is registered before {names[k[0]]!r} but runs after it "
+                               "(OPT's final_layer_norm), and stages follow the registration order, so no "
+                               "split places it: train this model without pipeline parallelism (tp, fsdp, "
+                               "ddp)")
                         raise ValueError(
                             f"pipeline: segment {names[j]!r} (stage {owner[j]}) reads the output of "
-                            f"{names[k[0]]!r}, which the split puts on a later stage ({owner[k[0]]}); a "
-                            "stage can only use what earlier stages computed: move the split points")
+                            f"{names[k[0]]!r}, which the split puts on a later stage ({owner[k[0]]}); {fix}")
                 needs[owner[j]].update(c.needs)
         needs[-1].update(self.end)
         later: set[Key] = set()

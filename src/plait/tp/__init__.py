@@ -9,6 +9,7 @@ from plait.tp.loss import vocab_parallel_cross_entropy
 from plait.tp.sequence import GatherSequence, ScatterSequence
 from plait.tp.styles import (
     ColwiseParallel,
+    InlineMLP,
     ParallelRegion,
     RowwiseParallel,
     SequenceParallel,
@@ -19,5 +20,5 @@ from plait.tp.styles import (
 __all__ = ["tensor_parallel", "check_plan", "validate_styles", "PlanError", "assign_styles", "loss_fn_for",
            "tp_info", "tp_module", "TPInfo", "vocab_parallel_cross_entropy", "Style", "ColwiseParallel",
            "RowwiseParallel", "VocabParallelEmbedding", "VocabParallelOutput", "SequenceParallel",
-           "ParallelRegion", "AttentionParallel", "HeadNorm", "SplitRMSNorm", "ScatterSequence",
+           "ParallelRegion", "InlineMLP", "AttentionParallel", "HeadNorm", "SplitRMSNorm", "ScatterSequence",
            "GatherSequence"]

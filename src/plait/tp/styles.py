@@ -46,7 +46,7 @@ from plait.tp.layers import LinearLayout, input_pre_hook, linear_layout
 
 __all__ = [
     "ColwiseParallel", "RowwiseParallel", "VocabParallelEmbedding",
-    "VocabParallelOutput", "ParallelRegion", "SequenceParallel", "check_sequence", "FUSED_NAMES",
+    "VocabParallelOutput", "ParallelRegion", "InlineMLP", "SequenceParallel", "check_sequence", "FUSED_NAMES",
 ]
 
 
@@ -440,6 +440,32 @@ class ParallelRegion(Style):
         if self.fork_rng:
             mod.register_forward_pre_hook(ctx.rng.enter)
             mod.register_forward_hook(ctx.rng.exit, always_call=True)
+
+
+@dataclass(frozen=True)
+class InlineMLP(ParallelRegion):
+    """A decoder layer that runs its MLP's linear layers itself (OPT's ``fc1`` and ``fc2`` sit in
+    the layer, with no MLP module to be the region): a region for the plan's rules only. Nothing
+    enters through f at the layer, whose norms and residual additions run replicated: its
+    column-parallel layers apply f themselves (``input_comm=True``), and the code between them
+    and the row-parallel one (the activation) must act on each hidden unit alone, as inside any
+    region. Nothing runs on the per-rank random stream (the layer's dropouts act on replicated
+    activations). The numeric check (`plait.tp.numeric`) runs the whole layer whole and split.
+    Sequence parallelism is refused: the layer's own code around its MLP would run on sequence
+    shards (OPT's flattens batch and sequence into one dim), which no style of it checks."""
+
+    fork_rng: bool = False
+
+    def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        super().validate(mod, name, ctx)
+        if ctx.sequence_parallel:
+            raise ValueError(f"plan: {self!r} on {name!r} ({type(mod).__name__}): the layer runs its MLP's "
+                             "linear layers in its own forward, and under sequence parallelism its code "
+                             "around them would see sequence shards (OPT's flattens batch and sequence); "
+                             "use sequence_parallel=False")
+
+    def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        pass
 
 
 @dataclass(frozen=True)
