@@ -59,7 +59,7 @@ STEPS = 5
 VOCAB, HIDDEN, SEQ, BATCH = 96, 32, 16, 4
 FAMILIES = ["llama", "llama-mqa", "gpt2", "phi3", "neox", "qwen2", "mistral", "gemma", "gemma2", "codegen",
             "qwen3", "gemma3", "stablelm", "granite", "starcoder2", "phi", "smollm3", "llama-nocache",
-            "gpt2-nocache", "falcon", "bigcode", "cohere", "olmo2", "olmo2-mqa", "opt"]
+            "gpt2-nocache", "falcon", "bigcode", "cohere", "olmo2", "olmo2-mqa", "opt", "bloom"]
 
 
 def _build(family: str, **extra) -> torch.nn.Module:
@@ -130,6 +130,10 @@ def _build(family: str, **extra) -> torch.nn.Module:
         model = t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
             **common, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=32, **extra))
+    elif family == "bloom":  # ALiBi biases for all heads, built by the model; residuals added inside
+        model = t.BloomForCausalLM(t.BloomConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2, n_head=4, hidden_dropout=0.0,
+            attention_dropout=0.0, bos_token_id=0, eos_token_id=0, **extra))
     elif family == "stablelm":  # its attention reads hidden_size and num_heads; partial rotary
         model = t.StableLmForCausalLM(t.StableLmConfig(**common, num_key_value_heads=2, **extra))
     elif family == "granite":  # embedding, attention, residual and logit multipliers
@@ -266,6 +270,22 @@ def test_tp2_splits_opts_mlp_in_the_decoder_layer_and_sp_is_refused_by_name(pool
                                          r"\(OPTDecoderLayer\): .* use sequence_parallel=False"):
         check_plan(model, plait.plan_for(model), tp=2, sequence_parallel=True)
     pools[4].run(_tp2, [("opt", False)])
+
+
+def test_tp2_gives_each_rank_the_alibi_biases_of_its_heads(pools):
+    # Bloom builds the ALiBi biases of all 4 heads, (batch * heads, 1, seq), before its layers:
+    # each rank's attention takes the rows of its 2 heads (AttentionParallel(head_inputs=...)).
+    # Before: a shape error in baddbmm.
+    import plait
+    from plait.tp import check_plan
+
+    # Falcon's ALiBi is (batch, heads, 1, seq) and folded into its attention mask: refused by name,
+    # in the dry run, before any collective.
+    falcon = _build("falcon", alibi=True)
+    with pytest.raises(ValueError, match=r"'alibi' has shape \(1, 4, 1, 4\), not \(batch \* 4 heads, 1, "
+                                         r"length\).*data or fully sharded parallelism"):
+        check_plan(falcon, plait.plan_for(falcon), tp=2, numeric=False)
+    pools[4].run(_tp2, [("bloom", False), ("bloom", True)])
 
 
 def test_tp2_sp_matches_single_process_in_yet_more_families(pools):
@@ -405,6 +425,8 @@ def test_every_family_is_planned_and_checked_without_spawning():
             assert isinstance(plan["model.layers.*.self_attn"], AttentionParallel)
         if family == "phi3":
             assert isinstance(plan["model.layers.*.mlp.gate_up_proj"], ColwiseParallel)
+        if family == "bloom":
+            assert plan["transformer.h.*.self_attention"].head_inputs == ("alibi",)
         if family == "olmo2":  # over 4 heads and 2 KV heads of 8 features
             assert plan["model.layers.*.self_attn.q_norm"] == SplitRMSNorm(width=32, unit=8)
             assert plan["model.layers.*.self_attn.k_norm"] == SplitRMSNorm(width=16, unit=8)

@@ -29,6 +29,7 @@ does after its layers runs replicated. The logits come back whole unless ``loss_
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -68,6 +69,8 @@ HEAD_ATTRS = {"num_heads": "heads", "num_attention_heads": "heads", "n_head": "h
               "kv_heads": "kv_heads", "split_size": "width", "embed_dim": "width", "n_embd": "width",
               "hidden_size": "width", "kv_dim": "kv_width"}
 CONFIG_ATTRS = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads"}
+# Attention inputs laid out (batch * heads, ...) by the model, for all heads: Bloom's ALiBi biases.
+HEAD_INPUTS = ("alibi",)
 
 
 class _NotPlaced(ValueError):
@@ -172,8 +175,10 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
                                 f"{_sizes(lin[names[-1]])[0]} inputs to {names[-1]!r}, which do not fit "
                                 f"{heads} heads and {kv} KV heads of {d} features")
     groups = _qkv_groups(attn, name, heads, kv) if kind == "fused" else 1
+    head_inputs = tuple(n for n in HEAD_INPUTS if n in inspect.signature(attn.forward).parameters)
     plan: dict[str, Style] = {"": AttentionParallel(heads=heads, kv_heads=kv, head_dim=d, head_groups=groups,
-                                                    attrs=_head_attrs(attn, heads, kv, d))}
+                                                    attrs=_head_attrs(attn, heads, kv, d),
+                                                    head_inputs=head_inputs)}
     out_parts: tuple[int, ...] = ()
     if kind == "separate":
         q, k, v, o = names

@@ -4,6 +4,7 @@ inside it: over one head at a time (`HeadNorm`), or over all heads at once (`Spl
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,12 @@ class AttentionParallel(ParallelRegion):
     ``head_groups``: the heads come in that many groups, each split across the ranks on its own
     (CodeGen's fused projection holds ``mp_num`` groups of [q v k]: rank r takes its share of
     the heads of every group), so tp must divide the heads of one group.
+
+    ``head_inputs``: arguments of the attention's forward (by name; passed by keyword or by
+    position) that hold one row per head of each sequence, laid out ``(batch * heads, 1, length)``
+    (Bloom's ``alibi``: each head's ALiBi bias, built by the model for all heads): each rank
+    gets the rows of its own heads, as its query and key projections give it their heads; one
+    passed as None is left alone.
     """
 
     heads: int = 0
@@ -47,6 +54,7 @@ class AttentionParallel(ParallelRegion):
     head_dim: int = 0
     attrs: tuple[tuple[str, str], ...] = ()
     head_groups: int = 1
+    head_inputs: tuple[str, ...] = ()
 
     def counts(self, n: int) -> dict[str, int]:
         """Every count of `HEAD_COUNTS` on one of ``n`` ranks."""
@@ -68,6 +76,8 @@ class AttentionParallel(ParallelRegion):
         if self.heads < 1 or groups < 1 or self.head_dim < 1 or self.heads % groups:
             raise ValueError(f"plan: {self!r} on {name!r}: {self.heads} heads of {self.head_dim} features in "
                              f"{groups} groups is not a head layout")
+        if self.head_inputs and groups > 1:
+            raise ValueError(f"plan: {self!r} on {name!r}: head_inputs with heads in {groups} groups")
         if self.heads % (groups * n):
             grouped = f" ({groups} groups of {self.heads // groups}, each split on its own)" * (groups > 1)
             raise ValueError(f"plan: {self!r} on {name!r} cannot split {self.heads} attention heads{grouped} "
@@ -89,6 +99,43 @@ class AttentionParallel(ParallelRegion):
         local = self.counts(ctx.size)
         for path, what in self.attrs:
             _assign(mod, path, local[what])
+        if self.head_inputs:
+            mod.register_forward_pre_hook(self._own_heads_hook(mod, name, ctx), with_kwargs=True)
+
+    def _own_heads_hook(self, mod: nn.Module, name: str, ctx: TPContext) -> Any:
+        """A pre-hook giving the attention its heads' rows of each of `head_inputs`."""
+        params = list(inspect.signature(mod.forward).parameters)
+        h = self.heads // ctx.size
+
+        def own(key: str, t: torch.Tensor) -> torch.Tensor:
+            if t.dim() != 3 or t.shape[0] % self.heads:
+                # Falcon's ALiBi is (batch, heads, 1, seq), and also folded into its attention mask,
+                # which would need the same split.
+                raise ValueError(f"{name}: {key!r} has shape {tuple(t.shape)}, not (batch * {self.heads} "
+                                 "heads, 1, length) as Bloom's ALiBi biases, the one layout "
+                                 "AttentionParallel(head_inputs=...) splits; train this model with data or "
+                                 "fully sharded parallelism (DDP, FSDP) instead")
+            return t.unflatten(0, (-1, self.heads)).narrow(1, ctx.rank * h, h).flatten(0, 1)
+
+        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+            pos, kwargs = list(args), dict(kwargs)
+            for key in self.head_inputs:
+                i = params.index(key) if key in params else len(pos)
+                passed = key in kwargs or i < len(pos)
+                value = kwargs[key] if key in kwargs else pos[i] if i < len(pos) else None
+                if passed and value is None:
+                    continue  # the model does not use it (Falcon without ALiBi)
+                if isinstance(value, torch.Tensor) and key in kwargs:
+                    kwargs[key] = own(key, value)
+                elif isinstance(value, torch.Tensor):
+                    pos[i] = own(key, value)
+                else:
+                    raise TypeError(f"{name}: AttentionParallel(head_inputs={self.head_inputs}) expects a "
+                                    f"tensor {key!r} of (batch * {self.heads} heads, ...) rows; the call "
+                                    f"passes {len(pos)} positional arguments and keywords {sorted(kwargs)}")
+            return tuple(pos), kwargs
+
+        return hook
 
 
 @dataclass(frozen=True)
