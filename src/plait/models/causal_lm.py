@@ -35,6 +35,7 @@ from typing import Any
 from torch import nn
 
 from plait.tp.attention import AttentionParallel, HeadNorm, SplitRMSNorm
+from plait.tp.experts import MoEParallel, SplitParams
 from plait.tp.layers import linear_layout
 from plait.tp.sequence import GatherSequence, ScatterSequence
 from plait.tp.styles import (
@@ -276,13 +277,12 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
             block = mod[0]
             kids = list(block.children())
-            mlp = any(_mlp_kind(c) for c in kids) or _mlp_kind(block)  # OPT's: in the layer itself
+            mlp = any(_mlp_kind(c) or _is_moe(c) for c in kids) or _mlp_kind(block)  # OPT's: in the layer
             if any(_attention_kind(c) for c in kids) and mlp:
                 return name, mod
     for name, mod in model.named_modules():  # say what the closest candidate lacks
         candidate = mod[0] if isinstance(mod, nn.ModuleList) and len(mod) > 0 else None
         if candidate is not None and any(_attention_kind(c) for c in candidate.children()):
-            _refuse_fused_experts(candidate, f"{name}.0")
             loose = sorted(_linears(candidate))
             where = f" (its linear layers {loose} are not an MLP's)" if loose else ""
             raise _fail(f"{name}.0", candidate,
@@ -294,20 +294,56 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
                      "each holding an attention (q/k/v/o or fused qkv projections) and an MLP")
 
 
-def _refuse_fused_experts(block: nn.Module, prefix: str) -> None:
-    """Refuse, by name, a mixture-of-experts block whose experts are stacked in 3-D tensors
-    (transformers' Mixtral and Qwen-MoE: ``experts.gate_up_proj`` of shape (experts, 2 * inner,
-    hidden)), which no style splits."""
-    for cname, child in block.named_children():
-        fused = [(k, tuple(p.shape)) for k, p in child.named_parameters() if p.dim() == 3]
-        if fused:
-            k, shape = fused[0]
-            raise _fail(f"{prefix}.{cname}", child,
-                        f"a mixture of experts whose experts are fused in 3-D tensors ({k!r} of shape "
-                        f"{shape}, one slice per expert), which plan_for splits neither over tp nor over ep: "
-                        "train this model with data or fully sharded parallelism (FSDP shards the expert "
-                        "tensors with the rest; DDP) instead, or write the MoE as one module per expert "
-                        "for plait's expert parallelism (docs/moe.md)")
+def _is_moe(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a mixture of experts stacked in 3-D tensors (transformers' Mixtral and
+    Qwen2-MoE: ``experts.gate_up_proj`` of shape (experts, 2 * inner, hidden))."""
+    return any(_stacked(c) for c in mod.children())
+
+
+def _stacked(mod: nn.Module) -> bool:
+    params = list(mod.parameters(recurse=False))
+    return bool(params) and all(p.dim() == 3 for p in params)
+
+
+def _moe_plan(moe: nn.Module, name: str, hidden: int) -> dict[str, Style]:
+    """`MoEParallel` on the block: each expert split by its hidden units (`SplitParams` on the
+    stacked tensors, a shared expert's linear layers likewise), the rest (the router, a shared
+    expert's gate) replicated."""
+    plan: dict[str, Style] = {"": MoEParallel()}
+    for cname, child in moe.named_children():
+        where = f"{name}.{cname}"
+        if _stacked(child):
+            dims: list[tuple[str, int, tuple[int, ...]]] = []
+            for k, p in child.named_parameters(recurse=False):
+                # By name where the shape cannot tell (inner == hidden), else by shape.
+                up = "down" not in k if "down" in k or "up" in k else p.shape[2] == hidden != p.shape[1]
+                if (p.shape[2] if up else p.shape[1]) != hidden or not ("up" in k or "down" in k or
+                                                                        p.shape[1] != p.shape[2]):
+                    raise _fail(where, child, f"its expert tensor {k!r} of shape {tuple(p.shape)} is neither "
+                                              f"(experts, inner, {hidden}) nor (experts, {hidden}, inner)")
+                inner = p.shape[1] if up else p.shape[2]
+                dims.append((k, 1 if up else 2, (inner // 2,) * 2 if up and "gate_up" in k else ()))
+            if any(_has_params(c) for c in child.children()):
+                raise _fail(where, child, "experts with submodules holding parameters")
+            plan[cname] = SplitParams(dims=tuple(dims))
+        elif _mlp_kind(child):  # a shared expert, which every token goes through
+            kind, names = _mlp_kind(child)  # type: ignore[misc]
+            lin = _linears(child)
+            for n in names:
+                layout = linear_layout(lin[n])
+                assert layout is not None
+                if n == names[-1]:
+                    if getattr(lin[n], "bias", None) is not None:
+                        raise _fail(f"{where}.{n}", lin[n], "a shared expert's output projection with a "
+                                                             "bias, which a split expert adds on every rank")
+                    plan[f"{cname}.{n}"] = SplitParams(dims=(("weight", layout.in_dim, ()),))
+                    continue
+                out = layout.sizes(lin[n])[1]
+                parts = (out // 2,) * 2 if kind == "fused_gated" else ()
+                bias = (("bias", 0, parts),) if getattr(lin[n], "bias", None) is not None else ()
+                plan[f"{cname}.{n}"] = SplitParams(dims=(("weight", layout.out_dim, parts), *bias))
+            _only_known_params(child, where, set(names))
+    return plan
 
 
 def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, Style]:
@@ -315,7 +351,8 @@ def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, St
     attn = mlp = None
     if any(True for _ in block.parameters(recurse=False)):
         raise _fail(prefix, block, "the decoder layer owns parameters of its own")
-    inline = () if any(_mlp_kind(c) for c in block.children()) else _mlp_kind(block)
+    hidden = _hidden(block)
+    inline = () if any(_mlp_kind(c) or _is_moe(c) for c in block.children()) else _mlp_kind(block)
     if inline:  # OPT: fc1 and fc2 in the layer itself, which is then the region (without f)
         kind, names = inline
         plan[""] = InlineMLP()
@@ -330,18 +367,26 @@ def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, St
             continue
         if attn is None and _attention_kind(child):
             attn = cname
-            hidden = _sizes(_linears(child)[_attention_kind(child)[1][-1]])[1]  # type: ignore[index]
             plan.update({f"{cname}.{k}" if k else cname: s
                          for k, s in _attention_plan(model, child, where, hidden).items()})
-        elif mlp is None and _mlp_kind(child):
+        elif mlp is None and (_mlp_kind(child) or _is_moe(child)):
             mlp = cname
-            plan.update({f"{cname}.{k}" if k else cname: s for k, s in _mlp_plan(child, where).items()})
+            sub = _moe_plan(child, where, hidden) if _is_moe(child) else _mlp_plan(child, where)
+            plan.update({f"{cname}.{k}" if k else cname: s for k, s in sub.items()})
         elif _is_norm(child) or isinstance(child, nn.Dropout):
             plan[cname] = SequenceParallel()
         elif _has_params(child):
             raise _fail(where, child, "a module with parameters in the decoder layer that is neither its "
                                       "attention, its MLP nor a norm")
     return plan
+
+
+def _hidden(block: nn.Module) -> int:
+    """The model's width: the output size of the attention's output projection."""
+    attn = next(c for c in block.children() if _attention_kind(c))
+    found = _attention_kind(attn)
+    assert found is not None
+    return _sizes(_linears(attn)[found[1][-1]])[1]
 
 
 def _same_blocks(layers: nn.ModuleList, name: str) -> None:
@@ -394,10 +439,7 @@ def causal_lm_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str
     _same_blocks(layers, layers_name)
     plan = {f"{layers_name}.*" + f".{k}" * bool(k): s
             for k, s in _layer_plan(model, layers[0], f"{layers_name}.0").items()}
-    attn = next(c for c in layers[0].children() if _attention_kind(c))
-    kind = _attention_kind(attn)
-    assert kind is not None
-    hidden = _sizes(_linears(attn)[kind[1][-1]])[1]
+    hidden = _hidden(layers[0])
     head_name, _, emb, norm = _top_level(model, layers_name, hidden)
     if not isinstance(plan.get(f"{layers_name}.*"), InlineMLP):  # InlineMLP refuses SP itself
         plan[f"{layers_name}.0"] = ScatterSequence()

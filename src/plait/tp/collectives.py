@@ -25,7 +25,7 @@ from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_int
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
            "reduce_scatter_to_sp", "scatter_to_sp", "replicate_from_sp", "sum_over_tp", "Emulator",
-           "emulated", "fresh"]
+           "emulated", "shapes_only", "fresh"]
 
 
 class Emulator(Protocol):
@@ -46,6 +46,12 @@ def emulated(emulator: Emulator) -> Iterator[None]:
         yield
     finally:
         _EMULATOR.reset(token)
+
+
+def shapes_only() -> bool:
+    """Whether this runs inside the dry run (an emulator whose ``shapes_only`` is true: fake
+    tensors, no values), where a style may stand in for code that branches on values."""
+    return bool(getattr(_EMULATOR.get(), "shapes_only", False))
 
 
 def fresh(x: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,7 @@ from plait.placement.shards import ShardSpec
 from plait.tp.attention import SplitRMSNorm
 from plait.tp.collectives import emulated
 from plait.tp.context import Style, TPContext
+from plait.tp.experts import MoEParallel
 from plait.tp.layers import find_activation
 from plait.tp.numeric import describe
 from plait.tp.sequence import GatherSequence, ScatterSequence
@@ -160,7 +161,7 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, key: str, defaul
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 # Trusted: they set their outputs.
-INTERNAL = (ColwiseParallel, RowwiseParallel, VocabParallelEmbedding, SplitRMSNorm)
+INTERNAL = (ColwiseParallel, RowwiseParallel, VocabParallelEmbedding, SplitRMSNorm, MoEParallel)
 
 
 class _Trace(TorchFunctionMode):
@@ -246,7 +247,7 @@ class _Trace(TorchFunctionMode):
             return R, "replicated token ids"
         if isinstance(style, SplitRMSNorm):
             return F, "the feature-split output of its column-parallel projection"
-        if isinstance(style, ParallelRegion):
+        if isinstance(style, (ParallelRegion, MoEParallel)):
             return entry, "this rank's sequence shard" if sp else "a replicated activation"
         if isinstance(style, ScatterSequence) and sp:
             return R, "the full-length replicated activation to cut"
@@ -427,6 +428,8 @@ def _keeps_leading(index: Any, nd: int) -> bool:
 # ------------------------------------------------------------------ the emulated group
 class _Emulator:
     """Rank 0's view of each collective: shapes only, and the layout of the result."""
+
+    shapes_only = True
 
     def __init__(self, n: int, trace: _Trace) -> None:
         self.n, self.trace = n, trace

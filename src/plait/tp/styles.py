@@ -47,6 +47,7 @@ from plait.tp.layers import LinearLayout, input_pre_hook, linear_layout
 __all__ = [
     "ColwiseParallel", "RowwiseParallel", "VocabParallelEmbedding",
     "VocabParallelOutput", "ParallelRegion", "InlineMLP", "SequenceParallel", "check_sequence", "FUSED_NAMES",
+    "enter_parallel", "reduce_out",
 ]
 
 
@@ -68,7 +69,7 @@ def check_sequence(x: torch.Tensor, ctx: TPContext, where: str) -> None:
         )
 
 
-def _reduce_out(y: torch.Tensor, ctx: TPContext, where: str) -> torch.Tensor:
+def reduce_out(y: torch.Tensor, ctx: TPContext, where: str) -> torch.Tensor:
     """g: sum the partial outputs of the tp ranks (reduce-scatter along the sequence under SP)."""
     if ctx.sequence_parallel:
         check_sequence(y, ctx, where)
@@ -76,7 +77,7 @@ def _reduce_out(y: torch.Tensor, ctx: TPContext, where: str) -> torch.Tensor:
     return reduce_from_tp(y, ctx.group)
 
 
-def _enter_parallel(x: torch.Tensor, ctx: TPContext, sequence_sharded: bool = True) -> torch.Tensor:
+def enter_parallel(x: torch.Tensor, ctx: TPContext, sequence_sharded: bool = True) -> torch.Tensor:
     """f: a replicated (or, under SP, sequence-sharded) activation enters a tp-sharded region."""
     if ctx.sequence_parallel and sequence_sharded:
         return gather_from_sp(x, ctx.group, dim=1)
@@ -222,7 +223,7 @@ class ColwiseParallel(Style):
         assert layout is not None  # validated
         full = layout.sizes(mod)[1]
         if self.input_comm:
-            enter = partial(_enter_parallel, ctx=ctx, sequence_sharded=self.input_is_sequence_parallel)
+            enter = partial(enter_parallel, ctx=ctx, sequence_sharded=self.input_is_sequence_parallel)
             mod.register_forward_pre_hook(input_pre_hook(enter, name), with_kwargs=True)
         if self._replicates(full, ctx):
             self._install_replicated(mod, layout, full, ctx)
@@ -321,7 +322,7 @@ class RowwiseParallel(Style):
                 x = scatter_to_tp(x, ctx.group)
             w, b = self_.weight, getattr(self_, "bias", None)
             assert isinstance(w, torch.Tensor)
-            y = _reduce_out(layout.apply(x, w, None), ctx, name)
+            y = reduce_out(layout.apply(x, w, None), ctx, name)
             if not ctx.sequence_parallel:
                 ctx.rng.pause()
             return y if b is None else y + b
@@ -376,7 +377,7 @@ class VocabParallelEmbedding(Style):
             foreign = (ids < spec.start) | (ids >= spec.start + spec.valid)
             local = (ids - spec.start).masked_fill(foreign, 0)
             out = F.embedding(local, self_.weight, local_pad).masked_fill(foreign.unsqueeze(-1), 0.0)
-            return _reduce_out(out, ctx, name) if shard else reduce_from_tp(out, ctx.group)
+            return reduce_out(out, ctx, name) if shard else reduce_from_tp(out, ctx.group)
 
         assert isinstance(mod, nn.Embedding)  # validated
         mod.__class__ = _with_lookup(type(mod), lookup, name)
@@ -435,7 +436,7 @@ class ParallelRegion(Style):
                              "reduce the sharded activation, but the plan gives it none")
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        enter = input_pre_hook(partial(_enter_parallel, ctx=ctx), name)
+        enter = input_pre_hook(partial(enter_parallel, ctx=ctx), name)
         mod.register_forward_pre_hook(enter, with_kwargs=True)
         if self.fork_rng:
             mod.register_forward_pre_hook(ctx.rng.enter)
