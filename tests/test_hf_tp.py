@@ -22,7 +22,10 @@ scaled embeddings (a subclass of ``nn.Embedding`` whose forward scales the looku
 ``q_norm``/``k_norm`` (replicated, gradients summed over tp), StableLM (reads its
 ``hidden_size``), Granite's multipliers, StarCoder2, Phi's parallel block, SmolLM3's NoPE
 layers, Llama and GPT-2 built with
-``use_cache=False`` (no KV cache, as in training). Plans that must be
+``use_cache=False`` (no KV cache, as in training); OLMo2's q/k norms over the whole projection
+(their mean of squares summed over tp), Falcon's and GPT-BigCode's fused multi-query
+projections, Cohere, OPT's MLP in the decoder layer (tp only), Bloom's ALiBi biases split with
+the heads, and Mixtral's and Qwen2-MoE's experts stacked in 3-D tensors. Plans that must be
 refused are checked without spawning: `plait.tp.check_plan` needs no process group.
 
 One pool of 4 ranks serves every launch: tp=2 runs on a (dp=2, tp=2) mesh, whose two tp
@@ -294,9 +297,10 @@ def test_tp2_gives_each_rank_the_alibi_biases_of_its_heads(pools):
     # Falcon's ALiBi is (batch, heads, 1, seq) and folded into its attention mask: refused by name,
     # in the dry run, before any collective.
     falcon = _build("falcon", alibi=True)
-    with pytest.raises(ValueError, match=r"'alibi' has shape \(1, 4, 1, 4\), not \(batch \* 4 heads, 1, "
-                                         r"length\).*data or fully sharded parallelism"):
-        check_plan(falcon, plait.plan_for(falcon), tp=2, numeric=False)
+    for sp in (False, True):
+        with pytest.raises(ValueError, match=r"'alibi' has shape \(1, 4, 1, 4\), not \(batch \* 4 heads, "
+                                             r"1, length\).*data or fully sharded parallelism"):
+            check_plan(falcon, plait.plan_for(falcon), tp=2, sequence_parallel=sp, numeric=False)
     pools[4].run(_tp2, [("bloom", False), ("bloom", True)])
 
 
