@@ -108,8 +108,8 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
 
 def _plait_model(layout: str, ac: str | None, bf16: bool, a: dict) -> tuple[Any, Callable[..., Any]]:
     from plait.models.gpt import GPT, lm_loss
-    from plait.models.plans import gpt_plan
     from plait.parallelize import ParallelPlan, parallelize
+    from plait.plans import gpt_plan
     from plait.testing import cached_mesh
     from plait.tp.apply import loss_fn_for
 

@@ -58,7 +58,7 @@ def _batch(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _build_plait(args: dict, sequence_parallel: bool):
     from plait.models.gpt import GPT
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
     from plait.testing import cached_mesh
     from plait.tp.apply import loss_fn_for, tensor_parallel
 

@@ -120,7 +120,7 @@ def _model_parity(algorithm: str, fsdp: int = 1, tp: int = 1, pp: int = 1, cfg_k
     import plait
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
     from plait.tp.apply import loss_fn_for
 
     mesh = cached_mesh(fsdp=fsdp, tp=tp, cp=2, pp=pp)

@@ -239,7 +239,7 @@ def _fsdp_tp(fsdp: int, tp: int):
     import plait
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
     from plait.tp.apply import loss_fn_for
 
     cfg = GPTConfig(**CFG)
@@ -289,7 +289,7 @@ def test_dcp_of_state_dict_at_fsdp_x_tp_loads_into_one_process(pools, tmp_path):
 def _padded_tp_state_dict() -> str:
     import plait
     from plait.models.gpt import GPT, GPTConfig
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
 
     cfg = GPTConfig(**{**CFG, "vocab_size": 63})  # tp=2 pads the vocabulary split
     with torch.device("meta"):

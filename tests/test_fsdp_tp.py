@@ -43,7 +43,7 @@ def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_st
     from plait.fsdp.wrapper import FullyShardedDataParallel
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
     from plait.tp.apply import loss_fn_for, tp_info
     from plait.tp.state import full_state_dict
 

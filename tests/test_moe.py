@@ -117,7 +117,7 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
                statistic: str = "global", cp: int = 1, pp: int = 1, ac: bool = False) -> dict:
     import plait
     from plait.models.moe import moe_layers, set_aux_loss_scale, update_balance
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
 
     mesh = cached_mesh(dp=dp, fsdp=fsdp, ep=ep, tp=tp, cp=cp, pp=pp)
     kw = {"balance_statistic": statistic, **(cfg_kw or {})}
@@ -342,7 +342,7 @@ def test_transformers_moe_with_fused_experts_is_refused_by_name(pools):
 
 def _split_experts_with_sp_refused() -> str:
     import plait
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
 
     model = _gpt()
     plan = plait.ParallelPlan(tp=gpt_plan(model.cfg, experts="split"), sequence_parallel=True)

@@ -146,7 +146,7 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, dp: int = 
     from plait.ddp.wrapper import DDP
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
     from plait.tp.apply import loss_fn_for, tensor_parallel, tp_info
     from plait.tp.state import full_state_dict, load_full_state_dict
 
@@ -235,7 +235,7 @@ def _counts(s: comm.CommStats) -> dict[str, tuple[int, int]]:
 
 def _block_comm(tp: int, sp: bool) -> dict:
     from plait.models.gpt import GPT, GPTConfig
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
     from plait.tp.apply import loss_fn_for, tensor_parallel
 
     cfg = GPTConfig(**TINY)
@@ -289,7 +289,7 @@ def _dropout_masks(tp: int, sp: bool) -> dict:
     import torch.distributed as dist
 
     from plait.models.gpt import GPT, GPTConfig
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
     from plait.tp.apply import tensor_parallel
 
     torch.manual_seed(100 + dist.get_rank())  # ranks out of step on purpose: tensor_parallel syncs tp
@@ -321,7 +321,7 @@ def test_dropout_rng_replicated_vs_sharded_regions(pools, sp):
 # ------------------------------------------------------------------ bad plans, clear errors
 def _bad(case: str) -> None:
     from plait.models.gpt import GPT, GPTConfig
-    from plait.models.plans import gpt_plan
+    from plait.plans import gpt_plan
     from plait.tp.apply import tensor_parallel
     from plait.tp.styles import ColwiseParallel, RowwiseParallel
 

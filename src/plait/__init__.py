@@ -21,7 +21,7 @@ _SOURCES = {
     "DistributedDataParallel": "plait.ddp", "get_logger": "plait.env", "init": "plait.env",
     "expert_parallel": "plait.ep", "FSDP": "plait.fsdp", "FullyShardedDataParallel": "plait.fsdp",
     "ZeroRedundancyOptimizer": "plait.fsdp", "init_weights": "plait.materialize", "Mesh": "plait.mesh",
-    "gpt_plan": "plait.models.plans", "plan_for": "plait.models.plans", "ParallelPlan": "plait.parallelize",
+    "gpt_plan": "plait.plans", "plan_for": "plait.plans", "ParallelPlan": "plait.parallelize",
     "Pipeline": "plait.pipeline", "MixedPrecision": "plait.precision", "mixed_precision": "plait.precision",
     "GradScaler": "plait.scaler", "full_state_dict": "plait.state_dict",
     "load_full_state_dict": "plait.state_dict", "ColwiseParallel": "plait.tp", "ParallelRegion": "plait.tp",
@@ -45,9 +45,9 @@ if TYPE_CHECKING:  # type checkers see the names as plain imports (the callable 
     from plait.fsdp import FSDP, FullyShardedDataParallel, ZeroRedundancyOptimizer
     from plait.materialize import init_weights
     from plait.mesh import Mesh
-    from plait.models.plans import gpt_plan, plan_for
     from plait.parallelize import ParallelPlan, parallelize
     from plait.pipeline import Pipeline, pipeline
+    from plait.plans import gpt_plan, plan_for
     from plait.precision import MixedPrecision, mixed_precision
     from plait.scaler import GradScaler
     from plait.state_dict import full_state_dict, load_full_state_dict

@@ -628,7 +628,7 @@ class TrainConfig:
     def parallel_plan(self, model: nn.Module, tp_styles: bool = True) -> ParallelPlan:
         """The `plait.ParallelPlan` these flags ask of ``model`` (`plait train` parallelizes with it).
         ``tp_styles=False``: with --tp, an empty plan stands for `plan_for`'s (not made)."""
-        from plait.models.plans import plan_for
+        from plait.plans import plan_for
 
         par = self.parallel
         own_gpt = self.model.hf_config is None and self.model_factory is None

@@ -185,7 +185,7 @@ def tp_styles(model: nn.Module, tp: int, default_loss: bool) -> dict[str, Any]:
     under the default loss keeps its logits split by vocabulary for the vocabulary-parallel loss
     (which the check then covers); other models and losses get the full logits, in the check's
     dtype, as in the one-process run."""
-    from plait.models.plans import plan_for, splits_logits_by_default
+    from plait.plans import plan_for, splits_logits_by_default
 
     try:
         return plan_for(model, loss_parallel=default_loss and splits_logits_by_default(model))

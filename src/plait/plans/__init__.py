@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from plait.models.causal_lm import causal_lm_plan
+from plait.plans.causal_lm import causal_lm_plan
 from plait.tp.styles import (
     ColwiseParallel,
     ParallelRegion,
@@ -21,7 +21,7 @@ __all__ = ["gpt_plan", "plan_for", "splits_logits_by_default"]
 def plan_for(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Style]:
     """A tensor-parallel plan for ``model``: `gpt_plan` for plait's GPT, else the plan of a
     `transformers`-shaped causal LM recognised by its module structure
-    (`plait.models.causal_lm`: Llama, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX, Gemma, Gemma2,
+    (`plait.plans.causal_lm`: Llama, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX, Gemma, Gemma2,
     CodeGen and others of the same shapes). The model returns what it returns on one device
     (gathered logits), so the usual loss works unchanged; ``loss_parallel=True`` leaves the
     logits split by vocabulary for `plait.loss_fn_for(model)` (vocab-parallel cross-entropy).
