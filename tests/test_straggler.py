@@ -1,5 +1,6 @@
 """Straggler blame through `plait train`: a rank made slow on purpose (a sleep in its model's
-forward) is named, with its axis, within 20 steps; an even run raises no alarm."""
+forward) is named, with its axis, within 20 steps; an even run raises no alarm, even on a busy
+host."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from plait.straggler import Blame
 
-SLEEP_S = 0.03  # per forward on the slow rank: far above a tiny model's step on two ranks
+SLEEP_S = 0.06  # per forward on the slow rank: far above a tiny model's step on two ranks
 
 
 def _train_with_a_slow_rank(tmp: str, slow: int | None) -> list[dict]:
@@ -47,11 +48,12 @@ def _train_with_a_slow_rank(tmp: str, slow: int | None) -> list[dict]:
 def test_a_slow_rank_is_named_within_20_steps(pools, tmp_path, slow):
     reports = pools[2].run(_train_with_a_slow_rank, str(tmp_path), slow)[0]
     assert [r["step"] for r in reports] == [10, 20]
+    assert reports[0]["stragglers"] == []  # a first window alone names no one
     blamed = [Blame(**b) for r in reports for b in r["stragglers"]]
-    assert blamed, "no straggler named"
+    assert blamed, "no straggler named by step 20"
     assert {b.rank for b in blamed} == {slow} and {b.axis for b in blamed} == {"dp"}, blamed
-    # Over a window of 10 steps the peer waited about 10 x SLEEP_S for it.
-    assert all(b.waited_s > 5 * SLEEP_S for b in blamed if b.steps == 10), blamed
+    # Over the window of 10 steps the peer waited about 10 x SLEEP_S for it.
+    assert all(b.waited_s > 5 * SLEEP_S for b in blamed), blamed
 
 
 def test_an_even_run_raises_no_alarm(pools, tmp_path):

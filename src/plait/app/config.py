@@ -240,9 +240,10 @@ class RunSection:
     """one device's peak dense TFLOP/s in the training dtype, for MFU; None: known GPUs' (CPUs: no MFU)"""
     progress: bool = True
     """a progress bar on rank 0"""
-    straggler_every: int = 20
-    """steps between straggler reports: a rank the others waited for, per axis and phase, logged and
-    written to metrics.jsonl as "stragglers" (0: off; measured by the desync check)"""
+    straggler_every: int = 10
+    """steps between straggler reports: a rank the others waited for in two reports' windows in a row,
+    per axis and phase, logged and written to metrics.jsonl as "stragglers" (0: off; measured by the
+    desync check)"""
 
 
 SECTIONS: dict[str, type] = {"model": ModelSection, "parallel": ParallelSection,

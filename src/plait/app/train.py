@@ -368,7 +368,10 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
                 log.warning("step %d: fp16 gradients overflowed on some rank; step skipped on every rank, "
                             "loss scale now %g (%d skipped so far)", step + 1, scaler.get_scale(),
                             scaler.skipped_steps)
-        stragglers.step()
+        if step == start:  # the first step's one-time work is nobody's slowness
+            stragglers.restart()
+        else:
+            stragglers.step()
         if cfg.run.straggler_every and (step + 1) % cfg.run.straggler_every == 0:
             blamed = stragglers.blame()  # every rank: one gather of the ranks' waits
             record["stragglers"] = [dataclasses.asdict(b) for b in blamed]

@@ -64,9 +64,12 @@ class ExpertDispatch:
         recv_counts = torch.empty_like(send_counts, device=dev)
         with comm.operation("MoE token counts"):
             comm.all_to_all_into(recv_counts, send_counts.to(dev), self.group)
-        recv_counts = recv_counts.cpu()
+        # The all-to-alls need their split sizes on the host: one device-to-host read per layer,
+        # the sent and received counts together.
+        both = torch.stack([send_counts.to(dev), recv_counts]).cpu()
+        recv_counts = both[1]
         self.last_counts = recv_counts
-        in_splits, out_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        in_splits, out_splits = both[0].sum(1).tolist(), recv_counts.sum(1).tolist()
         with comm.operation("MoE dispatch"):
             received = _AllToAll.apply(tokens, in_splits, out_splits, self.group)
         assert isinstance(received, torch.Tensor)
