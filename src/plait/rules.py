@@ -197,9 +197,8 @@ def _tp_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan, dry_run: b
             check_plan(model, plan.tp, tp=shape.tp, sequence_parallel=plan.sequence_parallel, strict=False,
                        numeric=numeric and plan.tp_check is True)
     except (ValueError, TypeError) as e:
-        fits = _tp_degrees(model, plan)
-        hint = f"; the tp degrees up to {max(_TP_TRIED)} this plan splits: one of {fits}" if fits else ""
-        raise LayoutError(f"tp={shape.tp}: {e}{hint}", ("tp",), axis="tp") from None
+        hint = f"the tp degrees up to {max(_TP_TRIED)} this plan splits: one of {_tp_degrees(model, plan)}"
+        raise LayoutError(f"tp={shape.tp}: {e}; {hint}", ("tp",), axis="tp") from None
 
 
 _TP_TRIED = (1, 2, 3, 4, 5, 6, 7, 8, 16)
@@ -322,22 +321,19 @@ def _pipeline_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> N
                               f"{type(model).__name__}'s {len(segs)} segments into {sched.stages} stages "
                               f"leaves pipeline rank {rank} with only {held}, which holds no parameters; "
                               "use fewer stages", ("pp", "pp_chunks"), axis="pp")
-    if plan.data == "fsdp" and find_ties(segs, stage_plan, sched):
-        ties = [t.names for t in find_ties(segs, stage_plan, sched)]
-        raise LayoutError(f"weights shared across pp ranks ({ties}) cannot be FSDP-sharded per stage "
-                          "(each rank keeps a plain copy whose gradients are summed); untie them "
+    ties = find_ties(segs, stage_plan, sched) if plan.data == "fsdp" else []
+    if ties:
+        shared = [t.names for t in ties]
+        raise LayoutError(f"weights shared across pp ranks ({shared}) cannot be FSDP-sharded "
+                          "per stage (each rank keeps a plain copy whose gradients are summed); untie them "
                           "(e.g. GPTConfig(tie_embeddings=False)) or use data='ddp'", ("data", "pp"))
-
-
-def _data_axis(plan: ParallelPlan) -> str:
-    return "fsdp" if plan.data == "fsdp" else "dp"
 
 
 def _nearest(model: nn.Module, shape: MeshShape, plan: ParallelPlan, axis: str,
              tp_dry_run: bool) -> list[dict[str, int]]:
     """Degrees of ``axis`` that pass on the same number of ranks, nearest first (at most three):
     the data axis takes up the difference (``ep`` is folded out of the data axes as it is)."""
-    data = _data_axis(plan)
+    data = "fsdp" if plan.data == "fsdp" else "dp"
     world = shape.world
     current = getattr(shape, axis)
     found: list[dict[str, int]] = []

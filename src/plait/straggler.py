@@ -53,9 +53,7 @@ class StragglerTracker:
 
     def __init__(self, min_s: float = 0.1, min_share: float = 0.2) -> None:
         self.min_s, self.min_share = min_s, min_share
-        self._start = time.perf_counter()
-        self._base = comm.waited()
-        self._steps = 0
+        self.restart()
         # The rank each group's peers waited for in the last window: named once it repeats.
         self._suspects: dict[tuple[str, tuple[int, ...]], int] = {}
 
@@ -93,7 +91,6 @@ class StragglerTracker:
             total = {r: sum(p.get(r, 0.0) for p in phases.values()) for r in members}
             slow = min(members, key=total.__getitem__)
             others = [r for r in members if r != slow]
-
             over = _excess(total, slow, others)
             if over > self.min_s and over > self.min_share * wall:
                 suspects[(axis, ranks)] = slow

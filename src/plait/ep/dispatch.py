@@ -62,11 +62,12 @@ class ExpertDispatch:
         send_counts = counts.reshape(n, per).to(torch.int64)
         dev = comm.device_of(self.group)
         recv_counts = torch.empty_like(send_counts, device=dev)
+        sent = send_counts.to(dev)
         with comm.operation("MoE token counts"):
-            comm.all_to_all_into(recv_counts, send_counts.to(dev), self.group)
+            comm.all_to_all_into(recv_counts, sent, self.group)
         # The all-to-alls need their split sizes on the host: one device-to-host read per layer,
         # the sent and received counts together.
-        both = torch.stack([send_counts.to(dev), recv_counts]).cpu()
+        both = torch.stack([sent, recv_counts]).cpu()
         recv_counts = both[1]
         self.last_counts = recv_counts
         in_splits, out_splits = both[0].sum(1).tolist(), recv_counts.sum(1).tolist()
