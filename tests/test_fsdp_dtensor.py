@@ -108,16 +108,24 @@ def _adamw(named, prefix: str, decay_1d: bool = True) -> torch.optim.Optimizer:
                              lr=1e-2)
 
 
+# torch 2.6's clip_grad_norm_ on DTensors scales every gradient by a coefficient rounded through
+# float32 (measured: 4.9e-8 relative on every gradient of a float64 model, the norm itself exact);
+# after 3 AdamW steps that reads 5.8e-7 in the parameters. The pinned torch is exact to 1e-10; the
+# versions between were not measured, so they get the older bound.
+OLD_CLIP = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+CLIP_TOL = {"rtol": 2e-6, "atol": 1e-9} if OLD_CLIP else TOL
+
+
 def _clip(stage: int) -> list[tuple[float, float]]:
     oracle, net = _models(stage)
-    return _train_both(net, oracle, _adamw, clip=0.05)
+    return _train_both(net, oracle, _adamw, clip=0.05, tol=CLIP_TOL)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_torch_clip_grad_norm_is_global_on_zero(pools, stage):
     for norms in pools[2].run(_clip, stage):
         for got, want in norms:
-            assert want > 0.05 and got == pytest.approx(want, rel=1e-10)
+            assert want > 0.05 and got == pytest.approx(want, rel=CLIP_TOL["rtol"])
 
 
 def _groups() -> bool:
@@ -161,6 +169,7 @@ def _muon() -> dict[str, float]:
             for k, want in oracle.state_dict().items()}
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon came with torch 2.9")
 def test_muon_on_the_matrices_trains_as_one_process_under_zero3(pools):
     """Muon orthogonalizes in bfloat16 (torch's Newton-Schulz), and a sharded matrix's products
     are summed in another order (DTensor's partial sums are rounded to bf16), so entries round
@@ -193,13 +202,12 @@ def _dcp_into_ddp(path: str) -> dict:
 
 
 def _one_process(path: str) -> dict:
-    import torch.distributed.checkpoint as dcp
-
+    from plait._torch_compat import dcp_load_in_this_process
     from plait.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(**CFG)).to(torch.float64)
     sd = {f"module.{k}": v for k, v in model.state_dict().items()}
-    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    dcp_load_in_this_process(sd, checkpoint_id=path)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 

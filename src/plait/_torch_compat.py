@@ -54,6 +54,28 @@ def is_compiled(module: torch.nn.Module) -> bool:
     return compiled_original(module) is not None or getattr(module, "_compiled_call_impl", None) is not None
 
 
+def dcp_load_in_this_process(state: dict[str, Any], **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load`` in this process alone, whatever the process group.
+
+    torch 2.7 added ``no_dist=True`` for this; torch 2.6 has no such argument and loads in one process
+    only when no process group is initialized (its documented fallback), so there the call is made
+    without it and refused while a group is up (it would wait for ranks that never call)."""
+    import inspect
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if "no_dist" in inspect.signature(dcp.load).parameters:
+        kwargs["no_dist"] = True
+    elif dist.is_initialized():
+        raise RuntimeError("reading a checkpoint in one process while a process group is up needs torch>=2.7 "
+                           f"(this is torch {torch.__version__}); read it before plait.init()")
+    with warnings.catch_warnings():  # one process is the point here, not a fallback worth a warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, **kwargs)
+
+
 # ------------------------------------------------------------------ nested inputs and outputs
 # torch's pytree knows lists, tuples, dicts, named tuples and every type a library registers
 # (transformers registers its ModelOutput classes), which a hand-written walker would not.

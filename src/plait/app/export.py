@@ -22,15 +22,14 @@ import json
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from plait import checkpoint
+from plait._torch_compat import dcp_load_in_this_process
 from plait.app import weights
 from plait.checkpoint.files import step_folders
 from plait.checkpoint.integrity import DCP_METADATA, CorruptCheckpoint, read_dcp_metadata
@@ -128,9 +127,7 @@ def _entries(path: Path, names: list[str], want: weights.ModelTensors) -> dict[s
 def _read(path: Path, entries: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Full tensors of ``entries`` read offline from DCP's files (only their bytes)."""
     model = {n: torch.empty(tuple(e.size), dtype=e.properties.dtype) for n, e in entries.items()}
-    with warnings.catch_warnings():  # no_dist is the point here, not a fallback worth a warning
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model}, storage_reader=checkpoint.SafeReader(path), no_dist=True)
+    dcp_load_in_this_process({"model": model}, storage_reader=checkpoint.SafeReader(path))
     return model
 
 
