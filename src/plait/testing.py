@@ -13,6 +13,7 @@ import contextlib
 import os
 import pickle
 import queue
+import signal
 import sys
 import tempfile
 import time
@@ -134,6 +135,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
             mark_failed()
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
             _release_groups(mark, finished=False)
+            results.put((rank, None, b""))  # idle: the task's groups are gone, nothing in flight
         else:
             # Pickled here, by value: the queue's feeder thread would drop an answer it cannot
             # pickle (torch's shared-memory reductions of tensors can fail) and leave the caller
@@ -146,6 +148,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
             else:
                 results.put((rank, True, answer))
             _release_groups(mark, finished=True)
+            results.put((rank, None, b""))  # idle: the task's groups are gone, nothing in flight
 
 
 def _release_groups(mark: int, finished: bool) -> None:
@@ -172,6 +175,9 @@ class RankPool:
     """``world_size`` spawned Gloo ranks serving tasks; ``timeout_s`` is their `plait.init` timeout.
 
     Flight records of failed collectives go to ``run_dir`` (default: a fresh temporary folder).
+    `pause` stops an idle pool's ranks (SIGSTOP) until its next `run`: a suite with several pools
+    then spends no CPU on the ones waiting (each Gloo group keeps a thread that wakes many times a
+    second).
     """
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, run_dir: str | None = None) -> None:
@@ -193,12 +199,17 @@ class RankPool:
         ]
         for p in self._procs:
             p.start()
+        self._sent = [0] * self.world_size  # tasks sent to each rank
+        self._idle = [0] * self.world_size  # tasks each rank has finished cleaning up after
+        self._paused = False
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
         # Pickle here, not in the queue's feeder thread, so an unpicklable task fails at once.
         payload = pickle.dumps((fn, args, kwargs))
-        for q in self._tasks:
+        self.resume()
+        for r, q in enumerate(self._tasks):
+            self._sent[r] += 1
             q.put(payload)
         out, errors = self._collect()
         if errors:
@@ -215,7 +226,10 @@ class RankPool:
         while len(out) + len(errors) < self.world_size:
             try:
                 rank, ok, value = self._results.get(timeout=0.5)
-                (out if ok else errors)[rank] = pickle.loads(value) if ok else value
+                if ok is None:
+                    self._idle[rank] += 1
+                else:
+                    (out if ok else errors)[rank] = pickle.loads(value) if ok else value
                 continue
             except queue.Empty:
                 pass
@@ -228,6 +242,36 @@ class RankPool:
             if time.monotonic() > deadline:
                 errors.update({r: "no answer (hung)" for r in waiting if r not in errors})
         return out, errors
+
+    def pause(self, wait_s: float = 10.0) -> None:
+        """Stop the ranks until the next `run`, once each has cleaned up after its last task (a rank
+        stopped inside a collective would time out when woken). A rank that does not get there
+        within ``wait_s`` leaves the pool running."""
+        if self._paused or not self._procs:
+            return
+        alive = [r for r, p in enumerate(self._procs) if p.is_alive()]
+        deadline = time.monotonic() + wait_s
+        while any(self._idle[r] < self._sent[r] for r in alive):
+            try:
+                rank, ok, _ = self._results.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    return
+                continue
+            if ok is None:
+                self._idle[rank] += 1
+        self._signal(signal.SIGSTOP, alive)
+        self._paused = True
+
+    def resume(self) -> None:
+        if self._paused:
+            self._signal(signal.SIGCONT, range(len(self._procs)))
+            self._paused = False
+
+    def _signal(self, sig: signal.Signals, ranks: Any) -> None:
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._procs[r].pid, sig)
 
     def pids(self) -> list[int]:
         """The ranks' process ids, in rank order (tests freeze or kill one)."""
@@ -249,6 +293,7 @@ class RankPool:
     def restart(self) -> None:
         """Kill the ranks and start afresh: survivors of a failed task may be waiting on a peer
         that will never answer, so an orderly exit would only wait for a timeout."""
+        self.resume()
         for p in self._procs:
             if p.is_alive():
                 p.kill()
@@ -256,6 +301,7 @@ class RankPool:
         self._start()
 
     def close(self) -> None:
+        self.resume()
         for q in self._tasks:
             with contextlib.suppress(OSError, ValueError):
                 q.put(None)
