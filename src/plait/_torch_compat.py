@@ -58,8 +58,9 @@ def dcp_load_in_this_process(state: dict[str, Any], **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load`` in this process alone, whatever the process group.
 
     torch 2.7 added ``no_dist=True`` for this; torch 2.6 has no such argument and loads in one process
-    only when no process group is initialized (its documented fallback), so there the call is made
-    without it and refused while a group is up (it would wait for ranks that never call)."""
+    only when no process group is initialized (its documented fallback) or the group is this process
+    alone, so there the call is made without it and refused while a group of several ranks is up
+    (it would wait for ranks that never call)."""
     import inspect
     import warnings
 
@@ -68,7 +69,7 @@ def dcp_load_in_this_process(state: dict[str, Any], **kwargs: Any) -> None:
 
     if "no_dist" in inspect.signature(dcp.load).parameters:
         kwargs["no_dist"] = True
-    elif dist.is_initialized():
+    elif dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError("reading a checkpoint in one process while a process group is up needs torch>=2.7 "
                            f"(this is torch {torch.__version__}); read it before plait.init()")
     with warnings.catch_warnings():  # one process is the point here, not a fallback worth a warning
