@@ -28,10 +28,8 @@ projections, Cohere, OPT's MLP in the decoder layer (tp only), Bloom's ALiBi bia
 the heads, and Mixtral's and Qwen2-MoE's experts stacked in 3-D tensors. Plans that must be
 refused are checked without spawning: `plait.tp.check_plan` needs no process group.
 
-One pool of 4 ranks serves every launch: tp=2 runs on a (dp=2, tp=2) mesh, whose two tp
-pairs train independently (the dp axis is unused), fsdp x tp on (fsdp=2, tp=2). Starting one
-pool of 4 costs less than a pool of 2 plus one of 4 (importing torch and transformers
-dominates), and each launch checks several things.
+tp=2 runs on the session's pool of 2 ranks, fsdp x tp on its pool of 4 (fsdp=2, tp=2); each
+launch checks several things.
 """
 
 from __future__ import annotations
@@ -186,7 +184,7 @@ def _train(family: str, sp: bool, data: str) -> dict:
     from plait.testing import cached_mesh
 
     fsdp = 2 if data == "fsdp" else 1
-    mesh = cached_mesh(fsdp=2, tp=2) if fsdp > 1 else cached_mesh(dp=2, tp=2)
+    mesh = cached_mesh(fsdp=2, tp=2) if fsdp > 1 else cached_mesh(tp=2)
     torch.manual_seed(0)  # the same random init on every rank
     oracle = _build(family)
     init = {k: p.detach().clone() for k, p in oracle.named_parameters()}
@@ -229,37 +227,37 @@ def _tp2(runs: list[tuple[str, bool]]) -> dict:
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])  # GQA; Conv1D, fused, tied; fused with GQA
 def test_tp2_with_and_without_sp_matches_single_process(pools, family):
-    out = pools[4].run(_tp2, [(family, False), (family, True)])
+    out = pools[2].run(_tp2, [(family, False), (family, True)])
     assert all(o == out[0] for o in out)  # the gathered parameters are the same on every rank
 
 
 def test_tp2_sp_matches_single_process_in_more_families(pools):
-    pools[4].run(_tp2, [("llama-mqa", True), ("neox", True), ("qwen2", True), ("mistral", True)])
+    pools[2].run(_tp2, [("llama-mqa", True), ("neox", True), ("qwen2", True), ("mistral", True)])
 
 
 def test_tp2_keeps_what_a_scaled_embedding_does_after_its_lookup(pools):
     # Gemma's and Gemma2's embeddings multiply the lookup by sqrt(hidden): the split lookup must
     # take the place of the lookup only (the logits were 30% and 14% off when it replaced forward).
-    pools[4].run(_tp2, [("gemma", False), ("gemma", True), ("gemma2", False), ("gemma2", True)])
+    pools[2].run(_tp2, [("gemma", False), ("gemma", True), ("gemma2", False), ("gemma2", True)])
 
 
 def test_tp2_splits_each_group_of_codegens_fused_qkv(pools):
     # CodeGen's qkv_proj holds mp_num=4 groups of [q v k]: each rank takes its heads of every group
     # (split as [q | k | v], the logits were 62% off).
-    pools[4].run(_tp2, [("codegen", False), ("codegen", True)])
+    pools[2].run(_tp2, [("codegen", False), ("codegen", True)])
 
 
 def test_tp2_splits_attention_with_per_head_qk_norms(pools):
     # Qwen3's and Gemma3's q_norm and k_norm act on each head's 8 features: replicated, their
     # gradients summed over tp (each rank applies them to its own heads). Before: refused.
-    pools[4].run(_tp2, [("qwen3", False), ("qwen3", True), ("gemma3", False), ("gemma3", True)])
+    pools[2].run(_tp2, [("qwen3", False), ("qwen3", True), ("gemma3", False), ("gemma3", True)])
 
 
 def test_tp2_splits_olmo2s_norms_over_the_whole_projection(pools):
     # OLMo2's q_norm and k_norm normalize all heads' features at once: each rank normalizes its
     # heads by the mean of squares summed over tp. Before: refused. With one KV head, k_norm is
     # replicated and each rank applies it to the head it computes.
-    pools[4].run(_tp2, [("olmo2", False), ("olmo2", True), ("olmo2-mqa", True)])
+    pools[2].run(_tp2, [("olmo2", False), ("olmo2", True), ("olmo2-mqa", True)])
 
 
 def test_a_layer_norm_across_heads_planned_as_an_rms_norm_is_refused_by_the_numeric_check():
@@ -284,7 +282,7 @@ def test_tp2_splits_opts_mlp_in_the_decoder_layer_and_sp_is_refused_by_name(pool
     with pytest.raises(ValueError, match=r"InlineMLP\(fork_rng=False\) on 'model.decoder.layers.0' "
                                          r"\(OPTDecoderLayer\): .* use sequence_parallel=False"):
         check_plan(model, plait.plan_for(model), tp=2, sequence_parallel=True)
-    pools[4].run(_tp2, [("opt", False)])
+    pools[2].run(_tp2, [("opt", False)])
 
 
 def test_tp2_gives_each_rank_the_alibi_biases_of_its_heads(pools):
@@ -301,11 +299,11 @@ def test_tp2_gives_each_rank_the_alibi_biases_of_its_heads(pools):
         with pytest.raises(ValueError, match=r"'alibi' has shape \(1, 4, 1, 4\), not \(batch \* 4 heads, "
                                              r"1, length\).*data or fully sharded parallelism"):
             check_plan(falcon, plait.plan_for(falcon), tp=2, sequence_parallel=sp, numeric=False)
-    pools[4].run(_tp2, [("bloom", False), ("bloom", True)])
+    pools[2].run(_tp2, [("bloom", False), ("bloom", True)])
 
 
 def test_tp2_sp_matches_single_process_in_yet_more_families(pools):
-    pools[4].run(_tp2, [("stablelm", True), ("granite", True), ("starcoder2", True), ("phi", True),
+    pools[2].run(_tp2, [("stablelm", True), ("granite", True), ("starcoder2", True), ("phi", True),
                         ("smollm3", True)])
 
 
@@ -313,7 +311,7 @@ def test_tp2_replicates_the_kv_head_of_a_fused_multi_query_projection(pools):
     # Falcon's query_key_value and GPT-BigCode's c_attn hold [q of 4 heads | k | v] of one KV head:
     # each rank computes its 2 query heads and the KV head, the layer's gradient summed over tp.
     # Cohere (parallel attention and MLP, bias-free LayerNorm, logit scale) planned as it was.
-    pools[4].run(_tp2, [(f, sp) for f in ("falcon", "bigcode", "cohere") for sp in (False, True)])
+    pools[2].run(_tp2, [(f, sp) for f in ("falcon", "bigcode", "cohere") for sp in (False, True)])
 
 
 def test_falcons_grouped_fused_projection_is_refused_by_name():
@@ -332,13 +330,13 @@ def test_tp2_splits_experts_stacked_in_3d_tensors(pools):
     # Mixtral's and Qwen2-MoE's experts (gate_up_proj (4, 2 * inner, 32), down_proj (4, 32, inner))
     # are split by each expert's hidden units, Qwen2-MoE's shared expert too; the routers stay
     # whole, their gradient summed over tp. Before: refused.
-    pools[4].run(_tp2, [("mixtral", False), ("mixtral", True), ("qwen2-moe", False), ("qwen2-moe", True)])
+    pools[2].run(_tp2, [("mixtral", False), ("mixtral", True), ("qwen2-moe", False), ("qwen2-moe", True)])
 
 
 def test_tp2_without_a_kv_cache_is_checked_and_matches_single_process(pools):
     # use_cache=False, as in training: transformers' causal mask then asks whether the position ids
     # hold packed sequences, a branch on values that the plan check's dry run once failed on.
-    pools[4].run(_tp2, [("llama-nocache", True), ("gpt2-nocache", False)])
+    pools[2].run(_tp2, [("llama-nocache", True), ("gpt2-nocache", False)])
 
 
 def _fsdp_tp(families: list[tuple[str, bool]]) -> dict:
@@ -362,7 +360,7 @@ def _vocab_parallel_step(family: str) -> None:
     torch.manual_seed(0)
     oracle = _build(family)
     model = copy.deepcopy(oracle)
-    plait.tensor_parallel(model, cached_mesh(dp=2, tp=2), plait.plan_for(model, loss_parallel=True),
+    plait.tensor_parallel(model, cached_mesh(tp=2), plait.plan_for(model, loss_parallel=True),
                           sequence_parallel=True)
     ids, tgt = _batch(0)
     _loss(oracle(ids).logits, tgt).backward()
@@ -387,7 +385,7 @@ def _vocab_parallel_step(family: str) -> None:
 
 
 def test_vocab_parallel_loss_and_fused_checkpoint_entries(pools):
-    pools[4].run(_vocab_parallel_step, "gpt2")  # tied embedding and lm_head, both split by vocabulary
+    pools[2].run(_vocab_parallel_step, "gpt2")  # tied embedding and lm_head, both split by vocabulary
 
 
 # ------------------------------------------------------------------ what sequence parallelism costs
@@ -398,7 +396,7 @@ def _sp_comm() -> dict:
 
     torch.manual_seed(0)
     model = _build("llama")
-    plait.tensor_parallel(model, cached_mesh(dp=2, tp=2), plait.plan_for(model), sequence_parallel=True)
+    plait.tensor_parallel(model, cached_mesh(tp=2), plait.plan_for(model), sequence_parallel=True)
     ids, tgt = _batch(0)
     comm.reset_stats()
     loss = _loss(model(ids).logits, tgt)
@@ -415,7 +413,7 @@ def test_sequence_parallel_communication_equals_theory(pools):
     all-reduce and, in backward, the lm_head's input all-reduce and the scatter's all-gather.
     Against plait's GPT plan (which reduce-scatters at the embedding and runs the final norm on
     shards) that is one reduce-scatter's worth of b*s*h more per direction, per step."""
-    out = pools[4].run(_sp_comm)[0]
+    out = pools[2].run(_sp_comm)[0]
     layers, b, s, h, v, f8 = 2, BATCH, SEQ, HIDDEN, VOCAB, 8
     act = b * s * h * f8
     fwd, bwd = out["fwd"], out["bwd"]
@@ -570,14 +568,14 @@ def _refused_before_any_collective() -> str:
     model, plan, _ = _refused("mlp-only-sp")
     comm.reset_stats()
     try:
-        plait.tensor_parallel(model, cached_mesh(dp=2, tp=2), plan, sequence_parallel=True)
+        plait.tensor_parallel(model, cached_mesh(tp=2), plan, sequence_parallel=True)
     finally:
         assert comm.stats().calls() == 0, "a collective ran before the refusal"
     return "no error"
 
 
 def test_tensor_parallel_refuses_before_any_collective(pools):
-    errors = pools[4].errors(_refused_before_any_collective)
+    errors = pools[2].errors(_refused_before_any_collective)
     assert all(REFUSED["mlp-only-sp"] in e for e in errors.values()), errors[0]
 
 
