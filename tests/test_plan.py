@@ -73,8 +73,9 @@ def _flags(extra: dict) -> dict:
 def test_rehearsal_predicts_measured_memory_and_bytes(pools, planner, extra):
     flags = _flags(extra)
     cfg = TrainConfig.from_flags(**flags)
+    rehearsal = planner.submit(_rehearsals, flags)  # on the meta device, while the ranks measure
     real = pools[2].run(measured, {"flags": flags, "timed": 0})
-    predicted = planner.submit(_rehearsals, flags).result()
+    predicted = rehearsal.result()
     assert [p.rank for p in predicted] == stage_ranks(cfg)
     for p in predicted:
         m = real[p.rank]
