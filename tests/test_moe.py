@@ -353,3 +353,43 @@ def _split_experts_with_sp_refused() -> str:
 
 def test_tensor_parallel_experts_with_sequence_parallelism_are_refused(pools):
     assert "not a sequence" in pools[2].run(_split_experts_with_sp_refused)[0]
+
+
+def _host_reads_per_step() -> dict:
+    """Device-to-host reads (item, tolist, numpy, cpu, cuda.synchronize) plait's own code makes
+    in one MoE training step at dp=2 x ep=2: forward, backward and the optimizer's step."""
+    import traceback
+    from unittest import mock
+
+    import plait
+    from plait.models.moe import moe_layers
+
+    mesh = cached_mesh(dp=2, ep=2)
+    net = plait.parallelize(_gpt(), mesh, plait.ParallelPlan())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = (t.chunk(2)[mesh.rank("dp")] for t in _batch(0))
+    reads: list[str] = []
+
+    def counting(name, original):
+        def read(*args, **kwargs):
+            # the first caller past torch and plait.testing's audit mode (which relays each call)
+            caller = next(f for f in reversed(traceback.extract_stack()[:-1])
+                          if "/torch/" not in f.filename and not f.filename.endswith("plait/testing.py"))
+            if "/plait/" in caller.filename:
+                reads.append(f"{name} at {caller.filename}:{caller.lineno}")
+            return original(*args, **kwargs)
+        return read
+
+    names = ("item", "tolist", "numpy", "cpu")
+    with mock.patch.multiple(torch.Tensor, **{n: counting(n, getattr(torch.Tensor, n)) for n in names}), \
+            mock.patch("torch.cuda.synchronize", counting("cuda.synchronize", torch.cuda.synchronize)):
+        loss64(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"reads": reads, "layers": len(moe_layers(net))}
+
+
+def test_a_moe_training_step_reads_the_device_once_per_moe_layer(pools):
+    # The all-to-alls' split sizes (sent and received token counts) are the only host reads.
+    for out in pools[2].run(_host_reads_per_step):
+        assert len(out["reads"]) == out["layers"], out

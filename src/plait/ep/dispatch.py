@@ -67,22 +67,21 @@ class ExpertDispatch:
             comm.all_to_all_into(recv_counts, sent, self.group)
         # The all-to-alls need their split sizes on the host: one device-to-host read per layer,
         # the sent and received counts together.
-        both = torch.stack([sent, recv_counts]).cpu()
-        recv_counts = both[1]
-        self.last_counts = recv_counts
-        in_splits, out_splits = both[0].sum(1).tolist(), recv_counts.sum(1).tolist()
+        sent_rows, recv_rows = torch.stack([sent, recv_counts]).tolist()
+        self.last_counts = torch.tensor(recv_rows, device="cpu")
+        in_splits, out_splits = [sum(r) for r in sent_rows], [sum(r) for r in recv_rows]
         with comm.operation("MoE dispatch"):
             received = _AllToAll.apply(tokens, in_splits, out_splits, self.group)
         assert isinstance(received, torch.Tensor)
-        outputs = self._compute(received, recv_counts)
+        outputs = self._compute(received, [c for row in recv_rows for c in row])
         with comm.operation("MoE combine"):
             back = _AllToAll.apply(outputs, out_splits, in_splits, self.group)
         assert isinstance(back, torch.Tensor)
         return back
 
-    def _compute(self, received: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
-        """Run each local expert on its rows (received by source, then expert) in one call."""
-        sizes = recv_counts.reshape(-1).tolist()  # (source, expert) blocks in arrival order
+    def _compute(self, received: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Run each local expert on its rows (received by source, then expert) in one call;
+        ``sizes`` are the (source, expert) blocks' rows in arrival order."""
         blocks = list(received.split(sizes))
         per = self.per_rank
         outs: list[torch.Tensor | None] = [None] * len(blocks)
