@@ -7,9 +7,12 @@ float64.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +79,46 @@ def test_a_rank_dependent_module_is_named_by_the_cli():
     assert done.returncode == 1, done.stdout + done.stderr
     assert "first divergence: step 1, module layers.1," in done.stdout, done.stdout
     assert "on rank 1" in done.stdout and "FAILED" in done.stdout
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every live process below ``pid``: its command line."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":  # a zombie has ended; only its parent's wait remains
+                children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            with contextlib.suppress(OSError):
+                out[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            todo.append(child)
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_ends_the_check_with_its_ranks_and_one_process_run():
+    cmd = [sys.executable, "-m", "plait", "check", "tests.test_check:tiny_gpt", "--nproc", "2",
+           "--steps", "500", "--batch-size", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    kids: dict[int, str] = {}
+    while not (sum("multiprocessing" in c for c in kids.values()) >= 2
+               and any("plait.check.oracle" in c for c in kids.values())):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.2)
+        kids = _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    gone_by = time.monotonic() + 10
+    while (alive := {p: c for p, c in kids.items() if Path(f"/proc/{p}").exists()
+                     and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"}):
+        assert time.monotonic() < gone_by, f"outlived plait check: {alive}"
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("factory, says", [

@@ -328,6 +328,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when the process that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``; elsewhere nothing): ranks and helper processes never outlive their
+    launcher, however it ended."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # 1: PR_SET_PDEATHSIG, prctl(2)
+
+
 def set_rank_env(rank: int, world_size: int, port: int, threads: int | None = None) -> None:
     """Set the torchrun-style variables that `plait.init()` reads, in this (child) process."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),

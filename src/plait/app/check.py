@@ -14,6 +14,7 @@ failed while training. Under torchrun or `plait run` the job's ranks are the lay
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -196,6 +197,9 @@ def cli_main(argv: list[str]) -> int:
     from plait.env import init, launch_from_env
 
     cfg = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: the ranks and the one-process run are killed, the exchange
+    # folder removed, and the exit code says which signal ended it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if cfg.check.all_layouts or cfg.check.sample is not None:
         return _fuzz(cfg, argv)
     nproc = cfg.parallel.nproc

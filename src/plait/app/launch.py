@@ -17,12 +17,10 @@ traces are.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -31,12 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plait.env import free_port, set_rank_env
+from plait.env import die_with_parent, free_port, set_rank_env
 
 __all__ = ["spawn", "RanksFailed", "record_failure", "one_line"]
 
 FAIL_GRACE_S = 5.0  # after a rank failed, how long its peers get to end on their own
-_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class RanksFailed(RuntimeError):
@@ -61,17 +58,10 @@ def record_failure(rank: int, error: BaseException, trace_dir: Path) -> Path:
     return path
 
 
-def _die_with_parent() -> None:
-    """SIGTERM this process when the launcher dies (Linux): it then stops as if preempted."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int | None,
            args: tuple[Any, ...], trace_dir: Path | None, parent: int) -> None:
     os.setpgid(0, 0)  # the launcher forwards signals: a terminal's reach only the launcher
-    _die_with_parent()
+    die_with_parent(signal.SIGTERM)  # the launcher died: stop as if preempted
     if os.getppid() != parent:  # the launcher died before the request above took effect
         raise SystemExit(128 + signal.SIGTERM)
     set_rank_env(rank, world_size, port, threads)

@@ -11,6 +11,7 @@ after the SGD step and, for each data-parallel slice of the batch, every module'
 from __future__ import annotations
 
 import pickle
+import signal
 import sys
 import traceback
 from functools import partial
@@ -31,7 +32,7 @@ from plait.check.common import (
     next_token_loss,
 )
 from plait.check.probe import Recorder
-from plait.env import init
+from plait.env import die_with_parent, init
 from plait.materialize import is_meta, keep_whole, materialize
 
 __all__ = ["main", "run_oracle"]
@@ -41,7 +42,9 @@ def main() -> None:
     """Entry point of the process (``python -c "from plait.check.oracle import main; main()"``): runs
     the job at each path that arrives on stdin, one a line, until stdin closes. A job file holds the
     caller's ``sys.path`` (so the factory imports as it did there) and the job; a job that fails
-    leaves its error in its folder (`Exchange.fail`) and the process goes on to the next."""
+    leaves its error in its folder (`Exchange.fail`) and the process goes on to the next. It ends
+    when the process that started it does, mid-job included."""
+    die_with_parent(signal.SIGKILL)
     for line in sys.stdin:
         with open(line.rstrip("\n"), "rb") as f:
             sys_path, job = pickle.load(f)

@@ -14,6 +14,7 @@ import math
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from plait import comm
 from plait.check.common import CheckInputError, Exchange, Spec, load_factory
 from plait.check.layout import LayoutRun, tp_styles
 from plait.check.report import CheckReport
-from plait.env import free_port, init, mark_failed, set_rank_env
+from plait.env import die_with_parent, free_port, init, mark_failed, set_rank_env
 from plait.mesh import AXES, Mesh
 from plait.parallel_plan import ParallelPlan
 from plait.rules import LayoutError, check_layout
@@ -301,14 +302,19 @@ def _spawn(spec: Spec, n: int, timeout_s: float) -> CheckReport:
     threads = max(1, (os.cpu_count() or 1) // (n + 1))
     with tempfile.TemporaryDirectory(prefix="plait-check-") as folder:
         ref, own = _reference(spec, folder, timeout_s, threads)
+        args = (spec, n, free_port(), threads, timeout_s, folder, os.getpid())
+        ranks = mp.start_processes(_entry, args=args, nprocs=n, join=False, start_method="spawn")
         try:
-            mp.start_processes(_entry, args=(spec, n, free_port(), threads, timeout_s, folder), nprocs=n,
-                               join=True, start_method="spawn")
+            while not ranks.join():
+                pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             error = _rank_error(folder, e)  # before the one-process run is stopped
             _done(ref, own, ok=False)
             raise error from None
-        except BaseException:
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): the ranks go with it
+            for p in ranks.processes:
+                if p.is_alive():
+                    p.kill()
             _done(ref, own, ok=False)
             raise
         _done(ref, own, ok=True)
@@ -316,7 +322,11 @@ def _spawn(spec: Spec, n: int, timeout_s: float) -> CheckReport:
             return pickle.load(f)
 
 
-def _entry(rank: int, spec: Spec, n: int, port: int, threads: int, timeout_s: float, folder: str) -> None:
+def _entry(rank: int, spec: Spec, n: int, port: int, threads: int, timeout_s: float, folder: str,
+           parent: int) -> None:
+    die_with_parent(signal.SIGKILL)  # a check's rank has nothing to save: it ends with its caller
+    if os.getppid() != parent:  # the caller died before the request above took effect
+        raise SystemExit(128 + signal.SIGKILL)
     set_rank_env(rank, n, port, threads)
     phase = "setting up"
     try:
