@@ -328,15 +328,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent(sig: int) -> None:
+def die_with_parent(sig: int, parent: int | None = None) -> None:
     """Have the kernel send ``sig`` to this process when the process that started it dies (Linux's
     ``PR_SET_PDEATHSIG``; elsewhere nothing): ranks and helper processes never outlive their
-    launcher, however it ended."""
+    launcher, however it ended. With ``parent`` (the launcher's pid), exit at once if it died before
+    the request took effect."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # 1: PR_SET_PDEATHSIG, prctl(2)
+    if parent is not None and os.getppid() != parent:
+        raise SystemExit(128 + sig)
 
 
 def set_rank_env(rank: int, world_size: int, port: int, threads: int | None = None) -> None:

@@ -211,8 +211,7 @@ class RankPool:
         ]
         for p in self._procs:
             p.start()
-        self._sent = [0] * self.world_size  # tasks sent to each rank
-        self._idle = [0] * self.world_size  # tasks each rank has finished cleaning up after
+        self._cleaning = [0] * self.world_size  # tasks each rank has not yet cleaned up after
         self._paused = False
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -221,7 +220,7 @@ class RankPool:
         payload = pickle.dumps((fn, args, kwargs))
         self.resume()
         for r, q in enumerate(self._tasks):
-            self._sent[r] += 1
+            self._cleaning[r] += 1
             q.put(payload)
         out, errors = self._collect()
         if errors:
@@ -239,7 +238,7 @@ class RankPool:
             try:
                 rank, ok, value = self._results.get(timeout=0.5)
                 if ok is None:
-                    self._idle[rank] += 1
+                    self._cleaning[rank] -= 1
                 else:
                     (out if ok else errors)[rank] = pickle.loads(value) if ok else value
                 continue
@@ -263,7 +262,7 @@ class RankPool:
             return
         alive = [r for r, p in enumerate(self._procs) if p.is_alive()]
         deadline = time.monotonic() + wait_s
-        while any(self._idle[r] < self._sent[r] for r in alive):
+        while any(self._cleaning[r] for r in alive):
             try:
                 rank, ok, _ = self._results.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
@@ -271,7 +270,7 @@ class RankPool:
                     return
                 continue
             if ok is None:
-                self._idle[rank] += 1
+                self._cleaning[rank] -= 1
         self._signal(signal.SIGSTOP, alive)
         self._paused = True
 

@@ -61,9 +61,7 @@ def record_failure(rank: int, error: BaseException, trace_dir: Path) -> Path:
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, threads: int | None,
            args: tuple[Any, ...], trace_dir: Path | None, parent: int) -> None:
     os.setpgid(0, 0)  # the launcher forwards signals: a terminal's reach only the launcher
-    die_with_parent(signal.SIGTERM)  # the launcher died: stop as if preempted
-    if os.getppid() != parent:  # the launcher died before the request above took effect
-        raise SystemExit(128 + signal.SIGTERM)
+    die_with_parent(signal.SIGTERM, parent)  # the launcher died: stop as if preempted
     set_rank_env(rank, world_size, port, threads)
     try:
         fn(*args)

@@ -324,9 +324,7 @@ def _spawn(spec: Spec, n: int, timeout_s: float) -> CheckReport:
 
 def _entry(rank: int, spec: Spec, n: int, port: int, threads: int, timeout_s: float, folder: str,
            parent: int) -> None:
-    die_with_parent(signal.SIGKILL)  # a check's rank has nothing to save: it ends with its caller
-    if os.getppid() != parent:  # the caller died before the request above took effect
-        raise SystemExit(128 + signal.SIGKILL)
+    die_with_parent(signal.SIGKILL, parent)  # a check's rank has nothing to save: it ends with its caller
     set_rank_env(rank, n, port, threads)
     phase = "setting up"
     try:
