@@ -303,7 +303,16 @@ def _spawn(spec: Spec, n: int, timeout_s: float) -> CheckReport:
     with tempfile.TemporaryDirectory(prefix="plait-check-") as folder:
         ref, own = _reference(spec, folder, timeout_s, threads)
         args = (spec, n, free_port(), threads, timeout_s, folder, os.getpid())
-        ranks = mp.start_processes(_entry, args=args, nprocs=n, join=False, start_method="spawn")
+        # A signal while the ranks start would leave some of them half made (their arguments half
+        # written): it waits until all are up, then unwinds below like one at any later point.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        try:
+            ranks = mp.start_processes(_entry, args=args, nprocs=n, join=False, start_method="spawn")
+        except BaseException:
+            _done(ref, own, ok=False)
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         try:
             while not ranks.join():
                 pass
@@ -325,6 +334,7 @@ def _spawn(spec: Spec, n: int, timeout_s: float) -> CheckReport:
 def _entry(rank: int, spec: Spec, n: int, port: int, threads: int, timeout_s: float, folder: str,
            parent: int) -> None:
     die_with_parent(signal.SIGKILL, parent)  # a check's rank has nothing to save: it ends with its caller
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # held while it started
     set_rank_env(rank, n, port, threads)
     phase = "setting up"
     try:
