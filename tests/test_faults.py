@@ -60,28 +60,47 @@ CASES = {
 }
 
 
+# The dtypes checked against their error budget (`plait.check.budget`), and the faults in each.
+# float16 runs the two whose layouts differ most from one process (a sum over ranks, a split matmul).
+BUDGETED = {"float32": list(CASES), "bfloat16": list(CASES),
+            "float16": ["ddp-divisor", "tp-backward-all-reduce"]}
+# One rounding of bfloat16 and float16 is 2e-3 to 4e-3 of a value: the padding column (3e-3 of the
+# loss) is inside their budgets, as it is inside their rounding. Measured at one step: the loss
+# with the bug 1.4e-2 off in bfloat16, the same as without it.
+BELOW_RESOLUTION = {("bfloat16", "tp-vocab-padding"), ("float16", "tp-vocab-padding")}
+
+
 def _fuzz_in_job():
     """Every fault's layout through the fuzzer with the fault and without it, one step each, one
-    reference process for all of them."""
+    reference process for all of them: in float64 at the default tolerance, then in the budgeted
+    dtypes at their error budgets."""
     import plait
     from plait import faults
     from plait.app.check import layout_from_flags
     from plait.check.fuzz import Layout, run_layouts
 
+    runs = [("float64", fault) for fault in CASES] + [(dt, f) for dt, fs in BUDGETED.items() for f in fs]
     out = {}
     with plait.check.shared_reference():
-        for fault, (factory, flags, _) in CASES.items():
-            runs = []
+        for dtype, fault in runs:
+            factory, flags, _ = CASES[fault]
+            pair = []
             for on in ((fault,), ()):
                 with faults.inject(*on):
-                    runs += run_layouts(factory, [Layout(flags)], layout_from_flags, steps=1, batch_size=4)
-            out[fault] = tuple(runs)
+                    pair += run_layouts(factory, [Layout(flags)], layout_from_flags, steps=1, batch_size=4,
+                                        dtype=dtype)
+            out[dtype, fault] = tuple(pair)
     return out
 
 
 @pytest.fixture(scope="module")
-def outcomes(pools):
+def runs(pools):
     return pools[2].run(_fuzz_in_job)[0]
+
+
+@pytest.fixture(scope="module")
+def outcomes(runs):
+    return {fault: pair for (dtype, fault), pair in runs.items() if dtype == "float64"}
 
 
 def test_every_fault_has_a_layout():
@@ -125,6 +144,28 @@ def test_what_each_fault_leaves_right(outcomes):
     # The tied weight keeps one stage's share: its gradient is wrong, the loss is right.
     tied = reports["pp-tied-grad"].steps[0]
     assert tied.grads["lm_head.weight"].over(tol) and not tied.loss_rel > tol
+
+
+@pytest.mark.parametrize("dtype", list(BUDGETED))
+def test_the_error_budget_passes_every_correct_layout_and_fails_every_bug_it_can_resolve(runs, dtype):
+    """The tolerance derived from the dtype, the sums and the steps: every correct layout (sums
+    split over ranks and reordered) inside it, every injected bug past it, except those no
+    larger than the dtype's own rounding."""
+    for fault in BUDGETED[dtype]:
+        bad, good = runs[dtype, fault]
+        assert good.report.budget and good.report.dtype == dtype, good.report.format()
+        # Correct layouts sit well inside: measured 8e-8 to 6e-7 in float32 against 7.6e-5, at most
+        # 1.5e-2 in bfloat16 against 8.8e-2, 1.6e-3 in float16 against 1.1e-2.
+        assert good.verdict == "OK" and good.rel < good.report.tolerance / 4, good.report.format()
+        if (dtype, fault) in BELOW_RESOLUTION:
+            assert bad.verdict == "OK" and bad.rel < bad.report.tolerance, bad.report.format()
+            continue
+        assert bad.verdict == "FAIL", bad.report.format()
+        # In float32 a bug stands two orders of magnitude or more above the budget.
+        assert bad.rel > (100 if dtype == "float32" else 2) * bad.report.tolerance, bad.report.format()
+        if dtype == "float32":  # named where it lives, as in float64
+            first = bad.report.first
+            assert (first.kind, first.module, first.parameter) == CASES[fault][2], bad.report.format()
 
 
 def test_faults_are_off_unless_injected():

@@ -35,10 +35,10 @@ class CheckSection:
 
     steps: int = 5
     """training steps of both runs (plain SGD)"""
-    dtype: Literal["float64", "float32"] = "float64"
-    """float64 separates layout bugs from float32 rounding"""
+    dtype: Literal["float64", "float32", "bfloat16", "float16"] = "float64"
+    """float64 separates layout bugs from rounding; the others are checked against their error budget"""
     tolerance: float | None = None
-    """largest relative difference per tensor; None: 1e-9 in float64, 1e-4 in float32"""
+    """largest relative difference per tensor; None: 1e-9 in float64, the error budget in the others"""
     lr: float = 0.1
     """the SGD learning rate"""
     seed: int = 0

@@ -33,7 +33,9 @@ How it works, and why this way:
   (`report.first_divergence` orders the rest: loss, gradients in backward order, parameters).
 * **float64 by default.** Layouts sum in other orders than one process does; in float32 that
   rounding is ~1e-6 and grows, in float64 ~1e-15. Checking in float64 leaves a correct layout
-  orders of magnitude under the tolerance and a layout bug far above it.
+  orders of magnitude under the tolerance and a layout bug far above it. In float32, bfloat16
+  and float16 the tolerance is the dtype's error budget (`plait.check.budget`), derived from the
+  dtype, the model's sums and the steps.
 
 Limits: every rank holds the full model's state and the reference process the model (use a small
 configuration); dropout and other randomness differ between the runs (turn them off in the

@@ -41,7 +41,7 @@ class Spec:
     degrees: dict[str, int]  # every axis, resolved for the world size, and ep
     steps: int
     dtype: torch.dtype
-    tolerance: float
+    tolerance: float | None  # None: the error budget (`plait.check.budget`)
     batch_size: int
     seq: int
     vocab: int | None

@@ -14,6 +14,7 @@ from torch import nn
 
 from plait import comm
 from plait._torch_compat import map_tensors, tensors_in
+from plait.check.budget import tolerance_of
 from plait.check.common import (
     CheckInputError,
     Exchange,
@@ -63,6 +64,8 @@ class LayoutRun:
             # every stage, on what that stage received or on zeros: only the owners of weights count.
             modules = [(n, m) for n, m in modules if n and any(True for _ in m.parameters())]
         self.param_names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+        tokens, world = spec.batch_size * spec.seq, dist.get_world_size()
+        self.tolerance, self.budget = tolerance_of(spec.tolerance, spec.dtype, model, tokens, world)
         self.layout = parallelize(model, self.mesh, plan)
         self.loss = _layout_loss(self.layout, user_loss)
         self.opt = torch.optim.SGD(list(self.layout.parameters()), lr=spec.lr)
@@ -85,9 +88,10 @@ class LayoutRun:
         if not order:  # no outputs compared: modules in the order of their first state entry
             for i, k in enumerate(ref_before):
                 order.setdefault(k.rpartition(".")[0], i)
-        first = first_divergence(steps, initial, missing, s.tolerance, order)
-        return CheckReport(s.label, self.label, str(s.dtype).replace("torch.", ""), s.tolerance, s.lr,
-                           initial, steps, missing, first)
+        first = first_divergence(steps, initial, missing, self.tolerance, order)
+        tolerances = [self.tolerance(i) for i in range(s.steps + 1)]
+        return CheckReport(s.label, self.label, str(s.dtype).replace("torch.", ""), tolerances[-1], s.lr,
+                           initial, steps, missing, first, tolerances, self.budget)
 
     def _step(self, step: int, before: State, ref_before: State,
               order: dict[str, int]) -> tuple[StepDiff, State, State, dict[str, int]]:
@@ -119,7 +123,7 @@ class LayoutRun:
         off = max(0.0, abs(loss - ref_loss) - 2 * loss_eps * abs(ref_loss))  # beyond the loss's own rounding
         diff = StepDiff(step, loss, ref_loss, off / max(abs(ref_loss), torch.finfo(self.spec.dtype).eps),
                         grads, params)
-        self._gather_outputs(diff)  # a collective: every rank has read this step's files by now
+        self._gather_outputs(diff, step)  # a collective: every rank has read this step's files by now
         if dist.get_rank() == 0:
             for done in (0, step) if step == 1 else (step,):
                 self.exchange.consumed(done)
@@ -144,11 +148,11 @@ class LayoutRun:
         eps = max(torch.finfo(loss.dtype).eps, torch.finfo(self.spec.dtype).eps)
         return float(t) / self.mesh.size(LOSS_AXES), eps
 
-    def _gather_outputs(self, diff: StepDiff) -> None:
+    def _gather_outputs(self, diff: StepDiff, step: int) -> None:
         """Every rank's findings: how many outputs it compared, its worst, its earliest past tolerance."""
         mine: tuple[int, Any, Any] = (0, None, None)
         if self.comparer is not None:
-            ds, tol = self.comparer.diffs, self.spec.tolerance
+            ds, tol = self.comparer.diffs, self.tolerance(step)
             mine = (len(ds), max(ds, key=lambda d: _nan_high(d.rel), default=None),
                     min((d for d in ds if not d.rel <= tol), key=lambda d: (d.order, d.rank), default=None))
         found = comm.all_gather_object(mine)

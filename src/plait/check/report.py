@@ -10,13 +10,15 @@ for gradients, which are read back from parameter updates and carry the update's
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 __all__ = ["TensorDiff", "ActivationDiff", "StepDiff", "Divergence", "CheckReport", "tensor_diff",
-           "update_rounding", "first_divergence"]
+           "update_rounding", "first_divergence", "Tolerance"]
+
+Tolerance = Callable[[int], float]  # the step (0: the initial values) -> the largest relative difference
 
 
 @dataclass(frozen=True)
@@ -87,22 +89,36 @@ class CheckReport:
     factory: str
     layout: str
     dtype: str
-    tolerance: float
+    tolerance: float  # after the last step (the loosest, when an error budget grows with the steps)
     lr: float
     initial: dict[str, TensorDiff]  # state entries before the first step
     steps: list[StepDiff] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # names only one run has
     first: Divergence | None = None
+    tolerances: list[float] = field(default_factory=list)  # per step, from 0 (the initial values)
+    budget: str = ""  # how the error budget was derived; empty for a tolerance given or float64's
 
     @property
     def ok(self) -> bool:
         return self.first is None
 
+    def tolerance_at(self, step: int) -> float:
+        return self.tolerances[step] if step < len(self.tolerances) else self.tolerance
+
+    def _tol(self, value: float) -> str:
+        return f"{value:.1e}" if self.budget else f"{value:.0e}"  # a budget's digits are its own
+
     def format(self) -> str:
         """The report as text: a header, one line per step, a table per parameter and the verdict."""
-        lines = [f"plait check {self.factory}: {self.layout} against one process",
-                 f"  {self.dtype}, SGD lr {self.lr:g}, {len(self.steps)} steps, tolerance "
-                 f"{self.tolerance:.0e} (relative to each tensor's largest value)"]
+        lines = [f"plait check {self.factory}: {self.layout} against one process"]
+        if self.budget:
+            lines += [f"  {self.dtype}, SGD lr {self.lr:g}, {len(self.steps)} steps, tolerance "
+                      f"{self.tolerance_at(0):.1e} to {self.tolerance:.1e} (relative to each tensor's "
+                      f"largest value, growing with the steps)",
+                      f"  {self.budget}"]
+        else:
+            lines.append(f"  {self.dtype}, SGD lr {self.lr:g}, {len(self.steps)} steps, tolerance "
+                         f"{self.tolerance:.0e} (relative to each tensor's largest value)")
         if self.missing:
             lines.append(f"  names in only one of the two state dicts: {', '.join(self.missing)}")
         lines.append(f"  initial values: {len(self.initial)} tensors, largest rel diff "
@@ -110,16 +126,19 @@ class CheckReport:
         lines += _step_table(self.steps)
         lines += self._param_table()
         if self.first is None:
-            lines.append(f"OK: every loss, gradient, parameter and module output within {self.tolerance:.0e}")
+            lines.append(f"OK: every loss, gradient, parameter and module output within "
+                         f"{self._tol(self.tolerance)}")
         else:
             lines.append(f"first divergence: {self.first.describe()}")
-            lines.append(f"FAILED: differences above the tolerance {self.tolerance:.0e}")
+            lines.append(f"FAILED: differences above the tolerance "
+                         f"{self._tol(self.tolerance_at(self.first.step))}")
         return "\n".join(lines)
 
     def _param_table(self) -> list[str]:
         if not self.steps:
             return []
         at = self.first.step if self.first is not None and self.first.step > 0 else None
+        tol = self.tolerance_at(at) if at is not None else self.tolerance
         if at is not None:
             title, grads, params = f"at step {at}, the first divergence", self.steps[at - 1].grads, \
                 self.steps[at - 1].params
@@ -132,7 +151,7 @@ class CheckReport:
                f"{'param rel':>9}"]
         for name, p in params.items():
             g = grads.get(name)
-            mark = "!" if p.over(self.tolerance) or (g is not None and g.over(self.tolerance)) else " "
+            mark = "!" if p.over(tol) or (g is not None and g.over(tol)) else " "
             gtxt = f"{g.abs:9.2e} {g.rel:9.2e}" if g is not None else f"{'-':>9} {'-':>9}"
             out.append(f"{mark} {name:<{width}}  {gtxt}  {p.abs:9.2e} {p.rel:9.2e}")
         return out
@@ -205,8 +224,9 @@ def update_rounding(before: torch.Tensor, lr: float) -> float:
 
 
 def first_divergence(steps: Sequence[StepDiff], initial: Mapping[str, TensorDiff], missing: Sequence[str],
-                     tolerance: float, forward_rank: Mapping[str, int]) -> Divergence | None:
-    """The earliest step with anything past ``tolerance``, and the culprit in it.
+                     tolerance: float | Tolerance, forward_rank: Mapping[str, int]) -> Divergence | None:
+    """The earliest step with anything past ``tolerance`` (one number, or one per step), and the
+    culprit in it.
 
     Within a step: the earliest module output in execution order (forward runs first, and every
     later output inherits its difference), then the loss, then gradients (the earliest in
@@ -217,12 +237,15 @@ def first_divergence(steps: Sequence[StepDiff], initial: Mapping[str, TensorDiff
         return Divergence(0, "names", "", None, None, math.inf,
                           f"the layout's full state dict and the one-process state dict differ in "
                           f"{', '.join(missing)}")
-    bad = _first_over(initial, tolerance)
+    def tol(step: int) -> float:
+        return tolerance(step) if callable(tolerance) else tolerance
+
+    bad = _first_over(initial, tol(0))
     if bad is not None:
         return Divergence(0, "parameter", _owner(bad), bad, None, initial[bad].rel,
                           f"the layout starts from other values (rel {initial[bad].rel:.1e})")
     for s in steps:
-        found = _in_step(s, tolerance, forward_rank)
+        found = _in_step(s, tol(s.step), forward_rank)
         if found is not None:
             return found
     return None
