@@ -274,3 +274,54 @@ def _async_transposed() -> None:
 def test_an_asynchronous_collective_is_checked_before_its_result_is_used(pool):
     errors = pool.errors(_async_transposed)
     assert all("collective desync" in e and "(2, 3)" in e and "(3, 2)" in e for e in errors.values()), errors
+
+
+def _unchecked_run_swapped() -> None:
+    """Two same-size asynchronous all-reduces in opposite orders, only the second checked (as DDP's
+    buckets share the last one's check): the data of both has moved, mixed, when the check runs."""
+    group = cached_mesh(dp=2).group("dp")
+    a, b = torch.full((4,), 1.0), torch.full((4,), 10.0)
+    if dist.get_rank() == 0:
+        handles = [comm.all_reduce(a, group, async_op=True, checked=False),
+                   comm.all_reduce(b, group, async_op=True)]
+    else:
+        handles = [comm.all_reduce(b, group, async_op=True, checked=False),
+                   comm.all_reduce(a, group, async_op=True)]
+    for h in reversed(handles):  # the checked one's verdict first, as DDP reads it
+        assert h is not None
+        h.wait()
+
+
+def test_a_run_of_collectives_checked_at_its_last_names_the_first_that_differs(pool):
+    errors = pool.errors(_unchecked_run_swapped)
+    for r in (0, 1):
+        assert "collective desync on axis 'dp'" in errors[r], errors[r]
+        assert f"rank {r}: #1 all_reduce of a (4,) float32 tensor" in errors[r], errors[r]
+
+
+def _checks_in_a_ddp_backward() -> tuple[int, int]:
+    """(buckets, fingerprint comparisons) of one DDP backward."""
+    from torch import nn
+
+    import plait
+
+    mesh = cached_mesh(dp=2)
+    model = plait.DDP(nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))), mesh, bucket_cap_mb=0.02)
+    model(torch.randn(2, 64)).sum()  # a forward and loss without backward first: nothing checked
+    real, calls = comm._check, []
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].op)
+        return real(*args, **kwargs)
+
+    comm._check = counting
+    try:
+        model(torch.randn(2, 64)).sum().backward()
+    finally:
+        comm._check = real
+    return len(model._buckets), len(calls)
+
+
+def test_a_ddp_backward_compares_fingerprints_once_whatever_its_buckets(pool):
+    buckets, checks = pool.run(_checks_in_a_ddp_backward)[0]
+    assert buckets >= 4 and checks == 1, (buckets, checks)

@@ -368,14 +368,14 @@ class Handle:
 
 
 def _run(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None, fn: Callable[[], Any],
-         async_op: bool, detail: str = "") -> Handle | None:
+         async_op: bool, detail: str = "", checked: bool = True) -> Handle | None:
     info = _info(group)
     if t is not None:
         _check_device(op, t, group, info)
     rec = info.log.add(op, t, detail)
     what = f"{_what(op, t, group)}, call {rec.describe()}"
     on_fail = lambda e: _failure_report(info, rec, e)  # noqa: E731
-    pending = _check(info, rec, on_fail, what, defer=async_op)
+    pending = _check(info, rec, on_fail, what, defer=async_op) if checked else None
     try:
         work = fn()
     except RuntimeError as e:
@@ -522,16 +522,23 @@ def all_reduce(
     group: dist.ProcessGroup | None = None,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
     async_op: bool = False,
+    checked: bool = True,
 ) -> Handle | None:
     """In-place all-reduce of ``t`` across ``group``. A one-rank group neither launches nor counts
     anything: its all-reduce is the identity, and counting it would make the statistics claim
-    collectives that never happen."""
+    collectives that never happen.
+
+    ``checked=False`` records the call without comparing fingerprints now: for a run of
+    collectives whose last one is checked, and whose results are used only after that check's
+    verdict (DDP's buckets). The fingerprint chains every record, so the one comparison covers
+    them all. Every rank must pass the same ``checked`` for the same call."""
     n = _n(group)
     if n == 1:
         return Handle(None, "") if async_op else None
     _record("all_reduce", group, t.numel() * t.element_size(), 2 * (n - 1) / n)
     return _run("all_reduce", t, group,
-                lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op, _reduce_name(op))
+                lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op, _reduce_name(op),
+                checked)
 
 
 def all_gather_into(

@@ -13,8 +13,11 @@ and keeps, per process group:
 The default check (``"fast"``) compares the running fingerprints before each collective with a
 single 16-byte all-reduce on a companion Gloo group of the same ranks (CPU-side, so a GPU stream
 is never synchronised, and independent of the data group, so it never queues behind an
-in-flight bucket). Only when fingerprints differ does it gather the records themselves and name
-both sides: the collectives, their shapes, plait's operation and the user's line of code.
+in-flight bucket). A run of asynchronous collectives whose results are used together may share
+one comparison, made with its last call (DDP's buckets: `comm.all_reduce(checked=False)`), since
+the fingerprint chains every record. Only when fingerprints differ does it gather the records
+themselves and name both sides: the collectives, their shapes, plait's operation and the user's
+line of code.
 ``"full"`` gathers and compares the records before every collective (for debugging), ``"off"``
 keeps records only.
 """
