@@ -147,8 +147,8 @@ def main(argv: list[str]) -> int:
         + markdown_table(["", "plait", "torch DDP", "plait / torch"], rows)
         + f"\n\nBytes all-reduced per step / (parameters x 4 bytes): **{out['bytes_ratio']:.2f}** "
         "(theory 1.00).\n"
-        + "\nDesync check (on by default: one 16-byte fingerprint all-reduce per collective on a "
-        "companion Gloo group), plait step with the check / the same step without it, alternated in "
+        + "\nDesync check (on by default: one 16-byte fingerprint all-reduce on a companion Gloo "
+        "group per backward for the buckets, per collective otherwise), plait step with the check / the same step without it, alternated in "
         f"this run: median of paired ratios **{median(check_cost):.3f}** (spread "
         f"{min(check_cost):.3f}-{max(check_cost):.3f}; median step {median(unchecked):.3f} s "
         "unchecked).\n"
