@@ -348,6 +348,16 @@ def test_fsdp2_tp2_matches_single_process(pools):
     pools[4].run(_fsdp_tp, [("llama", True), ("gpt2", True), ("phi3", False), ("llama-mqa", False)])
 
 
+def test_fsdp2_tp2_matches_single_process_in_every_other_planned_family(pools):
+    # FSDP gathers each unit's shards into plain tensors for the forward: a tp module that reads its
+    # own weight (OLMo2's norm across heads) must take the gathered tensor, not only a Parameter.
+    # With SP wherever the family's plan allows it (OPT's decoder layer refuses SP by name).
+    families = ["neox", "qwen2", "mistral", "gemma", "gemma2", "codegen", "qwen3", "gemma3", "stablelm",
+                "granite", "starcoder2", "phi", "smollm3", "falcon", "bigcode", "cohere", "olmo2",
+                "olmo2-mqa", "bloom", "mixtral", "qwen2-moe"]
+    pools[4].run(_fsdp_tp, [(f, True) for f in families] + [("opt", False)])
+
+
 def _vocab_parallel_step(family: str) -> None:
     """One step with the logits left split by vocabulary and `plait.loss_fn_for`'s loss.
 

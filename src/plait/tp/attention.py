@@ -211,10 +211,11 @@ class SplitRMSNorm(Style):
         start = None
         if self._replicates(ctx):
             start = ctx.rank * (self.width // self.unit) // n * self.unit
-            ctx.seq_grads.watch(_weight(mod))
+            assert isinstance(mod.weight, nn.Parameter)
+            ctx.seq_grads.watch(mod.weight)
 
         def forward(self_: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            w: torch.Tensor = _weight(self_)
+            w = _weight(self_)
             w = w if start is None else w.narrow(0, start, self.unit)
             h = x.to(torch.promote_types(x.dtype, torch.float32))
             # Every rank holds as many features: the mean over all of them is the sum over tp / (n * local).
@@ -224,9 +225,11 @@ class SplitRMSNorm(Style):
         mod.forward = types.MethodType(forward, mod)
 
 
-def _weight(mod: nn.Module) -> nn.Parameter:
+def _weight(mod: nn.Module) -> torch.Tensor:
+    """The norm's weight as its forward sees it: the parameter, or under FSDP the gathered tensor
+    FSDP sets in its place for the forward (a plain tensor, not a Parameter)."""
     w = mod.weight
-    assert isinstance(w, nn.Parameter)
+    assert isinstance(w, torch.Tensor)
     return w
 
 
