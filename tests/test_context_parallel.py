@@ -250,3 +250,20 @@ def test_activation_memory_falls_as_one_over_cp(pools):
         ratios[cp] = [s / one for s in split]
         # Every saved activation scales with the tokens a rank holds.
         assert all(abs(r * cp - 1) < 0.05 for r in ratios[cp]), ratios
+
+
+def test_an_explicit_mask_counts_as_causal_only_when_it_is_exactly_causal():
+    from plait.cp.apply import _plain_causal
+
+    n = 4
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    additive = torch.zeros(n, n, dtype=torch.float64).masked_fill(~causal, torch.finfo(torch.float64).min)
+    assert _plain_causal(causal[None, None], n, n) is True  # Falcon passes its own causal mask
+    assert _plain_causal(additive.expand(2, 1, n, n), n, n) is True
+    assert _plain_causal(torch.ones(1, 1, n, n, dtype=torch.bool), n, n) is False  # masks nothing
+    padded = causal.clone()
+    padded[:, 0] = False  # the first token is padding: refused, as before
+    assert _plain_causal(padded, n, n) is None
+    alibi = additive + torch.arange(n, dtype=torch.float64)  # a bias on the scores, not a mask
+    assert _plain_causal(alibi, n, n) is None
+    assert _plain_causal(causal[:, :3], n, 3) is None  # keys other than the queries' tokens

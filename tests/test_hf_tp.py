@@ -166,6 +166,9 @@ def _build(family: str, **extra) -> torch.nn.Module:
     return model.to(torch.float64)
 
 
+build_family = _build  # the other transformers tests' builder of every family's tiny model
+
+
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     w = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)

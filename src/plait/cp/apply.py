@@ -62,9 +62,13 @@ class ContextParallelInfo:
         """``scaled_dot_product_attention`` over the whole sequence, for this rank's tokens."""
         where = f"context parallelism ({self.algorithm})"
         if attn_mask is not None:
-            raise ValueError(f"{where}: the attention got an explicit mask (padding or packed sequences), "
-                             "which is not supported across ranks; train on unpadded full sequences "
-                             "(causal or not)")
+            causal = _plain_causal(attn_mask, query.shape[-2], key.shape[-2])
+            if causal is None:
+                raise ValueError(f"{where}: the attention got an explicit mask or bias that is "
+                                 "neither causal nor empty (padding, packed sequences, ALiBi), which is not "
+                                 "supported across ranks; train on unpadded full sequences with causal or "
+                                 "full attention")
+            is_causal = is_causal or causal
         if dropout_p:
             raise ValueError(f"{where}: attention dropout (dropout_p={dropout_p}) is not supported; set the "
                              "model's attention dropout to 0")
@@ -72,11 +76,33 @@ class ContextParallelInfo:
             raise ValueError(f"{where}: queries {tuple(query.shape)} and keys {tuple(key.shape)} must be "
                              "(batch, heads, tokens, dim) of the same tokens (no KV cache or "
                              "cross-attention)")
+        # One key head broadcasts over every query head (multi-query attention, as Falcon calls it):
+        # grouped-query attention with a single group.
+        enable_gqa = enable_gqa or key.shape[1] == 1
         if key.shape[1] != query.shape[1] and not enable_gqa:
             raise ValueError(f"{where}: {query.shape[1]} query heads but {key.shape[1]} key heads, and "
                              "enable_gqa is off")
         layout = self.cp.layout_of_local(query.shape[-2])
         return ALGORITHMS[self.algorithm](query, key, value, self.cp, layout, causal=is_causal, scale=scale)
+
+
+def _plain_causal(mask: torch.Tensor, queries: int, keys: int) -> bool | None:
+    """What an explicit attention mask over this rank's own tokens asks for: True when it is exactly
+    causal (each token sees itself and those before it), False when it masks nothing, None for
+    anything else. Some models (Falcon) build their causal mask themselves instead of passing
+    ``is_causal``; context parallelism then applies the same causality across the whole sequence."""
+    if queries != keys or tuple(mask.shape[-2:]) != (queries, keys):
+        return None
+    if mask.dtype == torch.bool:
+        seen = mask
+    else:  # additive: 0 where a key is seen, the dtype's most negative values (or -inf) where not
+        seen = mask > torch.finfo(mask.dtype).min / 2
+        if bool(mask.masked_select(seen).ne(0).any()):
+            return None  # a bias on the scores (ALiBi), not a mask
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril()
+    if bool(torch.equal(seen, causal.expand_as(seen))):
+        return True
+    return False if bool(seen.all()) else None
 
 
 class _Intercept(TorchFunctionMode):
@@ -138,9 +164,12 @@ def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, p
         raise ValueError("context_parallel: the model is already context parallel")
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
     if implementation != "sdpa":
-        raise ValueError(f"context_parallel: {type(model).__name__} computes attention with "
-                         f"{implementation!r}; context parallelism replaces torch's "
-                         "scaled_dot_product_attention call: load the model with attn_implementation='sdpa'")
+        why = (f"context_parallel: {type(model).__name__} computes attention with {implementation!r}; "
+               "context parallelism replaces torch's scaled_dot_product_attention call")
+        if getattr(model, "_supports_sdpa", True) is False:  # transformers' flag: no sdpa path to load
+            raise ValueError(f"{why}, which this model's transformers implementation never makes: train it "
+                             "without context parallelism (data, tensor or pipeline parallelism)")
+        raise ValueError(f"{why}: load the model with attn_implementation='sdpa'")
     targets = _attention_modules(model, attention)
     mode = positions_mode(model, positions)
     info = ContextParallelInfo(CPGroup.of(mesh), algorithm, mode, tuple(n for n, _ in targets))
