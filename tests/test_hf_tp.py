@@ -234,8 +234,9 @@ def test_tp2_with_and_without_sp_matches_single_process(pools, family):
     assert all(o == out[0] for o in out)  # the gathered parameters are the same on every rank
 
 
-def test_tp2_sp_matches_single_process_in_more_families(pools):
-    pools[2].run(_tp2, [("llama-mqa", True), ("neox", True), ("qwen2", True), ("mistral", True)])
+def test_tp2_with_and_without_sp_matches_single_process_in_more_families(pools):
+    both = [(f, sp) for f in ("neox", "qwen2", "mistral") for sp in (False, True)]
+    pools[2].run(_tp2, [("llama-mqa", True), *both])
 
 
 def test_tp2_keeps_what_a_scaled_embedding_does_after_its_lookup(pools):
@@ -305,9 +306,9 @@ def test_tp2_gives_each_rank_the_alibi_biases_of_its_heads(pools):
     pools[2].run(_tp2, [("bloom", False), ("bloom", True)])
 
 
-def test_tp2_sp_matches_single_process_in_yet_more_families(pools):
-    pools[2].run(_tp2, [("stablelm", True), ("granite", True), ("starcoder2", True), ("phi", True),
-                        ("smollm3", True)])
+def test_tp2_with_and_without_sp_matches_single_process_in_yet_more_families(pools):
+    families = ("stablelm", "granite", "starcoder2", "phi", "smollm3")
+    pools[2].run(_tp2, [(f, sp) for f in families for sp in (False, True)])
 
 
 def test_tp2_replicates_the_kv_head_of_a_fused_multi_query_projection(pools):
