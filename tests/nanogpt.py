@@ -101,10 +101,11 @@ class GPT(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.config = cfg
-        parts = {"wte": nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                 "h": nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)), "ln_f": nn.LayerNorm(cfg.n_embd)}
-        if cfg.positions == "wpe":
+        parts: dict[str, nn.Module] = {"wte": nn.Embedding(cfg.vocab_size, cfg.n_embd)}
+        if cfg.positions == "wpe":  # registered where nanoGPT has it: after wte, before the blocks
             parts["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
+        parts["h"] = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        parts["ln_f"] = nn.LayerNorm(cfg.n_embd)
         self.transformer = nn.ModuleDict(parts)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied, as in nanoGPT

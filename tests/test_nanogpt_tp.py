@@ -5,6 +5,8 @@ by ``self.n_head``. `plait.plan_for` gives the attention its local ``n_head`` an
 parallelism against one process, float64, 5 AdamW steps, every gathered parameter at
 ``rtol=1e-9, atol=1e-12`` (as `test_hf_tp.py`). nanoGPT's own attention takes its width from
 its input's shape (``C``), which no head split can keep: refused, naming the sizes it was given.
+The same model also trains as one process under FSDP x TP (fsdp=2 x tp=2, with and without SP) and
+in a 1F1B pipeline at pp=2 (its tied embedding and head on different stages).
 """
 
 from __future__ import annotations
@@ -61,3 +63,68 @@ def test_a_width_taken_from_the_input_is_refused_by_name():
     model = build(width_from_input=True)
     with pytest.raises(ValueError, match=r"'transformer.h.0.attn' this rank's sizes: n_head=2, n_embd=16"):
         check_plan(model, plait.plan_for(model), tp=2)
+
+
+def _fsdp_tp(sp: bool) -> bool:
+    """tp=2 inside fsdp=2, each fsdp rank on its half of the batch, 5 AdamW steps."""
+    import plait
+
+    mesh = cached_mesh(fsdp=2, tp=2)
+    oracle = build(positions="wpe")
+    plan = plait.ParallelPlan(tp=plait.plan_for(oracle), sequence_parallel=sp, data="fsdp")
+    net = plait.parallelize(copy.deepcopy(oracle), mesh, plan)
+    opt_ref, opt = torch.optim.AdamW(oracle.parameters()), torch.optim.AdamW(net.parameters())
+    mine = slice(mesh.rank("fsdp") * 2, mesh.rank("fsdp") * 2 + 2)
+    for step in range(5):
+        w = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
+        idx, tgt = w[:, :-1], w[:, 1:]
+        F.cross_entropy(oracle(idx).flatten(0, 1), tgt.flatten()).backward()
+        F.cross_entropy(net(idx[mine]).flatten(0, 1), tgt[mine].flatten()).backward()
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    full = plait.full_state_dict(net)
+    for name, ref in oracle.state_dict().items():
+        torch.testing.assert_close(full[name], ref, **TOL, msg=lambda m, n=name: f"sp={sp} {n}: {m}")
+    return True
+
+
+def _fsdp_tp_both() -> bool:
+    return _fsdp_tp(False) and _fsdp_tp(True)
+
+
+def test_fsdp2_tp2_matches_single_process(pools):
+    assert all(pools[4].run(_fsdp_tp_both))
+
+
+def _pipelined() -> bool:
+    """A 1F1B pipeline at pp=2 (the tied embedding on the first stage, the head on the last), 8
+    sequences in 4 microbatches, 5 AdamW steps."""
+    from plait.pipeline import pipeline
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, -2), y.flatten())
+
+    oracle = build(positions="wpe")
+    pipe = pipeline(copy.deepcopy(oracle), cached_mesh(pp=2), split="auto", schedule="1f1b", microbatches=4,
+                    loss_fn=loss_fn)
+    mine = dict(pipe.named_parameters())
+    opt, opt_ref = torch.optim.AdamW(mine.values()), torch.optim.AdamW(oracle.parameters())
+    for step in range(5):
+        w = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(step))
+        x, y = w[:, :-1], w[:, 1:]
+        loss, ref = pipe.step((x,), y), loss_fn(oracle(x), y)
+        ref.backward()
+        torch.testing.assert_close(loss, ref.detach(), **TOL)
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
+    ref_params = dict(oracle.named_parameters(remove_duplicate=False))  # the tie under both names
+    for name, p in mine.items():
+        torch.testing.assert_close(p.detach(), ref_params[name].detach(), **TOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+def test_pp2_1f1b_matches_single_process(pools):
+    assert all(pools[2].run(_pipelined))
