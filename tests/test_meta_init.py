@@ -356,3 +356,25 @@ def test_pipeline_segments_keep_a_recomputed_root_buffer_and_refuse_saved_root_s
     saved.freqs_cis, saved.scale = None, nn.Parameter(torch.ones(1))
     with pytest.raises(ValueError, match=r"owns parameter 'scale' but.*must live in a child module"):
         segments(saved)
+
+
+def test_every_planned_transformers_family_built_on_meta_is_the_model_a_real_build_makes():
+    """Every family `plan_for` plans (tests/test_hf_tp.py's tiny configs), built on meta and
+    materialized by plait through the model's own init protocol: nothing left on meta or NaN, and
+    every buffer (rotary tables, ALiBi slopes, masks, scales) and every norm weight as the same
+    model built on the CPU has them."""
+    pytest.importorskip("transformers")
+    from test_hf_tp import FAMILIES, build_family
+
+    for family in FAMILIES:
+        model, built = _on_meta(lambda family=family: build_family(family)), build_family(family)
+        assert not any(t.is_meta or t.isnan().any() for t in [*model.parameters(), *model.buffers()]), family
+        for name, t in built.named_buffers():
+            # Gemma's embedding scale, sqrt(hidden): the real build rounds it through float32
+            # (torch.tensor of a Python float), transformers' init writes it in the model's float64.
+            tol = dict(rtol=2e-7, atol=0) if name.endswith("embed_scale") else dict(rtol=0, atol=0)
+            where = f"{family} {name}"
+            torch.testing.assert_close(model.get_buffer(name), t, **tol, msg=lambda m, w=where: f"{w}: {m}")
+        for name, p in built.named_parameters():
+            if "norm" in name or ".ln" in name:
+                assert torch.equal(model.get_parameter(name), p), f"{family} {name}"
