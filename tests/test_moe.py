@@ -393,3 +393,26 @@ def test_a_moe_training_step_reads_the_device_once_per_moe_layer(pools):
     # The all-to-alls' split sizes (sent and received token counts) are the only host reads.
     for out in pools[2].run(_host_reads_per_step):
         assert len(out["reads"]) == out["layers"], out
+
+
+def _experts_in_buckets() -> dict:
+    """At ep=1 DDP's own ranks hold every expert: its gradients ride in DDP's buckets."""
+    import plait
+
+    net = plait.parallelize(_gpt(), cached_mesh(dp=2), plait.ParallelPlan())
+    in_buckets = {id(p) for b in net._buckets for p in b.params}
+    experts = [p for n, p in net.named_parameters() if ".experts." in n]
+    return {"experts": len(experts), "bucketed": sum(id(p) in in_buckets for p in experts),
+            "separate": len(net._experts)}
+
+
+def test_data_parallel_experts_ride_in_the_buckets_and_keep_missing_gradients_missing(pools):
+    # ep=1: each expert's gradient is summed over the dp ranks like a dense one, in DDP's buckets
+    # (overlapped with backward), not in one all-reduce after it.
+    out = pools[2].run(_experts_in_buckets)[0]
+    assert out["experts"] > 0 and out["bucketed"] == out["experts"] and out["separate"] == 0, out
+    # Top-1 with every token routed to expert 0: the others get no gradient anywhere and keep none,
+    # as in one process (AdamW would move a parameter whose gradient were zeros instead); top-2:
+    # experts with tokens on one rank only.
+    pools[2].run(_ep_parity, 2, 1, optimizer="adamw", skew=True, steps=3, cfg_kw={"top_k": 1})
+    pools[2].run(_ep_parity, 2, 1, optimizer="adamw", skew=True, steps=3)

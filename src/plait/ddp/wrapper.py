@@ -136,16 +136,26 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         self._experts = [(n, p) for n, p in everything if placement_of(p) is not None and p.requires_grad]
         self._check_same_model_everywhere(named)
         self._broadcast_state()
-        trainable = [(n, p) for n, p in named if p.requires_grad]
+        # Where every expert is held by exactly this DDP's ranks (ep=1 along its axis), its gradient
+        # is summed over the same ranks as a dense one: it rides in the buckets, overlapped with
+        # backward, instead of one blocking all-reduce after it. A rank that routed no token to an
+        # expert contributes zeros, and a flag per expert keeps one process's "no gradient".
+        self._bucketed_experts = self._experts if self._experts_share_buckets(find_unused_parameters) else []
+        self._expert_index = {id(p): i for i, (_, p) in enumerate(self._bucketed_experts)}
+        if self._bucketed_experts:
+            self._experts = []
+        trainable = [(n, p) for n, p in everything
+                     if p.requires_grad and (placement_of(p) is None or id(p) in self._expert_index)]
         self._buckets = self._make_buckets(trainable, int(bucket_cap_mb * 2**20))
         self._where: dict[int, tuple[_Bucket, int]] = {
             id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)
         }
+        self._expert_flags = torch.zeros(len(self._bucketed_experts), device=comm.device_of(self.group))
         # Through a weak reference: a hook holding the wrapper would tie it to its parameters in a
         # cycle through the tensors' C++ hooks that the collector cannot break, so a deleted DDP
         # (and its buckets) would never be freed.
         ready = weakref.WeakMethod(self._on_grad_ready)
-        for _, p in trainable:
+        for _, p in trainable:  # bucketed experts included
             p.register_post_accumulate_grad_hook(lambda q, ready=ready: _call_alive(ready, q))
         expert_ready = weakref.WeakMethod(self._on_expert_grad)
         for _, p in self._experts:
@@ -158,6 +168,15 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         self._used_flags: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ construction
+    def _experts_share_buckets(self, find_unused_parameters: bool) -> bool:
+        """Whether every expert's gradient is summed over exactly this DDP's ranks (not with
+        ``find_unused_parameters``, whose flags already stand for the parameters a rank skipped)."""
+        if not self._experts or find_unused_parameters:
+            return False
+        ours = sorted(self.mesh.group_ranks(self.axis))
+        placements = [placement_of(p) for _, p in self._experts]
+        return all(w is not None and sorted(w.edp_ranks) == ours for w in placements)
+
     def _check_same_model_everywhere(self, named: list[tuple[str, nn.Parameter]]) -> None:
         mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
         everyone = comm.all_gather_object(mine, self.group)
@@ -244,6 +263,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         for b in self._buckets:
             b.pending, b.handle, b.wire = len(b.params), None, None
             b.ready.clear()
+        self._expert_flags.zero_()
         self._callback_queued = False
         self._next_launch = 0
         self._used_flags = self._no_flags() if self.find_unused_parameters else None
@@ -284,15 +304,21 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         if i in b.ready:
             return
         assert p.grad is not None
+        self._fill(b, i, p.grad)
+        self._mark_ready(b, i)
+
+    def _fill(self, b: _Bucket, i: int, grad: torch.Tensor) -> None:
+        """Copy a gradient into its bucket slot, pre-divided (one pass over memory): the
+        all-reduced sum is then the mean, and a half-precision wire format cannot overflow."""
         slot = b.slots[i]
-        # Pre-divide while copying (one pass over memory): the all-reduced sum is then the mean,
-        # and a half-precision wire format cannot overflow.
+        expert = self._expert_index.get(id(b.params[i]))
+        if expert is not None:
+            self._expert_flags[expert] = 1.0
         divisor = self._divisor + faults.active("ddp-divisor")  # an injected bug in tests only
-        if p.grad.data_ptr() == slot.data_ptr():  # the grad already lives in the bucket
+        if grad.data_ptr() == slot.data_ptr():  # the grad already lives in the bucket
             slot.div_(divisor)
         else:
-            torch.div(p.grad.reshape(-1), divisor, out=slot)
-        self._mark_ready(b, i)
+            torch.div(grad.reshape(-1), divisor, out=slot)
 
     def _mark_ready(self, b: _Bucket, i: int) -> None:
         b.ready.add(i)
@@ -321,6 +347,19 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
     def _finish_backward(self) -> None:
         self._sync_this_backward = False
         missing = [(b, i) for b in self._buckets for i in range(len(b.params)) if i not in b.ready]
+        if self._bucketed_experts:
+            # An expert this backward routed no token to on this rank: what earlier microbatches
+            # accumulated (no_sync), or zeros flagged as no gradient.
+            for b, i in [(b, i) for b, i in missing if id(b.params[i]) in self._expert_index]:
+                grad = b.params[i].grad
+                if grad is not None:
+                    self._fill(b, i, grad)
+                else:
+                    b.slots[i].zero_()
+                self._mark_ready(b, i)
+            missing = [(b, i) for b, i in missing if i not in b.ready]
+            with comm.operation("DDP expert gradient flags"):
+                comm.all_reduce(self._expert_flags, self.group)
         if missing and self.find_unused_parameters:
             for b, i in missing:  # reachable in the graph, yet no gradient arrived: contribute zeros
                 b.slots[i].zero_()
@@ -341,6 +380,8 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
             with comm.operation("DDP unused-parameter flags"):
                 comm.all_reduce(self._used_flags, self.group)
             globally_used = self._used_flags
+        flags = self._expert_flags.tolist() if self._bucketed_experts else []
+        no_gradient = {id(p) for (_, p), f in zip(self._bucketed_experts, flags) if f == 0}
         # The last bucket first: its desync verdict covers them all (`_checks_desync`).
         for b in self._buckets[-1:] + self._buckets[:-1]:
             assert b.handle is not None and b.wire is not None
@@ -350,6 +391,9 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
             for i, p in enumerate(b.params):
                 if globally_used is not None and globally_used[self._flag_index(b, i)] == 0:
                     continue  # unused everywhere: leave grad as a single process would
+                if id(p) in no_gradient:  # an expert no rank routed a token to: none, as in one process
+                    p.grad = None
+                    continue
                 # The gradient becomes a view of its bucket: no copy back now, and if the user keeps
                 # it (zero_grad(set_to_none=False), no_sync), the next backward accumulates in place.
                 p.grad = b.grads[i]
@@ -443,6 +487,9 @@ class _JoinState:
                     wire = b.buffer if ddp.wire_dtype is None else b.buffer.to(ddp.wire_dtype)
                     with comm.operation(ddp._bucket_name(index)):
                         comm.all_reduce(wire, ddp.group, checked=ddp._checks_desync(index))
+                if ddp._bucketed_experts:
+                    with comm.operation("DDP expert gradient flags"):
+                        comm.all_reduce(torch.zeros_like(ddp._expert_flags), ddp.group)
                 if ddp.find_unused_parameters:
                     with comm.operation("DDP unused-parameter flags"):
                         comm.all_reduce(ddp._no_flags(), ddp.group)
