@@ -142,7 +142,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         # expert contributes zeros, and a flag per expert keeps one process's "no gradient".
         self._bucketed_experts = self._experts if self._experts_share_buckets(find_unused_parameters) else []
         self._expert_index = {id(p): i for i, (_, p) in enumerate(self._bucketed_experts)}
-        if self._bucketed_experts:
+        if self._bucketed_experts:  # from here on, _experts are those summed after backward
             self._experts = []
         trainable = [(n, p) for n, p in everything
                      if p.requires_grad and (placement_of(p) is None or id(p) in self._expert_index)]
