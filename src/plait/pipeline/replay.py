@@ -128,8 +128,8 @@ class Replay:
             # mask: transformers' MoE dispatch) has no meta-device result to trace.
             advice = ("; a layer whose forward depends on the values of its data (such as transformers' "
                       "MoE expert dispatch through torch.nonzero) cannot be traced on the meta device, so "
-                      "this model cannot be split into stages: train it without a pipeline (data, tensor "
-                      "or expert parallelism)") if isinstance(e, NotImplementedError) else ""
+                      "this model cannot be split into stages: train it without a pipeline (data "
+                      "parallelism, FSDP or tensor parallelism)") if isinstance(e, NotImplementedError) else ""
             raise RuntimeError(f"pipeline: the dry run of {type(self.root).__name__}.forward (layers on the "
                                f"meta device, glue on the inputs) failed: {type(e).__name__}: {e}"
                                f"{advice}") from e
