@@ -126,10 +126,11 @@ class Replay:
         except Exception as e:
             # A layer whose forward depends on its data's values (torch.nonzero, .item(), a boolean
             # mask: transformers' MoE dispatch) has no meta-device result to trace.
+            dependent = isinstance(e, NotImplementedError)
             advice = ("; a layer whose forward depends on the values of its data (such as transformers' "
                       "MoE expert dispatch through torch.nonzero) cannot be traced on the meta device, so "
                       "this model cannot be split into stages: train it without a pipeline (data "
-                      "parallelism, FSDP or tensor parallelism)") if isinstance(e, NotImplementedError) else ""
+                      "parallelism, FSDP or tensor parallelism)") if dependent else ""
             raise RuntimeError(f"pipeline: the dry run of {type(self.root).__name__}.forward (layers on the "
                                f"meta device, glue on the inputs) failed: {type(e).__name__}: {e}"
                                f"{advice}") from e
