@@ -1,7 +1,8 @@
 """Context parallelism against full attention and against a single process.
 
 Attention: each algorithm's output and its gradients for q, k and v, at cp=2 and cp=4, causal
-and not, with sequence lengths that split evenly and lengths that do not (ranks then hold up
+and not, causal within sliding windows shorter than a rank's chunks and longer, with sequence
+lengths that split evenly and lengths that do not (ranks then hold up
 to two tokens more than others), with grouped-query attention, against torch's own
 scaled_dot_product_attention on the whole sequence. float64: only the order of sums differs,
 ``atol=1e-12``.
@@ -27,25 +28,30 @@ TINY = {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layers": 2, "n_heads"
 LR = 0.5
 
 
-def _attention_cases(cases: list[tuple[str, bool, int, int]]) -> list[float]:
-    """The worst |difference| over output and gradients of each (algorithm, causal, seq, kv heads)."""
+def _attention_cases(cases: list[tuple[str, bool, int, int, int | None]]) -> list[float]:
+    """The worst |difference| over output and gradients of each (algorithm, causal, seq, kv heads,
+    sliding window)."""
     import torch.distributed as dist
 
     from plait.cp import ALGORITHMS, CPGroup
 
     cp = CPGroup.of(cached_mesh(cp=dist.get_world_size()))
     worst = []
-    for algorithm, causal, seq, kv_heads in cases:
+    for algorithm, causal, seq, kv_heads, window in cases:
         g = torch.Generator().manual_seed(seq * 10 + kv_heads)
         q = torch.randn(2, 4, seq, 8, generator=g, dtype=torch.float64)
         k, v = (torch.randn(2, kv_heads, seq, 8, generator=g, dtype=torch.float64) for _ in range(2))
         dout = torch.randn(2, 4, seq, 8, generator=g, dtype=torch.float64)
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        want = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
+        if window is None:
+            want = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
+        else:  # a query sees itself and the window - 1 keys before it
+            seen = torch.ones(seq, seq, dtype=torch.bool).tril().triu(1 - window)
+            want = F.scaled_dot_product_attention(*full, attn_mask=seen, enable_gqa=True)
         (want * dout).sum().backward()
         layout = cp.layout(seq)
         mine = [layout.shard(t, 2).requires_grad_() for t in (q, k, v)]
-        got = ALGORITHMS[algorithm](*mine, cp, layout, causal=causal)
+        got = ALGORITHMS[algorithm](*mine, cp, layout, causal=causal, window=window)
         assert got.shape == (2, 4, layout.local_len(), 8) and got.dtype == torch.float64
         (got * layout.shard(dout, 2)).sum().backward()
         diffs = [(got - layout.shard(want, 2)).abs().max().item()]
@@ -54,10 +60,14 @@ def _attention_cases(cases: list[tuple[str, bool, int, int]]) -> list[float]:
     return worst
 
 
-def _cases(n: int) -> list[tuple[str, bool, int, int]]:
+def _cases(n: int) -> list[tuple[str, bool, int, int, int | None]]:
     # 16 tokens split evenly at cp=2 and 4; 19 do not (chunks of 5/5/5/4 or 3/3/3/2/2/2/2/2).
-    return [(a, causal, seq, kv) for a in ("ring", "allgather", "ulysses") for causal in (True, False)
-            for seq in (16, 19) for kv in ((4,) if a == "ulysses" and n == 4 else (2, 4))]
+    # Windows of 3 (shorter than every chunk: whole blocks fall outside) and 6 (longer).
+    algorithms = ("ring", "allgather", "ulysses")
+    plain = [(a, causal, seq, kv, None) for a in algorithms for causal in (True, False)
+             for seq in (16, 19) for kv in ((4,) if a == "ulysses" and n == 4 else (2, 4))]
+    return plain + [(a, True, seq, 4 if a == "ulysses" and n == 4 else 2, window) for a in algorithms
+                    for seq, window in ((19, 3), (16, 6))]
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -267,3 +277,8 @@ def test_an_explicit_mask_counts_as_causal_only_when_it_is_exactly_causal():
     alibi = additive + torch.arange(n, dtype=torch.float64)  # a bias on the scores, not a mask
     assert _plain_causal(alibi, n, n) is None
     assert _plain_causal(causal[:, :3], n, 3) is None  # keys other than the queries' tokens
+    # A sliding window of 2 over the rank's tokens (what transformers builds) is the module's window.
+    windowed = causal.triu(-1)
+    assert _plain_causal(windowed, n, n, window=2) is True
+    assert _plain_causal(windowed, n, n) is None  # no window on the module: not its mask
+    assert _plain_causal(windowed, n, n, window=3) is None  # another window than the module's

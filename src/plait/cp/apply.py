@@ -15,8 +15,11 @@ when the caller does not pass them; any other model has the positions its forwar
 (``torch.arange`` of the local length, a buffer sliced to it) replaced by the rank's, and is
 refused if it counts none (`plait.cp.positions`).
 
-What cannot be honoured is refused when it is seen: an attention mask (padding, packed
-sequences), attention dropout, keys of another length than the queries (a KV cache).
+A transformers attention with a sliding window (`sliding_window_of`) attends within it across
+the whole sequence: its mask over the rank's own tokens is recognised and the window applied by
+global position. What cannot be honoured is refused when it is seen: an attention mask
+(padding, packed sequences), attention dropout, keys of another length than the queries (a KV
+cache).
 """
 
 from __future__ import annotations
@@ -58,17 +61,22 @@ class ContextParallelInfo:
 
     def sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-             scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-        """``scaled_dot_product_attention`` over the whole sequence, for this rank's tokens."""
+             scale: float | None = None, enable_gqa: bool = False, *,
+             window: int | None = None) -> torch.Tensor:
+        """``scaled_dot_product_attention`` over the whole sequence, for this rank's tokens;
+        ``window``: the calling module's causal sliding window (`sliding_window_of`)."""
         where = f"context parallelism ({self.algorithm})"
         if attn_mask is not None:
-            causal = _plain_causal(attn_mask, query.shape[-2], key.shape[-2])
+            causal = _plain_causal(attn_mask, query.shape[-2], key.shape[-2], window)
             if causal is None:
                 raise ValueError(f"{where}: the attention got an explicit mask or bias that is "
                                  "neither causal nor empty (padding, packed sequences, ALiBi), which is not "
                                  "supported across ranks; train on unpadded full sequences with causal or "
                                  "full attention")
             is_causal = is_causal or causal
+        if window is not None and not is_causal:
+            raise ValueError(f"{where}: a sliding window of {window} tokens on attention that is not causal "
+                             "is not supported across ranks")
         if dropout_p:
             raise ValueError(f"{where}: attention dropout (dropout_p={dropout_p}) is not supported; set the "
                              "model's attention dropout to 0")
@@ -83,14 +91,17 @@ class ContextParallelInfo:
             raise ValueError(f"{where}: {query.shape[1]} query heads but {key.shape[1]} key heads, and "
                              "enable_gqa is off")
         layout = self.cp.layout_of_local(query.shape[-2])
-        return ALGORITHMS[self.algorithm](query, key, value, self.cp, layout, causal=is_causal, scale=scale)
+        return ALGORITHMS[self.algorithm](query, key, value, self.cp, layout, causal=is_causal, scale=scale,
+                                          window=window)
 
 
-def _plain_causal(mask: torch.Tensor, queries: int, keys: int) -> bool | None:
+def _plain_causal(mask: torch.Tensor, queries: int, keys: int, window: int | None = None) -> bool | None:
     """What an explicit attention mask over this rank's own tokens asks for: True when it is exactly
-    causal (each token sees itself and those before it), False when it masks nothing, None for
-    anything else. Some models (Falcon) build their causal mask themselves instead of passing
-    ``is_causal``; context parallelism then applies the same causality across the whole sequence."""
+    causal (each token sees itself and those before it; with the module's sliding ``window``, also
+    what transformers builds for it over the rank's tokens: causal, at most ``window`` back), False
+    when it masks nothing, None for anything else. Some models (Falcon) build their causal mask
+    themselves instead of passing ``is_causal``; context parallelism then applies the same causality
+    (and window) across the whole sequence."""
     if queries != keys or tuple(mask.shape[-2:]) != (queries, keys):
         return None
     if mask.dtype == torch.bool:
@@ -102,25 +113,27 @@ def _plain_causal(mask: torch.Tensor, queries: int, keys: int) -> bool | None:
     causal = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril()
     if bool(torch.equal(seen, causal.expand_as(seen))):
         return True
+    if window is not None and bool(torch.equal(seen, causal.triu(1 - window).expand_as(seen))):
+        return True
     return False if bool(seen.all()) else None
 
 
 class _Intercept(TorchFunctionMode):
     """Routes scaled_dot_product_attention to the context-parallel algorithm."""
 
-    def __init__(self, info: ContextParallelInfo, watcher: Watcher | None) -> None:
+    def __init__(self, info: ContextParallelInfo, watcher: Watcher | None, window: int | None) -> None:
         super().__init__()
-        self.info, self.watcher = info, watcher
+        self.info, self.watcher, self.window = info, watcher, window
         self.calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is F.scaled_dot_product_attention:
             self.calls += 1
             if self.watcher is None:
-                return self.info.sdpa(*args, **(kwargs or {}))
+                return self.info.sdpa(*args, **(kwargs or {}), window=self.window)
             self.watcher.paused = True  # the algorithm's own aranges are no positions
             try:
-                return self.info.sdpa(*args, **(kwargs or {}))
+                return self.info.sdpa(*args, **(kwargs or {}), window=self.window)
             finally:
                 self.watcher.paused = False
         return func(*args, **(kwargs or {}))
@@ -176,7 +189,7 @@ def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, p
     setattr(model, _ATTR, info)
     watcher = install(model, mode, info.cp)
     for name, mod in targets:
-        _hook(mod, name, info, watcher)
+        _hook(mod, name, info, watcher, sliding_window_of(mod, model))
     return model
 
 
@@ -206,11 +219,36 @@ def has_attention(model: nn.Module, attention: Sequence[type | str] | None = Non
     return True
 
 
-def _hook(mod: nn.Module, name: str, info: ContextParallelInfo, watcher: Watcher | None) -> None:
+def sliding_window_of(attention: nn.Module, model: nn.Module) -> int | None:
+    """The causal sliding window a transformers attention module attends within, else None: its
+    own ``sliding_window`` attribute where it has one (Gemma3, Qwen2/3, Cohere2: None on full
+    layers); else, by its config (or the model's), the window of its layer when the config names
+    each layer's kind (``layer_types``), or the model's window when it names none (Mistral, Phi-3,
+    Starcoder2: every layer slides)."""
+    if hasattr(attention, "sliding_window"):
+        own = attention.sliding_window
+        return own if isinstance(own, int) and own > 0 else None
+    cfg = getattr(attention, "config", getattr(model, "config", None))
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    kinds, layer = getattr(cfg, "layer_types", None), getattr(attention, "layer_idx", None)
+    if kinds is None:
+        return window
+    if isinstance(layer, int) and layer < len(kinds):
+        return window if kinds[layer] == "sliding_attention" else None
+    if "sliding_attention" not in kinds:
+        return None
+    raise ValueError(f"context parallelism: {type(attention).__name__} belongs to a model whose config has "
+                     "sliding-window layers, but it has no layer_idx to say whether it is one")
+
+
+def _hook(mod: nn.Module, name: str, info: ContextParallelInfo, watcher: Watcher | None,
+          window: int | None) -> None:
     active: list[_Intercept] = []
 
     def enter(_m: nn.Module, _args: Any) -> None:
-        mode = _Intercept(info, watcher)
+        mode = _Intercept(info, watcher, window)
         mode.__enter__()
         active.append(mode)
 

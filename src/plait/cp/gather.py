@@ -76,9 +76,11 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup, layout: Layout,
-                        causal: bool = True, scale: float | None = None) -> torch.Tensor:
+                        causal: bool = True, scale: float | None = None,
+                        window: int | None = None) -> torch.Tensor:
     """This rank's queries (b, heads, local, d) against the whole sequence's keys and values,
-    gathered from the ranks of ``cp`` (each holding its tokens as ``layout`` says)."""
+    gathered from the ranks of ``cp`` (each holding its tokens as ``layout`` says); ``window``: a
+    causal sliding window (`plait.cp.kernel.visibility`)."""
     s = q.shape[-1] ** -0.5 if scale is None else scale
     kv = _GatherSequence.apply(torch.stack((k, v)), cp, layout, 3)
     assert isinstance(kv, torch.Tensor)
@@ -86,10 +88,12 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: C
     outs = []
     halves = ((q.narrow(2, 0, first.length), first), (q.narrow(2, first.length, second.length), second))
     for q_part, span in halves:
-        # Causal: the keys before the chunk's end, the last chunk-length of them masked.
-        keys = Span(0, span.end) if causal else Span(0, layout.seq_len)
-        kv_seen = kv.narrow(3, 0, keys.length)
-        out, _ = block_forward(q_part, kv_seen[0], kv_seen[1], s, span, keys, PARTIAL if causal else FULL)
+        # Causal: the keys before the chunk's end (from the window's start), the rest masked.
+        first_key = max(0, span.start - window + 1) if causal and window is not None else 0
+        keys = Span(first_key, span.end - first_key) if causal else Span(0, layout.seq_len)
+        kv_seen = kv.narrow(3, keys.start, keys.length)
+        out, _ = block_forward(q_part, kv_seen[0], kv_seen[1], s, span, keys, PARTIAL if causal else FULL,
+                               window)
         outs.append(out)
     return torch.cat(outs, dim=2).to(q.dtype)
 
@@ -129,8 +133,10 @@ def _heads_to_seq(t: torch.Tensor, cp: CPGroup, layout: Layout) -> torch.Tensor:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup, layout: Layout,
-                      causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """Attention over the whole sequence computed head-parallel: ``heads / cp`` heads per rank."""
+                      causal: bool = True, scale: float | None = None,
+                      window: int | None = None) -> torch.Tensor:
+    """Attention over the whole sequence computed head-parallel: ``heads / cp`` heads per rank;
+    ``window``: a causal sliding window (`plait.cp.kernel.visibility`)."""
     n = cp.size
     if q.shape[1] % n or k.shape[1] % n:
         raise ValueError(f"all-to-all (Ulysses) context parallelism splits the heads over cp={n}: "
@@ -141,7 +147,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPG
     qh, kh, vh = (_Swap.apply(t, cp, layout, True) for t in (q, k, v))
     assert isinstance(qh, torch.Tensor) and isinstance(kh, torch.Tensor) and isinstance(vh, torch.Tensor)
     whole = Span(0, layout.seq_len)
-    out, _ = block_forward(qh, kh, vh, s, whole, whole, PARTIAL if causal else FULL)
+    out, _ = block_forward(qh, kh, vh, s, whole, whole, PARTIAL if causal else FULL, window)
     back = _Swap.apply(out.to(q.dtype), cp, layout, False)
     assert isinstance(back, torch.Tensor)
     return back

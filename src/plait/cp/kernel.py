@@ -14,8 +14,11 @@ the block's output is ``softmax(s) @ v``. Two blocks' results merge as::
 The backward of one block needs only the *final* output and lse of the whole row (flash
 attention's trick): ``p = exp(s - lse)`` is then that block's share of the full softmax.
 
+A sliding window of ``w`` (Mistral's, Gemma3's local layers) hides, on top of causality, the keys
+``w`` or more positions before the query; a block is then skipped, full or partial by both rules.
+
 On CPU, blocks whose mask torch's fused kernel can express (all keys visible, or the causal
-diagonal of a chunk against itself) run through it
+diagonal of a chunk against itself, uncut by a window) run through it
 (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and take
 the log-sum-exp): tiled, never holding a block's whole score matrix, and it stops at the
 causal diagonal. Other blocks, and other devices, use the plain operations below.
@@ -32,12 +35,15 @@ __all__ = ["block_forward", "block_backward", "merge", "visibility", "FULL", "PA
 FULL, PARTIAL, NONE = "full", "partial", "none"
 
 
-def visibility(q: Span, k: Span, causal: bool) -> str:
-    """How queries at positions ``q`` see keys at positions ``k``: all, some (causal), none."""
-    if not causal or k.end - 1 <= q.start:
+def visibility(q: Span, k: Span, causal: bool, window: int | None = None) -> str:
+    """How queries at positions ``q`` see keys at positions ``k``: all, some (causal, or cut by a
+    sliding ``window``: a query sees the keys less than ``window`` positions before it), none."""
+    if not causal:
         return FULL
-    if k.start > q.end - 1:
+    if k.start > q.end - 1 or (window is not None and q.start - (k.end - 1) >= window):
         return NONE
+    if k.end - 1 <= q.start and (window is None or (q.end - 1) - k.start < window):
+        return FULL
     return PARTIAL
 
 
@@ -45,7 +51,8 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, qs: Span, ks: Span, kind: str) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, qs: Span, ks: Span, kind: str,
+            window: int | None) -> torch.Tensor:
     """Scores (b, kv_heads, groups, lq, lk) in the accumulation dtype, masked for ``PARTIAL``."""
     b, h, lq, d = q.shape
     hk = k.shape[1]
@@ -55,15 +62,19 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, qs: Span, ks: Span, 
     if kind == PARTIAL:
         qpos = torch.arange(qs.start, qs.end, device=q.device)
         kpos = torch.arange(ks.start, ks.end, device=q.device)
-        s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+        hidden = kpos[None, :] > qpos[:, None]
+        if window is not None:
+            hidden |= qpos[:, None] - kpos[None, :] >= window
+        s = s.masked_fill(hidden, float("-inf"))
     return s
 
 
-def _fused(q: torch.Tensor, qs: Span, ks: Span, kind: str) -> bool:
+def _fused(q: torch.Tensor, qs: Span, ks: Span, kind: str, window: int | None) -> bool:
     """Whether torch's fused CPU kernel computes this block: every key visible, or a chunk's
-    causal diagonal (its top-left-aligned mask). A dry run's meta tensors take the same path (the
-    kernel has a shape-only form), so `plait plan` sees what a CPU run keeps."""
-    return q.device.type in ("cpu", "meta") and (kind == FULL or (kind == PARTIAL and qs == ks))
+    causal diagonal (its top-left-aligned mask) that no window cuts. A dry run's meta tensors take
+    the same path (the kernel has a shape-only form), so `plait plan` sees what a CPU run keeps."""
+    diagonal = kind == PARTIAL and qs == ks and (window is None or qs.length <= window)
+    return q.device.type in ("cpu", "meta") and (kind == FULL or diagonal)
 
 
 def _heads(t: torch.Tensor, h: int) -> torch.Tensor:
@@ -72,15 +83,15 @@ def _heads(t: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, qs: Span, ks: Span,
-                  kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  kind: str, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (b, h, lq, d), lse (b, h, lq)) of queries ``q`` at ``qs`` against keys at ``ks``,
     both in the accumulation dtype. A row that sees no key has lse -inf and output 0."""
     b, h, lq, d = q.shape
-    if _fused(q, qs, ks, kind):
+    if _fused(q, qs, ks, kind, window):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, _heads(k, h), _heads(v, h), 0.0, kind == PARTIAL, scale=scale)
         return out.to(_acc_dtype(q)), lse.to(_acc_dtype(q))
-    s = _scores(q, k, scale, qs, ks, kind)
+    s = _scores(q, k, scale, qs, ks, kind, window)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
     out = p @ v.to(s.dtype).unsqueeze(2)
@@ -88,13 +99,13 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, scale: float, qs: Span, ks: Span,
-                   kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, scale: float, qs: Span, ks: Span, kind: str,
+                   window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of one block's share, in the accumulation dtype, given the row's
     final ``out`` and ``lse`` (over every block) and the gradient ``dout`` of the final output."""
     b, h, lq, d = q.shape
     hk, g = k.shape[1], h // k.shape[1]
-    if _fused(q, qs, ks, kind):
+    if _fused(q, qs, ks, kind, window):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype).contiguous(), q, _heads(k, h), _heads(v, h), out.to(q.dtype).contiguous(),
             lse.to(torch.promote_types(q.dtype, torch.float32)).contiguous(), 0.0, kind == PARTIAL,
@@ -103,7 +114,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         lk = k.shape[2]
         return (dq.to(acc), dk.reshape(b, hk, g, lk, d).sum(2).to(acc),
                 dv.reshape(b, hk, g, lk, v.shape[-1]).sum(2).to(acc))
-    s = _scores(q, k, scale, qs, ks, kind)
+    s = _scores(q, k, scale, qs, ks, kind, window)
     acc = s.dtype
     p = torch.exp(s - lse.to(acc).view(b, hk, g, lq, 1))
     do5 = dout.to(acc).view(b, hk, g, lq, -1)

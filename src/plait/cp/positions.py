@@ -100,7 +100,6 @@ def _give_positions(rotary: nn.Module, cp: CPGroup) -> None:
 
 def _position_ids_hook(cp: CPGroup, model: nn.Module) -> Callable[..., Any]:
     takes_mask = "attention_mask" in inspect.signature(model.forward).parameters
-    window = _sliding_window(model)
 
     def hook(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if kwargs.get("labels") is not None:
@@ -110,11 +109,6 @@ def _position_ids_hook(cp: CPGroup, model: nn.Module) -> Callable[..., Any]:
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if not isinstance(ids, torch.Tensor):
             raise ValueError("context parallelism: found no input_ids to derive position_ids from")
-        total = ids.shape[1] * cp.size
-        if window is not None and total > window:
-            raise ValueError(f"context parallelism: {type(model).__name__} attends within a sliding window "
-                             f"of {window} tokens, which each rank's attention cannot apply across ranks; "
-                             f"train on sequences of at most {window} tokens (these have {total})")
         if kwargs.get("position_ids") is None:
             pos = cp.layout_of_local(ids.shape[1]).positions(device=ids.device)
             kwargs = {**kwargs, "position_ids": pos.unsqueeze(0).expand(ids.shape[0], -1)}
@@ -125,16 +119,6 @@ def _position_ids_hook(cp: CPGroup, model: nn.Module) -> Callable[..., Any]:
         return args, kwargs
 
     return hook
-
-
-def _sliding_window(model: nn.Module) -> int | None:
-    """The window of a transformers model's sliding-window layers, if it has any."""
-    cfg = getattr(model, "config", None)
-    window = getattr(cfg, "sliding_window", None)
-    kinds = getattr(cfg, "layer_types", None)
-    if not isinstance(window, int) or (kinds is not None and "sliding_attention" not in kinds):
-        return None
-    return window
 
 
 # ------------------------------------------------------------------ positions the forward counts

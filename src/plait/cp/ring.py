@@ -29,12 +29,15 @@ _KV, _GRAD = 0, 1  # exchange tags: the key/value blocks and their gradients tra
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup, layout: Layout,
-                   causal: bool = True, scale: float | None = None) -> torch.Tensor:
+                   causal: bool = True, scale: float | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """Attention of this rank's queries (b, heads, local, d) over the whole sequence's keys,
-    whose blocks the ranks of ``cp`` hold as ``layout`` says; ``k``, ``v`` (b, kv_heads, local, d)."""
+    whose blocks the ranks of ``cp`` hold as ``layout`` says; ``k``, ``v`` (b, kv_heads, local, d).
+    ``window``: a causal sliding window (`plait.cp.kernel.visibility`). Blocks wholly outside it
+    are skipped, but still travel: every rank passes every block on."""
     _check(q, k, v, layout)
     s = q.shape[-1] ** -0.5 if scale is None else scale
-    out = _Ring.apply(q, k, v, cp, layout, causal, s)
+    out = _Ring.apply(q, k, v, cp, layout, causal, s, window)
     assert isinstance(out, torch.Tensor)
     return out
 
@@ -60,7 +63,7 @@ def _split(t: torch.Tensor, layout: Layout, rank: int, dim: int) -> list[torch.T
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup, layout: Layout,
-                causal: bool, scale: float) -> torch.Tensor:
+                causal: bool, scale: float, window: int | None) -> torch.Tensor:
         n, me = cp.size, cp.rank
         qs = layout.spans()
         q_parts = _split(q, layout, me, 2)
@@ -75,10 +78,10 @@ class _Ring(torch.autograd.Function):
                 handle = comm.exchange(kv, cp.next, incoming, cp.prev, cp.group, tag=_KV)
             for i, q_span in enumerate(qs):
                 for kv_part, k_span in zip(_split(kv, layout, src, 3), layout.spans(src)):
-                    kind = visibility(q_span, k_span, causal)
+                    kind = visibility(q_span, k_span, causal, window)
                     if kind != NONE:
                         o, lse = block_forward(q_parts[i], kv_part[0], kv_part[1], scale, q_span, k_span,
-                                               kind)
+                                               kind, window)
                         acc[i] = merge(*acc[i], o, lse)
             if handle is not None and incoming is not None:
                 handle.wait()
@@ -86,13 +89,13 @@ class _Ring(torch.autograd.Function):
         out = torch.cat([o for o, _ in acc if o is not None], dim=2)
         lse = torch.cat([s for _, s in acc if s is not None], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.layout, ctx.causal, ctx.scale = cp, layout, causal, scale
+        ctx.cp, ctx.layout, ctx.causal, ctx.scale, ctx.window = cp, layout, causal, scale, window
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        cp, layout, causal, scale = ctx.cp, ctx.layout, ctx.causal, ctx.scale
+        cp, layout, causal, scale, window = ctx.cp, ctx.layout, ctx.causal, ctx.scale, ctx.window
         n, me = cp.size, cp.rank
         qs = layout.spans()
         q_parts, do_parts = _split(q, layout, me, 2), _split(dout, layout, me, 2)
@@ -112,11 +115,12 @@ class _Ring(torch.autograd.Function):
             mine_parts = _split(mine, layout, src, 3)
             for i, q_span in enumerate(qs):
                 for j, (kv_part, k_span) in enumerate(zip(_split(kv, layout, src, 3), layout.spans(src))):
-                    kind = visibility(q_span, k_span, causal)
+                    kind = visibility(q_span, k_span, causal, window)
                     if kind == NONE:
                         continue
                     dqi, dki, dvi = block_backward(do_parts[i], q_parts[i], kv_part[0], kv_part[1],
-                                                   out_parts[i], lse_parts[i], scale, q_span, k_span, kind)
+                                                   out_parts[i], lse_parts[i], scale, q_span, k_span, kind,
+                                                   window)
                     dq_parts[i].add_(dqi)
                     mine_parts[j][0].add_(dki)
                     mine_parts[j][1].add_(dvi)
@@ -124,7 +128,7 @@ class _Ring(torch.autograd.Function):
                 grad_in[0].wait()
                 mine.add_(grad_in[1])
             if n == 1:
-                return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None
+                return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None, None
             back = torch.empty(*kv.shape[:3], layout.local_len((src - 1) % n), kv.shape[4],
                                dtype=out.dtype, device=kv.device)
             grad_in = (comm.exchange(mine, cp.next, back, cp.prev, cp.group, tag=_GRAD), back)
@@ -136,4 +140,4 @@ class _Ring(torch.autograd.Function):
         dkv = grad_in[1]
         if faults.active("cp-ring-grad") and mine.shape == dkv.shape:  # an injected bug in tests only:
             dkv = mine  # the gradient of the block this rank saw last, block (rank + 1) % cp's
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
