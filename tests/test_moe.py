@@ -323,21 +323,25 @@ def test_a_one_rank_expert_data_group_launches_and_counts_nothing(pools):
         assert out["dp"] > 0  # the dense buckets still are
 
 
-def _transformers_moe_refused() -> str:
+def test_transformers_stacked_experts_are_refused_where_they_cannot_split():
+    # transformers 5 keeps each layer's experts in 3-D tensors (MixtralExperts.gate_up_proj ...);
+    # ep splits them by rows (tests/test_hf_ep.py), except where the counts or a tp plan forbid.
     import plait
+    from plait.rules import LayoutError, check_layout
 
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
-    with pytest.raises(ValueError, match="holds its experts as fused tensors") as e:
-        plait.parallelize(transformers.MixtralForCausalLM(cfg), cached_mesh(dp=2, ep=2), plait.ParallelPlan())
-    return str(e.value)
-
-
-def test_transformers_moe_with_fused_experts_is_refused_by_name(pools):
-    # transformers 5 keeps each layer's experts in 3-D tensors (MixtralExperts.gate_up_proj ...).
-    assert "model.layers.0.mlp.experts" in pools[2].run(_transformers_moe_refused)[0]
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(cfg)
+    check_layout(model, {"dp": 2, "ep": 2}, plait.ParallelPlan())  # splits
+    with pytest.raises(LayoutError, match="ep=3 splits the 4 experts evenly"):
+        check_layout(model, {"dp": 3, "ep": 3}, plait.ParallelPlan())
+    plan = plait.ParallelPlan(tp=plait.plan_for(model))
+    with pytest.raises(LayoutError, match=r"experts 'model\.layers\.\*\.mlp\.experts' by their") as both:
+        check_layout(model, {"dp": 2, "ep": 2, "tp": 2}, plan)
+    assert "use tp without ep" in str(both.value)
 
 
 def _split_experts_with_sp_refused() -> str:

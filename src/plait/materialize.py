@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from plait.env import is_dry_run
 from plait.names import plain_name
-from plait.placement.records import EXPERT_MARK
+from plait.placement.records import EXPERT_MARK, ROWS_MARK
 
 __all__ = ["init_weights", "owner_modules", "first_owners", "full_values", "is_meta", "module_seed",
            "materialize", "keep_whole", "Keep"]
@@ -167,7 +167,7 @@ def materialize(roots: nn.Module | Sequence[tuple[str, nn.Module]], seed: int, k
 
 
 # Marks plait puts on a parameter that its materialized replacement keeps (an expert's placement).
-_KEPT_MARKS = (EXPERT_MARK,)
+_KEPT_MARKS = (EXPERT_MARK, ROWS_MARK)
 
 
 def _place(new: torch.Tensor | None, old: torch.Tensor) -> torch.Tensor | None:

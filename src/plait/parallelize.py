@@ -66,7 +66,7 @@ from plait.callable_module import make_callable
 from plait.cp.apply import context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.env import device
-from plait.ep.apply import expert_parallel
+from plait.ep.apply import expert_parallel, has_experts
 from plait.fsdp.wrapper import FullyShardedDataParallel
 from plait.materialize import is_meta, keep_whole, materialize
 from plait.mesh import Mesh
@@ -147,7 +147,7 @@ def _steps_after_tensor_parallel(module: nn.Module, mesh: Mesh, plan: ParallelPl
     checkpointing of the blocks chosen in the whole model (``ac_every`` counts over all of them,
     so a stage checkpoints those it holds, under their names in the model), then mixed precision
     where FSDP does not cast (DDP, wrapped next, reads its reduce dtype). None: nothing to apply."""
-    experts = bool(moe_layers(module))
+    experts = bool(moe_layers(module)) or (mesh.size("ep") > 1 and has_experts(module))
     precision = plan.precision if plan.data != "fsdp" else None
     if plan.ac is None and plan.cp is None and not experts and precision is None:
         return None
@@ -159,7 +159,7 @@ def _steps_after_tensor_parallel(module: nn.Module, mesh: Mesh, plan: ParallelPl
     def apply(part: nn.Module) -> None:
         if algorithm is not None and (not pipelined or has_attention(part)):  # 1b
             context_parallel(part, mesh, algorithm, positions=positions)
-        if experts and moe_layers(part):  # 1c (ep=1: the experts are only marked)
+        if experts and has_experts(part):  # 1c (ep=1: plait's experts are only marked)
             expert_parallel(part, mesh, sequence_parallel)
         if policy is not None:  # 2
             held = {n for n, _ in part.named_modules()}

@@ -27,7 +27,8 @@ from torch import nn
 from plait.activation_checkpointing import select_blocks
 from plait.cp.apply import ALGORITHMS
 from plait.cp.positions import rotaries
-from plait.ep.apply import no_moe_reason
+from plait.ep.apply import expert_counts, no_moe_reason
+from plait.ep.stacked import stacked_expert_modules
 from plait.models.moe import moe_layers
 from plait.names import matches
 from plait.parallel_plan import ParallelPlan
@@ -249,12 +250,20 @@ def _attention_heads(model: nn.Module) -> int | None:
 
 def _expert_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> None:
     layers = moe_layers(model)
-    if shape.ep > 1 and not layers:
+    counts = expert_counts(model)
+    if shape.ep > 1 and not counts:
         raise LayoutError(f"{shape} has ep={shape.ep}, but {no_moe_reason(model)}", ("ep",))
-    for layer in layers:
-        if layer.n_experts % shape.ep:
-            raise LayoutError(f"ep={shape.ep} splits the {layer.n_experts} experts evenly: it must divide "
+    for _, count in counts:
+        if count % shape.ep:
+            raise LayoutError(f"ep={shape.ep} splits the {count} experts evenly: it must divide "
                               "them", ("ep",), axis="ep")
+    stacked = [n for n, _ in stacked_expert_modules(model)]
+    split = [p for p, st in (plan.tp or {}).items() if any(matches(p, n) for n in stacked)]
+    if shape.ep > 1 and stacked and shape.tp > 1 and split:
+        raise LayoutError(f"ep={shape.ep} with the tensor-parallel plan splitting the stacked experts "
+                          f"{split[0]!r} by their hidden units: one or the other splits them; use tp "
+                          "without ep (the experts split by hidden units) or ep without tp",
+                          ("ep", "tp"))
     if shape.pp > 1 and any(m.bias_update_rate and m.balance_statistic == "microbatch" for m in layers):
         raise LayoutError("bias balancing over each micro-batch (balance_statistic='microbatch') with a "
                           "pipeline: the balancing step reads every stage's routing counts, which pipeline "

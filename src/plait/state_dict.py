@@ -79,15 +79,41 @@ def with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) -
     mine = {k: state[k] for k in info.local if k in state}
     where = info.placement
     gathered = union_over(mine, where.ep, where.ep_ranks)
-    return {**state, **gathered}
+    stacked = {k: _rows_over_ep(_local(state[k]), where.ep) for k in info.stacked if k in state}
+    return {**state, **gathered, **stacked}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def _rows_over_ep(rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """A stacked expert tensor from every ep rank's rows (equal counts, in rank order)."""
+    dev = comm.device_of(group)
+    mine = rows.detach().to(dev).contiguous()
+    out = mine.new_empty((dist.get_world_size(group) * mine.shape[0], *mine.shape[1:]))
+    with comm.operation("stacked experts"):
+        comm.all_gather_into(out.view(-1), mine.view(-1), group)
+    return out
 
 
 def without_others_experts(model: nn.Module, state: Mapping[str, FullValue]) -> dict[str, FullValue]:
-    """``state`` without the experts other ep ranks hold (`plait.expert_parallel`)."""
+    """``state`` without the experts other ep ranks hold (`plait.expert_parallel`): their
+    modules' entries dropped, and of a stacked expert tensor this rank's rows."""
     info = ep_info(model)
-    if info is None or not info.absent:
+    if info is None or not (info.absent or info.stacked):
         return dict(state)
-    return {k: v for k, v in state.items() if not k.startswith(info.absent)}
+    out = {k: v for k, v in state.items() if not k.startswith(info.absent)} if info.absent else dict(state)
+    where = info.placement
+    j = where.ep_ranks.index(dist.get_rank()) if where.ep_size > 1 else 0
+    for k in info.stacked:
+        if k in out:
+            per = out[k].shape[0] // where.ep_size
+            out[k] = out[k].narrow(0, j * per, per)
+    return out
 
 
 @torch.no_grad()

@@ -17,7 +17,8 @@ and know no wrapper type:
 FSDP returns its sharded state dict; a pipeline, its own stages' entries (`module_state`,
 renaming weights tied across pp ranks); DDP and DataParallel, their module's. Any other module
 takes the default path, `module_state`: its ``state_dict()``, with a tensor-parallel module's
-shards as DTensors over tp (`plait.placement.state.checkpoint_entry`).
+shards as DTensors over tp (`plait.placement.state.checkpoint_entry`) and the rows of stacked
+experts split over ep as DTensors over ep (`plait.placement.state.rows_entry`).
 
 The optimizer side is duck-typed as well: an optimizer that steps only a share of the
 parameters (`plait.ZeroRedundancyOptimizer`) answers ``owns(p)``, and only the owner of a
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from plait.placement.records import TPInfo, tp_info, tp_module
-from plait.placement.state import checkpoint_entry, restore_entry
+from plait.placement.state import checkpoint_entry, restore_entry, rows_entry
 
 __all__ = ["Checkpointable", "state_dict", "load_state_dict", "module_state", "load_module_state",
            "state_layout"]
@@ -123,7 +124,7 @@ def module_state(module: nn.Module, optimizer: Any,
             out = f"{renames.get(name, name)}.{key}"
             if kind == "elem":
                 value = torch.as_tensor(state[key]) if key in state else torch.zeros_like(p)
-                optim[out] = checkpoint_entry(value, specs.get(name), info, name)
+                optim[out] = rows_entry(checkpoint_entry(value, specs.get(name), info, name), p)
             else:
                 value = torch.as_tensor(state[key]) if key in state else torch.zeros((), dtype=torch.float32)
                 optim[out] = value.detach().clone()

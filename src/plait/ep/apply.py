@@ -25,6 +25,7 @@ from torch import nn
 
 from plait import comm
 from plait.ep.dispatch import ExpertDispatch
+from plait.ep.stacked import expert_count, split_stacked, stacked_expert_modules
 from plait.mesh import Mesh
 from plait.models.moe import MoE, moe_layers
 from plait.placement.grads import reduce_expert_grads
@@ -37,8 +38,8 @@ from plait.placement.records import (
     placement_of,
 )
 
-__all__ = ["expert_parallel", "ExpertPlacement", "ExpertParallelInfo", "ep_info", "placement_of",
-           "reduce_expert_grads"]
+__all__ = ["expert_parallel", "has_experts", "expert_counts", "ExpertPlacement", "ExpertParallelInfo",
+           "ep_info", "placement_of", "reduce_expert_grads"]
 
 _DATA = ("dp", "fsdp", "cp")  # the ranks that see different tokens of the step (ep folded in)
 
@@ -64,14 +65,17 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
     ``"global"`` every layout trains as one process does.
 
     ``sequence_parallel``: the MoE blocks run on the tp ranks' sequence shards (plait's GPT plan
-    replicates them over tp), so the statistics count their assignments over the tp group too."""
-    layers = _moe_layers(model)
+    replicates them over tp), so the statistics count their assignments over the tp group too.
+
+    Experts stacked in tensors (transformers' MoE models, `plait.ep.stacked`) are split by rows
+    at ep > 1 and stay dense parameters at ep=1; their model computes its own balancing loss."""
+    layers, stacked = _moe_layers(model)
     if ep_info(model) is not None:
         raise ValueError("expert_parallel: the model is already expert parallel")
     n, j = mesh.size("ep"), mesh.rank("ep")
-    for name, moe in layers:
-        if moe.n_experts % n:
-            raise ValueError(f"expert_parallel: {name} has {moe.n_experts} experts, which do not split "
+    for name, count in expert_counts(model):
+        if count % n:
+            raise ValueError(f"expert_parallel: {name} has {count} experts, which do not split "
                              f"evenly over ep={n}")
     placement = ExpertPlacement(mesh.group("edp"), mesh.group("ep"), n, tuple(mesh.group_ranks("ep")),
                                 tuple(mesh.group_ranks("edp")))
@@ -93,7 +97,12 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
         if n > 1:
             moe.experts_forward = ExpertDispatch(moe.experts, moe.n_experts, j * per,  # type: ignore[method-assign]
                                                  mesh.group("ep"), n)
-    attach_ep_info(model, ExpertParallelInfo(placement, tuple(local), tuple(absent)))
+    split: list[str] = []
+    if n > 1:  # at ep=1 a stacked tensor is one dense parameter, every rank's gradient complete
+        for name, mod in stacked:
+            kept = split_stacked(mod, placement, j, mesh.group("ep"))
+            split += [f"{name}.{p}" if name else p for p in kept]
+    attach_ep_info(model, ExpertParallelInfo(placement, tuple(local), tuple(absent), tuple(split)))
     return model
 
 
@@ -125,22 +134,35 @@ def _summed_over(groups: list[dist.ProcessGroup]) -> Callable[[torch.Tensor], to
     return token_statistics
 
 
-def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+def _moe_layers(model: nn.Module) -> tuple[list[tuple[str, MoE]], list[tuple[str, nn.Module]]]:
+    """plait's MoE layers and the stacked expert modules (`plait.ep.stacked`) of ``model``."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
-    if not found:
+    stacked = stacked_expert_modules(model)
+    if not found and not stacked:
         raise ValueError(f"expert_parallel: {no_moe_reason(model)}")
-    assert moe_layers(model)
-    return found
+    return found, stacked
+
+
+def has_experts(model: nn.Module) -> bool:
+    """Whether ``model`` holds experts `expert_parallel` places."""
+    return bool(moe_layers(model)) or bool(stacked_expert_modules(model))
+
+
+def expert_counts(model: nn.Module) -> list[tuple[str, int]]:
+    """(module name, number of experts) of every MoE layer and stacked expert module."""
+    plain = [(n, m.n_experts) for n, m in model.named_modules() if isinstance(m, MoE)]
+    return plain + [(n, expert_count(m)) for n, m in stacked_expert_modules(model)]
 
 
 def no_moe_reason(model: nn.Module) -> str:
     """Why ``model``'s experts cannot be split: it has none plait places."""
     foreign = [(n, m) for n, m in model.named_modules() if "expert" in type(m).__name__.lower()]
     if not foreign:
-        return f"{type(model).__name__} has no plait MoE layers"
+        return f"{type(model).__name__} has no plait MoE layers and no experts stacked in tensors"
     name, mod = foreign[0]
-    fused = [f"{k} {tuple(p.shape)}" for k, p in mod.named_parameters(recurse=False)]
-    form = (f"as fused tensors ({', '.join(fused)}: one tensor holds every expert)" if fused
-            else "in a form plait does not place")
-    return (f"{type(model).__name__} holds its experts {form} at {name!r}, not as modules; expert "
-            "parallelism places plait's MoE layers (GPTConfig(n_experts=...)) only")
+    own = [f"{k} {tuple(p.shape)}" for k, p in mod.named_parameters(recurse=False)]
+    form = (f"as tensors ({', '.join(own)}) that are not stacked by expert as transformers stacks them "
+            "(an int num_experts, each tensor with num_experts rows, forward(hidden_states, top_k_index, "
+            "top_k_weights))" if own else "in a form plait does not place")
+    return (f"{type(model).__name__} holds its experts {form} at {name!r}; expert parallelism places "
+            "plait's MoE layers (GPTConfig(n_experts=...)) and transformers' stacked experts")

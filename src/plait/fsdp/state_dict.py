@@ -31,7 +31,7 @@ from plait.checkpoint.protocol import state_layout
 from plait.fsdp.flat import FlatParam, ShardCfg, Slot
 from plait.fsdp.units import Unit
 from plait.placement.records import TPInfo
-from plait.placement.state import checkpoint_entry, gather_full, restore_entry
+from plait.placement.state import checkpoint_entry, gather_full, restore_entry, rows_entry
 from plait.state_dict import with_other_experts, without_others_experts
 from plait.tensor_source import FullValue, flat_range, whole
 
@@ -253,7 +253,8 @@ def _expert_state(model: ShardedModel, optimizer: torch.optim.Optimizer, layout:
         state = optimizer.state.get(p, {})
         for key, kind in layout.items():
             default = torch.zeros_like(p) if kind == "elem" else torch.zeros((), dtype=torch.float32)
-            out[f"{name}.{key}"] = torch.as_tensor(state.get(key, default)).detach().clone()
+            value = torch.as_tensor(state.get(key, default)).detach().clone()
+            out[f"{name}.{key}"] = rows_entry(value, p) if kind == "elem" else value
     return out
 
 
@@ -288,4 +289,5 @@ def load_sharded_state_dict(model: ShardedModel, state: dict,
     if optimizer is not None:  # the experts' state: whole tensors, like a plain module's
         for name, p in _experts(model):
             if p.requires_grad:
-                optimizer.state[p] = {k: state["optim"][f"{name}.{k}"].detach().clone() for k in layout}
+                optimizer.state[p] = {k: _to_local(state["optim"][f"{name}.{k}"]).detach().clone()
+                                      for k in layout}

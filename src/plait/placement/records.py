@@ -26,6 +26,7 @@ from plait.placement.shards import ShardSpec
 
 __all__ = ["TPInfo", "attach_tp_info", "attached_tp_info", "tp_info", "tp_module", "mark_part",
            "ExpertPlacement", "ExpertParallelInfo", "EXPERT_MARK", "mark_expert", "placement_of",
+           "StackedRows", "ROWS_MARK", "mark_rows", "rows_of",
            "attach_ep_info", "ep_info"]
 
 
@@ -106,17 +107,40 @@ class ExpertParallelInfo:
     placement: ExpertPlacement
     local: tuple[str, ...]  # this rank's expert state keys (names in the model)
     absent: tuple[str, ...]  # prefixes of the experts other ep ranks hold
+    stacked: tuple[str, ...] = ()  # state keys of experts stacked in one tensor, split on dim 0 over ep
+
+
+@dataclass(frozen=True)
+class StackedRows:
+    """On a parameter holding some experts of a stacked tensor (transformers' ``gate_up_proj`` of
+    shape (experts, ...)): this rank's rows ``first .. first + local - 1`` of ``full``, the ep
+    ranks holding the rest in rank order."""
+
+    first: int
+    full: int
 
 
 # The attribute an expert parameter carries its placement under (`plait.materialize` copies it
-# onto the parameter's materialized replacement).
+# onto the parameter's materialized replacement), and a stacked expert tensor's rows.
 EXPERT_MARK = "_plait_expert"
+ROWS_MARK = "_plait_expert_rows"
 _EP_ATTR = "_plait_ep"  # where an expert-parallel model carries its ExpertParallelInfo
 
 
 def mark_expert(p: nn.Parameter, placement: ExpertPlacement) -> None:
     """Record that ``p`` is an expert's parameter placed as ``placement`` says."""
     setattr(p, EXPERT_MARK, placement)
+
+
+def mark_rows(p: nn.Parameter, rows: StackedRows) -> None:
+    """Record that ``p`` holds ``rows`` of a stacked expert tensor."""
+    setattr(p, ROWS_MARK, rows)
+
+
+def rows_of(p: nn.Parameter | object) -> StackedRows | None:
+    """The `StackedRows` of a split stacked expert tensor, else None."""
+    found = getattr(p, ROWS_MARK, None)
+    return found if isinstance(found, StackedRows) else None
 
 
 def placement_of(p: nn.Parameter | object) -> ExpertPlacement | None:

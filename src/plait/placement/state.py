@@ -16,12 +16,12 @@ from torch import nn
 
 from plait import comm
 from plait.dtensors import contiguous_stride, mesh_of
-from plait.placement.records import TPInfo, tp_info, tp_module
+from plait.placement.records import TPInfo, placement_of, rows_of, tp_info, tp_module
 from plait.placement.shards import ShardSpec
 from plait.tensor_source import FullValue, whole
 
 __all__ = ["full_state_dict", "load_full_state_dict", "gather_full",
-           "checkpoint_entry", "restore_entry"]
+           "checkpoint_entry", "restore_entry", "rows_entry", "local_rows"]
 
 
 @torch.no_grad()
@@ -161,9 +161,41 @@ def restore_entry(target: torch.Tensor, value: torch.Tensor, spec: ShardSpec | N
     from torch.distributed.tensor import DTensor
 
     if spec is None:
-        target.copy_(value)
+        target.copy_(value.to_local() if isinstance(value, DTensor) else value)
     elif not spec.contiguous:  # saved whole (see checkpoint_entry)
         target.copy_(spec.take(value))
     else:
         assert isinstance(value, DTensor), "a tp shard's template entry is a DTensor"
         target.narrow(spec.dim, 0, spec.valid).copy_(value.to_local())
+
+
+def rows_entry(t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+    """``t`` (``p``'s value, or per-element state of it) as the full stacked expert tensor it holds
+    rows of (`plait.placement.StackedRows`): a DTensor ``Shard(0)`` over the ep group, sharing
+    ``t``'s storage, so torch.distributed.checkpoint writes each rank's rows and can reshard them.
+    ``t`` itself where ``p`` holds no such rows."""
+    rows, where = rows_of(p), placement_of(p)
+    if rows is None or where is None or where.ep_size == 1:
+        return t
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = torch.Size((rows.full, *t.shape[1:]))
+    return DTensor.from_local(t, mesh_of(where.ep, t.device), [Shard(0)], run_check=False, shape=shape,
+                              stride=contiguous_stride(shape))
+
+
+def local_rows(value: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+    """This rank's rows of a stacked expert tensor given as a `rows_entry` DTensor, the full tensor
+    (a one-process state dict) or the rows themselves."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    rows = rows_of(p)
+    if rows is None:
+        return value
+    if isinstance(value, DTensor):
+        if tuple(value.placements) == (Shard(0),) and value.to_local().shape == p.shape:
+            return value.to_local()
+        value = value.full_tensor()
+    if value.shape[0] == rows.full and rows.full != p.shape[0]:
+        return value.narrow(0, rows.first, p.shape[0])
+    return value

@@ -1,0 +1,125 @@
+"""Expert parallelism on transformers' MoE models, whose experts are stacked in 3-D tensors.
+
+Mixtral and Qwen2-MoE (tiny configs, float64, `tests/test_hf_tp.py` builds them) at ep=2 over 2
+ranks, each rank holding half of every layer's experts (rows of ``gate_up_proj`` and
+``down_proj``), under DDP and under FSDP, against one process on the same global batch: the
+logits of the first step, and every parameter after 5 AdamW steps, gathered by
+`plait.full_state_dict` under the model's names and full shapes. The routers compute in float32
+(see test_hf_tp's FLOAT32_ROUTERS).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from plait.testing import cached_mesh
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, STEPS = 4, 5
+
+
+def _train(family: str, data: str) -> dict:
+    from test_hf_tp import TOL, TOL_FLOAT32_NORMS, _batch, _loss, build_family
+
+    import plait
+
+    mesh = cached_mesh(dp=2, ep=2) if data == "ddp" else cached_mesh(fsdp=2, ep=2)
+    torch.manual_seed(0)
+    oracle = build_family(family, use_cache=False)
+    init = {k: p.detach().clone() for k, p in oracle.named_parameters()}
+    net = plait.parallelize(copy.deepcopy(oracle), mesh, plait.ParallelPlan(data=data))
+    held = {n.removeprefix("module."): tuple(p.shape) for n, p in net.named_parameters()
+            if n.endswith("experts.gate_up_proj")}
+    rank = torch.distributed.get_rank()
+    mine = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    opt_ref, opt = torch.optim.AdamW(oracle.parameters()), torch.optim.AdamW(net.parameters())
+    for step in range(STEPS):
+        ids, tgt = _batch(step)
+        logits_ref = oracle(ids).logits
+        _loss(logits_ref, tgt).backward()
+        logits = net(input_ids=ids[mine]).logits
+        _loss(logits, tgt[mine]).backward()
+        if step == 0:
+            torch.testing.assert_close(logits, logits_ref[mine], **TOL)
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    full, ref = plait.full_state_dict(net), oracle.state_dict()
+    assert set(full) == set(ref)
+    for name, want in ref.items():
+        torch.testing.assert_close(full[name], want, **TOL_FLOAT32_NORMS,
+                                   msg=lambda m, n=name: f"{family} {data} {n}: {m}")
+    assert max(float((ref[k] - v).abs().max()) for k, v in init.items()) > 1e-4  # training moved them
+    return {"held": held, "rank": rank}
+
+
+def _runs(cases: list[tuple[str, str]]) -> list[dict]:
+    return [_train(family, data) for family, data in cases]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+def test_stacked_experts_split_over_ep_train_like_one_process(pools, family):
+    for runs in pools[2].run(_runs, [(family, "ddp"), (family, "fsdp")]):
+        for run in runs:  # each rank holds 2 of the 4 experts of every layer
+            assert run["held"] and all(shape[0] == 2 for shape in run["held"].values()), run
+
+
+def _saved_and_loaded(folder: str, data: str) -> dict:
+    """Mixtral at ep=2 after one AdamW step: `plait.checkpoint` saved and loaded into a fresh ep=2
+    model (which then steps as the original does) and into dp=2 without ep (whole experts); torch's
+    DCP saving ``model.state_dict()`` (each rank's rows, as a DTensor over ep) and loading into a
+    plain model."""
+    import torch.distributed.checkpoint as dcp
+    from test_hf_tp import _batch, _loss, build_family
+
+    import plait
+
+    mesh = cached_mesh(dp=2, ep=2) if data == "ddp" else cached_mesh(fsdp=2, ep=2)
+    rank = torch.distributed.get_rank()
+    mine = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+
+    def built(seed: int, where) -> tuple:
+        torch.manual_seed(seed)
+        model = build_family("mixtral", use_cache=False)
+        net = plait.parallelize(model, where, plait.ParallelPlan(data=data))
+        return net, torch.optim.AdamW(net.parameters())
+
+    def step(net, opt, n: int) -> None:
+        ids, tgt = _batch(n)
+        _loss(net(input_ids=ids[mine]).logits, tgt[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    net, opt = built(0, mesh)
+    step(net, opt, 0)
+    saved = plait.full_state_dict(net)
+    plait.checkpoint.save(f"{folder}/plait", net, opt, {"step": 1})
+    again, opt2 = built(1, mesh)  # other values everywhere until loaded
+    plait.checkpoint.load(f"{folder}/plait", again, opt2)
+    same_model = all(torch.equal(v, saved[k]) for k, v in plait.full_state_dict(again).items())
+    step(net, opt, 1)
+    step(again, opt2, 1)  # the optimizer state came back too: the next step agrees
+    after = plait.full_state_dict(net)
+    same_step = all(torch.equal(v, after[k]) for k, v in plait.full_state_dict(again).items())
+    whole, opt3 = built(2, cached_mesh(dp=2) if data == "ddp" else cached_mesh(fsdp=2))
+    plait.checkpoint.load(f"{folder}/plait", whole, opt3)
+    other_layout = all(torch.equal(v, saved[k]) for k, v in plait.full_state_dict(whole).items())
+    if data == "ddp":  # FSDP's state_dict() refuses experts, by name (test_fsdp_dtensor)
+        dcp.save(net.state_dict(), checkpoint_id=f"{folder}/dcp")
+        plain = build_family("mixtral", use_cache=False)
+        state = {f"module.{k}": v for k, v in plain.state_dict().items()}
+        dcp.load(state, checkpoint_id=f"{folder}/dcp")
+        dcp_ok = all(torch.equal(state[f"module.{k}"], v) for k, v in after.items())
+    else:
+        dcp_ok = True
+    return {"model": same_model, "step": same_step, "other layout": other_layout, "dcp": dcp_ok}
+
+
+@pytest.mark.parametrize("data", ["ddp", "fsdp"])
+def test_stacked_experts_checkpoint_and_dcp_keep_every_rank_rows(pools, tmp_path, data):
+    for out in pools[2].run(_saved_and_loaded, str(tmp_path), data):
+        assert all(out.values()), out
