@@ -8,6 +8,7 @@ float64.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -28,6 +29,11 @@ TINY = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
 
 def tiny_gpt() -> nn.Module:
     return GPT(TINY)
+
+
+def tiny_moe_gpt() -> nn.Module:
+    """The tiny GPT with 4 experts per layer (top-2) and a balancing loss, for expert-parallel layouts."""
+    return GPT(dataclasses.replace(TINY, n_experts=4, top_k=2, aux_loss_coef=0.01))
 
 
 class RankSkew(nn.Module):
