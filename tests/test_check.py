@@ -32,8 +32,9 @@ def tiny_gpt() -> nn.Module:
 
 
 def tiny_moe_gpt() -> nn.Module:
-    """The tiny GPT with 4 experts per layer (top-2) and a balancing loss, for expert-parallel layouts."""
-    return GPT(dataclasses.replace(TINY, n_experts=4, top_k=2, aux_loss_coef=0.01))
+    """The tiny GPT with 4 experts per layer (top-2), a balancing loss and 24 positions (which split
+    over 2, 3 and 4 cp ranks), for expert-parallel layouts."""
+    return GPT(dataclasses.replace(TINY, seq_len=24, n_experts=4, top_k=2, aux_loss_coef=0.01))
 
 
 class RankSkew(nn.Module):
