@@ -55,17 +55,20 @@ def skewed_gpt() -> nn.Module:
     return model
 
 
-def _check_in_job(mesh: dict[str, int]):
+def _check_in_job(mesh: dict[str, int], ac: str | None = None):
     import plait
     from plait.testing import cached_mesh
 
-    return plait.check(tiny_gpt, mesh=cached_mesh(**mesh), steps=3, batch_size=4)
+    plan = plait.ParallelPlan(ac=ac) if ac else None
+    return plait.check(tiny_gpt, plan, mesh=cached_mesh(**mesh), steps=3, batch_size=4)
 
 
-@pytest.mark.parametrize("mesh", [{"dp": 2}, {"tp": 2}], ids=["ddp", "tp"])
-def test_a_correct_layout_passes(pools, mesh):
-    # Inside a running job (the pool's ranks): every rank gets the same report.
-    reports = pools[2].run(_check_in_job, mesh)
+@pytest.mark.parametrize("mesh,ac", [({"dp": 2}, None), ({"tp": 2}, None), ({"dp": 2}, "full")],
+                         ids=["ddp", "tp", "ddp-ac"])
+def test_a_correct_layout_passes(pools, mesh, ac):
+    # Inside a running job (the pool's ranks): every rank gets the same report. With activation
+    # checkpointing each block runs again in backward: those calls are not compared twice.
+    reports = pools[2].run(_check_in_job, mesh, ac)
     report = reports[0]
     assert report.ok, report.format()
     assert reports[1].format() == report.format()
@@ -162,7 +165,8 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
     assert _exit_code(["test_check:tiny_gpt", "--nproc", "3", "--tp", "2"]) == 2
     assert "--nproc 3 is not divisible" in capsys.readouterr().err
     # Flags plait train reads but the comparison does not build are refused, not dropped.
-    for flags, says in ((["--ac", "full"], "--ac full: plait check does not build"),
+    for flags, says in ((["--mixed-precision", "bf16"], "--mixed-precision bf16: plait check does not build"),
+                        (["--ac-every", "2"], "--ac none would ignore it"),
                         (["--cp-algorithm", "ulysses"], "--cp 1 would ignore it"),
                         (["--cp", "2", "--strategy", "none"], "--cp 2 ranks hold the same parameters"),
                         (["--cp", "2", "--seq", "6"], "--seq 6 does not divide by 4"),
@@ -207,8 +211,7 @@ def test_the_fuzzer_enumerates_and_skips_by_plait_checks_own_reasons():
     assert "--strategy ddp --nproc 4 --tp 2 --pp 2 --schedule interleaved --chunks 2" in labels
     assert "--strategy none --nproc 2 --pp 2 --schedule dualpipev" in labels
     assert len(labels) == len(every)
-    refused = [c for c in every if c.nproc == 2 and (("mixed_precision", "bf16") in c.fields
-                                                     or ("ac", "full") in c.fields)]
+    refused = [c for c in every if c.nproc == 2 and ("mixed_precision", "bf16") in c.fields]
 
     def never(*a, **k):  # a skipped layout never reaches the check
         raise AssertionError("ran")
@@ -216,7 +219,6 @@ def test_the_fuzzer_enumerates_and_skips_by_plait_checks_own_reasons():
     out = run_layouts("test_check:tiny_gpt", refused, layout_from_flags, runner=never)
     assert [o.verdict for o in out] == ["skipped"] * len(refused)
     assert any("--mixed-precision bf16: plait check does not build" in o.detail for o in out)
-    assert any("--ac full: plait check does not build" in o.detail for o in out)
 
 
 def test_fuzz_flags_refuse_layout_flags(capsys):
@@ -224,3 +226,18 @@ def test_fuzz_flags_refuse_layout_flags(capsys):
     assert "--tp with --all-layouts/--sample: the fuzzer chooses the layouts" in capsys.readouterr().err
     assert _exit_code(["test_check:tiny_gpt", "--mixed-precision", "bf16"]) == 2
     assert "--mixed-precision bf16: plait check does not build" in capsys.readouterr().err
+
+
+def test_a_failed_check_ends_every_rank_before_removing_its_folder():
+    # A rank that fails makes torch signal its peers, which may still write their errors into
+    # the check's folder: they are killed and waited for before the folder goes.
+    import multiprocessing
+
+    from plait.check.run import _end
+
+    ctx = multiprocessing.get_context("fork")
+    ranks = [ctx.Process(target=time.sleep, args=(60,)) for _ in range(2)]
+    for p in ranks:
+        p.start()
+    _end(ranks)
+    assert all(not p.is_alive() and p.exitcode is not None for p in ranks)

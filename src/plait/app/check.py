@@ -113,18 +113,14 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
             value = "" if isinstance(given, bool) else f" {given}"
             raise ValueError(f"{flag}{value} applies to --strategy fsdp only; --strategy {par.strategy} "
                              "would ignore it: use --strategy fsdp or drop the flag")
-    # Flags plait train reads that this comparison does not build: refused, not dropped.
-    unsupported: tuple[tuple[str, object, str], ...] = (
-        ("--ac", par.ac != "none" and par.ac,
-         "checkpointing recomputes the same values; compare the layout without it"),
-        ("--ac-every", par.ac_every != 1 and par.ac_every, "it needs --ac"),
-        ("--mixed-precision", par.mixed_precision,
-         "it computes in a coarser dtype than --dtype by design, so the comparison would measure its "
-         "rounding, not the layout"))
-    for flag, refused, why in unsupported:
-        if refused:
-            raise ValueError(f"{flag} {refused}: plait check does not build this into the layout it compares "
-                             f"({why}); drop the flag")
+    if par.ac_every != 1 and par.ac == "none":
+        raise ValueError(f"--ac-every {par.ac_every} chooses the blocks --ac checkpoints; --ac none would "
+                         "ignore it: add --ac full or --ac selective")
+    # A flag plait train reads that this comparison does not build: refused, not dropped.
+    if par.mixed_precision:
+        raise ValueError(f"--mixed-precision {par.mixed_precision}: plait check does not build this into the "
+                         "layout it compares (it computes in a coarser dtype than --dtype by design, so the "
+                         "comparison would measure its rounding, not the layout); drop the flag")
     if par.cp == 1 and par.cp_algorithm != "ring":
         raise ValueError(f"--cp-algorithm {par.cp_algorithm} chooses how --cp splits attention; --cp 1 would "
                          "ignore it: add --cp 2 or more")
@@ -148,6 +144,7 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
         pipe = dict(pp_schedule=par.schedule, pp_microbatches=par.microbatches, pp_chunks=par.chunks)
     plan = ParallelPlan(data={"fsdp": "fsdp", "ddp": "ddp", "none": "none"}[par.strategy],
                         sequence_parallel=par.sequence_parallel, cp=par.cp_algorithm if par.cp > 1 else None,
+                        ac=None if par.ac == "none" else par.ac, ac_every=par.ac_every,
                         seed=c.seed, mixed_precision=par.mixed_precision, **fsdp, **pipe)
     mesh = {"pp": par.pp, "tp": par.tp, "cp": par.cp, **({"dp": par.dp} if par.strategy == "fsdp" else {}),
             **({"ep": par.ep} if par.ep > 1 else {})}

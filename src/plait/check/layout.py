@@ -226,4 +226,7 @@ def _describe(plan: ParallelPlan, mesh: Mesh) -> str:
         parts.append(f"pipeline {plan.pp_schedule} x {plan.pp_microbatches} microbatches")
     if plan.mixed_precision:
         parts.append(f"{plan.mixed_precision} compute")
+    if plan.ac is not None:
+        every = f", every {plan.ac_every} blocks" if plan.ac_every > 1 else ""
+        parts.append(f"{plan.ac} activation checkpointing{every}")
     return f"{', '.join(parts)} on {degrees} ({mesh.world_size} ranks)"

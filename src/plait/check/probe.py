@@ -12,7 +12,8 @@ are left out; modules a rank never runs record nothing there.
 Copies of a module (a pipeline's meta-device skeletons, stand-ins and shells share or copy the
 hooks) call the hook with themselves: only the module the hook was put on counts. A pipeline
 also runs its stages once more on its first step, to learn the shapes it sends: when a module
-has more calls than the reference, the calls are paired from the last one backward.
+has more calls than the reference, the calls are paired from the last one backward. Calls made
+inside backward (activation checkpointing recomputing a block) are not counted: the forward's are.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait._torch_compat import tensors_in
+from plait._torch_compat import in_backward, tensors_in
 from plait.check.report import ActivationDiff, TensorDiff, tensor_diff
 from plait.cp.layout import Layout
 
@@ -45,6 +46,8 @@ class _Hooks:
     def _hook(self, name: str, target: nn.Module) -> Any:
         def hook(mod: nn.Module, _args: Any, out: Any) -> None:
             if not self.armed or mod is not target:  # a copy of the module, not the module
+                return
+            if in_backward():  # activation checkpointing recomputing it: the forward's call counted
                 return
             ts = tensors_in(out)
             if any(t.is_meta for t in ts):
