@@ -323,6 +323,21 @@ def test_a_one_rank_expert_data_group_launches_and_counts_nothing(pools):
         assert out["dp"] > 0  # the dense buckets still are
 
 
+def test_the_gpt_plan_names_only_the_moe_parts_the_model_has():
+    # A pipeline checks its tp plan against the whole model, strictly: a pattern for shared
+    # experts the model does not have refused tp x pp on every MoE GPT without them.
+    import plait
+    from plait.models.gpt import GPT, GPTConfig
+    from plait.tp.apply import assign_styles
+
+    for shared in (0, 1):
+        for experts in ("replicate", "split"):
+            cfg = GPTConfig(n_layers=2, n_experts=4, top_k=2, n_shared_experts=shared)
+            with torch.device("meta"):
+                model = GPT(cfg)
+            assign_styles(model, plait.gpt_plan(cfg, experts=experts), strict=True)  # a stray pattern raises
+
+
 def test_transformers_stacked_experts_are_refused_where_they_cannot_split():
     # transformers 5 keeps each layer's experts in 3-D tensors (MixtralExperts.gate_up_proj ...);
     # ep splits them by rows (tests/test_hf_ep.py), except where the counts or a tp plan forbid.

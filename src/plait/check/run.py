@@ -320,17 +320,25 @@ def _spawn(spec: Spec, n: int, timeout_s: float) -> CheckReport:
                 pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             error = _rank_error(folder, e)  # before the one-process run is stopped
+            _end(ranks.processes)  # its peers may still write their errors into the folder
             _done(ref, own, ok=False)
             raise error from None
         except BaseException:  # interrupted (Ctrl-C, SIGTERM): the ranks go with it
-            for p in ranks.processes:
-                if p.is_alive():
-                    p.kill()
+            _end(ranks.processes)
             _done(ref, own, ok=False)
             raise
         _done(ref, own, ok=True)
         with open(os.path.join(folder, "report.pkl"), "rb") as f:
             return pickle.load(f)
+
+
+def _end(processes: list) -> None:
+    """Kill the ranks still alive and wait for every one to be gone (before the folder is removed)."""
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    for p in processes:
+        p.join()
 
 
 def _entry(rank: int, spec: Spec, n: int, port: int, threads: int, timeout_s: float, folder: str,

@@ -58,19 +58,20 @@ def gpt_plan(cfg: object, *, loss_parallel: bool = True, experts: str = "replica
     hd = getattr(cfg, "head_dim", None)
     if not isinstance(hd, int):
         raise TypeError(f"gpt_plan(cfg=...) expects a GPTConfig or a GPT, got {type(cfg).__name__}")
+    # Only the parts the model has: a pattern that matches no module is refused as a typo would be.
+    parts = ("experts.*", "shared") if getattr(cfg, "n_shared_experts", 0) else ("experts.*",)
     if getattr(cfg, "n_experts", 0) and experts == "split":
         # A region per expert, not around the block: the router reads the block's input too,
         # replicated, and a region's f would sum that gradient over tp.
         mlp: dict[str, Style] = {}
-        for part in ("experts.*", "shared"):
+        for part in parts:
             mlp[f"layers.*.mlp.{part}"] = ParallelRegion()
             mlp[f"layers.*.mlp.{part}.gate_proj"] = ColwiseParallel(input_comm=False)
             mlp[f"layers.*.mlp.{part}.up_proj"] = ColwiseParallel(input_comm=False)
             mlp[f"layers.*.mlp.{part}.down_proj"] = RowwiseParallel()
     elif getattr(cfg, "n_experts", 0):
         mlp = {"layers.*.mlp.router": SequenceParallel(),
-               "layers.*.mlp.experts.*.*": SequenceParallel(),
-               "layers.*.mlp.shared.*": SequenceParallel()}
+               **{f"layers.*.mlp.{part}.*": SequenceParallel() for part in parts}}
     else:
         mlp = {"layers.*.mlp": ParallelRegion(),
                "layers.*.mlp.gate_proj": ColwiseParallel(input_comm=False),
