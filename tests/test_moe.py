@@ -353,10 +353,11 @@ def test_transformers_stacked_experts_are_refused_where_they_cannot_split():
     check_layout(model, {"dp": 2, "ep": 2}, plait.ParallelPlan())  # splits
     with pytest.raises(LayoutError, match="ep=3 splits the 4 experts evenly"):
         check_layout(model, {"dp": 3, "ep": 3}, plait.ParallelPlan())
-    plan = plait.ParallelPlan(tp=plait.plan_for(model))
-    with pytest.raises(LayoutError, match=r"experts 'model\.layers\.\*\.mlp\.experts' by their") as both:
-        check_layout(model, {"dp": 2, "ep": 2, "tp": 2}, plan)
-    assert "use tp without ep" in str(both.value)
+    check_layout(model, {"dp": 2, "ep": 2, "tp": 2}, plait.ParallelPlan(tp=plait.plan_for(model)))
+    plan = plait.ParallelPlan(tp=plait.plan_for(model), data="fsdp")
+    with pytest.raises(LayoutError, match=r"experts 'model\.layers\.\*\.mlp\.experts' under FSDP") as both:
+        check_layout(model, {"fsdp": 2, "ep": 2, "tp": 2}, plan)
+    assert "use DDP with ep x tp" in str(both.value)
 
 
 def _split_experts_with_sp_refused() -> str:

@@ -259,11 +259,11 @@ def _expert_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> Non
                               "them", ("ep",), axis="ep")
     stacked = [n for n, _ in stacked_expert_modules(model)]
     split = [p for p, st in (plan.tp or {}).items() if any(matches(p, n) for n in stacked)]
-    if shape.ep > 1 and stacked and shape.tp > 1 and split:
-        raise LayoutError(f"ep={shape.ep} with the tensor-parallel plan splitting the stacked experts "
-                          f"{split[0]!r} by their hidden units: one or the other splits them; use tp "
-                          "without ep (the experts split by hidden units) or ep without tp",
-                          ("ep", "tp"))
+    if shape.ep > 1 and shape.tp > 1 and split and plan.data == "fsdp":
+        raise LayoutError(f"ep={shape.ep} and tp={shape.tp} both splitting the stacked experts {split[0]!r} "
+                          "under FSDP, which keeps experts whole outside its shards and would save their tp "
+                          "shards as whole experts; use DDP with ep x tp, or FSDP with ep or tp alone",
+                          ("ep", "tp", "data"))
     if shape.pp > 1 and any(m.bias_update_rate and m.balance_statistic == "microbatch" for m in layers):
         raise LayoutError("bias balancing over each micro-batch (balance_statistic='microbatch') with a "
                           "pipeline: the balancing step reads every stage's routing counts, which pipeline "

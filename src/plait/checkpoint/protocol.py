@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from plait.placement.records import TPInfo, tp_info, tp_module
-from plait.placement.state import checkpoint_entry, restore_entry, rows_entry
+from plait.placement.state import expert_or_tp_entry, restore_expert_or_tp
 
 __all__ = ["Checkpointable", "state_dict", "load_state_dict", "module_state", "load_module_state",
            "state_layout"]
@@ -124,11 +124,12 @@ def module_state(module: nn.Module, optimizer: Any,
             out = f"{renames.get(name, name)}.{key}"
             if kind == "elem":
                 value = torch.as_tensor(state[key]) if key in state else torch.zeros_like(p)
-                optim[out] = rows_entry(checkpoint_entry(value, specs.get(name), info, name), p)
+                optim[out] = expert_or_tp_entry(value, p, specs.get(name), info, name)
             else:
                 value = torch.as_tensor(state[key]) if key in state else torch.zeros((), dtype=torch.float32)
                 optim[out] = value.detach().clone()
-    model_sd = {k: checkpoint_entry(v, specs.get(k), info, k) for k, v in module.state_dict().items()}
+    model_sd = {k: expert_or_tp_entry(v, v, specs.get(k), info, k)
+                for k, v in module.state_dict(keep_vars=True).items()}
     return {"model": model_sd, "optim": optim}
 
 
@@ -140,7 +141,7 @@ def load_module_state(module: nn.Module, optimizer: Any, state: dict[str, Any],
     specs = info.specs if info is not None else {}
     renames = renames or {}
     for key, target in module.state_dict(keep_vars=True).items():
-        restore_entry(target, state["model"][key], specs.get(key))
+        restore_expert_or_tp(target, state["model"][key], target, specs.get(key))
     layout = state_layout(optimizer)
     for name, p in module.named_parameters():
         if not _steps(optimizer, p):
@@ -150,7 +151,7 @@ def load_module_state(module: nn.Module, optimizer: Any, state: dict[str, Any],
             value = state["optim"][f"{renames.get(name, name)}.{key}"]
             if kind == "elem":
                 restored[key] = torch.zeros_like(p)
-                restore_entry(restored[key], value, specs.get(name))
+                restore_expert_or_tp(restored[key], value, p, specs.get(name))
             else:
                 restored[key] = value.clone()
         optimizer.state[p] = restored

@@ -21,7 +21,8 @@ from plait.placement.shards import ShardSpec
 from plait.tensor_source import FullValue, whole
 
 __all__ = ["full_state_dict", "load_full_state_dict", "gather_full",
-           "checkpoint_entry", "restore_entry", "rows_entry", "local_rows"]
+           "checkpoint_entry", "restore_entry", "rows_entry", "local_rows", "expert_or_tp_entry",
+           "restore_expert_or_tp"]
 
 
 @torch.no_grad()
@@ -38,7 +39,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     info = tp_info(model)
     _check_not_fsdp(model, "full_state_dict")
     out = {}
-    for name, t in model.state_dict().items():
+    for name, t in model.state_dict(keep_vars=True).items():  # the tensors held (not DTensor views)
         spec = info.specs.get(name) if info is not None else None
         out[name] = t.detach().clone() if spec is None else gather_full(t, spec, info)
     return out
@@ -105,7 +106,7 @@ def _check_not_fsdp(model: nn.Module, what: str) -> None:
     from torch.distributed.tensor import DTensor
 
     info = tp_info(model)
-    sd = model.state_dict()
+    sd = model.state_dict(keep_vars=True)
     held = [sd[n] for n in info.specs if n in sd] if info is not None else []
     if info is not None and info.specs and (not held or any(isinstance(t, DTensor) for t in held)):
         raise ValueError(f"plait.tp.state.{what}: this tensor-parallel model is wrapped by FSDP, which "
@@ -167,6 +168,28 @@ def restore_entry(target: torch.Tensor, value: torch.Tensor, spec: ShardSpec | N
     else:
         assert isinstance(value, DTensor), "a tp shard's template entry is a DTensor"
         target.narrow(spec.dim, 0, spec.valid).copy_(value.to_local())
+
+
+def expert_or_tp_entry(t: torch.Tensor, p: nn.Parameter, spec: ShardSpec | None, info: TPInfo | None,
+                       name: str = "") -> torch.Tensor:
+    """`checkpoint_entry` of ``t`` (``p``'s value, or per-element state of it); for rows of a stacked
+    expert tensor, gathered over tp first where tp splits them too, then `rows_entry` over ep."""
+    if rows_of(p) is None:
+        return checkpoint_entry(t, spec, info, name)
+    return rows_entry(gather_full(t, spec, info).clone() if spec is not None else t.detach().clone(), p)
+
+
+@torch.no_grad()
+def restore_expert_or_tp(target: torch.Tensor, value: torch.Tensor, p: nn.Parameter,
+                         spec: ShardSpec | None) -> None:
+    """The inverse of `expert_or_tp_entry`: copy a loaded entry into this rank's tensor."""
+    if rows_of(p) is None:
+        restore_entry(target, value, spec)
+        return
+    from torch.distributed.tensor import DTensor
+
+    rows = value.to_local() if isinstance(value, DTensor) else value
+    target.copy_(spec.take(rows) if spec is not None else rows)
 
 
 def rows_entry(t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
