@@ -282,3 +282,19 @@ def test_an_explicit_mask_counts_as_causal_only_when_it_is_exactly_causal():
     assert _plain_causal(windowed, n, n, window=2) is True
     assert _plain_causal(windowed, n, n) is None  # no window on the module: not its mask
     assert _plain_causal(windowed, n, n, window=3) is None  # another window than the module's
+
+
+def test_a_mask_passed_to_every_layer_is_read_once():
+    # transformers passes one mask tensor to every layer: on a GPU each reading is a host sync.
+    from unittest import mock
+
+    from plait.cp.apply import _mask_verdict
+
+    n = 4
+    mask = torch.ones(1, 1, n, n, dtype=torch.bool).tril()
+    with mock.patch("torch.equal", wraps=torch.equal) as reads:
+        assert [_mask_verdict(mask, n, n, None) for _ in range(8)] == [True] * 8
+        assert reads.call_count == 1
+        mask[..., 0, 1] = True  # written in place: read again, no longer causal
+        assert _mask_verdict(mask, n, n, None) is None
+        assert _mask_verdict(mask.clone().tril_(), n, n, None) is True  # another tensor

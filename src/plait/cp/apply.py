@@ -24,6 +24,7 @@ cache).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,7 @@ class ContextParallelInfo:
         ``window``: the calling module's causal sliding window (`sliding_window_of`)."""
         where = f"context parallelism ({self.algorithm})"
         if attn_mask is not None:
-            causal = _plain_causal(attn_mask, query.shape[-2], key.shape[-2], window)
+            causal = _mask_verdict(attn_mask, query.shape[-2], key.shape[-2], window)
             if causal is None:
                 raise ValueError(f"{where}: the attention got an explicit mask or bias that is "
                                  "neither causal nor empty (padding, packed sequences, ALiBi), which is not "
@@ -93,6 +94,25 @@ class ContextParallelInfo:
         layout = self.cp.layout_of_local(query.shape[-2])
         return ALGORITHMS[self.algorithm](query, key, value, self.cp, layout, causal=is_causal, scale=scale,
                                           window=window)
+
+
+# The last mask read and its verdict: transformers builds one mask per forward and passes the same
+# tensor to every layer, so reading it once (host syncs on a GPU) serves them all. Held weakly, and
+# keyed on the tensor's version as well, so a mask written in place is read again.
+_last_mask: tuple[weakref.ref, int, tuple, bool | None] | None = None
+
+
+def _mask_verdict(mask: torch.Tensor, queries: int, keys: int, window: int | None) -> bool | None:
+    """`_plain_causal`, read once per mask tensor (and version, shape and window)."""
+    global _last_mask
+    key = (queries, keys, window)
+    if _last_mask is not None:
+        ref, version, seen_key, verdict = _last_mask
+        if ref() is mask and version == mask._version and seen_key == key:
+            return verdict
+    verdict = _plain_causal(mask, queries, keys, window)
+    _last_mask = (weakref.ref(mask), mask._version, key, verdict)
+    return verdict
 
 
 def _plain_causal(mask: torch.Tensor, queries: int, keys: int, window: int | None = None) -> bool | None:
