@@ -116,11 +116,6 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
     if par.ac_every != 1 and par.ac == "none":
         raise ValueError(f"--ac-every {par.ac_every} chooses the blocks --ac checkpoints; --ac none would "
                          "ignore it: add --ac full or --ac selective")
-    # A flag plait train reads that this comparison does not build: refused, not dropped.
-    if par.mixed_precision:
-        raise ValueError(f"--mixed-precision {par.mixed_precision}: plait check does not build this into the "
-                         "layout it compares (it computes in a coarser dtype than --dtype by design, so the "
-                         "comparison would measure its rounding, not the layout); drop the flag")
     if par.cp == 1 and par.cp_algorithm != "ring":
         raise ValueError(f"--cp-algorithm {par.cp_algorithm} chooses how --cp splits attention; --cp 1 would "
                          "ignore it: add --cp 2 or more")

@@ -39,8 +39,8 @@ How it works, and why this way:
 
 Limits: every rank holds the full model's state and the reference process the model (use a small
 configuration); dropout and other randomness differ between the runs (turn them off in the
-factory); a loss that sums over the batch cannot match across data-parallel sizes; mixed
-precision diverges by design.
+factory); a loss that sums over the batch cannot match across data-parallel sizes. Mixed
+precision runs in both processes and is held to its compute dtype's budget.
 """
 
 from plait.callable_module import make_callable

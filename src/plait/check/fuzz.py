@@ -7,11 +7,12 @@ A layout is a set of `plait check` flags (`layouts` enumerates them: the data-pa
 with ZeRO-1/2/3 and hybrid sharding, tensor parallelism with and without sequence parallelism,
 every pipeline schedule, and their products on every factorisation of the ranks; context
 parallelism with each algorithm, expert parallelism, activation checkpointing and mixed precision
-on top). Which of them can run is not decided here: each goes through the checks `plait check`
-itself makes (`plait.app.check.layout_of`, then `plait.check`'s own before any process starts, and
-the refusals of `plait.parallelize` on the ranks), and a refusal is listed as skipped with its
-reason. The rest run through `plait.check` (`run_layouts`); the table (`format_table`) has one row
-per layout with its worst tensor, and each failure its first divergence.
+on top, alone and, on 4 ranks, with tensor parallelism, a pipeline and FSDP). Which of them can
+run is not decided here: each goes through the checks `plait check` itself makes
+(`plait.app.check.layout_of`, then `plait.check`'s own before any process starts, and the
+refusals of `plait.parallelize` on the ranks), and a refusal is listed as skipped with its reason.
+The rest run through `plait.check` (`run_layouts`); the table (`format_table`) has one row per
+layout with its worst tensor, and each failure its first divergence.
 """
 
 from __future__ import annotations
@@ -107,6 +108,27 @@ def _features(n: int) -> Iterator[Flags]:
     yield from ((("mixed_precision", p),) for p in ("bf16", "fp16"))
 
 
+def _combined(n: int) -> Iterator[Flags]:
+    """The features with the other axes, on 4 ranks: cp and ep on 2 of them beside tp, a pipeline or
+    FSDP on the other 2, and checkpointing and mixed precision over 4-rank products."""
+    if n != 4:
+        return
+    halves = ((("strategy", "none"), ("nproc", 4), ("tp", 2)),
+              (("strategy", "none"), ("nproc", 4), ("pp", 2), ("schedule", "1f1b")),
+              (("strategy", "fsdp"), ("nproc", 4)))
+    yield from ((*h, ("cp", 2)) for h in halves)
+    data = ((("strategy", "ddp"), ("nproc", 4), ("tp", 2)), (("strategy", "fsdp"), ("nproc", 4), ("tp", 2)),
+            (("strategy", "ddp"), ("nproc", 4), ("pp", 2), ("schedule", "1f1b")))
+    yield from ((*d, ("ep", 2)) for d in data)
+    whole = ((("strategy", "fsdp"), ("nproc", 4), ("tp", 2)),
+             (("strategy", "ddp"), ("nproc", 4), ("pp", 2), ("schedule", "1f1b")),
+             (("strategy", "none"), ("nproc", 4), ("tp", 2), ("sequence_parallel", True), ("pp", 2),
+              ("schedule", "1f1b")))
+    for w in whole:
+        yield (*w, ("ac", "full"))
+        yield (*w, ("mixed_precision", "bf16"))
+
+
 def layouts(max_ranks: int) -> list[Layout]:
     """Every layout on 2..``max_ranks`` ranks, valid or not (`run_layouts` sorts them out)."""
     out: list[Layout] = []
@@ -118,8 +140,9 @@ def layouts(max_ranks: int) -> list[Layout]:
                         for extra in _extras(tp):
                             tp_flags = (("tp", tp),) if tp > 1 else ()
                             out.append(Layout((*data, ("nproc", n), *tp_flags, *extra, *pipe)))
-        # The features on the plainest layout of n ranks: they combine with the others the same way.
+        # The features on the plainest layout of n ranks, then with the other axes.
         out += [Layout((("strategy", "ddp"), ("nproc", n), *f)) for f in _features(n)]
+        out += [Layout(f) for f in _combined(n)]
     return out
 
 

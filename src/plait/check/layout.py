@@ -65,7 +65,8 @@ class LayoutRun:
             modules = [(n, m) for n, m in modules if n and any(True for _ in m.parameters())]
         self.param_names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
         tokens, world = spec.batch_size * spec.seq, dist.get_world_size()
-        self.tolerance, self.budget = tolerance_of(spec.tolerance, spec.dtype, model, tokens, world)
+        computes_in = spec.plan.precision.param_dtype if spec.plan.precision is not None else spec.dtype
+        self.tolerance, self.budget = tolerance_of(spec.tolerance, computes_in, model, tokens, world)
         self.layout = parallelize(model, self.mesh, plan)
         self.loss = _layout_loss(self.layout, user_loss)
         self.opt = torch.optim.SGD(list(self.layout.parameters()), lr=spec.lr)

@@ -34,6 +34,7 @@ from plait.check.common import (
 from plait.check.probe import Recorder
 from plait.env import die_with_parent, init
 from plait.materialize import is_meta, keep_whole, materialize
+from plait.precision import mixed_precision
 
 __all__ = ["main", "run_oracle"]
 
@@ -64,6 +65,8 @@ def run_oracle(spec: Spec, exchange: Exchange) -> None:
     if is_meta(model):  # the values `plait.parallelize` gives a meta model (ties kept)
         materialize(model, spec.plan.seed, keep_whole(device))
     model.to(device)
+    if spec.plan.precision is not None:  # the layout's casts, in one process
+        mixed_precision(model, spec.plan.precision)
     vocab = (spec.vocab or vocab_of(model)) if make_batch is None else None
     loss_fn = user_loss or next_token_loss
     exchange.put_step(0, {"state": _state(model)})

@@ -113,7 +113,9 @@ def _make_spec(factory: Callable[[], Any] | str, plan: ParallelPlan | None, mesh
     if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
         raise CheckInputError(f"check(dtype=...) must be a floating dtype such as torch.float64 or "
                               f"'float32', got {dtype!r}")
-    tol = DEFAULT_TOLERANCE.get(dt) if tolerance is None else tolerance
+    # Mixed precision computes in its low dtype whatever the masters' dtype: that dtype's budget.
+    mixed = plan.precision if isinstance(plan, ParallelPlan) else None
+    tol = (None if mixed is not None else DEFAULT_TOLERANCE.get(dt)) if tolerance is None else tolerance
     if tol is not None and not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
         raise CheckInputError(f"check(tolerance=...) must be a finite number > 0, got {tolerance!r}")
     degrees = dict(mesh or {})
