@@ -62,7 +62,8 @@ CASES = {
 
 # The dtypes checked against their error budget (`plait.check.budget`), and the faults in each.
 # float16 runs the two whose layouts differ most from one process (a sum over ranks, a split matmul).
-BUDGETED = {"float32": list(CASES), "bfloat16": list(CASES),
+# bfloat16 leaves out the MoE: its routing in a half type is refused (test_budget).
+BUDGETED = {"float32": list(CASES), "bfloat16": [f for f in CASES if f != "ep-expert-divisor"],
             "float16": ["ddp-divisor", "tp-backward-all-reduce"]}
 # One rounding of bfloat16 and float16 is 2e-3 to 4e-3 of a value: the padding column (3e-3 of the
 # loss) is inside their budgets, as it is inside their rounding. Measured at one step: the loss

@@ -25,6 +25,7 @@ from plait.check.common import (
     chunk,
     logits_of,
     next_token_loss,
+    refuse_routing_in_half,
 )
 from plait.check.probe import Comparer, module_order
 from plait.check.report import CheckReport, StepDiff, first_divergence, tensor_diff, update_rounding
@@ -51,6 +52,7 @@ class LayoutRun:
         self.spec, self.exchange = spec, exchange
         self.device = init(seed=spec.seed)
         model, _, user_loss = build(spec)
+        refuse_routing_in_half(model, spec)
         if not is_meta(model):
             model.to(self.device)
         d = spec.degrees

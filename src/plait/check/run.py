@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from plait import comm
-from plait.check.common import CheckInputError, Exchange, Spec, load_factory
+from plait.check.common import CheckInputError, Exchange, Spec, load_factory, refuse_routing_in_half
 from plait.check.layout import LayoutRun, tp_styles
 from plait.check.report import CheckReport
 from plait.env import die_with_parent, free_port, init, mark_failed, set_rank_env
@@ -174,6 +174,7 @@ def _check_rules(spec: Spec) -> None:
     model, user_loss = parts[0], (parts[2] if len(parts) > 2 else None)
     if not isinstance(model, torch.nn.Module):
         return  # `build` refuses it by name on the ranks
+    refuse_routing_in_half(model, spec)
     if full["tp"] > 1 and plan.tp is None:
         plan = dataclasses.replace(plan, tp=tp_styles(model, full["tp"], user_loss is None))
     try:
