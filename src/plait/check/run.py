@@ -235,6 +235,7 @@ class _Reference:
 
     def kill(self) -> None:
         """End it now (a failed check: the job in progress is of no more use)."""
+        self.folder = None  # its watcher writes no error into a folder that is being removed
         if self.proc is not None:
             if self.proc.poll() is None:
                 self.proc.kill()
