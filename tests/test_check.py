@@ -244,3 +244,20 @@ def test_a_failed_check_ends_every_rank_before_removing_its_folder():
         p.start()
     _end(ranks)
     assert all(not p.is_alive() and p.exitcode is not None for p in ranks)
+
+
+def test_a_killed_reference_writes_nothing_into_the_folder_being_removed(tmp_path):
+    # Its watcher used to record "exited with code -9" after the kill, while the folder was being
+    # removed: the removal failed (OSError) and ended the fuzzer.
+    import threading
+
+    from plait.check.run import _Reference
+
+    ref = _Reference()
+    ref.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE)
+    ref.folder = str(tmp_path)
+    watcher = threading.Thread(target=ref._watch, args=(ref.proc,))
+    watcher.start()
+    ref.kill()
+    watcher.join(timeout=10)
+    assert not watcher.is_alive() and list(tmp_path.iterdir()) == []
