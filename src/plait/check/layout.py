@@ -33,6 +33,7 @@ from plait.cp import shard as cp_shard
 from plait.env import init
 from plait.materialize import is_meta
 from plait.mesh import AXES, Mesh
+from plait.models.moe import MoE
 from plait.parallelize import ParallelPlan, parallelize
 from plait.pipeline import Pipeline
 from plait.state_dict import full_state_dict
@@ -60,11 +61,8 @@ class LayoutRun:
                                                        cp=d["cp"], ep=d["ep"])
         plan = _complete_plan(spec.plan, model, self.mesh, user_loss)
         self.label = _describe(plan, self.mesh)
-        modules = list(model.named_modules())  # the original names, before any wrapper
-        if self.mesh.size("pp") > 1:
-            # Parameter-free modules (dropout, rotary tables, the glue of the model's forward) run on
-            # every stage, on what that stage received or on zeros: only the owners of weights count.
-            modules = [(n, m) for n, m in modules if n and any(True for _ in m.parameters())]
+        # the original names, before any wrapper
+        modules = compared_modules(model, self.mesh.size("pp") > 1, self.mesh.size("cp") > 1)
         self.param_names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
         tokens, world = spec.batch_size * spec.seq, dist.get_world_size()
         computes_in = spec.plan.precision.param_dtype if spec.plan.precision is not None else spec.dtype
@@ -164,6 +162,23 @@ class LayoutRun:
                          default=None)
         diff.first = min((f for _, _, f in found if f is not None), key=lambda d: (d.order, d.rank),
                          default=None)
+
+
+def compared_modules(model: nn.Module, pipelined: bool,
+                     context_parallel: bool) -> list[tuple[str, nn.Module]]:
+    """The modules whose outputs the layout's ranks compare with one process's."""
+    modules = list(model.named_modules())
+    if pipelined:
+        # Parameter-free modules (dropout, rotary tables, the glue of the model's forward) run on
+        # every stage, on what that stage received or on zeros: only the owners of weights count.
+        modules = [(n, m) for n, m in modules if n and any(True for _ in m.parameters())]
+    if context_parallel:
+        # An expert's rows are the tokens routed to it, not a sequence: a cp rank's are not a slice
+        # of one process's (even where their count happens to equal the rank's tokens).
+        experts = tuple(f"{n}.experts" if n else "experts" for n, m in modules if isinstance(m, MoE))
+        if experts:
+            modules = [(n, m) for n, m in modules if not n.startswith(experts)]
+    return modules
 
 
 def _slice(t: torch.Tensor, device: torch.device, n: int, i: int) -> torch.Tensor:
