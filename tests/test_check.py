@@ -213,7 +213,7 @@ def test_the_fuzzer_enumerates_and_skips_by_plait_checks_own_reasons():
     assert len(labels) == len(every)
     # Features on top: checkpointing and mixed precision alone and with the other axes.
     assert "--strategy fsdp --nproc 4 --tp 2 --mixed-precision bf16" in labels
-    assert "--strategy none --nproc 4 --pp 2 --schedule 1f1b --cp 2" in labels
+    assert "--strategy ddp --nproc 4 --pp 2 --schedule 1f1b --cp 2" in labels
     refused = [c for c in every if c.nproc == 3 and ("cp", 3) in c.fields]  # 16 tokens in 6 chunks
 
     def never(*a, **k):  # a skipped layout never reaches the check
