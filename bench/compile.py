@@ -25,7 +25,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from bench.common import alternate, markdown_table, median, preset_gpt, rank_batch, write_section
+from bench.common import (
+    alternate,
+    markdown_table,
+    median,
+    paired_ratios,
+    preset_gpt,
+    rank_batch,
+    write_section,
+)
 
 IMPLS = ("plait eager", "plait compiled", "torch eager", "torch compiled")
 
@@ -96,10 +104,6 @@ def _timing(layout: str, preset: str, seq: int, global_batch: int, warmup: int, 
     return {"times": times, "breaks": breaks}
 
 
-def _ratios(a: list[float], b: list[float]) -> list[float]:
-    return [x / y for x, y in zip(a, b)]
-
-
 def _cell(r: list[float]) -> str:
     return f"{median(r):.3f} ({min(r):.3f}-{max(r):.3f})"
 
@@ -125,9 +129,9 @@ def main(argv: list[str]) -> int:
         finally:
             pool.close()
         t = out["times"]
-        rows.append([layout, _cell(_ratios(t["plait compiled"], t["plait eager"])),
-                     _cell(_ratios(t["torch compiled"], t["torch eager"])),
-                     _cell(_ratios(t["plait compiled"], t["torch compiled"])),
+        rows.append([layout, _cell(paired_ratios(t["plait compiled"], t["plait eager"])),
+                     _cell(paired_ratios(t["torch compiled"], t["torch eager"])),
+                     _cell(paired_ratios(t["plait compiled"], t["torch compiled"])),
                      f"{median(t['plait compiled']):.3f} / {median(t['torch compiled']):.3f}",
                      f"{out['breaks']['plait compiled']} / {out['breaks']['torch compiled']}"])
     load1 = os.getloadavg()[0]

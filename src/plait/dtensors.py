@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait import comm
 
-__all__ = ["mesh_of", "mesh_over", "contiguous_stride"]
+__all__ = ["mesh_of", "mesh_over", "contiguous_stride", "local_of"]
 
 _meshes: dict[tuple[tuple[int, str], str], DeviceMesh] = {}
 
@@ -66,6 +66,13 @@ def _key(group: dist.ProcessGroup) -> tuple[int, str]:
 def _mesh_device(device: torch.device) -> str:
     """The mesh's device type: a meta-device model (a rehearsal's) computes as the CPU would."""
     return "cpu" if device.type == "meta" else device.type
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of a DTensor (``t`` itself when it is a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.dtensors import local_of
 from plait.names import plain_name
 from plait.placement import state as tp_state
 from plait.placement.records import ep_info, tp_module
@@ -79,14 +80,8 @@ def with_other_experts(model: nn.Module | Any, state: dict[str, torch.Tensor]) -
     mine = {k: state[k] for k in info.local if k in state}
     where = info.placement
     gathered = union_over(mine, where.ep, where.ep_ranks)
-    stacked = {k: _rows_over_ep(_local(state[k]), where.ep) for k in info.stacked if k in state}
+    stacked = {k: _rows_over_ep(local_of(state[k]), where.ep) for k in info.stacked if k in state}
     return {**state, **gathered, **stacked}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from plait import comm
 from plait.checkpoint.protocol import state_layout
+from plait.dtensors import local_of
 from plait.fsdp.flat import FlatParam, ShardCfg, Slot
 from plait.fsdp.units import Unit
 from plait.placement.records import TPInfo
@@ -222,23 +223,19 @@ def sharded_state_dict(model: ShardedModel, optimizer: torch.optim.Optimizer | N
         states = [optimizer.state.get(p, {}) for p in flat.params]
         for key, kind in layout.items():
             if kind == "elem":
-                values = [_to_local(st[key]) if key in st else torch.zeros_like(t)
+                values = [local_of(st[key]) if key in st else torch.zeros_like(t)
                           for st, t in zip(states, locals_, strict=True)]
                 for s, dt in zip(flat.slots, _to_entries(model, flat, values), strict=True):
                     optim_sd[f"{s.fqn}.{key}"] = dt
             else:
                 for s, st in zip(flat.slots, states, strict=True):
                     value = st.get(key, torch.zeros((), dtype=torch.float32))
-                    optim_sd[f"{s.fqn}.{key}"] = _to_local(torch.as_tensor(value)).detach().clone()
+                    optim_sd[f"{s.fqn}.{key}"] = local_of(torch.as_tensor(value)).detach().clone()
     for name, b in _buffers(model).items():
         model_sd[name] = b.detach().clone()
     if optimizer is not None:  # the experts' state: whole tensors, like a plain module's
         optim_sd.update(_expert_state(model, optimizer, layout))
     return {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
-
-
-def _to_local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _experts(model: ShardedModel) -> list[tuple[str, nn.Parameter]]:
@@ -281,7 +278,7 @@ def load_sharded_state_dict(model: ShardedModel, state: dict,
                     new[i][key] = flat._dtensor(i, d)
             else:
                 for i, v in enumerate(values):
-                    new[i][key] = _to_local(v).detach().clone()
+                    new[i][key] = local_of(v).detach().clone()
         for p, st in zip(flat.params, new, strict=True):
             optimizer.state[p] = st
     for name, buf in buffers.items():  # the experts' values too
@@ -289,5 +286,5 @@ def load_sharded_state_dict(model: ShardedModel, state: dict,
     if optimizer is not None:  # the experts' state: whole tensors, like a plain module's
         for name, p in _experts(model):
             if p.requires_grad:
-                optimizer.state[p] = {k: _to_local(state["optim"][f"{name}.{k}"]).detach().clone()
+                optimizer.state[p] = {k: local_of(state["optim"][f"{name}.{k}"]).detach().clone()
                                       for k in layout}

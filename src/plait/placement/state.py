@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.dtensors import contiguous_stride, mesh_of
+from plait.dtensors import contiguous_stride, local_of, mesh_of
 from plait.placement.records import TPInfo, placement_of, rows_of, tp_info, tp_module
 from plait.placement.shards import ShardSpec
 from plait.tensor_source import FullValue, whole
@@ -162,7 +162,7 @@ def restore_entry(target: torch.Tensor, value: torch.Tensor, spec: ShardSpec | N
     from torch.distributed.tensor import DTensor
 
     if spec is None:
-        target.copy_(value.to_local() if isinstance(value, DTensor) else value)
+        target.copy_(local_of(value))
     elif not spec.contiguous:  # saved whole (see checkpoint_entry)
         target.copy_(spec.take(value))
     else:
@@ -186,9 +186,7 @@ def restore_expert_or_tp(target: torch.Tensor, value: torch.Tensor, p: nn.Parame
     if rows_of(p) is None:
         restore_entry(target, value, spec)
         return
-    from torch.distributed.tensor import DTensor
-
-    rows = value.to_local() if isinstance(value, DTensor) else value
+    rows = local_of(value)
     target.copy_(spec.take(rows) if spec is not None else rows)
 
 
