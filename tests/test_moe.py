@@ -171,22 +171,19 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
 
 
 def _step_and_compare_stages(pipe, oracle, optimizers: tuple, when: str) -> set[str]:
-    """`step_and_compare` for a pipeline with ep: its full state leaves out the experts, which
-    are compared where they are held; returns the names compared on this rank."""
+    """`step_and_compare` for a pipeline: its full state (every stage's tensors and every ep
+    rank's experts) against one process's; returns the names compared."""
     import plait
 
     for opt in optimizers:
         opt.step()
         opt.zero_grad()
     full = plait.full_state_dict(pipe)
-    held = {n.replace("module.", ""): p for n, p in pipe.named_parameters()}
-    compared = set()
-    for name, want in oracle.state_dict().items():
-        got = full[name] if name in full else held.get(name)
-        if got is not None:
-            torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name: f"{when}, {n}: {m}")
-            compared.add(name)
-    return compared
+    want = oracle.state_dict()
+    assert set(full) == set(want), f"{when}: full state missing {sorted(set(want) - set(full))[:4]}"
+    for name, w in want.items():
+        torch.testing.assert_close(full[name], w, **TOL, msg=lambda m, n=name: f"{when}, {n}: {m}")
+    return set(full)
 
 
 BIAS = {"bias_update_rate": 0.01}  # both balancings at once: the loss's f and the bias's counts

@@ -259,11 +259,17 @@ class Pipeline:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state on every rank (a collective over tp and pp): this rank's stages
         at full size (gathered over tp with a ``tp_plan``), then every pp rank's."""
-        from plait.state_dict import full_state_dict, union_over
+        from plait.state_dict import full_state_dict, union_over, with_other_experts
 
         own = self._stages_holding_state()
-        mine = ({k: v for st, _ in own for k, v in st.full_state_dict().items()} if own is not None
-                else full_state_dict(self.state_module()))
+        if own is not None:
+            mine = {k: v for st, _ in own for k, v in st.full_state_dict().items()}
+        else:
+            mine = full_state_dict(self.state_module())
+            # Expert parallelism records its split on each stage (`stage_steps`), which the view
+            # of this rank's modules does not include: each stage's experts are gathered over ep.
+            for st in self._inner.values():
+                mine = with_other_experts(st, mine)
         return union_over(mine, self.group, self.pp_ranks)
 
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
