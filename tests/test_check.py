@@ -246,17 +246,18 @@ def test_a_failed_check_ends_every_rank_before_removing_its_folder():
     assert all(not p.is_alive() and p.exitcode is not None for p in ranks)
 
 
-def test_expert_outputs_are_not_compared_as_token_slices_under_cp():
-    # An expert's rows are the tokens routed to it: under cp a rank's are not a slice of one
-    # process's. The fuzzer's cp4 layout of an MoE GPT failed on one when its row count happened to
-    # equal the rank's tokens (losses, gradients and parameters exact).
+def test_expert_outputs_are_compared_only_where_a_rank_sees_every_token():
+    # An expert's rows are the tokens routed to it: where a rank sees part of the tokens (cp, data
+    # ranks, sequence parallelism, microbatches) they are not a slice of one process's. The fuzzer's
+    # cp4 and dp2 x ep2 x tp2-SP layouts of an MoE GPT failed on one when its row count happened to
+    # equal one process's (losses, gradients and parameters exact).
     from plait.check.layout import compared_modules
 
     model = GPT(dataclasses.replace(TINY, n_experts=4, top_k=2))
-    plain = {n for n, _ in compared_modules(model, pipelined=False, context_parallel=False)}
-    under_cp = {n for n, _ in compared_modules(model, pipelined=False, context_parallel=True)}
-    assert "layers.0.mlp.experts.2.gate_proj" in plain
-    assert plain - under_cp == {n for n in plain if ".mlp.experts" in n}
+    whole = {n for n, _ in compared_modules(model, pipelined=False, tokens_split=False)}
+    split = {n for n, _ in compared_modules(model, pipelined=False, tokens_split=True)}
+    assert "layers.0.mlp.experts.2.gate_proj" in whole
+    assert whole - split == {n for n in whole if ".mlp.experts" in n}
 
 
 def test_a_killed_reference_writes_nothing_into_the_folder_being_removed(tmp_path):

@@ -62,7 +62,9 @@ class LayoutRun:
         plan = _complete_plan(spec.plan, model, self.mesh, user_loss)
         self.label = _describe(plan, self.mesh)
         # the original names, before any wrapper
-        modules = compared_modules(model, self.mesh.size("pp") > 1, self.mesh.size("cp") > 1)
+        sp = plan.sequence_parallel and self.mesh.size("tp") > 1
+        splits = sp or any(self.mesh.size(a) > 1 for a in (*DATA_AXES, "cp", "pp"))
+        modules = compared_modules(model, self.mesh.size("pp") > 1, splits)
         self.param_names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
         tokens, world = spec.batch_size * spec.seq, dist.get_world_size()
         computes_in = spec.plan.precision.param_dtype if spec.plan.precision is not None else spec.dtype
@@ -164,17 +166,18 @@ class LayoutRun:
                          default=None)
 
 
-def compared_modules(model: nn.Module, pipelined: bool,
-                     context_parallel: bool) -> list[tuple[str, nn.Module]]:
-    """The modules whose outputs the layout's ranks compare with one process's."""
+def compared_modules(model: nn.Module, pipelined: bool, tokens_split: bool) -> list[tuple[str, nn.Module]]:
+    """The modules whose outputs the layout's ranks compare with one process's. ``tokens_split``:
+    a call on a rank sees part of one process's tokens (data ranks, cp, sequence parallelism, a
+    pipeline's microbatches)."""
     modules = list(model.named_modules())
     if pipelined:
         # Parameter-free modules (dropout, rotary tables, the glue of the model's forward) run on
         # every stage, on what that stage received or on zeros: only the owners of weights count.
         modules = [(n, m) for n, m in modules if n and any(True for _ in m.parameters())]
-    if context_parallel:
-        # An expert's rows are the tokens routed to it, not a sequence: a cp rank's are not a slice
-        # of one process's (even where their count happens to equal the rank's tokens).
+    if tokens_split:
+        # An expert's rows are the tokens routed to it, not a batch or a sequence: a rank's are
+        # not a slice of one process's, even where their count happens to equal one process's.
         experts = tuple(f"{n}.experts" if n else "experts" for n, m in modules if isinstance(m, MoE))
         if experts:
             modules = [(n, m) for n, m in modules if not n.startswith(experts)]

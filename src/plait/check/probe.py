@@ -50,7 +50,9 @@ class _Hooks:
             if in_backward():  # activation checkpointing recomputing it: the forward's call counted
                 return
             ts = tensors_in(out)
-            if any(t.is_meta for t in ts):
+            # A shape-only run; or a run on no rows (an MoE layout runs an expert on no tokens so
+            # that its gradient is made on every rank that sums it: `MoE.experts_in_use`).
+            if any(t.is_meta for t in ts) or (ts and all(t.numel() == 0 for t in ts)):
                 return
             call = self.calls.get(name, 0)
             self.calls[name] = call + 1

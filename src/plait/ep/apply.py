@@ -118,6 +118,25 @@ def _share_statistics(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
     moe.restart_statistics()  # forwards before this one (a plan's check) are not the layout's
     if groups:
         moe.token_statistics = _summed_over(groups)  # type: ignore[method-assign,assignment]
+    if split:
+        # Each expert's gradient is summed over tp as each of its parameters' is made, so every tp
+        # rank must make it when one does: the ranks whose tokens reach the same experts (tp, and
+        # ep, whose ranks send them) run every expert any of them routed to, on no tokens if need be.
+        routed_by = [mesh.group("tp")] + ([mesh.group("ep")] if mesh.size("ep") > 1 else [])
+        moe.experts_in_use = _used_over(routed_by)  # type: ignore[method-assign,assignment]
+
+
+def _used_over(groups: list[dist.ProcessGroup]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def experts_in_use(counts: torch.Tensor) -> torch.Tensor:
+        """The experts any rank of ``groups`` routed a token to (one small all-reduce per group)."""
+        used = (counts > 0).to(torch.int32)
+        for group in groups:
+            used = used.to(comm.device_of(group))
+            with comm.operation("MoE experts in use"):
+                comm.all_reduce(used, group)
+        return used.to(counts.device) > 0
+
+    return experts_in_use
 
 
 def _summed_over(groups: list[dist.ProcessGroup]) -> Callable[[torch.Tensor], torch.Tensor]:

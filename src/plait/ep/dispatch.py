@@ -57,7 +57,8 @@ class ExpertDispatch:
         self.per_rank = n_experts // size
         self.last_counts: torch.Tensor | None = None  # (ep, local experts) rows received, last forward
 
-    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor,
+                 run: torch.Tensor | None = None) -> torch.Tensor:
         n, per = self.size, self.per_rank
         send_counts = counts.reshape(n, per).to(torch.int64)
         dev = comm.device_of(self.group)
@@ -66,29 +67,36 @@ class ExpertDispatch:
         with comm.operation("MoE token counts"):
             comm.all_to_all_into(recv_counts, sent, self.group)
         # The all-to-alls need their split sizes on the host: one device-to-host read per layer,
-        # the sent and received counts together.
-        sent_rows, recv_rows = torch.stack([sent, recv_counts]).tolist()
-        self.last_counts = torch.tensor(recv_rows, device="cpu")
-        in_splits, out_splits = [sum(r) for r in sent_rows], [sum(r) for r in recv_rows]
+        # the sent and received counts together, with the flags of this rank's experts that run
+        # on no tokens too (`MoE.experts_in_use`: every expert's, alike on the ep ranks).
+        mine = run[self.first:self.first + per] if run is not None else torch.zeros(per, dtype=torch.bool)
+        host = torch.cat([sent.view(-1), recv_counts.view(-1), mine.to(dev, torch.int64)]).tolist()
+        sent_rows, recv_rows = (host[i * n * per:(i + 1) * n * per] for i in (0, 1))
+        runs = [bool(f) for f in host[2 * n * per:]]
+        self.last_counts = torch.tensor(recv_rows, device="cpu").reshape(n, per)
+        in_splits = [sum(sent_rows[j * per:(j + 1) * per]) for j in range(n)]
+        out_splits = [sum(recv_rows[j * per:(j + 1) * per]) for j in range(n)]
         with comm.operation("MoE dispatch"):
             received = _AllToAll.apply(tokens, in_splits, out_splits, self.group)
         assert isinstance(received, torch.Tensor)
-        outputs = self._compute(received, [c for row in recv_rows for c in row])
+        outputs = self._compute(received, recv_rows, runs)
         with comm.operation("MoE combine"):
             back = _AllToAll.apply(outputs, out_splits, in_splits, self.group)
         assert isinstance(back, torch.Tensor)
         return back
 
-    def _compute(self, received: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Run each local expert on its rows (received by source, then expert) in one call;
-        ``sizes`` are the (source, expert) blocks' rows in arrival order."""
+    def _compute(self, received: torch.Tensor, sizes: list[int],
+                 runs: list[bool] | None = None) -> torch.Tensor:
+        """Run each local expert on its rows (received by source, then expert) in one call, and
+        on none where ``runs`` says so; ``sizes`` are the (source, expert) blocks' rows in arrival
+        order."""
         blocks = list(received.split(sizes))
         per = self.per_rank
         outs: list[torch.Tensor | None] = [None] * len(blocks)
         for e in range(per):
             mine = [s * per + e for s in range(self.size)]
             rows = torch.cat([blocks[i] for i in mine])
-            if not rows.shape[0]:
+            if not rows.shape[0] and not (runs and runs[e]):
                 for i in mine:
                     outs[i] = blocks[i]
                 continue

@@ -128,9 +128,11 @@ class StackedDispatch(ExpertDispatch):
         weighted = back * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, token, weighted.to(hidden_states.dtype))
 
-    def _compute(self, received: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def _compute(self, received: torch.Tensor, sizes: list[int],
+                 runs: list[bool] | None = None) -> torch.Tensor:
         """The module's own forward on every received row, its expert renumbered from 0 (rows
-        arrive by source rank, then expert), each with weight 1."""
+        arrive by source rank, then expert), each with weight 1. (The stacked tensors are one
+        parameter each: ``runs`` changes nothing.)"""
         rows = received.shape[0]
         local = torch.arange(self.per_rank, device=received.device).repeat(self.size)
         expert = local.repeat_interleave(torch.tensor(sizes, device=received.device), output_size=rows)

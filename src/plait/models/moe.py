@@ -212,7 +212,11 @@ class MoE(nn.Module):
             keep, counts = self._within_capacity(expert_of, counts, n)
             self.last_drop_rate = 1.0 - float(keep.sum()) / max(1, keep.numel())
             expert_of, token_of, weight_of = expert_of[keep], token_of[keep], weight_of[keep]
-        routed = self.experts_forward(tokens[token_of], counts)
+        # Experts run in this training forward (on no tokens where none came here): their
+        # parameters then get a gradient, zero if unused here, wherever some rank used them.
+        run = (self.experts_in_use(counts) if self.training and torch.is_grad_enabled()
+               and self.counts_forwards else None)
+        routed = self.experts_forward(tokens[token_of], counts, run)
         weighted = routed * weight_of.unsqueeze(-1).to(routed.dtype)
         out = torch.zeros_like(tokens).index_add(0, token_of, weighted)
         if self.shared is not None:
@@ -233,12 +237,23 @@ class MoE(nn.Module):
         weights = picked / picked.sum(-1, keepdim=True) if renormalise else picked
         return weights, chosen, scores
 
-    def experts_forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def experts_forward(self, tokens: torch.Tensor, counts: torch.Tensor,
+                        run: torch.Tensor | None = None) -> torch.Tensor:
         """Outputs of the routed ``tokens`` (sorted by expert; ``counts[e]`` of them for expert e),
-        in the same order."""
-        parts = tokens.split(counts.tolist())
-        outs = [self.experts[e](part) for e, part in enumerate(parts) if part.shape[0]]
+        in the same order. An expert with no tokens runs on none where ``run`` (a flag per
+        expert, `experts_in_use`) says so."""
+        sizes, runs = (torch.stack([counts, run.to(counts.dtype)]).tolist() if run is not None
+                       else (counts.tolist(), [0] * counts.numel()))  # one read from the device
+        parts = tokens.split(sizes)
+        outs = [self.experts[e](part) for e, part in enumerate(parts) if part.shape[0] or runs[e]]
         return torch.cat(outs) if outs else tokens[:0].clone()
+
+    def experts_in_use(self, counts: torch.Tensor) -> torch.Tensor:
+        """Which experts a training forward runs: here, those it routed a token to. A layout
+        whose ranks sum an expert's gradient as each of its parameters' gradient is made (tensor
+        parallelism's ranks under sequence parallelism, `plait.expert_parallel`) replaces it with
+        the experts any of those ranks routed a token to, so that every one of them makes it."""
+        return counts > 0
 
     def _within_capacity(self, expert_of: torch.Tensor, counts: torch.Tensor,
                          n: int) -> tuple[torch.Tensor, torch.Tensor]:
