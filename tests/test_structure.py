@@ -233,6 +233,18 @@ def test_the_library_never_imports_transformers(fresh):
     assert fresh(code).strip() == "False"
 
 
+def test_no_plait_module_imports_dynamo(fresh):
+    """torch._dynamo costs every process that imports it about a second of start-up (each rank,
+    each command): plait's functions that run eagerly under torch.compile are marked without it
+    (`plait._torch_compat.eager`), and nothing else imports it before something compiles."""
+    code = ("import pkgutil, sys, plait\n"
+            "for info in pkgutil.walk_packages(plait.__path__, 'plait.'):\n"
+            "    if not info.name.endswith('__main__'):\n"
+            "        __import__(info.name)\n"
+            "print('torch._dynamo' in sys.modules)")
+    assert fresh(code).strip() == "False"
+
+
 def test_a_fresh_process_has_imported_nothing_of_plait_or_transformers(fresh):
     code = "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in ('plait', 'transformers')))"
     assert fresh(code).strip() == "[]"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -11,6 +12,46 @@ import torch
 # what they returned) below autograd, so that its recomputation can be handed the kept outputs;
 # torch offers that only as a subclass of this mode (its own selective checkpointing uses it too).
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager(fn: _F) -> _F:
+    """``torch.compiler.disable(fn)`` without importing torch._dynamo.
+
+    torch.compiler.disable imports torch._dynamo as it decorates: about a second of the start of
+    every process that imports plait (every rank, every command), compiling or not. This marks a
+    plain wrapper of ``fn`` as Dynamo's disable does, with what Dynamo reads and nothing it must
+    import: the attributes its tracer checks at a call site (so a compiled region breaks there,
+    as at a disabled function), and the wrapper's code set to be skipped by Dynamo's frame
+    evaluation, with every frame it calls (so ``fn`` runs eagerly, as under the recursive
+    disable). Where this torch lacks that setting, torch.compiler.disable itself."""
+    if _skip_frames is None:
+        return torch.compiler.disable(fn)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    _skip_frames(call.__code__)
+    functools.update_wrapper(call, fn)
+    marks = {"_torchdynamo_disable": True, "_torchdynamo_disable_msg": None,
+             "_torchdynamo_disable_recursive": True, "_torchdynamo_orig_callable": fn,
+             "_torchdynamo_wrapper_id": id(call)}
+    for name, value in marks.items():
+        setattr(call, name, value)
+    return call  # type: ignore[return-value]
+
+
+def _frame_skipper() -> Callable[[Any], None] | None:
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # older torch
+        return None
+    skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)  # this frame and those it calls
+    return lambda code: set_code_exec_strategy(code, skip)
+
+
+_skip_frames = _frame_skipper()
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

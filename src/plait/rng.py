@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from plait._torch_compat import eager
+
 __all__ = ["RNGFork"]
 
 
@@ -46,14 +48,14 @@ class RNGFork:
         """Whether the per-rank stream is the one running now."""
         return self._depth > 0 and not self._paused
 
-    @torch.compiler.disable  # swaps generator states: eager, between graphs
+    @eager  # swaps generator states: eager, between graphs
     def enter(self, *_: Any) -> None:
         if self._depth == 0:
             self._saved = self._get()
             self._set(self._state)
         self._depth += 1
 
-    @torch.compiler.disable  # swaps generator states: eager, between graphs
+    @eager  # swaps generator states: eager, between graphs
     def exit(self, *_: Any) -> None:
         self._depth -= 1
         if self._depth == 0:
@@ -62,7 +64,7 @@ class RNGFork:
                 self._set(self._saved)
             self._saved, self._paused = None, False
 
-    @torch.compiler.disable  # swaps generator states: eager, between graphs
+    @eager  # swaps generator states: eager, between graphs
     def pause(self) -> None:
         """Run the default stream until the outermost region exits (no-op outside regions)."""
         if self.active and self._saved is not None:

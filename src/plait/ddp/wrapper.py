@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from plait import comm, faults
-from plait._torch_compat import queue_end_of_backward
+from plait._torch_compat import eager, queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import params_reached_by, plan_buckets
 from plait.materialize import is_meta
@@ -240,7 +240,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
     # Under torch.compile the wrapped module's forward is traced and the wrapper's own work runs
     # eagerly, around it (as torch's DDP keeps its reducer out of the graph): collectives and the
     # buckets' Python state are nothing a graph can hold. Two clean graph breaks per forward.
-    @torch.compiler.disable
+    @eager
     def _before_forward(self) -> bool:
         """Join and buffer broadcast; whether this forward's backward reduces."""
         sync = torch.is_grad_enabled() and not self._no_sync and bool(self._buckets)
@@ -251,7 +251,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
                 broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
         return sync
 
-    @torch.compiler.disable
+    @eager
     def _after_forward(self, out: Any, sync: bool) -> None:
         self._sync_this_backward = sync
         if sync:

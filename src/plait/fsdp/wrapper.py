@@ -64,7 +64,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from plait._torch_compat import queue_end_of_backward
+from plait._torch_compat import eager, queue_end_of_backward
 from plait.dtensors import mesh_over
 from plait.env import device as default_device
 from plait.fsdp.flat import FlatParam, Placing, ShardCfg, Slot
@@ -255,7 +255,7 @@ class FullyShardedDataParallel(nn.Module):
     # Under torch.compile the wrapper's own work runs eagerly between graphs, as torch's DDP runs
     # its reducer: gathers, reshards and the hooks that queue reductions are Python bookkeeping
     # around collectives, which Dynamo would otherwise try (and fail) to trace.
-    @torch.compiler.disable
+    @eager
     def _begin_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         root = self.units[0]
         self._order = []
@@ -275,12 +275,12 @@ class FullyShardedDataParallel(nn.Module):
             args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
         return args, kwargs
 
-    @torch.compiler.disable
+    @eager
     def _end_forward(self, out: Any) -> None:
         self._post_forward(self.units[0], out)
         self._prev_order = list(self._order)
 
-    @torch.compiler.disable
+    @eager
     def _pre_forward(self, unit: Unit) -> None:
         unit.position = len(self._order)
         self._order.append(unit)
@@ -289,7 +289,7 @@ class FullyShardedDataParallel(nn.Module):
         if self.zero_stage == 3 and nxt < len(self._prev_order):
             self._prev_order[nxt].prefetch()  # overlaps the next unit's all-gather with this compute
 
-    @torch.compiler.disable
+    @eager
     def _post_forward(self, unit: Unit, out) -> None:
         grad_on = torch.is_grad_enabled()
         is_root = unit is self.units[0]

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from plait import faults
+from plait._torch_compat import eager
 from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
@@ -216,7 +217,7 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return _gather_dim(g, ctx.group, ctx.dim), None, None
 
 
-@torch.compiler.disable
+@eager
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Megatron's *f*: forward identity; backward all-reduce of the input gradient.
 
@@ -228,7 +229,7 @@ def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else _CopyToTP.apply(x, group)
 
 
-@torch.compiler.disable
+@eager
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Megatron's *g*: forward all-reduce (sum of partial outputs); backward identity.
 
@@ -239,7 +240,7 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-@torch.compiler.disable
+@eager
 def sum_over_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward all-reduce (sum) of per-rank partial statistics; backward all-reduce of the gradient.
 
@@ -253,7 +254,7 @@ def sum_over_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else _SumOverTP.apply(x, group)
 
 
-@torch.compiler.disable
+@eager
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward all-gather along the last dim; backward keeps this rank's slice of the gradient."""
     if (em := _EMULATOR.get()) is not None:
@@ -261,7 +262,7 @@ def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else _GatherLast.apply(x, group)
 
 
-@torch.compiler.disable
+@eager
 def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward keeps this rank's slice of the last dim; backward all-gathers the gradient."""
     if (em := _EMULATOR.get()) is not None:
@@ -269,7 +270,7 @@ def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x if dist.get_world_size(group) == 1 else _ScatterLast.apply(x, group)
 
 
-@torch.compiler.disable
+@eager
 def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel *g-bar*: forward all-gather along the sequence dim; backward
     reduce-scatter of the gradient (each rank's partial gradient is summed, then split)."""
@@ -278,7 +279,7 @@ def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> t
     return x if dist.get_world_size(group) == 1 else _GatherSeq.apply(x, group, dim)
 
 
-@torch.compiler.disable
+@eager
 def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel *g*: forward reduce-scatter of partial sums along the sequence dim;
     backward all-gather of the gradient."""
@@ -287,7 +288,7 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1
     return x if dist.get_world_size(group) == 1 else _ReduceScatterSeq.apply(x, group, dim)
 
 
-@torch.compiler.disable
+@eager
 def scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Where sequence parallelism starts on a replicated activation: forward keeps this rank's
     chunk of the sequence (nothing moves); backward all-gathers the gradient, since every rank's
@@ -297,7 +298,7 @@ def scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> to
     return x if dist.get_world_size(group) == 1 else _ScatterSeq.apply(x, group, dim)
 
 
-@torch.compiler.disable
+@eager
 def replicate_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Where sequence parallelism ends before replicated code (a final norm whose output the
     model reshapes): forward all-gathers the sequence; backward keeps this rank's chunk of the
