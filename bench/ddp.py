@@ -23,6 +23,8 @@ from bench.common import (
     write_section,
 )
 
+STRAGGLER_EVERY = 10  # `plait train --straggler-every`'s default
+
 
 def _step_fn(model, opt, x, y):
     from plait.models.gpt import lm_loss
@@ -53,7 +55,26 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
         with comm.desync_check("off"):
             plait_step()
 
-    steps = {"plait": plait_step, "torch": _step_fn(theirs, opt_b, x, y), "plait_unchecked": unchecked}
+    from plait.models.gpt import lm_loss
+    from plait.straggler import StragglerTracker
+
+    tracker, blamed_steps = StragglerTracker(), [0]
+
+    def blamed() -> None:  # the same plait step as `plait train` runs it, with straggler blame
+        with comm.phase("forward"):
+            loss = lm_loss(ours(x), y)
+        with comm.phase("backward"):
+            loss.backward()
+        with comm.phase("optimizer"):
+            opt_a.step()
+            opt_a.zero_grad(set_to_none=True)
+        tracker.step()
+        blamed_steps[0] += 1
+        if blamed_steps[0] % STRAGGLER_EVERY == 0:
+            tracker.blame()  # every rank: one gather of the ranks' waits
+
+    steps = {"plait": plait_step, "torch": _step_fn(theirs, opt_b, x, y), "plait_unchecked": unchecked,
+             "plait_blamed": blamed}
     times = alternate(steps, warmup, iters)
     comm.reset_stats()
     steps["plait"]()
@@ -130,6 +151,8 @@ def main(argv: list[str]) -> int:
     paired = [a / b for a, b in zip(out["times"]["plait"], out["times"]["torch"])]
     unchecked = out["times"]["plait_unchecked"]
     check_cost = [a / b for a, b in zip(out["times"]["plait"], unchecked)]
+    blamed = out["times"]["plait_blamed"]
+    blame_cost = [a / b for a, b in zip(blamed, out["times"]["plait"])]
     tokens = args.batch * args.seq
     rows = [
         ["median step time (s)", t_plait, t_torch, t_plait / t_torch],
@@ -153,6 +176,12 @@ def main(argv: list[str]) -> int:
         f"this run: median of paired ratios **{median(check_cost):.3f}** (spread "
         f"{min(check_cost):.3f}-{max(check_cost):.3f}; median step {median(unchecked):.3f} s "
         "unchecked).\n"
+        + "\nStraggler blame (`plait train`'s: waits filed by phase, one gather of every rank's waits "
+        f"every {STRAGGLER_EVERY} steps), plait step with it / without it, both with the desync check, "
+        f"alternated in this run: median of paired ratios **{median(blame_cost):.3f}** (spread "
+        f"{min(blame_cost):.3f}-{max(blame_cost):.3f}); total time of its {len(blamed)} steps, gathers "
+        f"included, over the plain steps' **{sum(blamed) / sum(out['times']['plait']):.3f}**. Against the "
+        f"step with no check at all: **{sum(blamed) / sum(unchecked):.3f}**.\n"
     )
     print(body)
     write_section("ddp", "DistributedDataParallel: plait vs torch DDP", body)
