@@ -180,9 +180,14 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ parity with one process
-def _train(family: str, sp: bool, data: str) -> dict:
+def _train(family: str, sp: bool, data: str) -> float:
     """5 AdamW steps of ``family`` under tp=2 (``data='fsdp'``: FSDP over fsdp=2 as well) and of
-    the oracle; assert equal parameters and return the largest relative difference."""
+    the oracle; assert equal parameters and return a digest of the gathered state.
+
+    The gathered state is the same on every rank (the digests show it), so rank 0 alone trains the
+    oracle and compares the whole state with it; every rank compares its logits at the first step."""
+    import torch.distributed as dist
+
     import plait
     from plait.testing import cached_mesh
 
@@ -201,31 +206,39 @@ def _train(family: str, sp: bool, data: str) -> dict:
     # OLMo2's forward itself differs by float32 rounding, the others' only in gradients.
     wide = family in FLOAT32_WIDE_NORMS
     tol = TOL_FLOAT32_FORWARD if wide else tol
+    trains_oracle = dist.get_rank() == 0
     opt_ref, opt = torch.optim.AdamW(oracle.parameters()), torch.optim.AdamW(net.parameters())
     mine = slice(mesh.rank("fsdp") * BATCH // fsdp, (mesh.rank("fsdp") + 1) * BATCH // fsdp)
     for step in range(STEPS):
         ids, tgt = _batch(step)
-        logits_ref = oracle(ids).logits
-        _loss(logits_ref, tgt).backward()
+        if trains_oracle:
+            logits_ref = oracle(ids).logits
+            _loss(logits_ref, tgt).backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+        elif step == 0:
+            with torch.no_grad():
+                logits_ref = oracle(ids).logits
         logits = net(input_ids=ids[mine]).logits  # the model's own output: gathered logits
         _loss(logits, tgt[mine]).backward()
         if step == 0:
-            torch.testing.assert_close(logits, logits_ref[mine], **(TOL_FLOAT32_FORWARD if wide else TOL))
-        for opt_ in (opt_ref, opt):
-            opt_.step()
-            opt_.zero_grad()
-    full, ref = plait.full_state_dict(net), oracle.state_dict()
-    assert set(full) == set(ref)
-    for name, want in ref.items():
-        torch.testing.assert_close(full[name], want, **tol, msg=lambda m, n=name: f"{family} {n}: {m}")
-    moved = max(float((ref[k] - v).abs().max()) for k, v in init.items())
-    assert moved > 1e-4  # training really changed the parameters compared
-    rel = [float((full[k] - v).abs().max() / v.abs().max().clamp_min(1e-30)) for k, v in ref.items()]
-    return {"max_rel": max(rel)}
+            torch.testing.assert_close(logits, logits_ref[mine].detach(),
+                                       **(TOL_FLOAT32_FORWARD if wide else TOL))
+        opt.step()
+        opt.zero_grad()
+    full = plait.full_state_dict(net)
+    if trains_oracle:
+        ref = oracle.state_dict()
+        assert set(full) == set(ref)
+        for name, want in ref.items():
+            torch.testing.assert_close(full[name], want, **tol, msg=lambda m, n=name: f"{family} {n}: {m}")
+        moved = max(float((ref[k] - v).abs().max()) for k, v in init.items())
+        assert moved > 1e-4  # training really changed the parameters compared
+    return sum(float(v.double().sum()) for v in full.values())
 
 
 def _tp2(runs: list[tuple[str, bool]]) -> dict:
-    return {(family, sp): _train(family, sp, "none")["max_rel"] for family, sp in runs}
+    return {(family, sp): _train(family, sp, "none") for family, sp in runs}
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])  # GQA; Conv1D, fused, tied; fused with GQA
@@ -344,7 +357,7 @@ def test_tp2_without_a_kv_cache_is_checked_and_matches_single_process(pools):
 
 
 def _fsdp_tp(families: list[tuple[str, bool]]) -> dict:
-    return {f: _train(f, sp, "fsdp")["max_rel"] for f, sp in families}
+    return {f: _train(f, sp, "fsdp") for f, sp in families}
 
 
 def test_fsdp2_tp2_matches_single_process(pools):
