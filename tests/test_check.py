@@ -64,6 +64,22 @@ def _check_in_job(mesh: dict[str, int], ac: str | None = None):
     return plait.check(tiny_gpt, plan, mesh=cached_mesh(**mesh), steps=3, batch_size=4)
 
 
+def _longer_than_context() -> str:
+    import plait
+    from plait.check import CheckInputError
+    from plait.testing import cached_mesh
+
+    with pytest.raises(CheckInputError) as info:
+        plait.check(tiny_gpt, mesh=cached_mesh(dp=2), steps=1, batch_size=4, seq=32)
+    return str(info.value)
+
+
+def test_sequences_longer_than_the_models_positions_are_bad_input(pools):
+    # Were a shape error inside the model's rotary embedding, from the one-process run.
+    for said in pools[2].run(_longer_than_context):
+        assert "--seq 32 (check(seq=...)) is longer than GPT's seq_len = 16" in said, said
+
+
 @pytest.mark.parametrize("mesh,ac", [({"dp": 2}, None), ({"tp": 2}, None), ({"dp": 2}, "full")],
                          ids=["ddp", "tp", "ddp-ac"])
 def test_a_correct_layout_passes(pools, mesh, ac):

@@ -206,7 +206,7 @@ class Exchange:
             return CheckInputError(msg)
         if kind == "input":
             return CheckInputError(f"{name} in the one-process run: {msg}\n{tb}")
-        return RuntimeError(f"plait check: the one-process run failed: {name}: {msg}\n{tb}")
+        return RuntimeError(f"the one-process run failed: {name}: {msg}\n{tb}")
 
 
 HALF = (torch.bfloat16, torch.float16)

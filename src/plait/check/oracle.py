@@ -68,6 +68,8 @@ def run_oracle(spec: Spec, exchange: Exchange) -> None:
     if spec.plan.precision is not None:  # the layout's casts, in one process
         mixed_precision(model, spec.plan.precision)
     vocab = (spec.vocab or vocab_of(model)) if make_batch is None else None
+    if make_batch is None:
+        refuse_longer_than_context(model, spec.seq)
     loss_fn = user_loss or next_token_loss
     exchange.put_step(0, {"state": _state(model)})
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
@@ -83,6 +85,21 @@ def run_oracle(spec: Spec, exchange: Exchange) -> None:
         exchange.put_step(step, {"inputs": map_tensors(torch.Tensor.cpu, inputs),
                                  "targets": map_tensors(torch.Tensor.cpu, targets),
                                  "loss": float(loss.detach()), "state": _state(model)}, slices)
+
+
+def refuse_longer_than_context(model: nn.Module, seq: int) -> None:
+    """The default batches' sequences must fit the positions the model has: plait's GPT's
+    ``cfg.seq_len`` (its rotary tables), a transformers config's ``n_positions`` or
+    ``max_position_embeddings``. Past them a model fails on a shape or runs positions it was not
+    built for."""
+    for holder, names in ((getattr(model, "cfg", None), ("seq_len",)),
+                          (getattr(model, "config", None), ("n_positions", "max_position_embeddings"))):
+        for name in names:
+            most = getattr(holder, name, None)
+            if isinstance(most, int) and seq > most:
+                raise CheckInputError(f"--seq {seq} (check(seq=...)) is longer than {type(model).__name__}'s "
+                                      f"{name} = {most}: check sequences of at most {most} tokens, or build "
+                                      "the model with more positions")
 
 
 def vocab_of(model: nn.Module) -> int:
