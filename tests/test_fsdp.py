@@ -337,6 +337,31 @@ def test_bad_input_errors(pools, kind, words):
         assert all(w in msg for w in words), msg
 
 
+def test_an_optimizer_on_some_of_the_parameters_is_found_and_a_list_of_them_is_not():
+    # The optimizers are found from the parameters' referrers (param_groups[i]["params"] lists),
+    # one of a subclass and one on a sub-module's parameters alike; a plain list of the
+    # parameters is no optimizer, and a freed optimizer no longer counts.
+    from torch import nn
+
+    from plait.fsdp.units import check_no_optimizer
+
+    class Custom(torch.optim.Optimizer):
+        def step(self, closure=None):
+            return None
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    held = list(model.parameters())
+    check_no_optimizer(model)
+    for make in (lambda: torch.optim.SGD([{"params": [model[1].bias]}], lr=0.1),
+                 lambda: Custom(model[0].parameters(), {})):
+        opt = make()
+        with pytest.raises(ValueError, match=f"an optimizer \\({type(opt).__name__}\\) was built"):
+            check_no_optimizer(model)
+        del opt
+        check_no_optimizer(model)
+    assert len(held) == 4
+
+
 # ------------------------------------------------------------------ units, overlap, comm
 def unit_layout(spec) -> dict:
     from plait.fsdp.wrapper import FSDP
