@@ -443,3 +443,27 @@ def test_an_expert_routed_on_one_sequence_shard_trains_on_every_tp_rank(pools, p
     # which is summed over tp as it is made; the one that routed none to it makes a zero one. (The
     # tp ranks' collectives went out of step: a hang, or the desync check's error.)
     pools[4].run(_ep_parity, dp, ep, tp=2, sp=True, pp=pp, cfg_kw={**BIAS, "top_k": 1}, batch=2 * pp * dp)
+
+
+def _tensor_parallel_alone() -> None:
+    import plait
+    from plait.plans import gpt_plan
+
+    mesh = cached_mesh(tp=2)
+    kw = {**BIAS, "top_k": 1}
+    oracle, model = _gpt(**kw), _gpt(**kw)
+    net = plait.tensor_parallel(model, mesh, gpt_plan(model.cfg, loss_parallel=False), sequence_parallel=True)
+    opt_ref, opt = torch.optim.AdamW(oracle.parameters()), torch.optim.AdamW(net.parameters())
+    for step in range(2):
+        idx, tgt = _batch(step, 2)  # 8 tokens per tp rank's shard of each sequence
+        loss64(oracle(idx), tgt).backward()
+        loss64(net(idx), tgt).backward()
+        step_and_compare(net, oracle, (opt_ref, opt), TOL, f"step {step}")
+
+
+def test_tensor_parallel_alone_shares_the_routing_over_its_sequence_shards(pools):
+    # plait.tensor_parallel with SP by hand, no data parallelism after it: the balancing counts and
+    # the experts in use are summed over tp (the balancing loss covered each rank's shard only, and
+    # an expert routed on one shard alone put the tp ranks out of step).
+    pools[2].run(_tensor_parallel_alone)
+

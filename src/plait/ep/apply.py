@@ -17,13 +17,8 @@ how to treat it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from plait import comm
 from plait.ep.dispatch import ExpertDispatch
 from plait.ep.stacked import expert_count, split_stacked, stacked_expert_modules
 from plait.mesh import Mesh
@@ -37,6 +32,7 @@ from plait.placement.records import (
     mark_expert,
     placement_of,
 )
+from plait.routing import summed_over, used_over
 
 __all__ = ["expert_parallel", "has_experts", "expert_counts", "ExpertPlacement", "ExpertParallelInfo",
            "ep_info", "placement_of", "reduce_expert_grads"]
@@ -117,40 +113,13 @@ def _share_statistics(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
     moe.token_shards = mesh.size("tp") if split else 1
     moe.restart_statistics()  # forwards before this one (a plan's check) are not the layout's
     if groups:
-        moe.token_statistics = _summed_over(groups)  # type: ignore[method-assign,assignment]
+        moe.token_statistics = summed_over(groups)  # type: ignore[method-assign,assignment]
     if split:
         # Each expert's gradient is summed over tp as each of its parameters' is made, so every tp
         # rank must make it when one does: the ranks whose tokens reach the same experts (tp, and
         # ep, whose ranks send them) run every expert any of them routed to, on no tokens if need be.
         routed_by = [mesh.group("tp")] + ([mesh.group("ep")] if mesh.size("ep") > 1 else [])
-        moe.experts_in_use = _used_over(routed_by)  # type: ignore[method-assign,assignment]
-
-
-def _used_over(groups: list[dist.ProcessGroup]) -> Callable[[torch.Tensor], torch.Tensor]:
-    def experts_in_use(counts: torch.Tensor) -> torch.Tensor:
-        """The experts any rank of ``groups`` routed a token to (one small all-reduce per group)."""
-        used = (counts > 0).to(torch.int32)
-        for group in groups:
-            used = used.to(comm.device_of(group))
-            with comm.operation("MoE experts in use"):
-                comm.all_reduce(used, group)
-        return used.to(counts.device) > 0
-
-    return experts_in_use
-
-
-def _summed_over(groups: list[dist.ProcessGroup]) -> Callable[[torch.Tensor], torch.Tensor]:
-    def token_statistics(counts: torch.Tensor) -> torch.Tensor:
-        """One small all-reduce per group (orthogonal groups: their product's sum), in forward,
-        where every rank of a group runs the layer at the same point; not differentiable."""
-        total = counts.detach()
-        for group in groups:
-            total = total.to(comm.device_of(group), copy=True)
-            with comm.operation("MoE balancing counts"):
-                comm.all_reduce(total, group)
-        return total.to(counts.device)
-
-    return token_statistics
+        moe.experts_in_use = used_over(routed_by)  # type: ignore[method-assign,assignment]
 
 
 def _moe_layers(model: nn.Module) -> tuple[list[tuple[str, MoE]], list[tuple[str, nn.Module]]]:

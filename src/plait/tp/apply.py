@@ -41,6 +41,7 @@ from plait.names import matches
 from plait.placement.records import TPInfo, attach_tp_info, attached_tp_info, mark_part, tp_info, tp_module
 from plait.placement.shards import ShardSpec
 from plait.rng import RNGFork
+from plait.routing import share_routing_over
 from plait.tp.context import SequenceShardGrads, Style, TPContext
 from plait.tp.dryrun import PlanError, dry_run, mark, meta_copy, shard_parameters
 from plait.tp.layers import activation_name
@@ -129,6 +130,10 @@ def tensor_parallel(
     if later is not None:  # first in line: before any hook of the call communicates
         later.handle = module.register_forward_pre_hook(later, prepend=True, with_kwargs=True)
     _sync_default_rng(mesh, dev)
+    if ctx.sequence_parallel and n > 1:
+        # MoE layers (plait's GPT plan runs them replicated, on sequence shards): their balancing
+        # counts and the experts in use are summed over tp, with or without expert parallelism.
+        share_routing_over(module, ctx.group, n)
 
     attach_tp_info(module, TPInfo(
         group=ctx.group, size=n, rank=r, sequence_parallel=ctx.sequence_parallel,
