@@ -18,7 +18,7 @@ from torch import nn
 
 from plait import comm
 
-__all__ = ["summed_over", "used_over", "routing_layers", "share_routing_over"]
+__all__ = ["summed_over", "used_over", "routing_layers", "share_routing", "share_routing_over"]
 
 
 def routing_layers(model: nn.Module) -> list[nn.Module]:
@@ -27,14 +27,25 @@ def routing_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if all(hasattr(m, s) for s in seams)]
 
 
+def share_routing(layer: nn.Module, shards: int, counted_over: Sequence[dist.ProcessGroup | None],
+                  used_by: Sequence[dist.ProcessGroup | None]) -> None:
+    """``layer`` runs on one of ``shards`` parts of each forward's tokens; its balancing counts are
+    summed over ``counted_over`` and the experts in use over ``used_by`` (a seam left as the
+    layer has it where its groups are empty). Counting restarts: forwards before this one (a
+    plan's check) are not the layout's."""
+    layer.token_shards = shards  # type: ignore[assignment]
+    layer.restart_statistics()  # type: ignore[operator]
+    if counted_over:
+        layer.token_statistics = summed_over(counted_over)  # type: ignore[assignment]
+    if used_by:
+        layer.experts_in_use = used_over(used_by)  # type: ignore[assignment]
+
+
 def share_routing_over(model: nn.Module, group: dist.ProcessGroup | None, size: int) -> None:
     """Every routing layer of ``model`` runs on one of ``size`` shards of each batch's tokens, the
     shards held by ``group``'s ranks: its counts and the experts in use are summed over them."""
     for layer in routing_layers(model):
-        layer.token_shards = size  # type: ignore[assignment]
-        layer.restart_statistics()  # type: ignore[operator]
-        layer.token_statistics = summed_over([group])  # type: ignore[assignment]
-        layer.experts_in_use = used_over([group])  # type: ignore[assignment]
+        share_routing(layer, size, [group], [group])
 
 
 def summed_over(groups: Sequence[dist.ProcessGroup | None]) -> Callable[[torch.Tensor], torch.Tensor]:

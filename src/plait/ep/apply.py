@@ -32,7 +32,7 @@ from plait.placement.records import (
     mark_expert,
     placement_of,
 )
-from plait.routing import summed_over, used_over
+from plait.routing import share_routing
 
 __all__ = ["expert_parallel", "has_experts", "expert_counts", "ExpertPlacement", "ExpertParallelInfo",
            "ep_info", "placement_of", "reduce_expert_grads"]
@@ -110,16 +110,11 @@ def _share_statistics(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
     groups = [mesh.group("tp")] if split else []
     if moe.balance_statistic == "global" and mesh.size(_DATA) > 1:
         groups.append(mesh.group(_DATA))
-    moe.token_shards = mesh.size("tp") if split else 1
-    moe.restart_statistics()  # forwards before this one (a plan's check) are not the layout's
-    if groups:
-        moe.token_statistics = summed_over(groups)  # type: ignore[method-assign,assignment]
-    if split:
-        # Each expert's gradient is summed over tp as each of its parameters' is made, so every tp
-        # rank must make it when one does: the ranks whose tokens reach the same experts (tp, and
-        # ep, whose ranks send them) run every expert any of them routed to, on no tokens if need be.
-        routed_by = [mesh.group("tp")] + ([mesh.group("ep")] if mesh.size("ep") > 1 else [])
-        moe.experts_in_use = used_over(routed_by)  # type: ignore[method-assign,assignment]
+    # Under SP each expert's gradient is summed over tp as each of its parameters' is made, so
+    # every tp rank must make it when one does: the ranks whose tokens reach the same experts (tp,
+    # and ep, whose ranks send them) run every expert any of them routed to, on no tokens if need be.
+    routed_by = [mesh.group("tp")] + ([mesh.group("ep")] if mesh.size("ep") > 1 else []) if split else []
+    share_routing(moe, mesh.size("tp") if split else 1, groups, routed_by)
 
 
 def _moe_layers(model: nn.Module) -> tuple[list[tuple[str, MoE]], list[tuple[str, nn.Module]]]:
