@@ -6,7 +6,9 @@ Its attention splits the fused ``c_attn`` by ``self.n_embd`` and views the heads
 ``"wpe"`` nanoGPT's learned table read at ``torch.arange(t)``; ``"table"`` a rotary table held as
 a buffer and sliced to the length (torchtitan's ``freqs_cis[:seqlen]``); ``"arange"`` a rotary
 table computed in forward from ``torch.arange(t)``; ``"module"`` a module whose forward takes
-``positions`` (plait GPT's rotary protocol); ``"none"`` nothing (no positions at all).
+``positions`` (plait GPT's rotary protocol); ``"cumsum"`` the learned table read at a running
+count of the tokens (OPT counts its positions from its attention mask so); ``"none"`` nothing
+(no positions at all).
 ``width_from_input=True`` takes the attention's width from its input's shape (nanoGPT's
 ``C``), which no split of its heads can keep.
 """
@@ -102,7 +104,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         parts: dict[str, nn.Module] = {"wte": nn.Embedding(cfg.vocab_size, cfg.n_embd)}
-        if cfg.positions == "wpe":  # registered where nanoGPT has it: after wte, before the blocks
+        if cfg.positions in ("wpe", "cumsum"):  # registered where nanoGPT has it: after wte, before the blocks
             parts["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
         parts["h"] = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         parts["ln_f"] = nn.LayerNorm(cfg.n_embd)
@@ -124,6 +126,8 @@ class GPT(nn.Module):
         angles = None
         if self.config.positions == "wpe":
             x = x + self.transformer.wpe(torch.arange(0, t, dtype=torch.long, device=idx.device))
+        elif self.config.positions == "cumsum":
+            x = x + self.transformer.wpe(torch.ones_like(idx).cumsum(1) - 1)
         elif self.config.positions == "table":
             angles = self.angles[:t]
         elif self.config.positions == "module":

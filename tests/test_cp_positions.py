@@ -77,10 +77,23 @@ def _refusals() -> list[str]:
         plait.context_parallel(build(positions="none"), mesh)(x)
     assert "take position_ids" in str(e.value) and "positions='none'" in str(e.value)
     seen.append(str(e.value))
+    # Positions plait cannot see (a running count, as OPT reads its mask): "auto" refuses, and
+    # "none", its advice for a model without positions, is refused by the numeric check of the
+    # first forward, where it would have trained ~100% off. position_ids, the other advice, runs.
+    with pytest.raises(ValueError, match="counted no positions plait can place"):
+        plait.context_parallel(build(positions="cumsum"), mesh)(x)
+    model = plait.context_parallel(build(positions="cumsum"), mesh, positions="none")
+    with pytest.raises(ValueError, match="numeric check: GPT run split over cp=2 differs") as e:
+        model(x)
+    assert "output 0 of shape (1, 8, 64) (one sequence)" in str(e.value) and "position_ids" in str(e.value), str(e.value)
+    seen.append(str(e.value))
     # Told it has none, the model without positions runs as on one device.
     one = build(positions="none")
-    got = plait.context_parallel(copy.deepcopy(one), mesh, positions="none")(x)
+    model = plait.context_parallel(copy.deepcopy(one), mesh, positions="none")
+    got = model(x)
     torch.testing.assert_close(got, plait.cp.shard(one(torch.zeros(2, 16, dtype=torch.long)), mesh), **TOL)
+    checked = plait.cp.verified(model)  # the check ran, on the whole 16 tokens, and passed
+    assert checked is not None and checked.tokens == 16 and checked.compared == 1 and checked.worst <= 1
     return seen
 
 

@@ -35,6 +35,7 @@ class ParallelPlan:
     tp: Mapping[str, Style] | None = None  # module-name pattern -> style; None: no tensor parallel
     sequence_parallel: bool = False
     cp: str | None = None  # context parallel algorithm: "ring", "allgather", "ulysses"; None: off
+    cp_check: bool = True  # `context_parallel(check=...)`: verified by its numbers on the first forward
     ac: str | None = None  # activation checkpointing: "full", "selective" or None (off)
     ac_every: int = 1  # checkpoint every k-th block only
     ac_blocks: Sequence[type | str] | None = None  # None: the blocks of the outermost containers

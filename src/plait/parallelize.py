@@ -153,12 +153,15 @@ def _steps_after_tensor_parallel(module: nn.Module, mesh: Mesh, plan: ParallelPl
         return None
     chosen = select_blocks(module, plan.ac_blocks, plan.ac_every) if plan.ac is not None else []
     policy, algorithm, sequence_parallel = plan.ac, plan.cp, plan.sequence_parallel
+    # Under sequence parallelism a stage's inputs or outputs are tp's shards of the cp ranks'
+    # tokens, which the cp check cannot set against whole sequences (a whole model's are not).
+    cp_check = plan.cp_check and not (pipelined and sequence_parallel and mesh.size("tp") > 1)
     # A stage does not hold the whole model, where "auto" looks for the kind of positions.
     positions = "rotary" if pipelined else "auto"
 
     def apply(part: nn.Module) -> None:
         if algorithm is not None and (not pipelined or has_attention(part)):  # 1b
-            context_parallel(part, mesh, algorithm, positions=positions)
+            context_parallel(part, mesh, algorithm, positions=positions, check=cp_check)
         if experts and has_experts(part):  # 1c (ep=1: plait's experts are only marked)
             expert_parallel(part, mesh, sequence_parallel)
         if policy is not None:  # 2

@@ -6,7 +6,9 @@ from plait.cp.apply import ALGORITHMS, ContextParallelInfo, context_parallel, cp
 from plait.cp.gather import allgather_attention, ulysses_attention
 from plait.cp.group import CPGroup
 from plait.cp.layout import Layout, Span
+from plait.cp.numeric import Verified, verified
 from plait.cp.ring import ring_attention
 
 __all__ = ["context_parallel", "cp_info", "ContextParallelInfo", "shard", "unshard", "ALGORITHMS",
-           "ring_attention", "allgather_attention", "ulysses_attention", "CPGroup", "Layout", "Span"]
+           "ring_attention", "allgather_attention", "ulysses_attention", "CPGroup", "Layout", "Span",
+           "verified", "Verified"]

@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from plait import comm
 from plait.cp.gather import allgather_attention, ulysses_attention
 from plait.cp.group import CPGroup
 from plait.cp.layout import Layout
+from plait.cp.numeric import install_check
 from plait.cp.positions import POSITIONS, Watcher, install, positions_mode
 from plait.cp.ring import ring_attention
 from plait.mesh import Mesh
@@ -49,6 +49,7 @@ __all__ = ["context_parallel", "ALGORITHMS", "POSITIONS", "shard", "unshard", "c
 ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 _ATTR = "_plait_cp"
+_DATA = ("dp", "fsdp", "cp")  # the ranks that run a model's first forward together: they agree on its check
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ class _Intercept(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is F.scaled_dot_product_attention:
             self.calls += 1
+            if self.info.cp.whole.on:  # the numeric check's reference: attention as the model has it
+                return func(*args, **(kwargs or {}))
             if self.watcher is None:
                 return self.info.sdpa(*args, **(kwargs or {}), window=self.window)
             self.watcher.paused = True  # the algorithm's own aranges are no positions
@@ -169,7 +172,7 @@ def cp_info(model: nn.Module) -> ContextParallelInfo | None:
 
 
 def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, positions: str = "auto",
-                     attention: Sequence[type | str] | None = None) -> nn.Module:
+                     attention: Sequence[type | str] | None = None, check: bool = True) -> nn.Module:
     """Make ``model``'s attention context parallel over ``mesh``'s ``cp`` axis, in place; return it.
 
     Each rank then runs the model on its shard of every sequence (`shard` cuts them: inputs and
@@ -187,6 +190,9 @@ def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, p
             counts positions is then refused); see `plait.cp.positions`.
         attention: the modules whose forward calls scaled_dot_product_attention, as classes or
             name patterns (default: the outermost modules whose class name ends in ``Attention``).
+        check: verify the layout by its numbers on the first forward (`plait.cp.numeric`): the
+            batch's first sequence, cut short, run whole and split must agree, or every data rank
+            refuses it before it trains.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"context_parallel(algorithm=...) must be one of {tuple(ALGORITHMS)}, got "
@@ -210,6 +216,8 @@ def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, p
     watcher = install(model, mode, info.cp)
     for name, mod in targets:
         _hook(mod, name, info, watcher, sliding_window_of(mod, model))
+    if check and info.cp.size > 1:
+        install_check(model, info.cp, mesh.group(_DATA))
     return model
 
 
@@ -303,9 +311,4 @@ def shard(t: torch.Tensor, mesh: Mesh, dim: int = 1) -> torch.Tensor:
 def unshard(t: torch.Tensor, mesh: Mesh, dim: int = 1) -> torch.Tensor:
     """The full sequence from every cp rank's shard ``t`` (an all-gather over cp; not
     differentiable: for outputs to inspect, such as logits in a test)."""
-    cp = CPGroup.of(mesh)
-    layout = cp.layout(t.shape[dim] * cp.size)
-    moved = t.movedim(dim, 0).contiguous()
-    out = moved.new_empty((cp.size, *moved.shape))
-    comm.all_gather_into(out.view(-1), moved.view(-1), cp.group)
-    return layout.unshard([p.movedim(0, dim) for p in out], dim=dim)
+    return CPGroup.of(mesh).unshard(t, dim)

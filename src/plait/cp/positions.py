@@ -90,7 +90,7 @@ def _give_positions(rotary: nn.Module, cp: CPGroup) -> None:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         bound = original.bind(rotary, *args, **kwargs)
-        if bound.arguments.get("positions") is None:
+        if bound.arguments.get("positions") is None and not cp.whole.on:
             x = next(a for a in bound.args[1:] if isinstance(a, torch.Tensor))
             bound.arguments["positions"] = cp.layout_of_local(x.shape[1]).positions(device=x.device)
         return type(rotary).forward(*bound.args, **bound.kwargs)
@@ -102,6 +102,8 @@ def _position_ids_hook(cp: CPGroup, model: nn.Module) -> Callable[..., Any]:
     takes_mask = "attention_mask" in inspect.signature(model.forward).parameters
 
     def hook(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if cp.whole.on:  # the numeric check's reference: the positions one process counts
+            return args, kwargs
         if kwargs.get("labels") is not None:
             raise ValueError("context parallelism: labels=... makes the model shift them by one inside its "
                              "loss, which crosses the chunk boundaries of a rank's shard; pass targets "
@@ -142,7 +144,7 @@ class Watcher(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self.paused and self.local:
+        if not self.paused and self.local and not self.cp.whole.on:
             if func is torch.arange and _counts_to(args, kwargs, self.local):
                 like = torch.arange(*args, **kwargs)  # the dtype and device the model asked for
                 return self._counted("torch.arange", lambda pos: pos.to(like))
@@ -202,7 +204,7 @@ def _watch(model: nn.Module, mode: Watcher) -> None:
             return
         outer.pop()
         mode.__exit__(None, None, None)
-        if mod is model and mode.replace and not mode.seen:
+        if mod is model and mode.replace and not mode.seen and not mode.cp.whole.on:
             raise ValueError(f"context parallelism: {type(model).__name__}'s forward counted no positions "
                              "plait can place (no torch.arange of the local length, no buffer sliced to it) "
                              "and takes no position_ids, so plait cannot tell whether it has positions. "

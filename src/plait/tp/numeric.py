@@ -43,18 +43,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from plait import faults
 from plait.placement.shards import ShardSpec
 from plait.rng import RNGFork
+from plait.tolerance import RTOL, LowestPrecision
 from plait.tp.collectives import emulated, fresh
 from plait.tp.context import SequenceShardGrads, Style, TPContext
 from plait.tp.layers import find_activation
 
 __all__ = ["Blank", "MAX_UNIT_BYTES", "RTOL", "units", "verify"]
 
-RTOL = 1e-8
 # Replaces the parameters of a module by this rank's shards under ``ctx``'s styles; returns the
 # shards by parameter name (`plait.tp.apply` passes its own: this module imports neither it nor
 # the dry run, which imports this module).
@@ -256,24 +255,6 @@ class Mismatch(Exception):
     """What differs between a unit run whole and split."""
 
 
-class _Precision(TorchFunctionMode):
-    """Records the lowest floating precision any operation of a forward produced."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.eps = torch.finfo(torch.float64).eps
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in _leaves(out):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self.eps = max(self.eps, torch.finfo(t.dtype).eps)
-        return out
-
-    def rtol(self) -> float:
-        return max(RTOL, min(0.05, 256 * self.eps)) if self.eps > torch.finfo(torch.float64).eps else RTOL
-
-
 def _compare(what: str, got: torch.Tensor | None, want: torch.Tensor | None, rtol: float = RTOL,
              floor: float = 0.0) -> None:
     """``got`` equals ``want`` within ``rtol`` of the larger of ``want``'s largest entry and
@@ -370,7 +351,7 @@ def check_unit(mod: nn.Module, styles: dict[str, Style], n: int, sp: bool, blank
     whole = _materialize(mod, gen)
     inputs = _inputs(whole, blanks, n, gen)
     args, kwargs, act = inputs.local(1, 0)
-    precision = _Precision()
+    precision = LowestPrecision()
     with torch.enable_grad():
         with precision:
             outs = [t for t in _leaves(whole(*args, **kwargs)) if isinstance(t, torch.Tensor)]
