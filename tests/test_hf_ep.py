@@ -142,3 +142,36 @@ def test_stacked_experts_split_over_ep_and_tp_train_like_one_process(pools):
     for runs in pools[4].run(_runs, [("mixtral", "ddp-tp")]):
         for run in runs:
             assert run["held"] and all(shape[:2] == (2, 64) for shape in run["held"].values()), run
+
+
+def _stacked_dispatch_checked(bug: bool) -> dict:
+    """Mixtral at dp=2 x ep=2, one forward; ``bug``: the dispatch returns its rows reversed."""
+    from unittest import mock
+
+    from test_hf_tp import _batch, build_family
+
+    import plait
+    from plait.ep.stacked import StackedDispatch, stacked_expert_modules
+
+    mesh = cached_mesh(dp=2, ep=2)
+    torch.manual_seed(0)
+    model = build_family("mixtral", use_cache=False)
+    names = [n for n, _ in stacked_expert_modules(model)]
+    net = plait.parallelize(model, mesh, plait.ParallelPlan())
+    ids = _batch(0)[0].chunk(2)[mesh.rank("dp")]
+    compute = StackedDispatch._compute
+    reversed_rows = (lambda self, *args: compute(self, *args).flip(0)) if bug else compute
+    with mock.patch.object(StackedDispatch, "_compute", reversed_rows):
+        net(input_ids=ids)
+    return {"names": names, "errors": [m.forward.check_error for _, m in stacked_expert_modules(net)]}
+
+
+def test_stacked_expert_dispatch_is_verified_by_its_numbers_at_the_first_forward(pools):
+    # Rows that come back out of order keep every shape; the first forward refuses them on every
+    # ep rank, naming the stacked module and the expert (a correct dispatch passes, checked).
+    for error in pools[2].errors(_stacked_dispatch_checked, True).values():
+        assert "expert parallelism's numeric check: model.layers.0.mlp.experts expert " in error, error
+    for out in pools[2].run(_stacked_dispatch_checked, False):
+        assert len(out["errors"]) == len(out["names"]) > 0, out
+        assert all(e is not None and e <= 1e-8 for e in out["errors"]), out
+

@@ -374,7 +374,7 @@ def test_tensor_parallel_experts_with_sequence_parallelism_are_refused(pools):
 
 def _host_reads_per_step() -> dict:
     """Device-to-host reads (item, tolist, numpy, cpu, cuda.synchronize) plait's own code makes
-    in one MoE training step at dp=2 x ep=2: forward, backward and the optimizer's step."""
+    in each of two MoE training steps at dp=2 x ep=2: forward, backward and the optimizer's step."""
     import traceback
     from unittest import mock
 
@@ -398,18 +398,24 @@ def _host_reads_per_step() -> dict:
         return read
 
     names = ("item", "tolist", "numpy", "cpu")
+    per_step = []
     with mock.patch.multiple(torch.Tensor, **{n: counting(n, getattr(torch.Tensor, n)) for n in names}), \
             mock.patch("torch.cuda.synchronize", counting("cuda.synchronize", torch.cuda.synchronize)):
-        loss64(net(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {"reads": reads, "layers": len(moe_layers(net))}
+        for _ in range(2):
+            loss64(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            per_step.append(list(reads))
+            reads.clear()
+    return {"first": per_step[0], "reads": per_step[1], "layers": len(moe_layers(net))}
 
 
 def test_a_moe_training_step_reads_the_device_once_per_moe_layer(pools):
-    # The all-to-alls' split sizes (sent and received token counts) are the only host reads.
+    # The all-to-alls' split sizes (sent and received token counts) are the only host reads; the
+    # first step reads each layer's numeric check's verdict too.
     for out in pools[2].run(_host_reads_per_step):
         assert len(out["reads"]) == out["layers"], out
+        assert len(out["first"]) == 2 * out["layers"], out
 
 
 def _experts_in_buckets() -> dict:
@@ -466,4 +472,98 @@ def test_tensor_parallel_alone_shares_the_routing_over_its_sequence_shards(pools
     # the experts in use are summed over tp (the balancing loss covered each rank's shard only, and
     # an expert routed on one shard alone put the tp ranks out of step).
     pools[2].run(_tensor_parallel_alone)
+
+
+def _dispatch_checked(bug: str | None) -> dict:
+    """plait's MoE GPT at dp=2 x ep=2, two forwards; ``bug="swap"``: the dispatch runs each rank's
+    two local experts on each other's rows (every shape right). Without it: what the numeric check
+    logged and measured, and that it changed nothing (two SGD steps' outputs and parameters, the
+    random state and the counts the same as with the check off)."""
+    import logging
+    from unittest import mock
+
+    import plait
+    from plait.ep.dispatch import ExpertDispatch
+    from plait.models.moe import moe_layers
+
+    mesh = cached_mesh(dp=2, ep=2)
+    x, y = (t.chunk(2)[mesh.rank("dp")] for t in _batch(0))
+    compute = ExpertDispatch._compute
+
+    def swapped(self, received, sizes, runs=None):
+        a, b = self.first, self.first + 1
+        self.experts[a], self.experts[b] = self.experts[b], self.experts[a]
+        try:
+            return compute(self, received, sizes, runs)
+        finally:
+            self.experts[a], self.experts[b] = self.experts[b], self.experts[a]
+
+    if bug == "swap":
+        with mock.patch.object(ExpertDispatch, "_compute", swapped):
+            plait.parallelize(_gpt(), mesh, plait.ParallelPlan())(x)
+        return {}
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("plait.ep.numeric")
+    log.addHandler(handler)
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        runs = {}
+        for check in (True, False):
+            net = plait.parallelize(_gpt(), mesh, plait.ParallelPlan())
+            dispatches = [m.experts_forward for m in moe_layers(net)]
+            for d in dispatches:
+                d.to_check = check
+            opt = torch.optim.SGD(net.parameters(), lr=0.5)
+            torch.manual_seed(5)
+            outs = []
+            for _ in range(2):  # the check runs in the first forward only
+                outs.append(net(x))
+                loss64(outs[-1], y).backward()
+                opt.step()
+                opt.zero_grad()
+            runs[check] = {"outs": outs + list(net.parameters()), "rng": torch.get_rng_state(),
+                           "errors": [d.check_error for d in dispatches],
+                           "counts": [d.last_counts for d in dispatches]}
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    on, off = runs[True], runs[False]
+    pairs = [(a, b) for k in ("outs", "counts") for a, b in zip(on[k], off[k], strict=True)]
+    same = torch.equal(on["rng"], off["rng"]) and all(torch.equal(a, b) for a, b in pairs)
+    return {"records": records, "errors": on["errors"], "unchecked": off["errors"], "same": same}
+
+
+def _dispatch_from_a_rank_without_rows() -> dict:
+    """An `ExpertDispatch` over ep=2 called directly: rank 0 sends 5 rows (to experts 0 and 2),
+    rank 1 none; what comes back against each expert run here, and the check's verdict."""
+    from plait.ep.dispatch import ExpertDispatch
+    from plait.models.moe import SwiGLU
+
+    mesh = cached_mesh(dp=2, ep=2)
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(SwiGLU(8, 16) for _ in range(4)).double()
+    dispatch = ExpertDispatch(experts, 4, 2 * mesh.rank("ep"), mesh.group("ep"), 2, "layer")
+    counts = torch.tensor([2, 0, 3, 0] if mesh.rank("ep") == 0 else [0, 0, 0, 0])
+    tokens = torch.randn(int(counts.sum()), 8, dtype=torch.float64)
+    got = dispatch(tokens, counts)
+    want = torch.cat([experts[0](tokens[:2]), experts[2](tokens[2:])]) if tokens.shape[0] else tokens
+    return {"same": torch.allclose(got, want, rtol=1e-12, atol=0), "error": dispatch.check_error}
+
+
+def test_expert_parallel_dispatch_is_verified_by_its_numbers_at_the_first_forward(pools):
+    # A dispatch that runs the wrong expert on a block of rows keeps every shape and trained wrong;
+    # the first forward's numeric check refuses it on every ep rank, naming the layer and expert.
+    for error in pools[2].errors(_dispatch_checked, "swap").values():
+        assert "expert parallelism's numeric check: layers.0.mlp expert " in error, error
+        assert "differ from the expert's own output" in error and "(bound 1e-08)" in error, error
+    for out in pools[2].run(_dispatch_checked, None):
+        assert out["same"], out
+        assert out["unchecked"] == [None, None], out  # the check turned off by hand
+        assert all(e is not None and e <= 1e-8 for e in out["errors"]), out
+        assert [r.split(":")[1].strip() for r in out["records"]] == ["layers.0.mlp", "layers.1.mlp"], out
+    for out in pools[2].run(_dispatch_from_a_rank_without_rows):  # a rank with no rows takes part
+        assert out["same"] and out["error"] is not None and out["error"] <= 1e-8, out
 

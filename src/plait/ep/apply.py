@@ -51,7 +51,8 @@ class _Elsewhere(nn.Module):
         raise RuntimeError(f"expert {self.index} lives on ep rank {self.owner}; its tokens go there")
 
 
-def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> nn.Module:
+def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False,
+                    check: bool = True) -> nn.Module:
     """Split ``model``'s experts over ``mesh``'s ep groups, in place; return it. With ep=1 every
     rank keeps every expert, and the experts are only marked (their gradients, summed over the
     data ranks, may be missing where a rank routed no token to them).
@@ -64,7 +65,12 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
     replicates them over tp), so the statistics count their assignments over the tp group too.
 
     Experts stacked in tensors (transformers' MoE models, `plait.ep.stacked`) are split by rows
-    at ep > 1 and stay dense parameters at ep=1; their model computes its own balancing loss."""
+    at ep > 1 and stay dense parameters at ep=1; their model computes its own balancing loss.
+
+    ``check`` (default): at ep > 1, each layer's first forward verifies its dispatch by its numbers
+    (`plait.ep.numeric`: a few rows of every expert recomputed by the rank holding it, compared
+    with what came back) and refuses, naming the layer and the expert, rows that went to the
+    wrong expert or came back out of order. False skips it."""
     layers, stacked = _moe_layers(model)
     if ep_info(model) is not None:
         raise ValueError("expert_parallel: the model is already expert parallel")
@@ -92,11 +98,11 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
         _share_statistics(moe, mesh, sequence_parallel)
         if n > 1:
             moe.experts_forward = ExpertDispatch(moe.experts, moe.n_experts, j * per,  # type: ignore[method-assign]
-                                                 mesh.group("ep"), n)
+                                                 mesh.group("ep"), n, name, check)
     split: list[str] = []
     if n > 1:  # at ep=1 a stacked tensor is one dense parameter, every rank's gradient complete
         for name, mod in stacked:
-            kept = split_stacked(mod, placement, j, mesh.group("ep"))
+            kept = split_stacked(mod, placement, j, mesh.group("ep"), name, check)
             split += [f"{name}.{p}" if name else p for p in kept]
     attach_ep_info(model, ExpertParallelInfo(placement, tuple(local), tuple(absent), tuple(split)))
     return model

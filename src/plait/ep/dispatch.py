@@ -13,6 +13,9 @@ routed tokens sorted by expert with each expert's count. Per layer and direction
 
 Backward runs the two all-to-alls in reverse (`_AllToAll`), so an expert's gradient gathers
 every token of the ep group that was routed to it.
+
+The first call also verifies the result by its numbers (`plait.ep.numeric`): a dispatch that
+sent rows to the wrong expert or returned them out of order refuses to train.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.ep import numeric
 
 __all__ = ["ExpertDispatch"]
 
@@ -48,14 +52,18 @@ class _AllToAll(torch.autograd.Function):
 
 class ExpertDispatch:
     """`MoE.experts_forward` over an ep group: ``local`` are this rank's experts (global indices
-    ``first .. first + len(local) - 1``) of ``n_experts``."""
+    ``first .. first + len(local) - 1``) of ``n_experts``. ``name`` (the layer's, in errors and
+    logs) and ``check``: verify the first call by its numbers (`plait.ep.numeric`)."""
 
     def __init__(self, experts: nn.ModuleList, n_experts: int, first: int, group: dist.ProcessGroup | None,
-                 size: int) -> None:
+                 size: int, name: str = "", check: bool = True) -> None:
         self.experts, self.n_experts, self.first = experts, n_experts, first
-        self.group, self.size = group, size
+        self.group, self.size, self.name = group, size, name
         self.per_rank = n_experts // size
         self.last_counts: torch.Tensor | None = None  # (ep, local experts) rows received, last forward
+        self.to_check = check
+        # The largest relative difference the numeric check measured (None: not checked).
+        self.check_error: float | None = None
 
     def __call__(self, tokens: torch.Tensor, counts: torch.Tensor,
                  run: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,7 +91,17 @@ class ExpertDispatch:
         with comm.operation("MoE combine"):
             back = _AllToAll.apply(outputs, out_splits, in_splits, self.group)
         assert isinstance(back, torch.Tensor)
+        if self.to_check:  # every ep rank calls its dispatch alike: they check the same call
+            self.to_check = False
+            self.check_error = numeric.verify(self, tokens, back, sent_rows)
         return back
+
+    def reference(self, rows: torch.Tensor, e: int) -> torch.Tensor:
+        """Local expert ``e``'s output on ``rows``, computed without `_compute`: the numeric
+        check's reference."""
+        out = self.experts[self.first + e](rows)
+        assert isinstance(out, torch.Tensor)
+        return out
 
     def _compute(self, received: torch.Tensor, sizes: list[int],
                  runs: list[bool] | None = None) -> torch.Tensor:

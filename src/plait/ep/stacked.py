@@ -66,10 +66,11 @@ def _call_names(mod: nn.Module) -> tuple[str, ...]:
     return tuple(params)[1:4]
 
 
-def split_stacked(mod: nn.Module, placement: ExpertPlacement, rank: int,
-                  group: dist.ProcessGroup | None) -> list[str]:
+def split_stacked(mod: nn.Module, placement: ExpertPlacement, rank: int, group: dist.ProcessGroup | None,
+                  name: str = "", check: bool = True) -> list[str]:
     """Keep ``mod``'s rows for ep rank ``rank`` of ``placement.ep_size``, mark them, and route its
-    calls through a `StackedDispatch`; return the names of the split parameters."""
+    calls through a `StackedDispatch` (``name`` and ``check``: `ExpertDispatch`'s); return the
+    names of the split parameters."""
     n, size = expert_count(mod), placement.ep_size
     per = n // size
     first = rank * per
@@ -81,7 +82,7 @@ def split_stacked(mod: nn.Module, placement: ExpertPlacement, rank: int,
         setattr(mod, pname, kept)
         names.append(pname)
     mod.num_experts = per  # type: ignore[assignment]  # what its forward counts experts by
-    mod.forward = StackedDispatch(mod, n, first, group, size)
+    mod.forward = StackedDispatch(mod, n, first, group, size, name, check)
     mod.register_state_dict_post_hook(_as_full_tensors)
     mod.register_load_state_dict_pre_hook(_to_local_rows)
     return names
@@ -109,8 +110,8 @@ class StackedDispatch(ExpertDispatch):
     """A stacked expert module's forward over an ep group (see the module's docstring)."""
 
     def __init__(self, module: nn.Module, n_experts: int, first: int, group: dist.ProcessGroup | None,
-                 size: int) -> None:
-        super().__init__(nn.ModuleList(), n_experts, first, group, size)
+                 size: int, name: str = "", check: bool = True) -> None:
+        super().__init__(nn.ModuleList(), n_experts, first, group, size, name, check)
         self.module = module
         self.own_forward = type(module).forward  # the class's (transformers picks the implementation)
 
@@ -140,4 +141,14 @@ class StackedDispatch(ExpertDispatch):
         out = self.own_forward(self.module, received, expert.unsqueeze(1), ones)
         if not rows:  # no token came: a zero gradient, as one process gives these rows of the tensor
             out = out + sum(p.sum() for p in self.module.parameters(recurse=False)) * 0
+        return out
+
+    def reference(self, rows: torch.Tensor, e: int) -> torch.Tensor:
+        """The module's own forward on ``rows``, all for its local expert ``e`` with weight 1: one
+        expert per call, where `_compute` runs them all in one."""
+        n = rows.shape[0]
+        expert = torch.full((n, 1), e, dtype=torch.int64, device=rows.device)
+        ones = torch.ones(n, 1, dtype=rows.dtype, device=rows.device)
+        out = self.own_forward(self.module, rows, expert, ones)
+        assert isinstance(out, torch.Tensor)
         return out
