@@ -104,7 +104,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         parts: dict[str, nn.Module] = {"wte": nn.Embedding(cfg.vocab_size, cfg.n_embd)}
-        if cfg.positions in ("wpe", "cumsum"):  # registered where nanoGPT has it: after wte, before the blocks
+        if cfg.positions in ("wpe", "cumsum"):  # where nanoGPT registers it: after wte, before the blocks
             parts["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
         parts["h"] = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         parts["ln_f"] = nn.LayerNorm(cfg.n_embd)

@@ -36,6 +36,7 @@ class ParallelPlan:
     sequence_parallel: bool = False
     cp: str | None = None  # context parallel algorithm: "ring", "allgather", "ulysses"; None: off
     cp_check: bool = True  # `context_parallel(check=...)`: verified by its numbers on the first forward
+    ep_check: bool = True  # `expert_parallel(check=...)`: each dispatch verified on its first forward
     ac: str | None = None  # activation checkpointing: "full", "selective" or None (off)
     ac_every: int = 1  # checkpoint every k-th block only
     ac_blocks: Sequence[type | str] | None = None  # None: the blocks of the outermost containers

@@ -163,7 +163,7 @@ def _steps_after_tensor_parallel(module: nn.Module, mesh: Mesh, plan: ParallelPl
         if algorithm is not None and (not pipelined or has_attention(part)):  # 1b
             context_parallel(part, mesh, algorithm, positions=positions, check=cp_check)
         if experts and has_experts(part):  # 1c (ep=1: plait's experts are only marked)
-            expert_parallel(part, mesh, sequence_parallel)
+            expert_parallel(part, mesh, sequence_parallel, check=plan.ep_check)
         if policy is not None:  # 2
             held = {n for n, _ in part.named_modules()}
             checkpoint_blocks(part, [n for n in chosen if n in held], policy)

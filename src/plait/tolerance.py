@@ -11,12 +11,13 @@ at 5%. A wrong layout moves results by O(1) of their size, far past either bound
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["RTOL", "LowestPrecision"]
+__all__ = ["RTOL", "LowestPrecision", "rtol_for"]
 
 RTOL = 1e-8
 _CAP = 0.05
@@ -38,6 +39,14 @@ class LowestPrecision(TorchFunctionMode):
         return out
 
     def rtol(self) -> float:
-        if self.eps > torch.finfo(torch.float64).eps:
-            return max(RTOL, min(_CAP, 256 * self.eps))
-        return RTOL
+        return _rtol(self.eps)
+
+
+def rtol_for(dtypes: Iterable[torch.dtype]) -> float:
+    """The bound for results computed in ``dtypes`` (the least precise floating one counts)."""
+    return _rtol(max((torch.finfo(d).eps for d in dtypes if d.is_floating_point),
+                     default=torch.finfo(torch.float64).eps))
+
+
+def _rtol(eps: float) -> float:
+    return max(RTOL, min(_CAP, 256 * eps)) if eps > torch.finfo(torch.float64).eps else RTOL

@@ -12,11 +12,11 @@ module itself; stacked experts: the module's own forward, one expert at a time),
 with what the dispatch returned to each source. The worst difference per expert is agreed over
 the ep group, so every rank refuses the layout together, naming the layer and the expert.
 
-Bound: both sides run the same expert on the same rows, so only the kernels' order of sums over
-a different number of rows can differ (a few ulps): a difference passes at ``RTOL`` = 1e-8 of the
-expert output's largest entry in float64, and at ``256 * eps`` of the lowest floating dtype the
-rows, the outputs or the expert's recomputation use otherwise (float32: 3e-5; capped at 5%). A
-wrong expert or order moves rows by O(1) of their size.
+Bound (`plait.tolerance`): both sides run the same expert on the same rows, so only the kernels'
+order of sums over a different number of rows can differ (a few ulps): a difference passes at
+1e-8 of the expert output's largest entry in float64, and at ``256 * eps`` of the lowest floating
+dtype the rows, the outputs or the expert's recomputation use otherwise (float32: 3e-5; capped
+at 5%). A wrong expert or order moves rows by O(1) of their size.
 
 Cost, per dispatch and once: one all-gather over ep of at most ``max(n_experts, ROWS)`` rows per
 rank (inputs and outputs), each local expert run once on what every rank picked for it, one
@@ -38,12 +38,11 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
+from plait.tolerance import rtol_for
 
-__all__ = ["RTOL", "ROWS", "Dispatch", "sample", "bound", "verify"]
+__all__ = ["ROWS", "Dispatch", "sample", "verify"]
 
-RTOL = 1e-8
 ROWS = 256  # rows a rank picks per dispatch, at most (at least one per expert)
-_CAP = 0.05
 _log = logging.getLogger("plait.ep.numeric")
 
 
@@ -77,13 +76,6 @@ def sample(counts: Sequence[int], per: int) -> tuple[list[int], list[int]]:
     return rows, slots
 
 
-def bound(dtypes: Sequence[torch.dtype]) -> float:
-    """The largest difference allowed, relative to the expert output's largest entry, for results
-    computed in ``dtypes``: `RTOL` in float64, else 256 eps of the least precise (capped at 5%)."""
-    eps = max(torch.finfo(d).eps for d in dtypes if d.is_floating_point)
-    return RTOL if eps <= torch.finfo(torch.float64).eps else max(RTOL, min(_CAP, 256 * eps))
-
-
 def verify(dispatch: Dispatch, tokens: torch.Tensor, outputs: torch.Tensor,
            counts: Sequence[int]) -> float:
     """Check ``outputs``, what ``dispatch`` returned for ``tokens`` (``counts[e]`` rows for global
@@ -95,7 +87,7 @@ def verify(dispatch: Dispatch, tokens: torch.Tensor, outputs: torch.Tensor,
         with comm.operation("MoE dispatch check verdict"):
             comm.all_reduce(worst, dispatch.group, op=comm.ReduceOp.MAX)
         errors = worst.tolist()  # the check's one read from the device
-    limit = bound(dtypes)
+    limit = rtol_for(dtypes)
     bad = sorted(((err, e) for e, err in enumerate(errors) if not err <= limit), reverse=True)
     if bad:
         raise RuntimeError(_refusal(dispatch.name, bad, limit))
