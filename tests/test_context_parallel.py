@@ -305,3 +305,20 @@ def test_a_mask_passed_to_every_layer_is_read_once():
         mask[..., 0, 1] = True  # written in place: read again, no longer causal
         assert _mask_verdict(mask, n, n, None) is None
         assert _mask_verdict(mask.clone().tril_(), n, n, None) is True  # another tensor
+
+
+def test_the_numeric_check_holds_each_dtype_to_its_rounding():
+    # float64 and float32 as tensor parallelism's check; a 16-bit dtype anywhere in the run gets
+    # the whole-model bound (its rounding adds up over the layers), still half a misplaced position.
+    from plait.cp.numeric import HALF_BOUND, bound
+    from plait.tolerance import RTOL, LowestPrecision
+
+    seen = {}
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        with LowestPrecision() as precision:
+            torch.ones(2, dtype=torch.float64) + torch.ones(2, dtype=dtype)  # promoted: float64 out
+            torch.ones(2, dtype=dtype) * 2
+        seen[dtype] = bound(precision)
+    assert seen[torch.float64] == RTOL
+    assert seen[torch.float32] == pytest.approx(256 * torch.finfo(torch.float32).eps)
+    assert seen[torch.bfloat16] == seen[torch.float16] == HALF_BOUND
