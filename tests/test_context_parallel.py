@@ -322,3 +322,23 @@ def test_the_numeric_check_holds_each_dtype_to_its_rounding():
     assert seen[torch.float64] == RTOL
     assert seen[torch.float32] == pytest.approx(256 * torch.finfo(torch.float32).eps)
     assert seen[torch.bfloat16] == seen[torch.float16] == HALF_BOUND
+
+
+def _checked_or_not() -> list:
+    import plait
+    from plait.materialize import init_weights
+    from plait.models.gpt import GPT, GPTConfig
+
+    mesh = cached_mesh(cp=2)
+    out = []
+    for check in (True, False):
+        net = plait.parallelize(init_weights(GPT(GPTConfig(**TINY)).to(torch.float64), seed=3), mesh,
+                                plait.ParallelPlan(cp="ring", cp_check=check))
+        net(plait.cp.shard(_batch(0)[0], mesh))
+        out.append(plait.cp.verified(net))
+    return out
+
+
+def test_the_plan_switches_the_numeric_check_on_and_off(pools):
+    for on, off in pools[2].run(_checked_or_not):
+        assert on is not None and on.compared == 1 and on.worst <= 1 and off is None

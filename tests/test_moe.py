@@ -512,10 +512,8 @@ def _dispatch_checked(bug: str | None) -> dict:
     try:
         runs = {}
         for check in (True, False):
-            net = plait.parallelize(_gpt(), mesh, plait.ParallelPlan())
+            net = plait.parallelize(_gpt(), mesh, plait.ParallelPlan(ep_check=check))
             dispatches = [m.experts_forward for m in moe_layers(net)]
-            for d in dispatches:
-                d.to_check = check
             opt = torch.optim.SGD(net.parameters(), lr=0.5)
             torch.manual_seed(5)
             outs = []
@@ -561,7 +559,7 @@ def test_expert_parallel_dispatch_is_verified_by_its_numbers_at_the_first_forwar
         assert "differ from the expert's own output" in error and "(bound 1e-08)" in error, error
     for out in pools[2].run(_dispatch_checked, None):
         assert out["same"], out
-        assert out["unchecked"] == [None, None], out  # the check turned off by hand
+        assert out["unchecked"] == [None, None], out  # ParallelPlan(ep_check=False): no check
         assert all(e is not None and e <= 1e-8 for e in out["errors"]), out
         assert [r.split(":")[1].strip() for r in out["records"]] == ["layers.0.mlp", "layers.1.mlp"], out
     for out in pools[2].run(_dispatch_from_a_rank_without_rows):  # a rank with no rows takes part
