@@ -2,11 +2,19 @@
 included (`context_parallel`; the algorithms `ring_attention`, `allgather_attention`,
 `ulysses_attention`; the zigzag `Layout`; `shard` / `unshard` of full-sequence tensors)."""
 
-from plait.cp.apply import ALGORITHMS, ContextParallelInfo, context_parallel, cp_info, shard, unshard
+from plait.cp.apply import (
+                            ALGORITHMS,
+                            ContextParallelInfo,
+                            context_parallel,
+                            cp_info,
+                            shard,
+                            unshard,
+                            verified,
+)
 from plait.cp.gather import allgather_attention, ulysses_attention
 from plait.cp.group import CPGroup
 from plait.cp.layout import Layout, Span
-from plait.cp.numeric import Verified, verified
+from plait.cp.numeric import Verified
 from plait.cp.ring import ring_attention
 
 __all__ = ["context_parallel", "cp_info", "ContextParallelInfo", "shard", "unshard", "ALGORITHMS",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,14 +37,14 @@ from torch.overrides import TorchFunctionMode
 from plait.cp.gather import allgather_attention, ulysses_attention
 from plait.cp.group import CPGroup
 from plait.cp.layout import Layout
-from plait.cp.numeric import install_check
+from plait.cp.numeric import Verified, install_check
 from plait.cp.positions import POSITIONS, Watcher, install, positions_mode
 from plait.cp.ring import ring_attention
 from plait.mesh import Mesh
 from plait.names import matches
 
 __all__ = ["context_parallel", "ALGORITHMS", "POSITIONS", "shard", "unshard", "cp_info",
-           "ContextParallelInfo", "has_attention"]
+           "ContextParallelInfo", "has_attention", "verified"]
 
 ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
@@ -60,6 +60,8 @@ class ContextParallelInfo:
     algorithm: str
     positions: str
     attention: tuple[str, ...]  # the hooked modules' names
+    # What the numeric check found on the first forward (`plait.cp.numeric`); empty until then.
+    checks: list[Verified] = field(default_factory=list, compare=False, repr=False)
 
     def sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -171,6 +173,12 @@ def cp_info(model: nn.Module) -> ContextParallelInfo | None:
     return None
 
 
+def verified(model: nn.Module) -> Verified | None:
+    """The numeric check's result on ``model`` (None before its first forward, or when off)."""
+    info = cp_info(model)
+    return info.checks[-1] if info is not None and info.checks else None
+
+
 def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, positions: str = "auto",
                      attention: Sequence[type | str] | None = None, check: bool = True) -> nn.Module:
     """Make ``model``'s attention context parallel over ``mesh``'s ``cp`` axis, in place; return it.
@@ -217,7 +225,7 @@ def context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "ring", *, p
     for name, mod in targets:
         _hook(mod, name, info, watcher, sliding_window_of(mod, model))
     if check and info.cp.size > 1:
-        install_check(model, info.cp, mesh.group(_DATA))
+        install_check(model, info.cp, mesh.group(_DATA), info.checks.append)
     return model
 
 

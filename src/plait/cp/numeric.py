@@ -16,17 +16,18 @@ naming the output, the rank and the difference; otherwise the first forward goes
 nothing had run.
 
 Cost: one forward of one short sequence whole and one split, and one small all-gather of the
-inputs, once per process (logged; `verified(model)` holds the result). What it cannot see: a
-module the short sequence does not reach (a sliding window longer than `TOKENS`), and backward
-(its attention kernels are tested against torch's; its positions are the forward's). A model
-whose outputs carry no sequence dimension (a loss computed inside) is not compared, and says so.
+inputs, once per process (logged; `plait.cp.verified(model)` holds the result). What it cannot
+see: a module the short sequence does not reach (a sliding window longer than `TOKENS`), and
+backward (its attention kernels are tested against torch's; its positions are the forward's). A
+model whose outputs carry no sequence dimension (a loss computed inside) is not compared, and
+says so.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -41,11 +42,10 @@ from plait.cp.group import CPGroup
 from plait.cp.layout import Layout
 from plait.tolerance import LowestPrecision
 
-__all__ = ["HALF_BOUND", "TOKENS", "Verified", "bound", "install_check", "verified"]
+__all__ = ["HALF_BOUND", "TOKENS", "Verified", "bound", "install_check"]
 
 HALF_BOUND = 0.25  # the least bound in bfloat16 and float16 (`bound`)
 TOKENS = 256  # the longest sequence the check runs: its cost stays one short forward at any length
-_ATTR = "_plait_cp_verified"
 _log = logging.getLogger("plait.cp.numeric")
 
 
@@ -60,25 +60,18 @@ class Verified:
     seconds: float
 
 
-def verified(model: nn.Module) -> Verified | None:
-    """The numeric check's result on ``model`` (None before its first forward, or when off)."""
-    for mod in model.modules():
-        found = getattr(mod, _ATTR, None)
-        if isinstance(found, Verified):
-            return found
-    return None
-
-
-def install_check(model: nn.Module, cp: CPGroup, agree: dist.ProcessGroup | None) -> None:
-    """Run the check on ``model``'s first call, before anything else of it runs; the verdict is
-    agreed over ``agree`` (every rank that runs this call at the same time)."""
+def install_check(model: nn.Module, cp: CPGroup, agree: dist.ProcessGroup | None,
+                  record: Callable[[Verified], None]) -> None:
+    """Run the check on ``model``'s first call, before anything else of it runs, and ``record``
+    what it found; the verdict is agreed over ``agree`` (every rank that runs this call at the
+    same time)."""
     def first_call(_m: nn.Module, args: tuple, kwargs: dict) -> None:
         if _rehearsal(model, (args, kwargs)):
             return  # a run on the meta device (`plait plan`, a pipeline's shapes): no values to compare
         handle.remove()
         found = _verify(model, cp, agree, args, kwargs)
         if found is not None:
-            setattr(model, _ATTR, found)
+            record(found)
 
     # First among the hooks: the check calls the model itself, and positions' hooks must see those
     # calls from their start.
