@@ -20,12 +20,19 @@ from plait.testing import RankPool
 
 @pytest.fixture(scope="session")
 def pools() -> Iterator[dict[int, RankPool]]:
-    """``pools[n]`` starts an n-rank pool on first use and closes it at the end of the session."""
+    """``pools[n]`` starts an n-rank pool on first use and closes it at the end of the session.
+
+    Its ranks compare each group's whole history once at the end of every task
+    (`plait.comm.verify_history`) rather than before every collective: the same verdict on
+    every call (no layout trips the check), without a round trip per collective that made
+    the multi-rank tests a fifth slower. The per-call check itself is tested by test_failures'
+    pool and by every job the suite launches (`plait train`, `plait check`), which run as users
+    do."""
     made: dict[int, RankPool] = {}
 
     class _Lazy(dict):
         def __missing__(self, n: int) -> RankPool:
-            made[n] = RankPool(n)
+            made[n] = RankPool(n, desync_check="off")
             self[n] = made[n]
             return made[n]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -217,6 +218,47 @@ def _matching(mode: str) -> list[float]:
 @pytest.mark.parametrize("mode", ["off", "fast", "full"])
 def test_matching_collectives_pass_every_check_mode(pool, mode):
     assert pool.run(_matching, mode) == [[1.0, 3.0, 5.0, 7.0, 0.0, 0.0, 1.0, 1.0]] * 2
+
+
+def _history_of(case: str) -> str:
+    """``case`` with the per-call check off, then the whole history compared at once."""
+    with comm.desync_check("off"):
+        values = _two_calls(case)
+    try:
+        comm.verify_history()
+    except comm.CollectiveError as e:
+        return f"{values}: {e}"
+    return f"{values}: no desync"
+
+
+def test_the_history_compared_at_once_names_the_first_call_that_differed(pool):
+    # Unchecked, the swapped all-reduces ran and mixed the data (11 everywhere); the comparison
+    # afterwards names both sides of call #1, as the per-call check would have before it ran.
+    for r, out in enumerate(pool.run(_history_of, "swapped")):
+        mixed = "[[11.0, 11.0, 11.0, 11.0], [11.0, 11.0, 11.0, 11.0]]"
+        assert out.startswith(f"{mixed}: collective desync on axis 'dp'"), out
+        assert "found afterwards: the calls ran" in out, out
+        # The first of the two calls (the axis's earlier calls, other tasks', matched).
+        first = re.search(r"at call #(\d+) ", out)
+        assert first is not None, out
+        assert f"rank {r}: #{first[1]} all_reduce of a (4,) float32 tensor (sum) called at " in out, out
+        sites = [line.split("called at ")[1] for line in out.splitlines() if "called at" in line]
+        assert len(set(sites)) == 2, out  # each rank's own line
+    out = pool.run(_history_of, "reduce_op")
+    assert all("collective desync" in o and "(sum)" in o and "(max)" in o for o in out), out
+    # Matching histories (this pool's every earlier task included) pass.
+    assert pool.run(_matching, "off") == [[1.0, 3.0, 5.0, 7.0, 0.0, 0.0, 1.0, 1.0]] * 2
+    assert pool.run(comm.verify_history) == [None, None]
+
+
+def test_a_pool_that_skips_the_per_call_check_fails_a_task_whose_collectives_differed():
+    # The suite's shared pools run so (conftest): a layout that desyncs still fails its test.
+    with contextlib.closing(RankPool(2, desync_check="off")) as off:
+        with pytest.raises(RankFailure) as info:
+            off.run(_two_calls, "swapped")
+        errors = info.value.errors
+        assert set(errors) == {0, 1}, errors
+        assert all("collective desync on axis 'dp'" in e for e in errors.values()), errors
 
 
 def _full_mode_desync() -> None:

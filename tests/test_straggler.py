@@ -22,6 +22,7 @@ def _train_with_a_slow_rank(tmp: str, slow: int | None) -> list[dict]:
     import torch.distributed as dist
     from oracle import TRAIN_BASE
 
+    from plait import comm
     from plait.app.train import TrainConfig, train
     from plait.models.gpt import GPT
 
@@ -33,9 +34,10 @@ def _train_with_a_slow_rank(tmp: str, slow: int | None) -> list[dict]:
 
     if dist.get_rank() == slow:
         GPT.forward = sleepy  # type: ignore[method-assign]
-    try:
-        train(TrainConfig.from_flags(**{**TRAIN_BASE, "run_dir": tmp, "name": "r", "strategy": "ddp",
-                                        "nproc": 2, "steps": 20, "straggler_every": 10}))
+    try:  # blame reads the waits of the desync check, plait train's default (the pools run without it)
+        with comm.desync_check("fast"):
+            train(TrainConfig.from_flags(**{**TRAIN_BASE, "run_dir": tmp, "name": "r", "strategy": "ddp",
+                                            "nproc": 2, "steps": 20, "straggler_every": 10}))
     finally:
         GPT.forward = original  # type: ignore[method-assign]
     if dist.get_rank() != 0:
@@ -60,3 +62,13 @@ def test_an_even_run_raises_no_alarm(pools, tmp_path):
     reports = pools[2].run(_train_with_a_slow_rank, str(tmp_path), None)[0]
     assert [r["step"] for r in reports] == [10, 20]
     assert all(r["stragglers"] == [] for r in reports), reports
+
+
+def test_blame_with_the_desync_check_off_is_refused_by_name():
+    # It measures the check's waits: with the check off it would name no one, ever.
+    from plait import comm
+    from plait.straggler import StragglerTracker
+
+    with comm.desync_check("off"), pytest.raises(ValueError, match="desync check, which is off"):
+        StragglerTracker()
+    StragglerTracker()  # the default check is on

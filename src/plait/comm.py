@@ -301,6 +301,11 @@ def configure(desync_check: str | None = None, run_dir: str | None = None, timeo
         _settings["run_dir"] = run_dir
 
 
+def desync_mode() -> str:
+    """The desync check mode now in force: "off", "fast" or "full"."""
+    return str(_settings["mode"])
+
+
 @contextmanager
 def desync_check(mode: str) -> Iterator[None]:
     """Run the block with another desync check mode: "off", "fast" (the default) or "full"."""
@@ -459,13 +464,41 @@ def _check(info: GroupInfo, rec: CallRecord, on_fail: Callable[[Exception], str]
     return None
 
 
+def verify_history() -> None:
+    """Compare each group's whole history across its ranks now; raise `CollectiveError` naming
+    the first call that differed (as the per-call check would have).
+
+    Collective over the world: every rank calls it, between collectives. The running fingerprint
+    chains every call a rank made on a group, so one comparison per group proves that every call
+    so far matched on every rank: the per-call check (``desync_check="fast"``) would have passed
+    at each of them. With ``desync_check="off"`` (which saves a round trip per collective), a
+    call now and then (each epoch, at the end of a job) still finds a desync that did not hang.
+    """
+    pending = []
+    # Launched together, then awaited; in one order on every rank (a group registered at its
+    # first use is registered at different times on different ranks), as are the reports.
+    for info in sorted(_groups.values(), key=lambda i: (i.label, i.ranks)):
+        if info.checker is None or len(info.ranks) < 2:
+            continue
+        fp = torch.tensor([info.log.fingerprint, -info.log.fingerprint], dtype=torch.int64)
+        pending.append((info, fp, dist.all_reduce(fp, op=ReduceOp.MAX, group=info.checker, async_op=True)))
+    for info, fp, work in pending:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            where = f"axis '{info.label}' (global ranks {list(info.ranks)})"
+            raise CollectiveError(f"comparing the history of {where} failed: {e}") from e
+        if int(fp[0]) != -int(fp[1]):
+            raise CollectiveError(_desync_report(info, after=True))
+
+
 def _gather_records(info: GroupInfo, mine: list[CallRecord]) -> list[CallRecord]:
     out: list[Any] = [None] * len(info.ranks)
     dist.all_gather_object(out, mine, group=info.checker)
     return [r for recs in out for r in recs]
 
 
-def _desync_report(info: GroupInfo) -> str:
+def _desync_report(info: GroupInfo, after: bool = False) -> str:
     """Gather every rank's recent calls on the group and name the first that differs."""
     out: list[Any] = [None] * len(info.ranks)
     dist.all_gather_object(out, list(info.log.last), group=info.checker)
@@ -475,8 +508,10 @@ def _desync_report(info: GroupInfo) -> str:
     info.log = GroupLog()
     sides = "\n".join(f"  rank {r}: " + (rec.describe() if rec is not None else "no collective (skipped)")
                        for r, rec in zip(info.ranks, recs))
+    moved = ("found afterwards: the calls ran, with the per-call check off, and what they returned is wrong"
+             if after else "nothing was exchanged")
     return (f"collective desync on axis '{info.label}' (global ranks {list(info.ranks)}) at call #{seq} "
-            f"of that axis; nothing was exchanged. Each rank's collective there:\n{sides}")
+            f"of that axis; {moved}. Each rank's collective there:\n{sides}")
 
 
 def _failure_report(info: GroupInfo, rec: CallRecord, error: Exception) -> str:

@@ -52,6 +52,9 @@ class StragglerTracker:
     on a busy host) raises no alarm."""
 
     def __init__(self, min_s: float = 0.1, min_share: float = 0.2) -> None:
+        if comm.desync_mode() == "off":  # no wait would be measured: blame would name no one, ever
+            raise ValueError("StragglerTracker: straggler blame measures the waits of the desync check, "
+                             "which is off; plait.init(desync_check='fast') (the default) turns it on")
         self.min_s, self.min_share = min_s, min_share
         self.restart()
         # The rank each group's peers waited for in the last window: named once it repeats.

@@ -337,7 +337,13 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
     eval_loss = None
     t_start = time.perf_counter()
     end = cfg.run.steps  # the step the run ends after: a stop (SIGTERM, SIGINT) may end it sooner
-    stragglers = StragglerTracker()
+    stragglers = None
+    if cfg.run.straggler_every and comm.desync_mode() == "off":  # a caller's plait.init turned it off
+        if is_main:
+            log.warning("straggler blame is off: it measures the desync check's waits, and this process "
+                        "runs with desync_check='off'")
+    elif cfg.run.straggler_every:
+        stragglers = StragglerTracker()
     for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
         for g in opt.param_groups:
@@ -368,11 +374,11 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
                 log.warning("step %d: fp16 gradients overflowed on some rank; step skipped on every rank, "
                             "loss scale now %g (%d skipped so far)", step + 1, scaler.get_scale(),
                             scaler.skipped_steps)
-        if step == start:  # the first step's one-time work is nobody's slowness
+        if stragglers is not None and step == start:  # the first step's one-time work is nobody's slowness
             stragglers.restart()
-        else:
+        elif stragglers is not None:
             stragglers.step()
-        if cfg.run.straggler_every and (step + 1) % cfg.run.straggler_every == 0:
+        if stragglers is not None and (step + 1) % cfg.run.straggler_every == 0:
             blamed = stragglers.blame()  # every rank: one gather of the ranks' waits
             record["stragglers"] = [dataclasses.asdict(b) for b in blamed]
             for b in blamed if is_main else []:
