@@ -13,7 +13,9 @@ import os
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,37 +90,11 @@ def _tie_all_reduce(setup):
     return pipe
 
 
-def _finish(pool: RankPool, fn_name: str) -> tuple[float, str]:
+def _frozen(pool: RankPool, fn_name: str) -> tuple[float, str]:
     with pytest.raises(RankFailure) as info:
         pool.run(_freeze_rank1_then, fn_name, pool.pids())
     assert info.value.errors == {1: "died"}, info.value.errors
     return info.value.results[0]
-
-
-def test_frozen_rank_ends_its_peer_on_a_mesh_group_within_the_timeout(pool):
-    elapsed, message = _finish(pool, "_mesh_all_reduce")
-    assert TIMEOUT_S - 0.5 < elapsed < BOUND_S, (elapsed, message)
-    assert "all_reduce of a (3,) torch.float32 tensor on axis 'dp'" in message, message
-    assert "ranks [1] did not arrive" in message and "step 50" in message, message
-    assert "test_failures.py" in message  # the user's call site
-    flight = Path(pool.run_dir) / "flight" / "rank0.jsonl"
-    assert str(flight) in message
-    lines = [json.loads(x) for x in flight.read_text().splitlines()]
-    assert lines[-1]["op"] == "all_reduce" and lines[-1]["label"] == "step 50", lines[-1]
-
-
-def test_frozen_rank_ends_its_peer_in_a_pipeline_step(pool):
-    elapsed, message = _finish(pool, "_pipeline_step")
-    assert TIMEOUT_S - 0.5 < elapsed < BOUND_S, (elapsed, message)
-    # Stage 0 waits for stage 1's gradient on the group of that direction.
-    assert "recv of a" in message and "from rank 1 on axis 'pp'" in message, message
-    assert "rank 1 never completed its side" in message and "flight" in message, message
-
-
-def test_frozen_rank_ends_its_peer_on_a_tie_group(pool):
-    elapsed, message = _finish(pool, "_tie_all_reduce")
-    assert TIMEOUT_S - 0.5 < elapsed < BOUND_S, (elapsed, message)
-    assert "axis 'pp_tied'" in message and "ranks [1] did not arrive" in message, message
 
 
 def _skip_last() -> str:
@@ -133,9 +109,61 @@ def _skip_last() -> str:
     return "no error"
 
 
-def test_a_collective_skipped_at_the_end_times_out_naming_the_missing_rank(pool):
-    message, skipped = pool.run(_skip_last)
-    pool.restart()  # rank 0 left the group mid-collective
+def _skipped(pool: RankPool, _: str) -> tuple[str, str]:
+    return tuple(pool.run(_skip_last))  # type: ignore[return-value]
+
+
+STALLS = {"_mesh_all_reduce": _frozen, "_pipeline_step": _frozen, "_tie_all_reduce": _frozen,
+          "_skip_last": _skipped}
+
+
+@pytest.fixture(scope="module")
+def stalled(tmp_path_factory) -> dict[str, tuple[Any, str]]:
+    """Each stall (a frozen rank 1 in three places, a collective rank 1 skips) on a pool of its
+    own, all at the same time: each spends its seconds waiting out the timeout, so together they
+    take about as long as one. Returns each one's (outcome, flight record folder)."""
+    dirs = {name: str(tmp_path_factory.mktemp(name.strip("_"))) for name in STALLS}
+
+    def one(name: str) -> tuple[Any, str]:
+        run_dir = dirs[name]
+        p = RankPool(2, timeout_s=TIMEOUT_S, run_dir=run_dir)
+        try:
+            return STALLS[name](p, name), run_dir
+        finally:
+            p.close()
+
+    with ThreadPoolExecutor(len(STALLS)) as ex:
+        return dict(zip(STALLS, ex.map(one, STALLS)))
+
+
+def test_frozen_rank_ends_its_peer_on_a_mesh_group_within_the_timeout(stalled):
+    (elapsed, message), run_dir = stalled["_mesh_all_reduce"]
+    assert TIMEOUT_S - 0.5 < elapsed < BOUND_S, (elapsed, message)
+    assert "all_reduce of a (3,) torch.float32 tensor on axis 'dp'" in message, message
+    assert "ranks [1] did not arrive" in message and "step 50" in message, message
+    assert "test_failures.py" in message  # the user's call site
+    flight = Path(run_dir) / "flight" / "rank0.jsonl"
+    assert str(flight) in message
+    lines = [json.loads(x) for x in flight.read_text().splitlines()]
+    assert lines[-1]["op"] == "all_reduce" and lines[-1]["label"] == "step 50", lines[-1]
+
+
+def test_frozen_rank_ends_its_peer_in_a_pipeline_step(stalled):
+    (elapsed, message), _ = stalled["_pipeline_step"]
+    assert TIMEOUT_S - 0.5 < elapsed < BOUND_S, (elapsed, message)
+    # Stage 0 waits for stage 1's gradient on the group of that direction.
+    assert "recv of a" in message and "from rank 1 on axis 'pp'" in message, message
+    assert "rank 1 never completed its side" in message and "flight" in message, message
+
+
+def test_frozen_rank_ends_its_peer_on_a_tie_group(stalled):
+    (elapsed, message), _ = stalled["_tie_all_reduce"]
+    assert TIMEOUT_S - 0.5 < elapsed < BOUND_S, (elapsed, message)
+    assert "axis 'pp_tied'" in message and "ranks [1] did not arrive" in message, message
+
+
+def test_a_collective_skipped_at_the_end_times_out_naming_the_missing_rank(stalled):
+    (message, skipped), _ = stalled["_skip_last"]
     assert skipped == "skipped"
     assert "ranks [1] did not arrive" in message, message
     assert float(message.split(" s:")[0]) < BOUND_S
