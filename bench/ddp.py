@@ -73,8 +73,12 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
         if blamed_steps[0] % STRAGGLER_EVERY == 0:
             tracker.blame()  # every rank: one gather of the ranks' waits
 
+    # The same model and optimizer with no wrapper and no communication: the floor any DDP's step
+    # could reach if its all-reduces cost nothing at all.
+    alone = preset_gpt(preset, seq)
+    alone_step = _step_fn(alone, torch.optim.AdamW(alone.parameters(), lr=1e-4), x, y)
     steps = {"plait": plait_step, "torch": _step_fn(theirs, opt_b, x, y), "plait_unchecked": unchecked,
-             "plait_blamed": blamed}
+             "plait_blamed": blamed, "alone": alone_step}
     times = alternate(steps, warmup, iters)
     comm.reset_stats()
     steps["plait"]()
@@ -151,6 +155,7 @@ def main(argv: list[str]) -> int:
     paired = [a / b for a, b in zip(out["times"]["plait"], out["times"]["torch"])]
     unchecked = out["times"]["plait_unchecked"]
     check_cost = [a / b for a, b in zip(out["times"]["plait"], unchecked)]
+    alone = [a / b for a, b in zip(out["times"]["alone"], out["times"]["torch"])]
     blamed = out["times"]["plait_blamed"]
     blame_cost = [a / b for a, b in zip(blamed, out["times"]["plait"])]
     tokens = args.batch * args.seq
@@ -158,6 +163,8 @@ def main(argv: list[str]) -> int:
         ["median step time (s)", t_plait, t_torch, t_plait / t_torch],
         ["median of paired step ratios (spread)", "", "",
          f"{median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})"],
+        ["no communication (the model alone on each rank) / torch DDP, paired", "", "",
+         f"{median(alone):.3f} ({min(alone):.3f}-{max(alone):.3f})"],
         ["tokens/s", tokens / t_plait, tokens / t_torch, t_torch / t_plait],
         ["peak RSS per rank (MiB)", rss["plait"], rss["torch"], rss["plait"] / rss["torch"]],
     ]
@@ -170,6 +177,11 @@ def main(argv: list[str]) -> int:
         + markdown_table(["", "plait", "torch DDP", "plait / torch"], rows)
         + f"\n\nBytes all-reduced per step / (parameters x 4 bytes): **{out['bytes_ratio']:.2f}** "
         "(theory 1.00).\n"
+        + "\nThe step with no communication at all (the bare model and optimizer, each rank on its own "
+        "half batch) is the floor of any DDP on this machine: a DDP step can be faster than torch's by "
+        f"at most 1 - {median(alone):.3f}, the share of torch's step its all-reduces cost. On two CPU "
+        "ranks Gloo's reductions and copies run on the same cores as the backward, so overlapping them "
+        "with it saves little.\n"
         + "\nDesync check (on by default: one 16-byte fingerprint all-reduce on a companion Gloo "
         "group per backward for the buckets, per collective otherwise), plait step with the check / "
         "the same step without it, alternated in "
