@@ -192,6 +192,20 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
         assert says in capsys.readouterr().err, flags
 
 
+def test_a_process_alone_in_its_group_checks_as_one_outside_a_job(capsys):
+    # plait.init() in a notebook (or a one-process plait train earlier in the same process) made
+    # a group of one: asked for 2 ranks, the check spawns them, so its flags are judged as there.
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        assert _exit_code(["test_check:tiny_gpt", "--cp", "2", "--strategy", "none"]) == 2
+        assert "--cp 2 ranks hold the same parameters" in capsys.readouterr().err
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------- the layout fuzzer
 
 

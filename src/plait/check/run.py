@@ -69,7 +69,7 @@ def check(factory: Callable[[], Any] | str, plan: ParallelPlan | None = None, *,
     to use (no new process groups). With cp > 1 each rank gets its tokens of every sequence
     (`plait.cp.shard` of every batch tensor with a dim 1), as `plait train` feeds them. Outside a process
     group ``nproc`` ranks (default 2) are spawned here; inside one, every rank calls this and the
-    job's ranks are the layout's.
+    job's ranks are the layout's (a process alone in its group spawns ``nproc`` > 1 ranks).
 
     Both runs train with plain SGD at ``lr`` (the layout is measured, not the optimizer) for
     ``steps`` steps in ``dtype``. A tensor diverges when its difference relative to its largest
@@ -84,7 +84,10 @@ def check(factory: Callable[[], Any] | str, plan: ParallelPlan | None = None, *,
                               "give the degrees, e.g. mesh={'tp': 2}")
     spec = _make_spec(factory, plan, degrees, steps, dtype, tolerance, batch_size, seq, vocab, lr, seed,
                       activations)
-    if dist.is_initialized():
+    # A process alone in its group (`plait.init()` in a notebook or a script, a one-process `plait
+    # train` before this) asked for more ranks is not a job of its own: they are spawned.
+    alone = given is None and dist.is_initialized() and dist.get_world_size() == 1 and nproc not in (None, 1)
+    if dist.is_initialized() and not alone:
         world = dist.get_world_size()
         if nproc is not None and nproc != world:
             raise CheckInputError(f"check(nproc={nproc}): this job already runs {world} ranks")
