@@ -415,6 +415,7 @@ class _PendingCheck:
     work: Any
     what: str
     on_fail: Callable[[Exception], str]
+    after: bool = False  # compared after the calls ran (`verify_history`), not before
 
     def verify(self) -> None:
         try:
@@ -427,7 +428,14 @@ class _PendingCheck:
                                   f"{e}") from e
         # max(h) == -max(-h) exactly when every rank's fingerprint is the same.
         if int(self.fp[0]) != -int(self.fp[1]):
-            raise CollectiveError(_desync_report(self.info))
+            raise CollectiveError(_desync_report(self.info, self.after))
+
+
+def _send_fingerprint(info: GroupInfo, async_op: bool) -> tuple[torch.Tensor, Any]:
+    """All-reduce (max) this rank's running fingerprint on ``info``'s companion group, with its
+    negation: the pair the verdict reads (`_PendingCheck`)."""
+    fp = torch.tensor([info.log.fingerprint, -info.log.fingerprint], dtype=torch.int64)
+    return fp, dist.all_reduce(fp, op=ReduceOp.MAX, group=info.checker, async_op=async_op)
 
 
 def _check(info: GroupInfo, rec: CallRecord, on_fail: Callable[[Exception], str], what: str,
@@ -450,9 +458,8 @@ def _check(info: GroupInfo, rec: CallRecord, on_fail: Callable[[Exception], str]
             if len({r.key() for r in gathered}) > 1:
                 raise CollectiveError(_desync_report(info))
             return None
-        fp = torch.tensor([info.log.fingerprint, -info.log.fingerprint], dtype=torch.int64)
         start = time.perf_counter()
-        work = dist.all_reduce(fp, op=ReduceOp.MAX, group=info.checker, async_op=defer)
+        fp, work = _send_fingerprint(info, async_op=defer)
         if not defer:  # this rank waited here for the last one to arrive
             _waiting(info, time.perf_counter() - start)
     except RuntimeError as e:
@@ -474,22 +481,14 @@ def verify_history() -> None:
     at each of them. With ``desync_check="off"`` (which saves a round trip per collective), a
     call now and then (each epoch, at the end of a job) still finds a desync that did not hang.
     """
-    pending = []
     # Launched together, then awaited; in one order on every rank (a group registered at its
     # first use is registered at different times on different ranks), as are the reports.
-    for info in sorted(_groups.values(), key=lambda i: (i.label, i.ranks)):
-        if info.checker is None or len(info.ranks) < 2:
-            continue
-        fp = torch.tensor([info.log.fingerprint, -info.log.fingerprint], dtype=torch.int64)
-        pending.append((info, fp, dist.all_reduce(fp, op=ReduceOp.MAX, group=info.checker, async_op=True)))
-    for info, fp, work in pending:
-        try:
-            work.wait()
-        except RuntimeError as e:
-            where = f"axis '{info.label}' (global ranks {list(info.ranks)})"
-            raise CollectiveError(f"comparing the history of {where} failed: {e}") from e
-        if int(fp[0]) != -int(fp[1]):
-            raise CollectiveError(_desync_report(info, after=True))
+    infos = sorted(_groups.values(), key=lambda i: (i.label, i.ranks))
+    pending = [_PendingCheck(info, *_send_fingerprint(info, async_op=True), what="the end of its history",
+                             on_fail=lambda e: "", after=True)
+               for info in infos if info.checker is not None and len(info.ranks) > 1]
+    for check in pending:
+        check.verify()
 
 
 def _gather_records(info: GroupInfo, mine: list[CallRecord]) -> list[CallRecord]:

@@ -337,13 +337,11 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
     eval_loss = None
     t_start = time.perf_counter()
     end = cfg.run.steps  # the step the run ends after: a stop (SIGTERM, SIGINT) may end it sooner
-    stragglers = None
-    if cfg.run.straggler_every and comm.desync_mode() == "off":  # a caller's plait.init turned it off
-        if is_main:
-            log.warning("straggler blame is off: it measures the desync check's waits, and this process "
-                        "runs with desync_check='off'")
-    elif cfg.run.straggler_every:
-        stragglers = StragglerTracker()
+    # Blame measures the desync check's waits, which a caller's plait.init may have turned off.
+    stragglers = StragglerTracker() if cfg.run.straggler_every and comm.desync_mode() != "off" else None
+    if cfg.run.straggler_every and stragglers is None and is_main:
+        log.warning("straggler blame is off: it measures the desync check's waits, and this process runs "
+                    "with desync_check='off'")
     for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
         for g in opt.param_groups:
@@ -374,15 +372,16 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
                 log.warning("step %d: fp16 gradients overflowed on some rank; step skipped on every rank, "
                             "loss scale now %g (%d skipped so far)", step + 1, scaler.get_scale(),
                             scaler.skipped_steps)
-        if stragglers is not None and step == start:  # the first step's one-time work is nobody's slowness
-            stragglers.restart()
-        elif stragglers is not None:
-            stragglers.step()
-        if stragglers is not None and (step + 1) % cfg.run.straggler_every == 0:
-            blamed = stragglers.blame()  # every rank: one gather of the ranks' waits
-            record["stragglers"] = [dataclasses.asdict(b) for b in blamed]
-            for b in blamed if is_main else []:
-                log.warning("step %d: %s", step + 1, b)
+        if stragglers is not None:
+            if step == start:  # the first step's one-time work is nobody's slowness
+                stragglers.restart()
+            else:
+                stragglers.step()
+            if (step + 1) % cfg.run.straggler_every == 0:
+                blamed = stragglers.blame()  # every rank: one gather of the ranks' waits
+                record["stragglers"] = [dataclasses.asdict(b) for b in blamed]
+                for b in blamed if is_main else []:
+                    log.warning("step %d: %s", step + 1, b)
         if cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or step + 1 == cfg.run.steps):
             eval_loss = _evaluate(model, val, cfg, device, mesh, loss_fn)
             record["eval_loss"] = eval_loss
