@@ -72,3 +72,40 @@ def test_blame_with_the_desync_check_off_is_refused_by_name():
     with comm.desync_check("off"), pytest.raises(ValueError, match="desync check, which is off"):
         StragglerTracker()
     StragglerTracker()  # the default check is on
+
+
+def _train_with_the_check_off(tmp: str) -> tuple[list[str], list[dict]]:
+    """plait train inside a process whose plait.init turned the desync check off (the suite's
+    pools do): what rank 0 logged and the steps' records."""
+    import logging
+
+    import torch.distributed as dist
+    from oracle import TRAIN_BASE
+
+    from plait import comm
+    from plait.app.train import TrainConfig, train
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("plait.train").addHandler(keep)
+    try:
+        with comm.desync_check("off"):
+            train(TrainConfig.from_flags(**{**TRAIN_BASE, "run_dir": tmp, "name": "r", "strategy": "ddp",
+                                            "nproc": 2, "steps": 2, "straggler_every": 1}))
+    finally:
+        logging.getLogger("plait.train").removeHandler(keep)
+    if dist.get_rank() != 0:
+        return said, []
+    rows = [json.loads(line) for line in (Path(tmp) / "r" / "metrics.jsonl").read_text().splitlines()]
+    return said, [r for r in rows if "step" in r]
+
+
+def test_plait_train_with_the_desync_check_off_says_blame_is_off(pools, tmp_path):
+    said, steps = pools[2].run(_train_with_the_check_off, str(tmp_path))[0]
+    assert any("straggler blame is off" in s for s in said), said
+    assert len(steps) == 2 and not any("stragglers" in r for r in steps), steps
