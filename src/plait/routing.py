@@ -48,38 +48,16 @@ def share_routing_over(model: nn.Module, group: dist.ProcessGroup | None, size: 
         share_routing(layer, size, [group], [group])
 
 
-class _Summing:
-    """Counts whose sum over ``groups`` is under way: the first group's all-reduce was launched
-    in forward, and `wait` (the backward that reads the balancing loss's ``f``) finishes it and
-    sums over the other groups. Nothing waits in forward: a blocking all-reduce per MoE layer
-    there held every rank at each layer for the slowest (`plait bench moe`: 6% of the step)."""
-
-    def __init__(self, counts: torch.Tensor, groups: Sequence[dist.ProcessGroup | None]) -> None:
-        self.device, self.groups = counts.device, list(groups)
-        self.total = counts.detach().to(comm.device_of(self.groups[0]), copy=True)
-        with comm.operation("MoE balancing counts"):
-            self.handle = comm.all_reduce(self.total, self.groups[0], async_op=True)
-        self.done: torch.Tensor | None = None
-
-    def wait(self) -> torch.Tensor:
-        if self.done is None:
-            assert self.handle is not None
-            self.handle.wait()
-            total = self.total
-            for group in self.groups[1:]:  # every rank reads its layers' f in the same backward order
-                total = total.to(comm.device_of(group), copy=True)
-                with comm.operation("MoE balancing counts"):
-                    comm.all_reduce(total, group)
-            self.done = total.to(self.device)
-        return self.done
-
-
-def summed_over(groups: Sequence[dist.ProcessGroup | None]) -> Callable[[torch.Tensor], _Summing]:
-    def token_statistics(counts: torch.Tensor) -> _Summing:
-        """One small all-reduce per group (orthogonal groups: their product's sum), launched in
-        forward, where every rank of a group runs the layer at the same point, and read in
-        backward (`_Summing`); not differentiable."""
-        return _Summing(counts, groups)
+def summed_over(groups: Sequence[dist.ProcessGroup | None]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def token_statistics(counts: torch.Tensor) -> torch.Tensor:
+        """One small all-reduce per group (orthogonal groups: their product's sum), in forward,
+        where every rank of a group runs the layer at the same point; not differentiable."""
+        total = counts.detach()
+        for group in groups:
+            total = total.to(comm.device_of(group), copy=True)
+            with comm.operation("MoE balancing counts"):
+                comm.all_reduce(total, group)
+        return total.to(counts.device)
 
     return token_statistics
 

@@ -43,7 +43,7 @@ Which tokens the balancing statistics (``f_i`` and the bias's counts) cover,
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,28 +72,16 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Summing(Protocol):
-    """What `MoE.token_statistics` may return instead of a tensor: a sum still being made, whose
-    ``wait()`` gives it. It is read only where the value is needed (the backward)."""
-
-    def wait(self) -> torch.Tensor: ...
-
-
-def _value(counts: torch.Tensor | Summing) -> torch.Tensor:
-    return counts if isinstance(counts, torch.Tensor) else counts.wait()
-
-
 class _Share:
     """The balancing loss's ``f``: assignments per expert over ``top_k`` times the tokens, from
     ``counts`` (per expert, then tokens) fixed when the forward ran."""
 
-    def __init__(self, counts: torch.Tensor | Summing | None, top_k: int) -> None:
+    def __init__(self, counts: torch.Tensor | None, top_k: int) -> None:
         self.counts, self.top_k = counts, top_k
 
     def read(self) -> torch.Tensor:
         assert self.counts is not None
-        counts = self.counts = _value(self.counts)
-        return counts[:-1] / (counts[-1] * self.top_k)
+        return self.counts[:-1] / (self.counts[-1] * self.top_k)
 
 
 class _OptimizerSteps:
@@ -121,12 +109,10 @@ class _StepShare(_Share):
         super().__init__(None, top_k)
         _OptimizerSteps.watch()
         self.step, self.read_in_step = _OptimizerSteps.count, False
-        self.parts: list[torch.Tensor | Summing] = []  # this step's forwards' counts, not yet read
 
-    def add(self, counts: torch.Tensor | Summing) -> None:
+    def add(self, counts: torch.Tensor) -> None:
         if self.step != _OptimizerSteps.count:  # the optimizer stepped: a new training step
             self.counts, self.step, self.read_in_step = None, _OptimizerSteps.count, False
-            self.parts = []
         if self.read_in_step:
             raise RuntimeError(
                 "MoE balancing loss (balance_statistic='global'): a forward ran after a backward of the "
@@ -135,14 +121,10 @@ class _StepShare(_Share):
                 "schedule that interleaves forwards and backwards). Run every forward of a step before "
                 "its backwards (a GPipe schedule), or use balance_statistic='microbatch' (each forward's "
                 "own tokens); a step that skipped its optimizer step calls restart_statistics()")
-        self.parts.append(counts)
+        self.counts = counts if self.counts is None else self.counts + counts
 
     def read(self) -> torch.Tensor:
         self.read_in_step = True
-        for part in self.parts:
-            value = _value(part)
-            self.counts = value if self.counts is None else _value(self.counts) + value
-        self.parts = []
         return super().read()
 
 
@@ -281,12 +263,11 @@ class MoE(nn.Module):
         keep = rank_in_expert < capacity
         return keep, counts.clamp(max=capacity)
 
-    def token_statistics(self, counts: torch.Tensor) -> torch.Tensor | Summing:
+    def token_statistics(self, counts: torch.Tensor) -> torch.Tensor:
         """The balancing statistics' counts (assignments per expert, then tokens) summed over the
         ranks they cover. Here, this forward's; a layout replaces it with their sum over the ranks
         that share the step's batch (``balance_statistic="global"``) or, for ``"microbatch"``,
-        over those that split one micro-batch's tokens (sequence parallelism), which may still be
-        under way when it returns (a `Summing`: read in backward, where the loss's ``f`` is used)."""
+        over those that split one micro-batch's tokens (sequence parallelism)."""
         return counts
 
     def restart_statistics(self) -> None:
@@ -307,7 +288,6 @@ class MoE(nn.Module):
             return self.step_share if self.aux_loss_coef else None
         total = self.token_statistics(local)  # every rank calls it at the same forward
         if self.bias_update_rate:
-            total = _value(total)
             assigned = total[:-1].to(counts.dtype)
             self.load = assigned if self.load is None else self.load + assigned
         if not self.aux_loss_coef:
