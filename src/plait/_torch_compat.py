@@ -187,3 +187,10 @@ def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
     return bool(_is_fake(t))
+
+
+# A tensor subclass that must behave as a plain tensor (a marked gradient, `plait.placement.pieces`)
+# runs each torch function with subclass dispatch off, so its results are plain tensors: the
+# documented default (``super().__torch_function__``) would turn every result into the subclass,
+# spreading the mark into optimizer states. torch names no public switch for this.
+plain_torch_functions = torch._C.DisableTorchFunctionSubclass

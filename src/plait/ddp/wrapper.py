@@ -33,6 +33,7 @@ from plait.ddp.buckets import params_reached_by, plan_buckets
 from plait.materialize import is_meta
 from plait.mesh import Mesh
 from plait.placement.grads import reduce_expert_grads
+from plait.placement.pieces import remark
 from plait.placement.records import placement_of
 from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
@@ -279,6 +280,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
                 p = b.params[i]
                 if p.grad is not None:  # detach a bucket-view grad before zeroing its slot
                     p.grad = p.grad.clone()
+                    remark(p)
                 b.slots[i].zero_()
                 self._mark_ready(b, i)
             else:
@@ -397,6 +399,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
                 # The gradient becomes a view of its bucket: no copy back now, and if the user keeps
                 # it (zero_grad(set_to_none=False), no_sync), the next backward accumulates in place.
                 p.grad = b.grads[i]
+                remark(p)  # a tp shard's gradient stays marked for torch's clip (`plait.placement.pieces`)
 
     # ------------------------------------------------------------------ user API
     def grad_norm_parts(self) -> GradParts:

@@ -24,6 +24,7 @@ from plait.ep.stacked import expert_count, split_stacked, stacked_expert_modules
 from plait.mesh import Mesh
 from plait.models.moe import MoE, moe_layers
 from plait.placement.grads import reduce_expert_grads
+from plait.placement.pieces import mark_piece
 from plait.placement.records import (
     ExpertParallelInfo,
     ExpertPlacement,
@@ -91,6 +92,8 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
             if e in mine:
                 for pname, p in moe.experts[e].named_parameters():
                     mark_expert(p, placement)
+                    if n > 1:  # torch's clip would take this rank's experts for all of them
+                        mark_piece(p, f"ep rank {j}'s expert '{prefix}.{pname}' (ep={n})")
                     local.append(f"{prefix}.{pname}")
             else:
                 moe.experts[e] = _Elsewhere(e, e // per)

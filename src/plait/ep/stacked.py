@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.ep.dispatch import ExpertDispatch
+from plait.placement.pieces import mark_piece
 from plait.placement.records import ExpertPlacement, StackedRows, mark_expert, mark_rows
 from plait.placement.state import local_rows, rows_entry
 
@@ -79,6 +80,9 @@ def split_stacked(mod: nn.Module, placement: ExpertPlacement, rank: int, group: 
         kept = nn.Parameter(p.detach().narrow(0, first, per).clone(), requires_grad=p.requires_grad)
         mark_expert(kept, placement)
         mark_rows(kept, StackedRows(first, n))
+        if size > 1:  # torch's clip would take this rank's rows for all of them
+            rows = f"{first}..{first + per - 1}"
+            mark_piece(kept, f"ep rank {rank}'s rows {rows} of '{name}.{pname}' (ep={size})")
         setattr(mod, pname, kept)
         names.append(pname)
     mod.num_experts = per  # type: ignore[assignment]  # what its forward counts experts by

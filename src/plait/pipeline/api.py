@@ -24,6 +24,7 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import above, named_view, plan_stages, segments
 from plait.pipeline.ties import TiedCopy, drop_earlier_sums, find_ties, sync_grads, tie_groups
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
+from plait.placement.pieces import mark_piece, remark_all
 from plait.placement.records import TPInfo, mark_part, tp_info
 from plait.tp.apply import check_tied_splits, loss_fn_for, tensor_parallel
 
@@ -150,6 +151,9 @@ class Pipeline:
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
+        if p > 1:  # each rank holds some stages' parameters: torch's clip would take them for the whole
+            for name, prm in self.named_parameters():
+                mark_piece(prm, f"'{name}' of pipeline stage(s) {sorted(mine)} (pp={p})")
 
     def _parallelize_stages(self, module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None,
                             sequence_parallel: bool, seed: int, loss_fn: Any,
@@ -283,7 +287,7 @@ class Pipeline:
                 st.load_full_state_dict({k: state[k] for k in keys})
             return
         module = self.state_module()
-        mine = {plain_name(k) for k in module.state_dict()}  # a full state dict's names
+        mine = {plain_name(k) for k in module.state_dict(keep_vars=True)}  # a full state dict's names
         load_full_state_dict(module, {k: v for k, v in state.items() if k in mine})
 
     def checkpoint_state(self, optimizer: Any) -> dict[str, Any]:
@@ -419,6 +423,7 @@ class Pipeline:
         loss_sum, outs = self.exec.run(sched, metas, mb_in, mb_tg if holds_last else None, train)
         if train:
             sync_grads(self._tied)
+            remark_all(self.parameters())  # gradients a wrapper assigned (FSDP's) are marked too
         if targets is None and not train:
             self._measure(self.exec.step_time)
             if not holds_last:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm, faults
+from plait.placement.pieces import remark
 from plait.placement.records import placement_of
 
 __all__ = ["reduce_expert_grads"]
@@ -41,4 +42,5 @@ def reduce_expert_grads(params: list[nn.Parameter], divisor: float) -> None:
     had = flat[-len(params):].tolist()
     for p, g, n in zip(params, grads, had):
         p.grad = (flat[offset: offset + g.numel()].view_as(g) / divisor) if n else None
+        remark(p)
         offset += g.numel()

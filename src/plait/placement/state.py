@@ -10,6 +10,8 @@ parameters without a spec are replicated on every tp rank.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ from plait.tensor_source import FullValue, whole
 
 __all__ = ["full_state_dict", "load_full_state_dict", "gather_full",
            "checkpoint_entry", "restore_entry", "rows_entry", "local_rows", "expert_or_tp_entry",
-           "restore_expert_or_tp"]
+           "restore_expert_or_tp", "place_state_dict"]
 
 
 @torch.no_grad()
@@ -220,3 +222,64 @@ def local_rows(value: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
     if value.shape[0] == rows.full and rows.full != p.shape[0]:
         return value.narrow(0, rows.first, p.shape[0])
     return value
+
+
+# ------------------------------------------------------------------ the module's own state_dict()
+def place_state_dict(module: nn.Module, info: TPInfo) -> None:
+    """Make ``module.state_dict()`` give each tp shard as the full tensor it is a piece of: a
+    DTensor ``Shard(dim)`` over the tp group holding this rank's valid rows, on this rank's
+    storage (no copy), which torch.distributed.checkpoint saves and reshards, as on torch's own
+    tensor parallelism. Under the same name on every tp rank the plain shards would be taken for
+    copies of one tensor: DCP would keep one rank's and load it everywhere. ``load_state_dict``
+    then takes such DTensors, the full tensors one process saves, or this rank's shards.
+
+    A shard DTensor cannot describe (a fused q/k/v weight split per part) makes ``state_dict()``
+    raise by name, pointing to `plait.full_state_dict` and plait's checkpoints, which gather it.
+    ``state_dict(keep_vars=True)`` gives the held tensors as they are (what plait reads)."""
+    owners = dict(module.named_modules())
+    for name, spec in info.specs.items():
+        owner, _, attr = name.rpartition(".")
+        mod = owners[owner]
+        mod.register_state_dict_post_hook(partial(_shard_as_dtensor, attr=attr, spec=spec, info=info,
+                                                  name=name))
+        mod.register_load_state_dict_pre_hook(partial(_dtensor_as_shard, attr=attr, spec=spec, info=info))
+
+
+def _shard_as_dtensor(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any, *, attr: str,
+                      spec: ShardSpec, info: TPInfo, name: str) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    t = state.get(prefix + attr)
+    if not isinstance(t, torch.Tensor) or isinstance(t, (nn.Parameter, DTensor)):  # keep_vars, or FSDP's
+        return
+    if not _chunk_rows(spec, info.size):
+        raise ValueError(
+            f"state_dict(): {name!r} is split over tp={info.size} in a way a DTensor cannot describe "
+            f"({'one block per fused part' if not spec.contiguous else 'uneven rows'}), so "
+            "torch.distributed.checkpoint could not save it right: save with plait.full_state_dict(model) "
+            "or plait's checkpoints (plait.checkpoint.save), which gather it")
+    shape = list(t.shape)
+    shape[spec.dim] = spec.full
+    full = torch.Size(shape)
+    mesh = mesh_of(info.group, t.device)
+    state[prefix + attr] = DTensor.from_local(t.narrow(spec.dim, 0, spec.valid), mesh, [Shard(spec.dim)],
+                                              run_check=False, shape=full, stride=contiguous_stride(full))
+
+
+@torch.no_grad()
+def _dtensor_as_shard(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any, attr: str,
+                      spec: ShardSpec, info: TPInfo) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    value, held = state.get(prefix + attr), getattr(mod, attr)
+    if not isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, DTensor):
+        if tuple(value.placements) == (Shard(spec.dim),) and value.to_local().shape[spec.dim] == spec.valid:
+            shard = held.detach().clone()  # padding rows as they are
+            shard.narrow(spec.dim, 0, spec.valid).copy_(value.to_local())
+            state[prefix + attr] = shard
+            return
+        value = value.full_tensor()  # another layout's DTensor (a collective, as DCP's load is)
+    if value.shape != held.shape:
+        state[prefix + attr] = spec.take(value)  # the full tensor one process saves

@@ -38,8 +38,10 @@ from plait.losses import lm_loss
 from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
 from plait.names import matches
+from plait.placement.pieces import mark_piece
 from plait.placement.records import TPInfo, attach_tp_info, attached_tp_info, mark_part, tp_info, tp_module
 from plait.placement.shards import ShardSpec
+from plait.placement.state import place_state_dict
 from plait.rng import RNGFork
 from plait.routing import share_routing_over
 from plait.tp.context import SequenceShardGrads, Style, TPContext
@@ -135,10 +137,14 @@ def tensor_parallel(
         # counts and the experts in use are summed over tp, with or without expert parallelism.
         share_routing_over(module, ctx.group, n)
 
-    attach_tp_info(module, TPInfo(
-        group=ctx.group, size=n, rank=r, sequence_parallel=ctx.sequence_parallel,
-        specs=named_specs, styles=dict(ctx.assigned), vocab_size=vocab_size,
-    ))
+    info = TPInfo(group=ctx.group, size=n, rank=r, sequence_parallel=ctx.sequence_parallel,
+                  specs=named_specs, styles=dict(ctx.assigned), vocab_size=vocab_size)
+    attach_tp_info(module, info)
+    if n > 1:  # torch's clip and DCP would take a shard for the whole (FSDP's DTensors replace these)
+        for name, p in _named_params(module):
+            if name in named_specs:
+                mark_piece(p, f"tp rank {r}'s shard of '{name}' (tp={n})", split=True)
+        place_state_dict(module, info)
     return module
 
 

@@ -1,0 +1,151 @@
+"""Gradients that are one rank's piece of the model's: torch's tools that would be silently wrong
+on them refuse them by name.
+
+`torch.nn.utils.clip_grad_norm_` sums the squares of the gradients it is given. On a rank that
+holds a piece of the model (a tensor-parallel shard, its experts under expert parallelism, a
+pipeline stage) that sum is the piece's alone: every rank would clip by its own factor, and
+nothing would say so. `torch.optim.Muon` orthogonalizes each gradient matrix, and a tp shard's
+orthogonalization is not a shard of the whole matrix's. torch's own tensor parallelism avoids both
+with DTensor parameters, whose norms and products DTensor takes over every rank, and so does
+plait's FSDP (its parameters are DTensors, on which both tools are right). Tensor parallelism
+without FSDP, experts and pipeline stages hold plain local tensors. Their gradients are marked
+instead: a tensor subclass that is a plain tensor to every operation (optimizers, DDP's buckets,
+`clip_grad_value_`, comparisons), except a norm taken by `torch.nn.utils`' clipping, and anything
+`torch.optim.Muon` does with a tp shard, which raise `TorchToolRefused` naming the piece and what to
+use instead. Nothing has been changed when they raise.
+
+A parameter is marked once (`mark_piece`); its gradient is marked whenever autograd accumulates
+into it, and again wherever plait assigns one (`remark`: DDP's bucket views, the experts'
+reduction, the end of a pipeline step).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from plait._torch_compat import plain_torch_functions
+
+__all__ = ["TorchToolRefused", "Piece", "mark_piece", "piece_of", "remark", "remark_all", "PIECE_MARK"]
+
+# The attribute a marked parameter (and its marked gradient) carries its `Piece` under.
+PIECE_MARK = "_plait_piece"
+_WATCHED = "_plait_piece_watched"
+_CLIP_MODULE = "torch.nn.utils.clip_grad"
+_MUON_MODULE = "torch.optim._muon"
+_NORMS = frozenset({torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm,
+                    torch.linalg.norm})
+
+
+class TorchToolRefused(RuntimeError):
+    """One of torch's tools was given a gradient that is one rank's piece of the model's, on which
+    it would be silently wrong."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What a marked parameter holds: ``what``, in words; ``split``: a piece of one tensor (a tp
+    shard), rather than whole tensors of a part of the model (a stage, some experts)."""
+
+    what: str
+    split: bool
+
+
+def mark_piece(p: nn.Parameter | torch.Tensor, what: str, split: bool = False) -> None:
+    """Record that ``p`` holds one rank's piece of the model (see `Piece`), so that torch's tools
+    that would be wrong on its gradient refuse it. A second mark keeps the first words."""
+    old = piece_of(p)
+    setattr(p, PIECE_MARK, Piece(old.what, old.split or split) if old is not None else Piece(what, split))
+    if p.requires_grad and not isinstance(p, DTensor) and not getattr(p, _WATCHED, False):
+        p.register_post_accumulate_grad_hook(remark)
+        setattr(p, _WATCHED, True)
+    remark(p)
+
+
+def piece_of(p: torch.Tensor | object) -> Piece | None:
+    """The `Piece` ``p`` (a parameter or its gradient) holds, if `mark_piece` marked it."""
+    found = getattr(p, PIECE_MARK, None)
+    return found if isinstance(found, Piece) else None
+
+
+def remark(p: torch.Tensor) -> None:
+    """Mark ``p``'s gradient if ``p`` is marked and the gradient is not yet (the marked gradient is
+    the same memory: nothing is copied)."""
+    piece, g = piece_of(p), p.grad
+    if piece is None or g is None or piece_of(g) == piece:
+        return
+    if isinstance(g, DTensor):
+        g.__class__ = _PieceDTensorGrad  # a DTensor still: only the class's torch-function check differs
+    elif not isinstance(g, _PieceGrad):
+        g = g.as_subclass(_PieceGrad)
+        p.grad = g
+    setattr(g, PIECE_MARK, piece)
+
+
+def remark_all(params: Iterable[torch.Tensor]) -> None:
+    for p in params:
+        remark(p)
+
+
+def _calling_module() -> str | None:
+    """The torch module whose code called the torch function being dispatched, when it is one that
+    refuses pieces (its frames sit just above the dispatch)."""
+    frame: FrameType | None = sys._getframe(3)
+    for _ in range(4):
+        if frame is None:
+            return None
+        name = frame.f_globals.get("__name__")
+        if name in (_CLIP_MODULE, _MUON_MODULE):
+            return name
+        frame = frame.f_back
+    return None
+
+
+def _refuse(func: Any, args: Any) -> None:
+    caller = _calling_module()
+    if caller is None or (caller == _CLIP_MODULE and func not in _NORMS):
+        return
+    tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
+    pieces = [p for t in tensors if (p := piece_of(t)) is not None]
+    if caller == _CLIP_MODULE and pieces:
+        raise TorchToolRefused(
+            f"torch.nn.utils.clip_grad_norm_ was given the gradient of {pieces[0].what}: torch's norm "
+            "of it is this rank's alone, so every rank would clip by a different factor. Call "
+            "plait.clip_grad_norm_(model, max_norm) on the model (or Pipeline) plait returned: it sums "
+            "every rank's pieces, as torch does in one process. Nothing was scaled.")
+    split = [p for p in pieces if p.split]
+    if caller == _MUON_MODULE and split:
+        raise TorchToolRefused(
+            f"torch.optim.Muon was given the gradient of {split[0].what}: it would orthogonalize "
+            "this rank's shard, not the whole matrix. Train tensor-parallel matrices with an "
+            "element-wise optimizer (AdamW, SGD), or use Muon under FSDP without tensor parallelism, "
+            "where each parameter is a DTensor that Muon orthogonalizes whole. Nothing was changed.")
+
+
+class _PieceGrad(torch.Tensor):
+    """A plain tensor to every torch function but those `_refuse` stops."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        _refuse(func, args)
+        with plain_torch_functions():
+            return func(*args, **(kwargs or {}))
+
+
+class _PieceDTensorGrad(DTensor):
+    """A DTensor gradient (FSDP's, in a pipeline stage) with `_PieceGrad`'s check."""
+
+    __slots__ = ()  # the same layout as DTensor's, so a gradient's class can be switched in place
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        _refuse(func, args)
+        with plain_torch_functions():
+            return func(*args, **(kwargs or {}))
