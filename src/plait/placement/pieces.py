@@ -42,6 +42,10 @@ _CLIP_MODULE = "torch.nn.utils.clip_grad"
 _MUON_MODULE = "torch.optim._muon"
 _NORMS = frozenset({torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm,
                     torch.linalg.norm})
+# Only these calls look up their caller (a frame walk per call, which an optimizer's per-parameter
+# loop would pay on every op otherwise): the norms, and Muon's first use of a gradient, its
+# momentum update.
+_LOOKED_AT = _NORMS | {torch.Tensor.lerp_}
 
 
 class TorchToolRefused(RuntimeError):
@@ -109,6 +113,8 @@ def _calling_module() -> str | None:
 
 
 def _refuse(func: Any, args: Any) -> None:
+    if func not in _LOOKED_AT:
+        return
     caller = _calling_module()
     if caller is None or (caller == _CLIP_MODULE and func not in _NORMS):
         return
