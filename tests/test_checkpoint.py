@@ -194,11 +194,11 @@ def test_fsdp_over_tp_checkpoint_resumes_in_one_process_and_from_zero3(pools, or
 def test_vocab_shards_padded_at_the_end_are_dtensor_chunks():
     # 65 rows over tp=2 and 5 rows over tp=4 (one rank empty): DTensor's chunking exactly.
     from plait.placement.shards import make_spec
-    from plait.placement.state import _chunk_rows
+    from plait.placement.state import chunk_rows
 
-    assert _chunk_rows(make_spec(0, 65, 2, 0), 2) and _chunk_rows(make_spec(0, 5, 4, 0), 4)
-    assert _chunk_rows(make_spec(1, 96, 2, 0, unit=8), 2)
-    assert not _chunk_rows(make_spec(0, 48, 4, 0, unit=8), 4)  # 16/16/16/0 rows: refused on save
+    assert chunk_rows(make_spec(0, 65, 2, 0), 2) and chunk_rows(make_spec(0, 5, 4, 0), 4)
+    assert chunk_rows(make_spec(1, 96, 2, 0, unit=8), 2)
+    assert not chunk_rows(make_spec(0, 48, 4, 0, unit=8), 4)  # 16/16/16/0 rows: refused on save
 
 
 

@@ -310,3 +310,47 @@ def test_autocast_in_the_users_loop_computes_as_one_process_does(pools):
             assert d["autocast"] < BF16_BUDGET, (name, d)
             if name != "tp2":  # one process's sums: far nearer its autocast run than its float32 one
                 assert d["autocast"] < d["float32"] / 4, (name, d)
+
+
+# ------------------------------------------------------------------ optimizer state under TP, with DCP
+def _tp_optimizer_dcp(path: str) -> dict:
+    """Two AdamW steps at tp2; save model and optimizer with torch's get_state_dict and DCP; load
+    both into a fresh tp2 model and optimizer with set_state_dict; one more step on each. Returns
+    the full states after that step, and the saved optimizer state's types."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import plait
+
+    def step(net, opt, i: int) -> None:
+        x, y = _batch(i)
+        plait.loss_fn_for(net)(net(x), y).backward()  # the vocabulary-parallel loss gpt_plan's head needs
+        opt.step()
+        opt.zero_grad()
+
+    net = _tp_net(3)
+    opt = torch.optim.AdamW(net.parameters())
+    for i in range(2):
+        step(net, opt, i)
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    types = sorted({type(v).__name__ for st in optim_sd["state"].values() for v in st.values()})
+    again = _tp_net(4)
+    opt2 = torch.optim.AdamW(again.parameters())
+    model_sd2, optim_sd2 = get_state_dict(again, opt2)
+    loaded = {"model": model_sd2, "optim": optim_sd2}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(again, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    step(net, opt, 2)
+    step(again, opt2, 2)
+    return {"types": types, "original": plait.full_state_dict(net), "restored": plait.full_state_dict(again)}
+
+
+def test_dcp_of_torchs_optimizer_state_dict_under_tp_resumes_exactly(pools, tmp_path):
+    """torch's get_state_dict / set_state_dict with DCP, as torchtitan checkpoints: the optimizer's
+    state of each tp shard is a DTensor of the full state, so every rank's rows are saved (plain
+    shards under one name would keep one rank's for all), and the run continues exactly."""
+    for got in pools[2].run(_tp_optimizer_dcp, str(tmp_path / "ck")):
+        for k, v in got["original"].items():
+            assert torch.equal(got["restored"][k], v), k
+        assert "DTensor" in got["types"], got["types"]

@@ -180,7 +180,7 @@ def _place(new: torch.Tensor | None, old: torch.Tensor) -> torch.Tensor | None:
         if hasattr(old, mark):
             setattr(param, mark, getattr(old, mark))
     if (piece := piece_of(old)) is not None:
-        mark_piece(param, piece.what, piece.split)
+        mark_piece(param, piece.what, piece.split, to_full=piece.to_full, to_local=piece.to_local)
     return param
 
 

@@ -17,12 +17,19 @@ use instead. Nothing has been changed when they raise.
 A parameter is marked once (`mark_piece`); its gradient is marked whenever autograd accumulates
 into it, and again wherever plait assigns one (`remark`: DDP's bucket views, the experts'
 reduction, the end of a pipeline step).
+
+A tp shard's mark also says how its optimizer state is a piece of the full tensor's. An optimizer
+stepping such parameters gets a ``state_dict()`` hook that gives that state as DTensors of the full
+tensors (as under torch's tensor parallelism, whose parameters are DTensors), so that
+`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` and DCP save every rank's rows
+rather than one rank's under every rank's name; ``load_state_dict`` takes them back.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -56,17 +63,29 @@ class TorchToolRefused(RuntimeError):
 @dataclass(frozen=True)
 class Piece:
     """What a marked parameter holds: ``what``, in words; ``split``: a piece of one tensor (a tp
-    shard), rather than whole tensors of a part of the model (a stage, some experts)."""
+    shard), rather than whole tensors of a part of the model (a stage, some experts). A split
+    piece may say how a tensor shaped like it (its optimizer state) stands for the full tensor:
+    ``to_full(t)``, a DTensor of the full tensor on ``t``'s storage, and ``to_local(value, base)``,
+    this rank's rows of such a value (or of the full tensor) on a copy of ``base``."""
 
     what: str
     split: bool
+    to_full: Callable[[torch.Tensor], torch.Tensor] | None = None
+    to_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
-def mark_piece(p: nn.Parameter | torch.Tensor, what: str, split: bool = False) -> None:
+def mark_piece(p: nn.Parameter | torch.Tensor, what: str, split: bool = False, *,
+               to_full: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               to_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
     """Record that ``p`` holds one rank's piece of the model (see `Piece`), so that torch's tools
     that would be wrong on its gradient refuse it. A second mark keeps the first words."""
     old = piece_of(p)
-    setattr(p, PIECE_MARK, Piece(old.what, old.split or split) if old is not None else Piece(what, split))
+    new = Piece(what, split, to_full, to_local)
+    if old is not None:
+        new = Piece(old.what, old.split or split, old.to_full or to_full, old.to_local or to_local)
+    setattr(p, PIECE_MARK, new)
+    if new.to_full is not None:
+        _watch_optimizers()
     if p.requires_grad and not isinstance(p, DTensor) and not getattr(p, _WATCHED, False):
         p.register_post_accumulate_grad_hook(remark)
         setattr(p, _WATCHED, True)
@@ -96,6 +115,65 @@ def remark(p: torch.Tensor) -> None:
 def remark_all(params: Iterable[torch.Tensor]) -> None:
     for p in params:
         remark(p)
+
+
+# ------------------------------------------------------------------ optimizer state of tp shards
+# torch calls a global step pre-hook for every optimizer: the only place an optimizer made by the
+# user's own code shows itself (torch's get_optimizer_state_dict steps it once to make its state).
+_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_watching: list[bool] = []  # once per process: the global hook is registered
+
+
+def _watch_optimizers() -> None:
+    if not _watching:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_on_step)
+        _watching.append(True)
+
+
+def _on_step(opt: torch.optim.Optimizer, *_: Any) -> None:
+    if opt in _hooked:
+        return
+    _hooked.add(opt)
+    if any((pc := piece_of(p)) is not None and pc.to_full is not None
+           for g in opt.param_groups for p in g["params"]):
+        opt.register_state_dict_post_hook(_state_as_full)
+        opt.register_load_state_dict_pre_hook(_state_as_local)
+
+
+def _state_as_full(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``opt.state_dict()`` with each tp shard's per-element state as the DTensor of the full tensor
+    (the state is numbered by the parameters' order in ``param_groups``)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, st in state_dict["state"].items():
+        piece = piece_of(params[i])
+        if piece is not None and piece.to_full is not None:
+            state_dict["state"][i] = {k: piece.to_full(v) if _per_element(v, params[i]) else v
+                                      for k, v in st.items()}
+    return state_dict
+
+
+def _state_as_local(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `_state_as_full`, before ``opt.load_state_dict`` (the saved numbering follows
+    the saved ``param_groups``, in the order of this optimizer's)."""
+    saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = dict(zip(saved, [p for g in opt.param_groups for p in g["params"]], strict=False))
+    state = dict(state_dict["state"])
+    for i, st in state.items():
+        p = params.get(i)
+        piece = piece_of(p)
+        if p is not None and piece is not None and piece.to_local is not None:
+            local = piece.to_local
+            state[i] = {k: local(v, torch.zeros_like(p)) if isinstance(v, torch.Tensor) and v.ndim == p.ndim
+                        and v.ndim > 0 else v for k, v in st.items()}
+    return {**state_dict, "state": state}
+
+
+def _per_element(v: Any, p: torch.Tensor) -> bool:
+    from plait.dtensors import local_of
+
+    return isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local_of(p).shape
 
 
 def _calling_module() -> str | None:

@@ -24,7 +24,7 @@ from plait.tensor_source import FullValue, whole
 
 __all__ = ["full_state_dict", "load_full_state_dict", "gather_full",
            "checkpoint_entry", "restore_entry", "rows_entry", "local_rows", "expert_or_tp_entry",
-           "restore_expert_or_tp", "place_state_dict"]
+           "restore_expert_or_tp", "place_state_dict", "shard_as_full", "full_as_shard", "chunk_rows"]
 
 
 @torch.no_grad()
@@ -116,7 +116,7 @@ def _check_not_fsdp(model: nn.Module, what: str) -> None:
 
 
 # ------------------------------------------------------------------ checkpoint entries
-def _chunk_rows(spec: ShardSpec, size: int) -> bool:
+def chunk_rows(spec: ShardSpec, size: int) -> bool:
     """Whether every rank's valid rows are exactly its ``torch.chunk`` part (DTensor's Shard).
 
     True for even splits and vocabulary splits padded at the end in single rows; never for a
@@ -145,7 +145,7 @@ def checkpoint_entry(t: torch.Tensor, spec: ShardSpec | None, info: TPInfo | Non
         return t.clone()
     if not spec.contiguous:
         return gather_full(t, spec, info)
-    if not _chunk_rows(spec, info.size):
+    if not chunk_rows(spec, info.size):
         raise ValueError(f"checkpoint: {name!r} is split into {spec.local}-row shards of {spec.full} "
                          f"rows over tp={info.size}, which is not DTensor's chunking; cannot save it")
     from torch.distributed.tensor import DTensor, Shard
@@ -242,17 +242,32 @@ def place_state_dict(module: nn.Module, info: TPInfo) -> None:
         mod = owners[owner]
         mod.register_state_dict_post_hook(partial(_shard_as_dtensor, attr=attr, spec=spec, info=info,
                                                   name=name))
-        mod.register_load_state_dict_pre_hook(partial(_dtensor_as_shard, attr=attr, spec=spec, info=info))
+        mod.register_load_state_dict_pre_hook(partial(_dtensor_as_shard, attr=attr, spec=spec))
 
 
 def _shard_as_dtensor(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any, *, attr: str,
                       spec: ShardSpec, info: TPInfo, name: str) -> None:
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     t = state.get(prefix + attr)
-    if not isinstance(t, torch.Tensor) or isinstance(t, (nn.Parameter, DTensor)):  # keep_vars, or FSDP's
-        return
-    if not _chunk_rows(spec, info.size):
+    if isinstance(t, torch.Tensor) and not isinstance(t, (nn.Parameter, DTensor)):  # keep_vars, FSDP's: as is
+        state[prefix + attr] = shard_as_full(t, spec, info, name)
+
+
+def _dtensor_as_shard(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any, attr: str,
+                      spec: ShardSpec) -> None:
+    value = state.get(prefix + attr)
+    if isinstance(value, torch.Tensor):
+        state[prefix + attr] = full_as_shard(value, getattr(mod, attr), spec)
+
+
+def shard_as_full(t: torch.Tensor, spec: ShardSpec, info: TPInfo, name: str) -> torch.Tensor:
+    """This rank's shard ``t`` (a parameter's, or its optimizer state's) as the DTensor ``Shard(dim)``
+    of the full tensor over the tp group, on ``t``'s own storage (no copy); raises by name for a
+    split a DTensor cannot describe."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not chunk_rows(spec, info.size):
         raise ValueError(
             f"state_dict(): {name!r} is split over tp={info.size} in a way a DTensor cannot describe "
             f"({'one block per fused part' if not spec.contiguous else 'uneven rows'}), so "
@@ -262,24 +277,21 @@ def _shard_as_dtensor(mod: nn.Module, state: dict[str, Any], prefix: str, _meta:
     shape[spec.dim] = spec.full
     full = torch.Size(shape)
     mesh = mesh_of(info.group, t.device)
-    state[prefix + attr] = DTensor.from_local(t.narrow(spec.dim, 0, spec.valid), mesh, [Shard(spec.dim)],
-                                              run_check=False, shape=full, stride=contiguous_stride(full))
+    return DTensor.from_local(t.narrow(spec.dim, 0, spec.valid), mesh, [Shard(spec.dim)], run_check=False,
+                              shape=full, stride=contiguous_stride(full))
 
 
 @torch.no_grad()
-def _dtensor_as_shard(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any, attr: str,
-                      spec: ShardSpec, info: TPInfo) -> None:
+def full_as_shard(value: torch.Tensor, held: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The inverse of `shard_as_full` for loading into ``held`` (this rank's tensor, whose padding
+    rows are kept): a `shard_as_full` DTensor, another layout's DTensor of the full tensor, one
+    process's full tensor, or this rank's shard itself."""
     from torch.distributed.tensor import DTensor, Shard
 
-    value, held = state.get(prefix + attr), getattr(mod, attr)
-    if not isinstance(value, torch.Tensor):
-        return
     if isinstance(value, DTensor):
         if tuple(value.placements) == (Shard(spec.dim),) and value.to_local().shape[spec.dim] == spec.valid:
-            shard = held.detach().clone()  # padding rows as they are
+            shard = held.detach().clone()
             shard.narrow(spec.dim, 0, spec.valid).copy_(value.to_local())
-            state[prefix + attr] = shard
-            return
+            return shard
         value = value.full_tensor()  # another layout's DTensor (a collective, as DCP's load is)
-    if value.shape != held.shape:
-        state[prefix + attr] = spec.take(value)  # the full tensor one process saves
+    return spec.take(value) if value.shape != held.shape else value

@@ -41,7 +41,7 @@ from plait.names import matches
 from plait.placement.pieces import mark_piece
 from plait.placement.records import TPInfo, attach_tp_info, attached_tp_info, mark_part, tp_info, tp_module
 from plait.placement.shards import ShardSpec
-from plait.placement.state import place_state_dict
+from plait.placement.state import chunk_rows, full_as_shard, place_state_dict, shard_as_full
 from plait.rng import RNGFork
 from plait.routing import share_routing_over
 from plait.tp.context import SequenceShardGrads, Style, TPContext
@@ -143,7 +143,13 @@ def tensor_parallel(
     if n > 1:  # torch's clip and DCP would take a shard for the whole (FSDP's DTensors replace these)
         for name, p in _named_params(module):
             if name in named_specs:
-                mark_piece(p, f"tp rank {r}'s shard of '{name}' (tp={n})", split=True)
+                # Its optimizer state as DTensors where a DTensor describes the split (a fused one's
+                # module state_dict() refuses by name; plain state keeps torch.save per rank working).
+                spec = named_specs[name]
+                placed = chunk_rows(spec, n)
+                to_full = partial(shard_as_full, spec=spec, info=info, name=name) if placed else None
+                mark_piece(p, f"tp rank {r}'s shard of '{name}' (tp={n})", split=True, to_full=to_full,
+                           to_local=partial(full_as_shard, spec=spec) if placed else None)
         place_state_dict(module, info)
     return module
 
