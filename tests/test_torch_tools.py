@@ -136,6 +136,7 @@ def _refusal_messages() -> dict[str, str]:
 TWO_RANKS = {
     "tp2": {"tp": 2},  # the shards' norms
     "dp2 x ep2": {"dp": 2, "ep": 2, "moe": True},  # each rank's experts
+    "fsdp2 x ep2": {"fsdp": 2, "ep": 2, "moe": True, "data": "fsdp"},  # plain experts beside DTensor shards
     "pp2": {"pp": 2},  # each rank's stage
     "dp2": {"dp": 2},  # replicas: torch's clip is right
 }

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from plait.env import is_dry_run
 from plait.names import plain_name
-from plait.placement.pieces import mark_piece, piece_of
+from plait.placement.pieces import carry_mark
 from plait.placement.records import EXPERT_MARK, ROWS_MARK
 
 __all__ = ["init_weights", "owner_modules", "first_owners", "full_values", "is_meta", "module_seed",
@@ -179,8 +179,7 @@ def _place(new: torch.Tensor | None, old: torch.Tensor) -> torch.Tensor | None:
     for mark in _KEPT_MARKS:
         if hasattr(old, mark):
             setattr(param, mark, getattr(old, mark))
-    if (piece := piece_of(old)) is not None:
-        mark_piece(param, piece.what, piece.split, to_full=piece.to_full, to_local=piece.to_local)
+    carry_mark(old, param)
     return param
 
 

@@ -21,6 +21,7 @@ from plait.env import get_logger
 from plait.fsdp.flat import GRAD_HOOKS_ATTR, FlatParam, ShardCfg, Slot
 from plait.materialize import Keep, materialize
 from plait.names import matches
+from plait.placement.pieces import carry_mark
 from plait.placement.records import mark_expert, placement_of
 
 __all__ = ["Unit", "build_units", "check_no_optimizer"]
@@ -175,6 +176,7 @@ def _keep_shard(where: dict[int, tuple[FlatParam, int]], cfg: ShardCfg) -> Keep:
                 return t
             kept = nn.Parameter(full.to(cfg.device), requires_grad=t.requires_grad)
             mark_expert(kept, placed)
+            carry_mark(t, kept)  # split over ep: torch's clip must still refuse it
             return kept
         flat, i = where[id(t)]
         slot = flat.slots[i]

@@ -40,7 +40,8 @@ from torch.distributed.tensor import DTensor
 
 from plait._torch_compat import plain_torch_functions
 
-__all__ = ["TorchToolRefused", "Piece", "mark_piece", "piece_of", "remark", "remark_all", "PIECE_MARK"]
+__all__ = ["TorchToolRefused", "Piece", "mark_piece", "carry_mark", "piece_of", "remark", "remark_all",
+           "PIECE_MARK"]
 
 # The attribute a marked parameter (and its marked gradient) carries its `Piece` under.
 PIECE_MARK = "_plait_piece"
@@ -90,6 +91,14 @@ def mark_piece(p: nn.Parameter | torch.Tensor, what: str, split: bool = False, *
         p.register_post_accumulate_grad_hook(remark)
         setattr(p, _WATCHED, True)
     remark(p)
+
+
+def carry_mark(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Mark ``new``, a parameter that replaces ``old`` (materialized, or moved to its device), as
+    ``old`` was marked, if it was."""
+    piece = piece_of(old)
+    if piece is not None:
+        mark_piece(new, piece.what, piece.split, to_full=piece.to_full, to_local=piece.to_local)
 
 
 def piece_of(p: torch.Tensor | object) -> Piece | None:
