@@ -151,9 +151,11 @@ class Pipeline:
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
-        if p > 1:  # each rank holds some stages' parameters: torch's clip would take them for the whole
-            for name, prm in self.named_parameters():
-                mark_piece(prm, f"'{name}' of pipeline stage(s) {sorted(mine)} (pp={p})")
+        # Each rank holds some stages' parameters: torch's clip would take them for the whole model's.
+        named = list(self.named_parameters()) if p > 1 else []
+        for name, prm in named:
+            mark_piece(prm, f"'{name}' of pipeline stage(s) {sorted(mine)} (pp={p})")
+        self._pieces = [prm for _, prm in named]  # `step` marks their new gradients
 
     def _parallelize_stages(self, module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None,
                             sequence_parallel: bool, seed: int, loss_fn: Any,
@@ -423,7 +425,7 @@ class Pipeline:
         loss_sum, outs = self.exec.run(sched, metas, mb_in, mb_tg if holds_last else None, train)
         if train:
             sync_grads(self._tied)
-            remark_all(self.parameters())  # gradients a wrapper assigned (FSDP's) are marked too
+            remark_all(self._pieces)  # gradients a wrapper assigned (FSDP's) are marked too
         if targets is None and not train:
             self._measure(self.exec.step_time)
             if not holds_last:

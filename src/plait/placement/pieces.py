@@ -27,6 +27,7 @@ rather than one rank's under every rank's name; ``load_state_dict`` takes them b
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -130,15 +131,13 @@ def remark_all(params: Iterable[torch.Tensor]) -> None:
 # torch calls a global step pre-hook for every optimizer: the only place an optimizer made by the
 # user's own code shows itself (torch's get_optimizer_state_dict steps it once to make its state).
 _hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-_watching: list[bool] = []  # once per process: the global hook is registered
 
 
+@functools.cache  # once per process
 def _watch_optimizers() -> None:
-    if not _watching:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        register_optimizer_step_pre_hook(_on_step)
-        _watching.append(True)
+    register_optimizer_step_pre_hook(_on_step)
 
 
 def _on_step(opt: torch.optim.Optimizer, *_: Any) -> None:
@@ -180,9 +179,7 @@ def _state_as_local(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> d
 
 
 def _per_element(v: Any, p: torch.Tensor) -> bool:
-    from plait.dtensors import local_of
-
-    return isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local_of(p).shape
+    return isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.shape
 
 
 def _calling_module() -> str | None:
@@ -222,8 +219,10 @@ def _refuse(func: Any, args: Any) -> None:
             "where each parameter is a DTensor that Muon orthogonalizes whole. Nothing was changed.")
 
 
-class _PieceGrad(torch.Tensor):
-    """A plain tensor to every torch function but those `_refuse` stops."""
+class _Refusing:
+    """Every torch function as on the tensor class beside it, but for those `_refuse` stops."""
+
+    __slots__ = ()  # no layout of its own: a DTensor gradient's class can be switched in place
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -232,13 +231,11 @@ class _PieceGrad(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
 
-class _PieceDTensorGrad(DTensor):
-    """A DTensor gradient (FSDP's, in a pipeline stage) with `_PieceGrad`'s check."""
+class _PieceGrad(_Refusing, torch.Tensor):
+    """A marked plain gradient."""
 
-    __slots__ = ()  # the same layout as DTensor's, so a gradient's class can be switched in place
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        _refuse(func, args)
-        with plain_torch_functions():
-            return func(*args, **(kwargs or {}))
+class _PieceDTensorGrad(_Refusing, DTensor):
+    """A marked DTensor gradient (FSDP's, in a pipeline stage)."""
+
+    __slots__ = ()

@@ -148,14 +148,18 @@ def checkpoint_entry(t: torch.Tensor, spec: ShardSpec | None, info: TPInfo | Non
     if not chunk_rows(spec, info.size):
         raise ValueError(f"checkpoint: {name!r} is split into {spec.local}-row shards of {spec.full} "
                          f"rows over tp={info.size}, which is not DTensor's chunking; cannot save it")
+    return _full_dtensor(t.narrow(spec.dim, 0, spec.valid).contiguous().clone(), spec, info)
+
+
+def _full_dtensor(rows: torch.Tensor, spec: ShardSpec, info: TPInfo) -> torch.Tensor:
+    """This rank's valid ``rows`` as the DTensor ``Shard(spec.dim)`` of the full tensor over tp."""
     from torch.distributed.tensor import DTensor, Shard
 
-
-    shape = list(t.shape)
+    shape = list(rows.shape)
     shape[spec.dim] = spec.full
-    local = t.narrow(spec.dim, 0, spec.valid).contiguous().clone()
-    return DTensor.from_local(local, mesh_of(info.group, t.device), [Shard(spec.dim)], run_check=False,
-                              shape=torch.Size(shape), stride=contiguous_stride(torch.Size(shape)))
+    full = torch.Size(shape)
+    return DTensor.from_local(rows, mesh_of(info.group, rows.device), [Shard(spec.dim)], run_check=False,
+                              shape=full, stride=contiguous_stride(full))
 
 
 @torch.no_grad()
@@ -265,20 +269,13 @@ def shard_as_full(t: torch.Tensor, spec: ShardSpec, info: TPInfo, name: str) -> 
     """This rank's shard ``t`` (a parameter's, or its optimizer state's) as the DTensor ``Shard(dim)``
     of the full tensor over the tp group, on ``t``'s own storage (no copy); raises by name for a
     split a DTensor cannot describe."""
-    from torch.distributed.tensor import DTensor, Shard
-
     if not chunk_rows(spec, info.size):
         raise ValueError(
             f"state_dict(): {name!r} is split over tp={info.size} in a way a DTensor cannot describe "
             f"({'one block per fused part' if not spec.contiguous else 'uneven rows'}), so "
             "torch.distributed.checkpoint could not save it right: save with plait.full_state_dict(model) "
             "or plait's checkpoints (plait.checkpoint.save), which gather it")
-    shape = list(t.shape)
-    shape[spec.dim] = spec.full
-    full = torch.Size(shape)
-    mesh = mesh_of(info.group, t.device)
-    return DTensor.from_local(t.narrow(spec.dim, 0, spec.valid), mesh, [Shard(spec.dim)], run_check=False,
-                              shape=full, stride=contiguous_stride(full))
+    return _full_dtensor(t.narrow(spec.dim, 0, spec.valid), spec, info)
 
 
 @torch.no_grad()
