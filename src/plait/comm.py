@@ -605,6 +605,13 @@ def reduce_scatter_into(
                 _reduce_name(op))
 
 
+def reduces_in_place(group: dist.ProcessGroup | None = None) -> bool:
+    """True where `reduce_scatter_consuming` sums the whole of ``full`` in place (Gloo, or one
+    rank): every element of ``full`` then holds its sum over ranks, whatever its layout, so a
+    caller may lay ``full`` out as it likes and read its own chunks from it afterwards."""
+    return _n(group) == 1 or dist.get_backend(group) == "gloo"
+
+
 def reduce_scatter_consuming(
     full: torch.Tensor, group: dist.ProcessGroup | None = None,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False,

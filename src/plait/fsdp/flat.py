@@ -16,7 +16,11 @@ is copied out into the gathered buffer ``buf``, parameter by parameter (each one
 into rank-major order and reduce-scattered; each rank receives its chunks, end to end, into the
 flat ``grad`` vector that the parameters' DTensor gradients are views of. (FSDP2 makes the same
 two copies around its collectives.) With one parameter in the group, or one rank, both orders
-are the same and the copies are skipped.
+are the same and the copies are skipped. On Gloo, whose reduce-scatter is an all-reduce of the
+whole input (`plait.comm.reduce_scatter_consuming`), ZeRO-3 skips the rank-major copy: ``buf``'s
+gradient is summed in place in parameter order and each rank then reads its chunks out of it
+(`FlatParam.own_chunks`) into the new ``grad`` vector, one copy of a shard instead of a
+full-size copy and a shard's.
 
 ``buf``'s storage is resized to zero to free the gathered parameters and resized back before the
 next all-gather, so tensors that autograd saved in forward see the re-gathered values in backward.
@@ -148,6 +152,10 @@ class FlatParam:
         self.total = self.padded  # every slot's range, padding included
         # One slot, or one rank: rank-major and parameter-major orders coincide.
         self.direct = cfg.world == 1 or len(slots) == 1
+        # ZeRO-3 on a backend whose reduce-scatter sums the whole input in place (Gloo): the
+        # gradient is reduced in buf's parameter-major order and each rank reads its chunks out
+        # of it afterwards, sparing the full-size rank-major copy before the reduction.
+        self.reduce_param_major = cfg.stage == 3 and not self.direct and comm.reduces_in_place(cfg.group)
         self.compute_dtype = cfg.param_dtype if (cfg.param_dtype and dtype.is_floating_point) else dtype
         self.home = torch.device("cpu") if cfg.offload else cfg.device
         # ZeRO-1/2 without casting or offload keep the gathered vector anyway, so the local
@@ -378,7 +386,7 @@ class FlatParam:
                 if not self.in_buf[i]:
                     self._put(flat, i, leaf.grad)
                     leaf.grad = None
-            out = self.rank_major(flat)
+            out = flat if self.reduce_param_major else self.rank_major(flat)
         if out is not self.buf:
             self.buf.untyped_storage().resize_(0)  # its gradients now sit in rank-major order
         self.in_buf = [False] * len(self.leaves)
@@ -415,7 +423,8 @@ class FlatParam:
         g, self.arrived = self._flatten_grads(), 0
         if g is None:
             return
-        if faults.active("fsdp-reduce-scatter-shard"):  # an injected bug in tests only: rows shifted a rank
+        if faults.active("fsdp-reduce-scatter-shard") and not self.reduce_param_major:
+            # an injected bug in tests only: rows shifted a rank (parameter-major: `own_chunks`)
             g = g.view(self.cfg.world, -1).roll(1, 0).reshape(-1)
         if self.cfg.reduce_dtype is not None and g.dtype != self.cfg.reduce_dtype:
             g = g.to(self.cfg.reduce_dtype)
@@ -426,7 +435,9 @@ class FlatParam:
         else:
             # g is dropped after the reduction, so it may serve as the reduction's own scratch
             # (on Gloo: no hidden full-size clone; the result is a view of g).
-            self.pending = comm.reduce_scatter_consuming(g, self.cfg.group, async_op=True)
+            handle, chunk = comm.reduce_scatter_consuming(g, self.cfg.group, async_op=True)
+            # Parameter-major, the whole of g is summed and this rank's chunks are read after.
+            self.pending = (handle, g if self.reduce_param_major else chunk)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction, average, reduce across dp replicas (hybrid) and accumulate."""
@@ -436,21 +447,32 @@ class FlatParam:
         self.pending = None
         if handle is not None:
             handle.wait()
+        fresh = self.reduce_param_major  # red becomes a new shard-sized vector
         if self.cfg.stage == 1:
             red = red.narrow(0, self.cfg.rank * self.shard_size, self.shard_size)
+        elif fresh:
+            red = self.own_chunks(red)
         if self.cfg.dp_group is not None:
             comm.all_reduce(red, self.cfg.dp_group)  # replicas hold the same slice: plain all-reduce
         red.div_(self.cfg.world * self.cfg.replicas)
         if self.cfg.offload:
             # (On a CPU-only machine offload still makes the copy, so the data path is exercised.)
             self.offload_bytes["to_host"] += red.numel() * self.shard.element_size()
-        self._accumulate(red)
+        self._accumulate(red, fresh)
         del red
         if self.cfg.stage == 3 and not self.gathered and self._handle is None:
             self.buf.untyped_storage().resize_(0)  # the reduction's input, released at once
 
-    def _accumulate(self, red: torch.Tensor) -> None:
-        """Add ``red`` to the parameters' gradients, or make it theirs where they have none.
+    def own_chunks(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunks of parameter-major ``full``, end to end (a new shard-sized vector)."""
+        r = self.cfg.rank
+        if faults.active("fsdp-reduce-scatter-shard"):  # an injected bug in tests only
+            r = (r - 1) % self.cfg.world
+        return torch.cat([full.narrow(0, s.offset + r * s.chunk, s.chunk) for s in self.slots])
+
+    def _accumulate(self, red: torch.Tensor, fresh: bool = False) -> None:
+        """Add ``red`` to the parameters' gradients, or make it theirs where they have none
+        (``fresh``: ``red`` is a new vector nobody else holds, kept as it is where it fits).
 
         The gradients are DTensors over views of one flat vector, held only through the
         parameters' ``.grad`` (weakly here), so ``zero_grad()`` frees them as on any module."""
@@ -461,8 +483,11 @@ class FlatParam:
             if flat is not None and all(held):
                 flat.add_(red.to(flat.device, flat.dtype))
                 return
-            new = torch.empty(self.shard_size, dtype=self.dtype, device=self.home)
-            new.copy_(red)  # a blocking copy: the optimizer reads it right after backward
+            if fresh and red.dtype == self.dtype and red.device == self.home:
+                new = red
+            else:
+                new = torch.empty(self.shard_size, dtype=self.dtype, device=self.home)
+                new.copy_(red)  # a blocking copy: the optimizer reads it right after backward
             for i, p in enumerate(self.params):
                 if p.grad is not None:  # accumulated earlier, or set by the user
                     self.local(i, new).add_(cast(DTensor, p.grad).to_local())
