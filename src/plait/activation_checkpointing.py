@@ -72,7 +72,7 @@ from plait.blocks import DESCRIBED
 from plait.blocks import blocks as repeated_blocks
 from plait.callable_module import make_callable
 from plait.names import matches
-from plait.rng import RNGFork
+from plait.rng import RNGFork, fork_of
 
 __all__ = ["activation_checkpointing", "select_blocks", "checkpoint_blocks", "checkpointed", "check_options",
            "POLICIES", "KEPT_OPS"]
@@ -216,8 +216,7 @@ def _forks(module: nn.Module, name: str, inside: bool = True) -> list[RNGFork]:
     found: dict[int, RNGFork] = {}
     for m in module.modules() if inside else [module]:
         for hook in m._forward_pre_hooks.values():
-            fork = getattr(hook, "__self__", None)
-            if isinstance(fork, RNGFork):
+            if (fork := fork_of(hook)) is not None:
                 found[id(fork)] = fork
     for fork in found.values():
         if fork.entered or not inside:

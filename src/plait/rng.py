@@ -4,13 +4,40 @@ recomputes a block (`plait.activation_checkpointing`). It lives apart from both,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from plait._torch_compat import eager
 
-__all__ = ["RNGFork"]
+__all__ = ["RNGFork", "random_rates", "fork_of"]
+
+# Attribute names of the rates that make a module draw random numbers in training: dropout
+# layers' ``p``; HF attention's ``attention_dropout`` (a float it passes to sdpa), GPT-2's
+# ``attn_pdrop``; Mixtral's router ``jitter_noise``.
+_RATE_WORDS = ("dropout", "pdrop", "jitter", "noise")
+
+
+def random_rates(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """The (module, attribute) pairs under ``module`` whose positive value in training mode makes
+    its forward draw random numbers: every dropout layer's ``p``, and every float attribute
+    named like a dropout or noise rate."""
+    found: list[tuple[nn.Module, str]] = []
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            found.append((m, "p"))
+        found += [(m, k) for k, v in vars(m).items()
+                  if isinstance(v, float) and not k.startswith("_")
+                  and any(w in k.lower() for w in _RATE_WORDS)]
+    return found
+
+
+def fork_of(hook: Any) -> RNGFork | None:
+    """The stream a forward hook swaps in (one of `RNGFork.region_hooks`, or a bound method)."""
+    fork = getattr(hook, "rng_fork", None) or getattr(hook, "__self__", None)
+    return fork if isinstance(fork, RNGFork) else None
 
 
 class RNGFork:
@@ -43,6 +70,33 @@ class RNGFork:
         if self._cuda and state[1] is not None:
             torch.cuda.set_rng_state(state[1], self._device)
 
+    def region_hooks(self, module: nn.Module) -> tuple[Callable[..., None], Callable[..., None]]:
+        """Forward pre- and post-hooks that run ``module`` on this stream.
+
+        Swapping generator states cannot be traced (torch marks ``get_rng_state`` untraceable),
+        so under torch.compile each swap is a graph break. A region that draws nothing needs no
+        swap: while Dynamo traces, the hooks swap only if one of the module's `random_rates` is
+        positive in training mode (read in the graph's guards: a change recompiles); eager
+        forwards always swap. A random op that no such rate announces (``torch.rand`` called in
+        a forward) then draws, under compile only, from the default stream that every tp rank
+        shares."""
+        rates = random_rates(module)
+
+        def draws() -> bool:
+            if not torch.compiler.is_compiling():
+                return True
+            return any(m.training and getattr(m, a) > 0 for m, a in rates)
+
+        def enter(*_: Any) -> None:
+            if draws():
+                self.enter()
+
+        def exit_(*_: Any) -> None:
+            if draws():
+                self.exit()
+        enter.rng_fork = exit_.rng_fork = self  # type: ignore[attr-defined]  # found by `fork_of`
+        return enter, exit_
+
     @property
     def active(self) -> bool:
         """Whether the per-rank stream is the one running now."""
@@ -64,9 +118,13 @@ class RNGFork:
                 self._set(self._saved)
             self._saved, self._paused = None, False
 
-    @eager  # swaps generator states: eager, between graphs
     def pause(self) -> None:
         """Run the default stream until the outermost region exits (no-op outside regions)."""
+        if self._depth:  # read in the graph's guards under compile: no break outside regions
+            self._pause()
+
+    @eager  # swaps generator states: eager, between graphs
+    def _pause(self) -> None:
         if self.active and self._saved is not None:
             self._state = self._get()
             self._set(self._saved)

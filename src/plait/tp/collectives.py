@@ -5,9 +5,11 @@ Each operator's docstring says what moves in forward and backward; each is the i
 the group has one rank. Inside `emulated` (the dry run of `plait.tp.check_plan`) each operator
 is handed to an emulator that makes a tensor of the right shape on one rank, and nothing moves.
 
-Under torch.compile each operator runs eagerly between graphs (`torch.compiler.disable`): one
-clean graph break per operator, where tracing into it would fail on the emulator's ContextVar and
-on `plait.comm`'s bookkeeping.
+Under torch.compile each operator is traced into the graph, forward and backward, with torch's
+functional collectives (``torch.distributed._functional_collectives``), so tensor parallelism adds
+no graph break: the compiler sees the collectives and may overlap them. Traced collectives skip
+`plait.comm`'s bookkeeping (counts, the per-call desync check), which Dynamo cannot trace; eager
+runs keep it. The dry run's emulator is never traced (plan checks do not compile).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from plait import faults
-from plait._torch_compat import eager
 from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
@@ -52,14 +54,30 @@ def emulated(emulator: Emulator) -> Iterator[None]:
 def shapes_only() -> bool:
     """Whether this runs inside the dry run (an emulator whose ``shapes_only`` is true: fake
     tensors, no values), where a style may stand in for code that branches on values."""
-    return bool(getattr(_EMULATOR.get(), "shapes_only", False))
+    return not _tracing() and bool(getattr(_EMULATOR.get(), "shapes_only", False))
+
+
+def _tracing() -> bool:
+    """Whether Dynamo is tracing this call (then the traceable collectives run)."""
+    return torch.compiler.is_compiling()
 
 
 def fresh(x: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor of its own. What an operator returns must not be a view: a model that
     adds to it in place (Falcon's ``mlp_output += attention_output``) would otherwise be refused by
     autograd, which cannot rewrite a custom Function's backward for a view (a copy of b*s*h/tp)."""
+    if _tracing():  # the graph's copy; the compiler drops it where nothing needs it
+        return x.clone(memory_format=torch.contiguous_format)
     return x.clone(memory_format=torch.contiguous_format) if x._is_view() else x.contiguous()
+
+
+def _summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A new tensor: the sum of ``x`` over ``group`` (``x`` itself is never written)."""
+    if _tracing():
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+    x = x.clone(memory_format=torch.contiguous_format)
+    all_reduce(x, group)
+    return x
 
 
 def _split_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
@@ -76,6 +94,9 @@ def _gather_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
     if n == 1:
         return x
     moved = x.movedim(dim, 0).contiguous()
+    if _tracing():
+        out = funcol.wait_tensor(funcol.all_gather_tensor(moved, 0, group))
+        return fresh(out.movedim(0, dim))
     out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_into(out, moved, group)
     # Contiguous: layers that flatten their input with .view (GPT-2's Conv1D) need it.
@@ -90,6 +111,9 @@ def _reduce_scatter_dim(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
     if moved.shape[0] % n:
         raise ValueError(f"reduce-scatter along dim {dim}: size {moved.shape[0]} is not divisible "
                          f"by the {n} ranks of {describe(group)}")
+    if _tracing():
+        out = funcol.wait_tensor(funcol.reduce_scatter_tensor(moved, "sum", 0, group))
+        return fresh(out.movedim(0, dim))
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_into(out, moved, group)
     return fresh(out.movedim(0, dim))
@@ -105,11 +129,10 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        # A copy: autograd may hand the same gradient tensor to other consumers of the output.
-        g = g.clone(memory_format=torch.contiguous_format)
-        if not faults.active("tp-backward-all-reduce"):  # an injected bug in tests only
-            all_reduce(g, ctx.group)
-        return g, None
+        if faults.active("tp-backward-all-reduce"):  # an injected bug in tests only
+            return g.clone(memory_format=torch.contiguous_format), None
+        # A new tensor: autograd may hand the same gradient tensor to other consumers of the output.
+        return _summed(g, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -117,9 +140,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        x = x.clone(memory_format=torch.contiguous_format)  # never reduce the caller's tensor in place
-        all_reduce(x, group)
-        return x
+        return _summed(x, group)  # never reduce the caller's tensor in place
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -132,15 +153,11 @@ class _SumOverTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        x = x.clone(memory_format=torch.contiguous_format)
-        all_reduce(x, group)
-        return x
+        return _summed(x, group)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        g = g.clone(memory_format=torch.contiguous_format)
-        all_reduce(g, ctx.group)
-        return g, None
+        return _summed(g, ctx.group), None
 
 
 class _GatherLast(torch.autograd.Function):
@@ -217,30 +234,27 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return _gather_dim(g, ctx.group, ctx.dim), None, None
 
 
-@eager
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Megatron's *f*: forward identity; backward all-reduce of the input gradient.
 
     Sits before a column-parallel layer whose input is replicated: each rank computes a
     partial input gradient from its column shard, and the full gradient is their sum.
     """
-    if (em := _EMULATOR.get()) is not None:
+    if not _tracing() and (em := _EMULATOR.get()) is not None:
         return em.collective("copy_to_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _CopyToTP.apply(x, group)
 
 
-@eager
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Megatron's *g*: forward all-reduce (sum of partial outputs); backward identity.
 
     Sits after a row-parallel layer: each rank holds a partial sum of the output.
     """
-    if (em := _EMULATOR.get()) is not None:
+    if not _tracing() and (em := _EMULATOR.get()) is not None:
         return em.collective("reduce_from_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-@eager
 def sum_over_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward all-reduce (sum) of per-rank partial statistics; backward all-reduce of the gradient.
 
@@ -249,61 +263,55 @@ def sum_over_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     gradient of each rank's partial sum is the sum of what every rank's output sends back. The
     same exchange as Megatron's vocabulary-parallel softmax (Shoeybi et al. 2019, sec. 3), whose
     denominator sums over vocabulary shards; here a tensor of b*s values moves each way."""
-    if (em := _EMULATOR.get()) is not None:
+    if not _tracing() and (em := _EMULATOR.get()) is not None:
         return em.collective("sum_over_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _SumOverTP.apply(x, group)
 
 
-@eager
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward all-gather along the last dim; backward keeps this rank's slice of the gradient."""
-    if (em := _EMULATOR.get()) is not None:
+    if not _tracing() and (em := _EMULATOR.get()) is not None:
         return em.collective("gather_from_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _GatherLast.apply(x, group)
 
 
-@eager
 def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Forward keeps this rank's slice of the last dim; backward all-gathers the gradient."""
-    if (em := _EMULATOR.get()) is not None:
+    if not _tracing() and (em := _EMULATOR.get()) is not None:
         return em.collective("scatter_to_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _ScatterLast.apply(x, group)
 
 
-@eager
 def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel *g-bar*: forward all-gather along the sequence dim; backward
     reduce-scatter of the gradient (each rank's partial gradient is summed, then split)."""
-    if (em := _EMULATOR.get()) is not None:
+    if not _tracing() and (em := _EMULATOR.get()) is not None:
         return em.collective("gather_from_sp", x, dim)
     return x if dist.get_world_size(group) == 1 else _GatherSeq.apply(x, group, dim)
 
 
-@eager
 def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Sequence parallel *g*: forward reduce-scatter of partial sums along the sequence dim;
     backward all-gather of the gradient."""
-    if (em := _EMULATOR.get()) is not None:
+    if not _tracing() and (em := _EMULATOR.get()) is not None:
         return em.collective("reduce_scatter_to_sp", x, dim)
     return x if dist.get_world_size(group) == 1 else _ReduceScatterSeq.apply(x, group, dim)
 
 
-@eager
 def scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Where sequence parallelism starts on a replicated activation: forward keeps this rank's
     chunk of the sequence (nothing moves); backward all-gathers the gradient, since every rank's
     replicated producer needs the gradient of the whole sequence."""
-    if (em := _EMULATOR.get()) is not None:
+    if not _tracing() and (em := _EMULATOR.get()) is not None:
         return em.collective("scatter_to_sp", x, dim)
     return x if dist.get_world_size(group) == 1 else _ScatterSeq.apply(x, group, dim)
 
 
-@eager
 def replicate_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
     """Where sequence parallelism ends before replicated code (a final norm whose output the
     model reshapes): forward all-gathers the sequence; backward keeps this rank's chunk of the
     gradient, which every rank computes in full because everything after runs replicated
     (unlike `gather_from_sp`, whose column-parallel consumers leave partial gradients to sum)."""
-    if (em := _EMULATOR.get()) is not None:
+    if not _tracing() and (em := _EMULATOR.get()) is not None:
         return em.collective("replicate_from_sp", x, dim)
     return x if dist.get_world_size(group) == 1 else _ReplicateSeq.apply(x, group, dim)

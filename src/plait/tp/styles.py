@@ -439,8 +439,9 @@ class ParallelRegion(Style):
         enter = input_pre_hook(partial(enter_parallel, ctx=ctx), name)
         mod.register_forward_pre_hook(enter, with_kwargs=True)
         if self.fork_rng:
-            mod.register_forward_pre_hook(ctx.rng.enter)
-            mod.register_forward_hook(ctx.rng.exit, always_call=True)
+            enter_rng, exit_rng = ctx.rng.region_hooks(mod)
+            mod.register_forward_pre_hook(enter_rng)
+            mod.register_forward_hook(exit_rng, always_call=True)
 
 
 @dataclass(frozen=True)
@@ -486,5 +487,6 @@ class SequenceParallel(Style):
         for p in mod.parameters(recurse=False):
             if p.requires_grad:
                 ctx.seq_grads.watch(p)
-        mod.register_forward_pre_hook(ctx.rng.enter)
-        mod.register_forward_hook(ctx.rng.exit, always_call=True)
+        enter_rng, exit_rng = ctx.rng.region_hooks(mod)
+        mod.register_forward_pre_hook(enter_rng)
+        mod.register_forward_hook(exit_rng, always_call=True)
