@@ -167,10 +167,11 @@ def preset_gpt(preset: str, seq: int):
     return plait.init_weights(GPT(dataclasses.replace(PRESETS[preset], seq_len=seq)), seed=0)
 
 
-def rank_batch(global_batch: int, seq: int):
-    """This rank's share of a seeded global batch of byte tokens: (inputs, next tokens)."""
+def rank_batch(global_batch: int, seq: int, split: bool = True):
+    """This rank's share of a seeded global batch of byte tokens: (inputs, next tokens).
+    ``split=False``: the whole batch on every rank (tensor parallelism's ranks share theirs)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (global_batch, seq + 1), generator=g)
-    mine = data.chunk(world)[rank]
+    mine = data.chunk(world)[rank] if split else data
     return mine[:, :-1], mine[:, 1:]

@@ -1,11 +1,14 @@
 """torch.compile on plait's layouts against torch's own, same model, batch and world, one run.
 
-Two layouts, world 2 by default, GPT ``25m`` at sequence 256 (where compilation shows on a CPU):
+Three layouts, world 2 by default, GPT ``25m`` at sequence 256 (where compilation shows on a CPU):
 
 * DDP compiled whole after wrapping: ``torch.compile(plait.DDP(model))`` against
   ``torch.compile(torch DDP(model))`` (torch's DDP splits its graph at bucket boundaries);
 * ZeRO-3 with each block compiled before wrapping, torchtitan's way: ``block.compile()`` for every
-  block, then plait's FSDP against torch's FSDP2 (``fully_shard`` per block and root).
+  block, then plait's FSDP against torch's FSDP2 (``fully_shard`` per block and root);
+* TP over the whole world, compiled whole after sharding: ``plait.tensor_parallel`` with
+  ``plait.gpt_plan`` against torch's DTensor TP (``parallelize_module``, the same Megatron plan as
+  ``plait bench tp``), each with its vocabulary-parallel loss outside the compiled model.
 
 Each layout builds four models from identical weights in the same processes (plait eager, plait
 compiled, torch eager, torch compiled); after warm-up (which compiles) their steps alternate, each
@@ -38,20 +41,32 @@ from bench.common import (
 IMPLS = ("plait eager", "plait compiled", "torch eager", "torch compiled")
 
 
-def _step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+Built = tuple[torch.nn.Module, Callable[..., torch.Tensor] | None]  # the model, its loss (None: lm_loss)
+
+
+def _step_fn(built: Built, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     from plait.models.gpt import lm_loss
 
+    model, loss_fn = built
+    loss_fn = loss_fn or lm_loss
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        lm_loss(model(x), y).backward()
+        loss = loss_fn(model(x), y)
+        if hasattr(loss, "full_tensor"):  # torch's loss_parallel: its backward runs in the context too
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():
+                loss.backward()
+        else:
+            loss.backward()
         opt.step()
 
     return step
 
 
-def _ddp(impl: str, preset: str, seq: int) -> torch.nn.Module:
+def _ddp(impl: str, preset: str, seq: int) -> Built:
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from plait.ddp.wrapper import DDP
@@ -60,10 +75,10 @@ def _ddp(impl: str, preset: str, seq: int) -> torch.nn.Module:
     model = preset_gpt(preset, seq)
     wrapped = DDP(model, cached_mesh(dp=dist.get_world_size())) if impl.startswith("plait") else \
         TorchDDP(model)
-    return torch.compile(wrapped) if impl.endswith("compiled") else wrapped
+    return (torch.compile(wrapped) if impl.endswith("compiled") else wrapped), None
 
 
-def _zero3(impl: str, preset: str, seq: int) -> torch.nn.Module:
+def _zero3(impl: str, preset: str, seq: int) -> Built:
     from plait.fsdp.wrapper import FSDP
     from plait.testing import cached_mesh
 
@@ -72,7 +87,7 @@ def _zero3(impl: str, preset: str, seq: int) -> torch.nn.Module:
         for block in model.layers:
             block.compile()
     if impl.startswith("plait"):
-        return FSDP(model, cached_mesh(fsdp=dist.get_world_size()), 3)
+        return FSDP(model, cached_mesh(fsdp=dist.get_world_size()), 3), None
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -80,22 +95,42 @@ def _zero3(impl: str, preset: str, seq: int) -> torch.nn.Module:
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model
+    return model, None
 
 
-LAYOUTS: dict[str, Callable[[str, str, int], torch.nn.Module]] = {
-    "DDP, compiled whole after wrapping": _ddp, "ZeRO-3, each block compiled before wrapping": _zero3}
+def _tp(impl: str, preset: str, seq: int) -> Built:
+    import bench.tp
+
+    if impl.startswith("plait"):
+        import plait
+        from plait.testing import cached_mesh
+        from plait.tp.apply import loss_fn_for
+
+        model = preset_gpt(preset, seq)
+        plait.tensor_parallel(model, cached_mesh(tp=dist.get_world_size()), plait.gpt_plan(model))
+        loss_fn = loss_fn_for(model)
+    else:  # the same weights (seed 0), sharded by torch
+        model, loss_fn = bench.tp._build_torch({"model": preset, "seq_len": seq})
+    return (torch.compile(model) if impl.endswith("compiled") else model), loss_fn
+
+
+# layout -> (builder, whether ranks split the batch: data parallel; tp ranks share theirs)
+LAYOUTS: dict[str, tuple[Callable[[str, str, int], Built], bool]] = {
+    "DDP, compiled whole after wrapping": (_ddp, True),
+    "ZeRO-3, each block compiled before wrapping": (_zero3, True),
+    "TP, compiled whole after sharding": (_tp, False)}
 
 
 def _timing(layout: str, preset: str, seq: int, global_batch: int, warmup: int, iters: int) -> dict:
     from torch._dynamo.utils import counters
 
-    x, y = rank_batch(global_batch, seq)
+    build, split = LAYOUTS[layout]
+    x, y = rank_batch(global_batch, seq, split)
     steps, breaks = {}, {}
     for impl in IMPLS:
         torch._dynamo.reset()
         counters.clear()
-        step = _step_fn(LAYOUTS[layout](impl, preset, seq), x, y)
+        step = _step_fn(build(impl, preset, seq), x, y)
         for _ in range(warmup):  # compiles here, alone, so the counters are this side's
             step()
         breaks[impl] = sum(counters["graph_break"].values())
