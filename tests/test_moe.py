@@ -114,7 +114,8 @@ def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = None, steps: int = 2,
                skew: bool = False, fsdp: int = 1, tp: int = 1, sp: bool = False, experts: str = "replicate",
-               statistic: str = "global", cp: int = 1, pp: int = 1, ac: bool = False, batch: int = 8) -> dict:
+               statistic: str = "global", cp: int = 1, pp: int = 1, ac: bool = False, batch: int = 8,
+               compiled: bool = False) -> dict:
     import plait
     from plait.models.moe import moe_layers, set_aux_loss_scale, update_balance
     from plait.plans import gpt_plan
@@ -134,6 +135,7 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
         data="fsdp" if fsdp > 1 else "ddp", tp=tp_plan, sequence_parallel=sp, cp="ring" if cp > 1 else None,
         ac="full" if ac else None, **pipe))
     parts = list(net.stages.values()) if pp > 1 else [net]
+    call = torch.compile(net, backend="eager") if compiled else net  # the same parameters
     # (A pipeline weighs each microbatch's balancing loss by 1/m itself, as it does its loss.)
     make = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if optimizer == "sgd" else torch.optim.AdamW
     opt_ref, opt = make(oracle.parameters()), make(net.parameters())
@@ -151,7 +153,7 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
             net.step(x, y)
         else:
             cut = (lambda t: plait.cp.shard(t, mesh)) if cp > 1 else (lambda t: t)
-            logits = net(cut(x))
+            logits = call(cut(x))
             if step == 0:
                 with torch.no_grad():
                     torch.testing.assert_close(logits, cut(oracle(x)), **TOL)
@@ -194,6 +196,14 @@ BIAS = {"bias_update_rate": 0.01}  # both balancings at once: the loss's f and t
 def test_expert_parallel_trains_like_one_process(pools, dp, fsdp, ep):
     out = pools[dp * fsdp].run(_ep_parity, dp, ep, fsdp=fsdp, cfg_kw=BIAS)
     assert out[0]["held"] < out[0]["full"]  # each rank holds only its share of the experts
+
+
+@pytest.mark.parametrize("fsdp", [1, 2], ids=["dp2-ep2", "fsdp2-ep2"])
+def test_expert_parallel_compiled_whole_trains_like_one_process(pools, fsdp):
+    # torch.compile (backend "eager": what Dynamo traces) of the parallelized model: the routing's
+    # data-dependent shapes and plait's exchanges of tokens run between graphs, and the numbers
+    # are those of one process, step by step.
+    pools[2].run(_ep_parity, 2 // fsdp, 2, fsdp=fsdp, cfg_kw=BIAS, compiled=True)
 
 
 def test_data_parallel_moe_with_recomputed_blocks_trains_like_one_process(pools):

@@ -17,6 +17,10 @@ Why one place:
 * **Device checks.** A tensor on another device than the group's is refused by name, so a CPU
   bookkeeping tensor bound for NCCL fails the same way on CPU.
 
+Under torch.compile every collective here runs eagerly between graphs (a clean graph break where
+compiled code calls one): the bookkeeping above cannot be traced. Tensor parallelism's operators
+trace torch's functional collectives instead (`plait.tp.collectives`).
+
 The autograd-aware tensor-parallel operators (Megatron's f and g and their sequence-parallel
 variants) belong to tensor parallelism: `plait.tp.collectives`.
 """
@@ -38,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait._torch_compat import default_store
+from plait._torch_compat import default_store, eager
 from plait.desync import MODES, CallRecord, GroupLog, first_divergence, write_flight_record
 from plait.desync import scope as _scope
 
@@ -551,6 +555,7 @@ def _n(group: dist.ProcessGroup | None) -> int:
 
 
 # ------------------------------------------------------------------ collectives
+@eager
 def all_reduce(
     t: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -575,6 +580,7 @@ def all_reduce(
                 checked)
 
 
+@eager
 def all_gather_into(
     out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None,
     async_op: bool = False,
@@ -590,6 +596,7 @@ def all_gather_into(
                 async_op)
 
 
+@eager
 def reduce_scatter_into(
     out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False,
@@ -612,6 +619,7 @@ def reduces_in_place(group: dist.ProcessGroup | None = None) -> bool:
     return _n(group) == 1 or dist.get_backend(group) == "gloo"
 
 
+@eager
 def reduce_scatter_consuming(
     full: torch.Tensor, group: dist.ProcessGroup | None = None,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False,
@@ -645,6 +653,7 @@ def reduce_scatter_consuming(
     return work, out
 
 
+@eager
 def broadcast(
     t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> Handle | None:
@@ -658,6 +667,7 @@ def broadcast(
                 f"from rank {src}")
 
 
+@eager
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Gather a picklable object from every rank (used for metadata checks, not tensors)."""
     n = _n(group)
@@ -670,12 +680,14 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
     return out
 
 
+@eager
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if _n(group) > 1:
         _run("barrier", None, group, lambda: dist.barrier(group=group), False)
 
 
 # ------------------------------------------------------------------ point to point
+@eager
 def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0,
           via: dist.ProcessGroup | None = None) -> Handle:
     """Asynchronously send ``t`` to global rank ``dst``; ``group`` names the axis for accounting,
@@ -685,6 +697,7 @@ def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag
     return _point_to_point(what, t, dst, lambda: dist.isend(t, dst=dst, tag=tag, group=via))
 
 
+@eager
 def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0,
           via: dist.ProcessGroup | None = None) -> Handle:
     """Asynchronously receive into ``t`` from global rank ``src`` (``via``: as in `isend`)."""
@@ -721,6 +734,7 @@ class _Works:
             w.wait()
 
 
+@eager
 def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
              group: dist.ProcessGroup | None = None, tag: int = 0) -> Handle:
     """Send ``send`` to global rank ``dst`` while receiving ``recv`` from global rank ``src``, on
@@ -740,6 +754,7 @@ def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
     return _point_to_point(what, send, dst, lambda: _Works(dist.batch_isend_irecv(ops)))
 
 
+@eager
 def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Rank i sends chunk j (along dim 0, equal chunks) of ``inp`` to rank j, which stores it as
     chunk i of ``out``. Counted: the full tensor logically, all chunks but one's own on the wire."""
@@ -751,6 +766,7 @@ def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
     _run("all_to_all", inp, group, lambda: dist.all_to_all_single(out, inp, group=group), False)
 
 
+@eager
 def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
                  group: dist.ProcessGroup | None = None) -> None:
     """Rank i sends rows ``in_splits[j]`` (along dim 0, in order) of ``inp`` to rank j, and stores
@@ -775,6 +791,7 @@ def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int]
         f"variable splits, {inp.dtype}")
 
 
+@eager
 def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send a small picklable object (e.g. shapes and dtypes) to global rank ``dst``."""
     _record("send_object", group, 0, 0.0)
@@ -789,6 +806,7 @@ def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> N
     _point_to_point(what, None, dst, lambda: dist.send_object_list([obj], dst=dst))
 
 
+@eager
 def recv_object(src: int, group: dist.ProcessGroup | None = None) -> Any:
     """Receive what `send_object` sent from global rank ``src``."""
     box: list[Any] = [None]
@@ -807,6 +825,7 @@ def recv_object(src: int, group: dist.ProcessGroup | None = None) -> Any:
 
 
 # ------------------------------------------------------------------ coalesced
+@eager
 def average_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
     """Average ``.grad`` over ``group`` after backward, in one flat all-reduce per dtype.
 
@@ -819,6 +838,7 @@ def average_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup |
         _coalesced(grads, lambda flat: all_reduce(flat.div_(world), group))
 
 
+@eager
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None) -> None:
     """Broadcast many tensors as one flat buffer per dtype (one collective instead of hundreds)."""
     _coalesced(tensors, lambda flat: broadcast(flat, src, group))

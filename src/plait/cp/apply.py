@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from plait._torch_compat import eager
 from plait.cp.gather import allgather_attention, ulysses_attention
 from plait.cp.group import CPGroup
 from plait.cp.layout import Layout
@@ -281,24 +282,24 @@ def sliding_window_of(attention: nn.Module, model: nn.Module) -> int | None:
 
 def _hook(mod: nn.Module, name: str, info: ContextParallelInfo, watcher: Watcher | None,
           window: int | None) -> None:
-    active: list[_Intercept] = []
+    """``mod``'s forward, on the instance, runs inside an `_Intercept` mode. Under torch.compile it
+    runs eagerly between graphs (a clean graph break at each attention module): the algorithms'
+    point-to-point exchanges cannot be traced, and neither can a mode entered mid-graph."""
+    inner = mod.forward
 
-    def enter(_m: nn.Module, _args: Any) -> None:
+    @eager
+    def forward(*args: Any, **kwargs: Any) -> Any:
         mode = _Intercept(info, watcher, window)
-        mode.__enter__()
-        active.append(mode)
-
-    def leave(_m: nn.Module, _args: Any, _out: Any) -> None:
-        mode = active.pop()
-        mode.__exit__(None, None, None)
+        with mode:
+            out = inner(*args, **kwargs)
         if not mode.calls:  # it attended its local tokens only: refuse rather than train wrong
             raise ValueError(f"context parallelism: {name or 'the model'} ({type(mod).__name__}) ran without "
                              "calling torch.nn.functional.scaled_dot_product_attention, so it attended only "
                              "this rank's tokens; context parallelism replaces that call (a transformers "
                              "model: load it with attn_implementation='sdpa')")
+        return out
 
-    mod.register_forward_pre_hook(enter)
-    mod.register_forward_hook(leave, always_call=True)
+    mod.forward = forward
 
 
 def _layout_for(t: torch.Tensor, mesh: Mesh, dim: int) -> Layout:

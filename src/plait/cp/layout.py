@@ -13,7 +13,6 @@ differ by up to two; every rank knows every rank's lengths from the layout alone
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -48,9 +47,10 @@ class Layout:
                              f"{2 * self.size} chunks, two per rank; a sequence of {self.seq_len} tokens is "
                              "too short")
 
-    @cached_property
+    @property
     def chunks(self) -> tuple[Span, ...]:
-        """The ``2 * size`` chunks in sequence order."""
+        """The ``2 * size`` chunks in sequence order (computed each time, a few integers: a
+        cached property would write to the frozen instance, which torch.compile cannot trace)."""
         n = 2 * self.size
         base, extra = divmod(self.seq_len, n)
         spans, start = [], 0
