@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -172,8 +172,11 @@ class FullyShardedDataParallel(nn.Module):
         self._experts = [p for p in placed_experts(module) if p.requires_grad]
         self.module = module  # its parameters, under their own names, are the DTensor shards
         for unit in self.units[1:]:
-            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
-            unit.module.register_forward_hook(self._make_post_forward(unit))
+            if getattr(unit.module, "_compiled_call_impl", None) is not None:
+                self._around_compiled_call(unit)
+            else:
+                unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+                unit.module.register_forward_hook(self._make_post_forward(unit))
         for unit in self.units:
             for flat in unit.flats:
                 flat.bind_views()
@@ -304,6 +307,21 @@ class FullyShardedDataParallel(nn.Module):
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _grads, u=unit: self._pre_backward(u), mode="any")
+
+    def _around_compiled_call(self, unit: Unit) -> None:
+        """A unit compiled in place (``block.compile()``): its module's hooks would run inside the
+        compiled call, as eager islands, two graph breaks. Its gather and reshard run around the
+        compiled call instead, where nothing is traced: the compiled block is one graph, as under
+        torch's FSDP2."""
+        compiled: Callable[..., Any] = unit.module._compiled_call_impl  # type: ignore[assignment]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._pre_forward(unit)
+            out = compiled(*args, **kwargs)
+            self._post_forward(unit, out)
+            return out
+
+        unit.module._compiled_call_impl = call
 
     def _make_pre_forward(self, unit: Unit):
         return lambda _mod, _args: self._pre_forward(unit)
