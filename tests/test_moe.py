@@ -135,6 +135,12 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
         data="fsdp" if fsdp > 1 else "ddp", tp=tp_plan, sequence_parallel=sp, cp="ring" if cp > 1 else None,
         ac="full" if ac else None, **pipe))
     parts = list(net.stages.values()) if pp > 1 else [net]
+    if compiled:
+        from torch._dynamo import reset as reset_dynamo
+        from torch._dynamo.utils import counters
+
+        reset_dynamo()
+        counters.clear()
     call = torch.compile(net, backend="eager") if compiled else net  # the same parameters
     # (A pipeline weighs each microbatch's balancing loss by 1/m itself, as it does its loss.)
     make = (lambda ps: torch.optim.SGD(ps, lr=0.5)) if optimizer == "sgd" else torch.optim.AdamW
@@ -168,8 +174,9 @@ def _ep_parity(dp: int, ep: int, optimizer: str = "sgd", cfg_kw: dict | None = N
             compared = _step_and_compare_stages(net, oracle, (opt_ref, opt), f"step {step}")
         else:
             step_and_compare(net, oracle, (opt_ref, opt), TOL, f"step {step}")
+    breaks = {k.splitlines()[0]: v for k, v in counters["graph_break"].items()} if compiled else None
     return {"held": held, "full": sum(p.numel() for p in oracle.parameters()),
-            "compared": compared if pp > 1 else None}
+            "compared": compared if pp > 1 else None, "breaks": breaks}
 
 
 def _step_and_compare_stages(pipe, oracle, optimizers: tuple, when: str) -> set[str]:
@@ -203,7 +210,13 @@ def test_expert_parallel_compiled_whole_trains_like_one_process(pools, fsdp):
     # torch.compile (backend "eager": what Dynamo traces) of the parallelized model: the routing's
     # data-dependent shapes and plait's exchanges of tokens run between graphs, and the numbers
     # are those of one process, step by step.
-    pools[2].run(_ep_parity, 2 // fsdp, 2, fsdp=fsdp, cfg_kw=BIAS, compiled=True)
+    breaks = pools[2].run(_ep_parity, 2 // fsdp, 2, fsdp=fsdp, cfg_kw=BIAS, compiled=True)[0]["breaks"]
+    # plait's own code breaks only cleanly (each expert dispatch, the balancing counts' all-reduce
+    # and the data-parallel wrapper run eagerly between graphs); the rest is the MoE layer's
+    # routing, whose shapes depend on the data.
+    routing = {"Dynamic shape operator", "Data dependent operator", "torch.* op returned non-Tensor",
+               "HOP: Non-nullified side effect"}
+    assert set(breaks) <= routing | {"Skip inlining `torch.compiler.disable()`d function"}, breaks
 
 
 def test_data_parallel_moe_with_recomputed_blocks_trains_like_one_process(pools):

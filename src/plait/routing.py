@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait._torch_compat import eager
 
 __all__ = ["summed_over", "used_over", "routing_layers", "share_routing", "share_routing_over"]
 
@@ -49,6 +50,7 @@ def share_routing_over(model: nn.Module, group: dist.ProcessGroup | None, size: 
 
 
 def summed_over(groups: Sequence[dist.ProcessGroup | None]) -> Callable[[torch.Tensor], torch.Tensor]:
+    @eager  # under torch.compile: between graphs (plait.comm's bookkeeping)
     def token_statistics(counts: torch.Tensor) -> torch.Tensor:
         """One small all-reduce per group (orthogonal groups: their product's sum), in forward,
         where every rank of a group runs the layer at the same point; not differentiable."""
@@ -63,6 +65,7 @@ def summed_over(groups: Sequence[dist.ProcessGroup | None]) -> Callable[[torch.T
 
 
 def used_over(groups: Sequence[dist.ProcessGroup | None]) -> Callable[[torch.Tensor], torch.Tensor]:
+    @eager  # under torch.compile: between graphs (plait.comm's bookkeeping)
     def experts_in_use(counts: torch.Tensor) -> torch.Tensor:
         """The experts any rank of ``groups`` routed a token to (one small all-reduce per group)."""
         used = (counts > 0).to(torch.int32)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait._torch_compat import eager
 from plait.ep import numeric
 
 __all__ = ["ExpertDispatch"]
@@ -65,6 +66,10 @@ class ExpertDispatch:
         # The largest relative difference the numeric check measured (None: not checked).
         self.check_error: float | None = None
 
+    # Under torch.compile the dispatch runs eagerly between graphs, one clean break per MoE layer:
+    # its split sizes are read on the host from the counts (data-dependent shapes), and its
+    # exchanges and first-call check are plait.comm's.
+    @eager
     def __call__(self, tokens: torch.Tensor, counts: torch.Tensor,
                  run: torch.Tensor | None = None) -> torch.Tensor:
         n, per = self.size, self.per_rank
