@@ -131,6 +131,43 @@ def test_compiled_tensor_parallel_matches_one_process_without_graph_breaks(pools
     assert pools[2].run(_tp, how, sp)[0] == {}
 
 
+def _tp_with_data(data: str) -> dict:
+    """dp2 x tp2 (DDP) or fsdp2 x tp2 (FSDP over TP), with sequence parallelism, compiled whole."""
+    import plait
+
+    cfg, model, oracle = _gpts()
+    _fresh()
+    mesh = cached_mesh(**{"dp" if data == "ddp" else "fsdp": 2, "tp": 2})
+    net = plait.parallelize(model, mesh, plait.ParallelPlan(tp=plait.gpt_plan(cfg, loss_parallel=False),
+                                                            sequence_parallel=True, data=data))
+    want = _train_sharded(torch.compile(net, backend="eager"), oracle, mesh)
+    _assert_state_is(net, want)
+    return _breaks()
+
+
+def _train_sharded(net: torch.nn.Module, oracle: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
+    """`_train` where the data-parallel ranks of ``mesh`` split each batch (tp ranks share theirs)."""
+    r, n = mesh.rank(("dp", "fsdp")), mesh.size(("dp", "fsdp"))
+    opt, oopt = torch.optim.AdamW(net.parameters()), torch.optim.AdamW(oracle.parameters())
+    for step in range(2):
+        x, y = _batch(step, 4)
+        loss64(oracle(x), y).backward()
+        loss64(net(x.chunk(n)[r]), y.chunk(n)[r]).backward()
+        for o in (opt, oopt):
+            o.step()
+            o.zero_grad()
+    return oracle.state_dict()
+
+
+@pytest.mark.parametrize("data", ["ddp", "fsdp"])
+def test_compiled_tensor_parallel_under_data_parallelism_breaks_only_at_the_wrapper(pools, data):
+    breaks = pools[4].run(_tp_with_data, data)[0]
+    # The wrapper's work around the forward and each unit's runs eagerly; TP's collectives on the
+    # tp groups are traced.
+    wrapper = "DistributedDataParallel" if data == "ddp" else "FullyShardedDataParallel"
+    assert breaks and all(DISABLED in k and wrapper in k for k in breaks), breaks
+
+
 def _tp_dropout(sp: bool) -> dict:
     """plait's TP with dropout, compiled whole and eager from the same weights and generator
     states: the same gradients, so under compile too each sharded region draws from the per-rank
