@@ -314,3 +314,26 @@ def test_checkpointed_compiled_blocks_match_one_process():
     for n, p in model.named_parameters():
         want = ref[plain_name(n)].grad
         torch.testing.assert_close(p.grad, want, **TOL64, msg=lambda s, n=n: f"grad {n}: {s}")
+
+
+def test_the_random_rates_a_region_swaps_on_are_found_by_name():
+    # Under compile a tensor-parallel region swaps to the per-rank stream only if one of these is
+    # positive in training mode: dropout layers' p, and float rates named as transformers and
+    # plait's models name them.
+    from plait.rng import random_rates
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_dropout, self.scaling, self.resid_pdrop = 0.1, 0.125, 0.0
+            self.drop = torch.nn.Dropout(0.2)
+
+    class Router(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.jitter_noise, self.top_k = 0.01, 2
+
+    block = torch.nn.ModuleDict({"attn": Attention(), "router": Router()})
+    found = {(type(m).__name__, a) for m, a in random_rates(block)}
+    assert found == {("Attention", "attention_dropout"), ("Attention", "resid_pdrop"), ("Dropout", "p"),
+                     ("Router", "jitter_noise")}
