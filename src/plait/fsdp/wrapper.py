@@ -71,6 +71,7 @@ from plait.fsdp.flat import FlatParam, Placing, ShardCfg, Slot
 from plait.fsdp.units import Unit, build_units, check_no_optimizer
 from plait.mesh import Mesh
 from plait.placement.grads import reduce_expert_grads
+from plait.placement.pieces import mark_piece, piece_of
 from plait.placement.records import TPInfo, ep_info, placement_of, tp_info
 from plait.precision import MixedPrecision, parse_mixed_precision, precision_of
 
@@ -170,6 +171,7 @@ class FullyShardedDataParallel(nn.Module):
         # Experts (plait.expert_parallel) stay the module's own parameters, whole: ranks of the
         # shard group hold different ones. Their gradients are summed over edp at backward's end.
         self._experts = [p for p in placed_experts(module) if p.requires_grad]
+        self._mark_whole_experts(module)
         self.module = module  # its parameters, under their own names, are the DTensor shards
         for unit in self.units[1:]:
             if getattr(unit.module, "_compiled_call_impl", None) is not None:
@@ -307,6 +309,15 @@ class FullyShardedDataParallel(nn.Module):
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _grads, u=unit: self._pre_backward(u), mode="any")
+
+    @staticmethod
+    def _mark_whole_experts(module: nn.Module) -> None:
+        """Experts every rank holds whole (no ep split) stay plain beside the DTensor shards:
+        torch's clip fails inside DTensor on that mix, so it refuses them by name instead (see
+        `plait.placement.pieces`). Split experts are marked as pieces already."""
+        for name, p in module.named_parameters():
+            if placement_of(p) is not None and p.requires_grad and piece_of(p) is None:
+                mark_piece(p, f"the whole expert {name!r}", beside=True)
 
     def _around_compiled_call(self, unit: Unit) -> None:
         """A unit compiled in place (``block.compile()``): its module's hooks would run inside the

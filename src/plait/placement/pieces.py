@@ -68,23 +68,29 @@ class Piece:
     shard), rather than whole tensors of a part of the model (a stage, some experts). A split
     piece may say how a tensor shaped like it (its optimizer state) stands for the full tensor:
     ``to_full(t)``, a DTensor of the full tensor on ``t``'s storage, and ``to_local(value, base)``,
-    this rank's rows of such a value (or of the full tensor) on a copy of ``base``."""
+    this rank's rows of such a value (or of the full tensor) on a copy of ``base``.
+    ``beside``: not a piece but a whole tensor that every rank holds, kept plain beside FSDP's
+    DTensor shards (experts under FSDP without ep), whose mix torch's clip cannot take."""
 
     what: str
     split: bool
     to_full: Callable[[torch.Tensor], torch.Tensor] | None = None
     to_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    beside: bool = False
 
 
 def mark_piece(p: nn.Parameter | torch.Tensor, what: str, split: bool = False, *,
                to_full: Callable[[torch.Tensor], torch.Tensor] | None = None,
-               to_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+               to_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+               beside: bool = False) -> None:
     """Record that ``p`` holds one rank's piece of the model (see `Piece`), so that torch's tools
-    that would be wrong on its gradient refuse it. A second mark keeps the first words."""
+    that would be wrong on its gradient refuse it. A second mark keeps the first words; a piece
+    marked ``beside`` too is refused as a piece."""
     old = piece_of(p)
-    new = Piece(what, split, to_full, to_local)
+    new = Piece(what, split, to_full, to_local, beside)
     if old is not None:
-        new = Piece(old.what, old.split or split, old.to_full or to_full, old.to_local or to_local)
+        new = Piece(old.what, old.split or split, old.to_full or to_full, old.to_local or to_local,
+                    old.beside and beside)
     setattr(p, PIECE_MARK, new)
     if new.to_full is not None:
         _watch_optimizers()
@@ -99,7 +105,8 @@ def carry_mark(old: torch.Tensor, new: torch.Tensor) -> None:
     ``old`` was marked, if it was."""
     piece = piece_of(old)
     if piece is not None:
-        mark_piece(new, piece.what, piece.split, to_full=piece.to_full, to_local=piece.to_local)
+        mark_piece(new, piece.what, piece.split, to_full=piece.to_full, to_local=piece.to_local,
+                   beside=piece.beside)
 
 
 def piece_of(p: torch.Tensor | object) -> Piece | None:
@@ -204,6 +211,14 @@ def _refuse(func: Any, args: Any) -> None:
         return
     tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
     pieces = [p for t in tensors if (p := piece_of(t)) is not None]
+    if caller == _CLIP_MODULE and pieces and all(p.beside for p in pieces):
+        raise TorchToolRefused(
+            f"torch.nn.utils.clip_grad_norm_ was given the gradient of {pieces[0].what}: FSDP keeps "
+            "the experts whole, as plain tensors, beside its DTensor shards, and torch's norm cannot "
+            "take the two kinds together. Call plait.clip_grad_norm_(model, max_norm) on the model "
+            "plait returned: it takes each kind's norm and sums them, as torch does in one process. "
+            "Nothing was scaled.")
+    pieces = [p for p in pieces if not p.beside]
     if caller == _CLIP_MODULE and pieces:
         raise TorchToolRefused(
             f"torch.nn.utils.clip_grad_norm_ was given the gradient of {pieces[0].what}: torch's norm "

@@ -146,7 +146,7 @@ def tensor_parallel(
                 # Its optimizer state as DTensors where a DTensor describes the split (a fused one's
                 # module state_dict() refuses by name; plain state keeps torch.save per rank working).
                 spec = named_specs[name]
-                placed = {"to_full": partial(shard_as_full, spec=spec, info=info, name=name),
+                placed: dict[str, Any] = {"to_full": partial(shard_as_full, spec=spec, info=info, name=name),
                           "to_local": partial(full_as_shard, spec=spec)} if chunk_rows(spec, n) else {}
                 mark_piece(p, f"tp rank {r}'s shard of '{name}' (tp={n})", split=True, **placed)
         place_state_dict(module, info)
