@@ -257,7 +257,7 @@ class FlatParam:
             r = self.cfg.rank
             if self.direct:
                 return self.buf.narrow(0, r * self.shard_size, self.shard_size).clone()
-            return torch.cat([self.buf.narrow(0, s.offset + r * s.chunk, s.chunk) for s in self.slots])
+            return self.own_chunks(self.buf)
         src = self.shard.detach()
         if self.cfg.offload:
             src = src.to(self.cfg.device, copy=True, non_blocking=True)
@@ -451,7 +451,10 @@ class FlatParam:
         if self.cfg.stage == 1:
             red = red.narrow(0, self.cfg.rank * self.shard_size, self.shard_size)
         elif fresh:
-            red = self.own_chunks(red)
+            r = self.cfg.rank
+            if faults.active("fsdp-reduce-scatter-shard"):  # an injected bug in tests only
+                r = (r - 1) % self.cfg.world
+            red = self.own_chunks(red, r)
         if self.cfg.dp_group is not None:
             comm.all_reduce(red, self.cfg.dp_group)  # replicas hold the same slice: plain all-reduce
         red.div_(self.cfg.world * self.cfg.replicas)
@@ -463,11 +466,10 @@ class FlatParam:
         if self.cfg.stage == 3 and not self.gathered and self._handle is None:
             self.buf.untyped_storage().resize_(0)  # the reduction's input, released at once
 
-    def own_chunks(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's chunks of parameter-major ``full``, end to end (a new shard-sized vector)."""
-        r = self.cfg.rank
-        if faults.active("fsdp-reduce-scatter-shard"):  # an injected bug in tests only
-            r = (r - 1) % self.cfg.world
+    def own_chunks(self, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """``rank``'s (default: this rank's) chunks of parameter-major ``full``, end to end (a new
+        shard-sized vector)."""
+        r = self.cfg.rank if rank is None else rank
         return torch.cat([full.narrow(0, s.offset + r * s.chunk, s.chunk) for s in self.slots])
 
     def _accumulate(self, red: torch.Tensor, fresh: bool = False) -> None:
