@@ -95,3 +95,14 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tp_pair(got: torch.Tensor, full: torch.Tensor, spec=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(got, want) to compare a tensor-parallel model's tensor ``got`` with one process's ``full``:
+    a DTensor's full tensor with ``full``; a plain shard with its rows (``spec``, a `ShardSpec`);
+    a plain replicated tensor with ``full``."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(got, DTensor):
+        return got.full_tensor(), full
+    return got, spec.take(full) if spec is not None else full

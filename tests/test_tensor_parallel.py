@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import loss64
+from oracle import local_of, loss64, tp_pair
 from torch import nn
 
 from plait import comm
@@ -120,8 +120,8 @@ def _style_vs_dense(kind: str, tp: int, sp: bool) -> None:
             torch.testing.assert_close(x_in.grad, expect, **TOL32)
     specs = tp_info(model).specs
     for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-        want = specs[name].take(p_ref.grad) if name in specs else p_ref.grad
-        torch.testing.assert_close(p.grad, want, **TOL32, msg=lambda m, n=name: f"grad of {n}: {m}")
+        got, want = tp_pair(p.grad, p_ref.grad, specs.get(name))
+        torch.testing.assert_close(got, want, **TOL32, msg=lambda m, n=name: f"grad of {n}: {m}")
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -164,9 +164,8 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, dp: int = 
 
     def check(what: str, get) -> None:
         for name, p in model.named_parameters(remove_duplicate=False):
-            full = get(ref_params[name])
-            want = specs[name].take(full) if name in specs else full
-            torch.testing.assert_close(get(p), want, **TOL64, msg=lambda m, n=name: f"{what} {n}: {m}")
+            got, want = tp_pair(get(p), get(ref_params[name]), specs.get(name))
+            torch.testing.assert_close(got, want, **TOL64, msg=lambda m, n=name: f"{what} {n}: {m}")
 
     check("initial value of", lambda p: p.detach())
     opt_ref = torch.optim.AdamW(oracle.parameters())
@@ -211,7 +210,7 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, dp: int = 
     tensor_parallel(fresh, mesh, gpt_plan(cfg, loss_parallel=loss_parallel), sequence_parallel=sp, seed=99)
     load_full_state_dict(fresh, oracle.state_dict())
     torch.testing.assert_close(fresh.state_dict(), model.state_dict(), **TOL64)
-    local = sum(p.numel() for p in model.parameters())
+    local = sum(local_of(p).numel() for p in model.parameters())
     return {"losses": losses, "local_params": local, "full_params": oracle.num_parameters()}
 
 

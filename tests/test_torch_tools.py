@@ -106,17 +106,18 @@ def _by_shape(named) -> torch.optim.Optimizer:
 
 
 def _refusal_messages() -> dict[str, str]:
-    """What torch's clip and torch's Muon raise on tp shards, for the test to read."""
-    import plait
-    from plait.models.gpt import GPT, GPTConfig
-    from plait.placement.pieces import TorchToolRefused
+    """What torch's clip and torch's Muon raise on tp shards that stay plain (a fused q/k/v weight
+    split part by part, which no DTensor describes), for the test to read."""
+    from torch import nn
 
-    cfg = GPTConfig(**CFG)
-    with torch.device("meta"):
-        model = GPT(cfg).to(torch.float64)
-    net = plait.parallelize(model, cached_mesh(tp=2), plait.ParallelPlan(tp=plait.gpt_plan(cfg), seed=3))
-    x, y = _batch(0, 2)
-    plait.loss_fn_for(net)(net(x), y).backward()
+    import plait
+    from plait.placement.pieces import TorchToolRefused
+    from plait.tp.styles import ColwiseParallel
+
+    net = plait.tensor_parallel(nn.Sequential(nn.Linear(8, 24)).double(), cached_mesh(tp=2),
+                                {"0": ColwiseParallel(parts=(8, 8, 8))}, check=False)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    net(x).square().sum().backward()
     out = {}
     with pytest.raises(TorchToolRefused) as e:
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -136,7 +137,7 @@ def _refusal_messages() -> dict[str, str]:
 
 
 TWO_RANKS = {
-    "tp2": {"tp": 2},  # the shards' norms
+    "tp2": {"tp": 2},  # DTensor parameters: torch's clip is right
     "dp2 x ep2": {"dp": 2, "ep": 2, "moe": True},  # each rank's experts
     "fsdp2 x ep2": {"fsdp": 2, "ep": 2, "moe": True, "data": "fsdp"},  # plain experts beside DTensor shards
     # Whole experts (no ep) beside DTensor shards: torch's clip failed inside DTensor on the mix.
@@ -145,10 +146,10 @@ TWO_RANKS = {
     "dp2": {"dp": 2},  # replicas: torch's clip is right
 }
 FOUR_RANKS = {
-    "dp2 x tp2": {"dp": 2, "tp": 2},  # DDP's bucket views of tp shards
+    "dp2 x tp2": {"dp": 2, "tp": 2},  # DDP's bucket views of plain tp shards
     "pp2 x fsdp2": {"pp": 2, "fsdp": 2, "data": "fsdp"},  # a stage's DTensor shards
 }
-EXPECTED = {"dp2": "right"}
+EXPECTED = {"dp2": "right", "tp2": "right"}
 
 
 def _all(layouts: dict[str, dict]) -> dict[str, list[str]]:
@@ -283,15 +284,17 @@ def _autocast_grads(layout: dict) -> dict[str, float]:
         loss64(logits, y.chunk(size)[rank]).backward()
     specs = tp_info(net).specs if tp else {}
     got = {n.removeprefix("module."): p.grad for n, p in net.named_parameters()}
-    got = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in got.items()}
+    whole = {n for n, g in got.items() if hasattr(g, "full_tensor")}  # DTensors: the full gradient
+    got = {n: g.full_tensor() if n in whole else g for n, g in got.items()}
     out = {"bf16 logits": float(logits.dtype == torch.bfloat16)}
     for cast in (True, False):
         oracle = plait.init_weights(GPT(cfg), seed=3)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
             loss64(oracle(x), y).backward()
+        ref = {n: specs[n].take(o.grad) if n in specs and n not in whole else o.grad
+               for n, o in oracle.named_parameters()}
         out["autocast" if cast else "float32"] = max(
-            float((g - (specs[n].take(o.grad) if n in specs else o.grad)).norm() / o.grad.norm())
-            for n, g in got.items() for o in [dict(oracle.named_parameters())[n]])
+            float((g - ref[n]).norm() / ref[n].norm()) for n, g in got.items())
     return out
 
 
@@ -359,3 +362,103 @@ def test_dcp_of_torchs_optimizer_state_dict_under_tp_resumes_exactly(pools, tmp_
         for k, v in got["original"].items():
             assert torch.equal(got["restored"][k], v), k
         assert "DTensor" in got["types"], got["types"]
+
+
+# ------------------------------------------------------------------ tp parameters are DTensors
+def _tp_parameters(vocab: int) -> dict[str, str]:
+    """A tp2 GPT's parameters as torch's tools see them, against one process's initial model: the
+    same names, full shapes and full values; returns each one's placement."""
+    from torch.distributed.tensor import DTensor
+
+    import plait
+    from plait.models.gpt import GPT, GPTConfig
+
+    net = _tp_net(3, vocab)
+    want = dict(plait.init_weights(GPT(GPTConfig(**{**CFG, "vocab_size": vocab})).to(torch.float64),
+                                   seed=3).named_parameters())
+    got = dict(net.named_parameters())
+    assert list(got) == list(want), (list(got), list(want))
+    for name, p in got.items():
+        assert isinstance(p, DTensor) and p.shape == want[name].shape, (name, type(p), p.shape)
+        assert torch.equal(p.full_tensor(), want[name].detach()), name
+    return {name: str(p.placements[0]) for name, p in got.items()}
+
+
+@pytest.mark.parametrize("vocab", [64, 63])  # 63: the vocabulary split pads rank 1's rows
+def test_tp_parameters_are_dtensors_of_the_models_own(pools, vocab):
+    for placed in pools[2].run(_tp_parameters, vocab):
+        assert placed["tok_emb.weight"] == "S(0)" and placed["layers.0.attn.q_proj.weight"] == "S(0)"
+        assert placed["layers.0.attn.o_proj.weight"] == "S(1)" == placed["layers.0.mlp.down_proj.weight"]
+        assert placed["layers.0.attn_norm.weight"] == "R" and placed["norm.weight"] == "R", placed
+
+
+def _muon_and_adamw(named) -> tuple[torch.optim.Optimizer, ...]:
+    named = list(named)
+    # Muon orthogonalizes each matrix update; embeddings and vectors take AdamW, as Muon advises.
+    mats = [p for n, p in named if p.ndim == 2 and "emb" not in n and "head" not in n]
+    rest = [p for n, p in named if not (p.ndim == 2 and "emb" not in n and "head" not in n)]
+    return torch.optim.Muon(mats, lr=2e-2), torch.optim.AdamW(rest, lr=1e-2)
+
+
+def _muon_under_tp(steps: int = 2) -> dict[str, float]:
+    """Per parameter: |tp2 - one process| / |one process's own change| after ``steps`` steps."""
+    import plait
+    from plait.models.gpt import GPT, GPTConfig
+
+    net = _tp_net(3)
+    oracle = plait.init_weights(GPT(GPTConfig(**CFG)).to(torch.float64), seed=3)
+    start = {k: v.clone() for k, v in oracle.state_dict().items()}
+    opts, ref_opts = _muon_and_adamw(net.named_parameters()), _muon_and_adamw(oracle.named_parameters())
+    for step in range(steps):
+        x, y = _batch(step)
+        plait.loss_fn_for(net)(net(x), y).backward()
+        loss64(oracle(x), y).backward()
+        for o in (*opts, *ref_opts):
+            o.step()
+            o.zero_grad()
+    full = plait.full_state_dict(net)
+    return {k: float((full[k] - want).norm() / (want - start[k]).norm())
+            for k, want in oracle.state_dict().items()}
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon came with torch 2.9")
+def test_muon_on_the_matrices_trains_as_one_process_under_tp(pools):
+    """As under ZeRO-3 (`test_fsdp_dtensor`): Muon orthogonalizes in bfloat16 and DTensor sums a split
+    matrix's products in another order, so entries round otherwise (a few percent of a matrix's
+    change); orthogonalizing each rank's rows on their own would be off by the change itself."""
+    for errors in pools[2].run(_muon_under_tp):
+        assert max(errors.values()) < 0.15, errors
+
+
+def _converted_after_tp(steps: int = 2) -> bool:
+    """A float32 tp2 model converted with ``.double()`` after `tensor_parallel`, its AdamW made
+    before the conversion, trains as one process in float64."""
+    import plait
+    from plait.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(**CFG)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    net = plait.parallelize(model, cached_mesh(tp=2), plait.ParallelPlan(tp=plait.gpt_plan(cfg), seed=3))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net.double()
+    oracle = plait.init_weights(GPT(cfg), seed=3).double()
+    ref = torch.optim.AdamW(oracle.parameters(), lr=1e-2)
+    assert all(p.dtype == torch.float64 for p in net.parameters())
+    for step in range(steps):
+        x, y = _batch(step)
+        logits = net(x)
+        assert logits.dtype == torch.float64
+        plait.loss_fn_for(net)(logits, y).backward()
+        loss64(oracle(x), y).backward()
+        for o in (opt, ref):
+            o.step()
+            o.zero_grad()
+    full = plait.full_state_dict(net)
+    for k, v in oracle.state_dict().items():
+        torch.testing.assert_close(full[k], v, **TOL64, msg=lambda m, k=k: f"{k}: {m}")
+    return True
+
+
+def test_a_tp_model_converted_after_tensor_parallel_trains_as_one_process(pools):
+    assert all(pools[2].run(_converted_after_tp))

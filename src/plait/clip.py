@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.dtensors import local_of
 
 __all__ = ["clip_grad_norm_", "clip_parts_", "GradParts"]
 
@@ -66,12 +67,13 @@ def _module_parts(model: nn.Module) -> GradParts:
     from plait.placement.records import tp_info, tp_module
 
     inner, info = tp_module(model), tp_info(model)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    # A tp DTensor parameter's gradient is a DTensor: its local rows are this rank's piece.
+    grads = [local_of(p.grad) for p in model.parameters() if p.grad is not None]
     if inner is None or info is None or info.size == 1:
         return {(): grads}
     sharded = {id(p) for name, p in inner.named_parameters(remove_duplicate=False) if name in info.specs}
-    return {(info.group,): [p.grad for p in inner.parameters() if p.grad is not None and id(p) in sharded],
-            (): [p.grad for p in inner.parameters() if p.grad is not None and id(p) not in sharded]}
+    held = [(id(p), local_of(p.grad)) for p in inner.parameters() if p.grad is not None]
+    return {(info.group,): [g for i, g in held if i in sharded], (): [g for i, g in held if i not in sharded]}
 
 
 @torch.no_grad()

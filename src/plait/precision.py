@@ -46,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from plait._torch_compat import map_tensors
 from plait.materialize import is_meta
+from plait.placement.tp_params import unplace
 
 __all__ = ["MixedPrecision", "mixed_precision", "precision_of", "parse_mixed_precision", "check_castable",
            "DTYPES", "CASTS_ITSELF"]
@@ -120,6 +121,7 @@ def mixed_precision(module: Any, policy: MixedPrecision | str = "bf16", *, cast_
     for m in targets:  # every check first: nothing is installed on a model that is then refused
         _check_target(m, mp)
     for m in targets:
+        unplace(m)  # the casts keep fp32 masters of the plain tensors forward reads
         setattr(m, _ATTR, _Caster(m, mp, cast_inputs))
     return module
 

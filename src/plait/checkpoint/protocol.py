@@ -34,8 +34,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from plait.placement.records import TPInfo, tp_info, tp_module
+from plait.placement.records import TPInfo, held, tp_info, tp_module
 from plait.placement.state import expert_or_tp_entry, restore_expert_or_tp
+from plait.placement.tp_params import tp_param_of
 
 __all__ = ["Checkpointable", "state_dict", "load_state_dict", "module_state", "load_module_state",
            "state_layout"]
@@ -120,15 +121,17 @@ def module_state(module: nn.Module, optimizer: Any,
         if not _steps(optimizer, p):
             continue
         state = optimizer.state.get(p, {})
+        rec, leaf = tp_param_of(p), held(p)  # a tp DTensor's state: DTensors too, read as the leaf's
         for key, kind in layout.items():
             out = f"{renames.get(name, name)}.{key}"
             if kind == "elem":
-                value = torch.as_tensor(state[key]) if key in state else torch.zeros_like(p)
-                optim[out] = expert_or_tp_entry(value, p, specs.get(name), info, name)
+                value = torch.as_tensor(state[key]) if key in state else torch.zeros_like(leaf)
+                value = rec.padded(value) if rec is not None else value
+                optim[out] = expert_or_tp_entry(value, leaf, specs.get(name), info, name)
             else:
                 value = torch.as_tensor(state[key]) if key in state else torch.zeros((), dtype=torch.float32)
                 optim[out] = value.detach().clone()
-    model_sd = {k: expert_or_tp_entry(v, v, specs.get(k), info, k)
+    model_sd = {k: expert_or_tp_entry(held(v), held(v), specs.get(k), info, k)
                 for k, v in module.state_dict(keep_vars=True).items()}
     return {"model": model_sd, "optim": optim}
 
@@ -141,17 +144,19 @@ def load_module_state(module: nn.Module, optimizer: Any, state: dict[str, Any],
     specs = info.specs if info is not None else {}
     renames = renames or {}
     for key, target in module.state_dict(keep_vars=True).items():
-        restore_expert_or_tp(target, state["model"][key], target, specs.get(key))
+        restore_expert_or_tp(held(target), state["model"][key], held(target), specs.get(key))
     layout = state_layout(optimizer)
     for name, p in module.named_parameters():
         if not _steps(optimizer, p):
             continue
         restored = {}
+        rec, leaf = tp_param_of(p), held(p)
         for key, kind in layout.items():
             value = state["optim"][f"{renames.get(name, name)}.{key}"]
             if kind == "elem":
-                restored[key] = torch.zeros_like(p)
-                restore_expert_or_tp(restored[key], value, p, specs.get(name))
+                local = torch.zeros_like(leaf)
+                restore_expert_or_tp(local, value, leaf, specs.get(name))
+                restored[key] = rec.as_dtensor(rec.rows(local)) if rec is not None else local
             else:
                 restored[key] = value.clone()
         optimizer.state[p] = restored

@@ -35,6 +35,7 @@ from plait.mesh import Mesh
 from plait.placement.grads import reduce_expert_grads
 from plait.placement.pieces import remark
 from plait.placement.records import placement_of
+from plait.placement.tp_params import unplace
 from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
 
@@ -120,6 +121,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         if is_meta(module):
             raise ValueError("DistributedDataParallel needs a materialized module; this one has meta "
                              "parameters (use FullyShardedDataParallel for meta-device init)")
+        unplace(module)  # DDP's buckets and hooks are over the plain tensors tp's DTensors stand on
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh(dp=-1)
         self.axis = axis

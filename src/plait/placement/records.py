@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from plait._torch_compat import compiled_original
 from plait.placement.shards import ShardSpec
 
-__all__ = ["TPInfo", "attach_tp_info", "attached_tp_info", "tp_info", "tp_module", "mark_part",
+__all__ = ["TPInfo", "TP_PARAM_MARK", "held", "attach_tp_info", "attached_tp_info", "tp_info", "tp_module",
+           "mark_part",
            "ExpertPlacement", "ExpertParallelInfo", "EXPERT_MARK", "mark_expert", "placement_of",
            "StackedRows", "ROWS_MARK", "mark_rows", "rows_of",
            "attach_ep_info", "ep_info"]
@@ -87,6 +89,19 @@ def mark_part(part: nn.Module, info: TPInfo) -> None:
     state dicts) see which of its tensors are tp shards."""
     names = {n for n, _ in part.named_parameters(remove_duplicate=False)}
     attach_tp_info(part, dataclasses.replace(info, specs={n: s for n, s in info.specs.items() if n in names}))
+
+
+T = TypeVar("T", bound=torch.Tensor)
+# The attribute a tp DTensor parameter and its plain leaf carry their record under
+# (`plait.placement.tp_params.TPParam`).
+TP_PARAM_MARK = "_plait_tp_param"
+
+
+def held(t: T) -> T:
+    """The tensor plait computes with: the plain leaf a tp DTensor parameter stands on
+    (`plait.placement.tp_params`), else ``t`` itself."""
+    rec = getattr(t, TP_PARAM_MARK, None)
+    return t if rec is None else rec.leaf
 
 
 # ------------------------------------------------------------------ expert parallelism

@@ -38,10 +38,10 @@ from plait.losses import lm_loss
 from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
 from plait.names import matches
-from plait.placement.pieces import mark_piece
 from plait.placement.records import TPInfo, attach_tp_info, attached_tp_info, mark_part, tp_info, tp_module
 from plait.placement.shards import ShardSpec
-from plait.placement.state import chunk_rows, full_as_shard, place_state_dict, shard_as_full
+from plait.placement.state import place_state_dict
+from plait.placement.tp_params import place_tp_parameters
 from plait.rng import RNGFork
 from plait.routing import share_routing_over
 from plait.tp.context import SequenceShardGrads, Style, TPContext
@@ -140,16 +140,9 @@ def tensor_parallel(
     info = TPInfo(group=ctx.group, size=n, rank=r, sequence_parallel=ctx.sequence_parallel,
                   specs=named_specs, styles=dict(ctx.assigned), vocab_size=vocab_size)
     attach_tp_info(module, info)
-    if n > 1:  # torch's clip and DCP would take a shard for the whole (FSDP's DTensors replace these)
-        for name, p in _named_params(module):
-            if name in named_specs:
-                # Its optimizer state as DTensors where a DTensor describes the split (a fused one's
-                # module state_dict() refuses by name; plain state keeps torch.save per rank working).
-                spec = named_specs[name]
-                placed: dict[str, Any] = {"to_full": partial(shard_as_full, spec=spec, info=info, name=name),
-                          "to_local": partial(full_as_shard, spec=spec)} if chunk_rows(spec, n) else {}
-                mark_piece(p, f"tp rank {r}'s shard of '{name}' (tp={n})", split=True, **placed)
-        place_state_dict(module, info)
+    if n > 1:  # torch's tools see DTensors of the full tensors (DCP, clip, Muon): as one process
+        place_state_dict(module, info)  # the plain shards' entries, once DDP or a pipeline unplaces them
+        place_tp_parameters(module, info)
     return module
 
 

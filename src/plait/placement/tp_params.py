@@ -1,0 +1,264 @@
+"""Tensor-parallel parameters as DTensors, as on torch's own tensor parallelism.
+
+After `plait.tensor_parallel`, ``model.named_parameters()`` and ``model.state_dict()`` give each
+parameter as a DTensor over the tp group: a split one as ``Shard(dim)`` of the full tensor (its
+shape is the full shape), a replicated one as ``Replicate()``. torch's tools then see the model
+as one process would: ``clip_grad_norm_`` takes the norm over every rank, ``torch.optim.Muon``
+orthogonalizes the whole matrix, an optimizer's state is DTensors that DCP saves and reshards.
+
+The model still computes with plain tensors. Each DTensor parameter stands on the *leaf*, the plain
+tensor of this rank's rows that the module's attribute gives inside ``forward`` (the leaf sits in
+the owner module's ``__dict__``, which attribute lookup reads before ``_parameters``: FSDP's
+arrangement too). The DTensor's local tensor is the leaf's storage, so an optimizer's in-place
+step is the model's new value. Autograd accumulates into the leaf; a hook then moves that
+gradient onto the DTensor (``leaf.grad`` is None again), so ``zero_grad`` and accumulation over
+several backwards act on the DTensor's gradient alone.
+
+A vocabulary split padded at its end (V rows over tp ranks that do not divide it) is a DTensor too:
+its local tensor is the leaf's valid rows; the padding rows stay out of the optimizer. A split that
+a DTensor cannot describe (fused q/k/v weights split part by part) stays a plain local shard whose
+gradient is marked (`plait.placement.pieces`): torch's clip refuses it by name.
+
+plait's other strategies (DDP, FSDP, pipelines, expert parallelism, mixed precision) compute
+their buckets, shards and stages over the plain leaves: each calls `unplace` on the module it
+wraps, which puts the leaves back as the parameters (marked as tp pieces, as before).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from plait.dtensors import contiguous_stride, mesh_of
+from plait.placement.pieces import mark_piece
+from plait.placement.records import TP_PARAM_MARK, TPInfo, held
+from plait.placement.shards import ShardSpec
+from plait.placement.state import chunk_rows, full_as_shard, shard_as_full
+
+__all__ = ["TPParam", "place_tp_parameters", "unplace", "tp_param_of", "held", "describable"]
+
+_RECORD = TP_PARAM_MARK
+
+
+@dataclass(eq=False)
+class TPParam:
+    """A DTensor parameter ``param`` standing on the plain ``leaf`` forward reads (see module doc);
+    ``spec``: its rows when split (None: replicated); ``owners``: every (module, attribute) holding
+    it (a tied weight has several)."""
+
+    name: str
+    leaf: nn.Parameter
+    param: nn.Parameter
+    spec: ShardSpec | None
+    info: TPInfo
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+    handle: Any = None
+
+    @property
+    def dtensor(self) -> DTensor:
+        return cast(DTensor, self.param)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The DTensor's local rows of ``t``, a tensor shaped like the leaf (padding cut off)."""
+        spec = self.spec
+        if spec is None or spec.valid == spec.local:
+            return t
+        return t.narrow(spec.dim, 0, spec.valid)
+
+    def padded(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, shaped like the DTensor parameter (its gradient, its optimizer state), as this
+        rank's plain tensor shaped like the leaf (the padding rows zero)."""
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.shape == self.leaf.shape:
+            return local
+        out = torch.zeros(self.leaf.shape, dtype=local.dtype, device=local.device)
+        self.rows(out).copy_(local)
+        return out
+
+    def as_dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` (rows as `rows` gives them) as a DTensor placed like ``param``."""
+        return DTensor.from_local(local, self.dtensor.device_mesh, self.dtensor.placements, run_check=False,
+                                  shape=self.param.shape, stride=self.param.stride())
+
+    def move_grad(self, leaf: torch.Tensor) -> None:
+        """The leaf's post-accumulate hook: its fresh gradient joins the DTensor's."""
+        g = leaf.grad
+        if g is None:
+            return
+        leaf.grad = None
+        have = self.param.grad
+        if have is None:
+            self.param.grad = self.as_dtensor(self.rows(g))
+        else:
+            with torch.no_grad():
+                cast(DTensor, have).to_local().add_(self.rows(g))
+
+
+def describable(spec: ShardSpec | None, size: int) -> bool:
+    """Whether a DTensor describes this rank's rows: replicated, or `chunk_rows` of one block."""
+    return spec is None or (spec.contiguous and chunk_rows(spec, size))
+
+
+def tp_param_of(p: object) -> TPParam | None:
+    found = getattr(p, _RECORD, None)
+    return found if isinstance(found, TPParam) else None
+
+
+def place_tp_parameters(module: nn.Module, info: TPInfo) -> None:
+    """Make every parameter of the tp-split ``module`` a DTensor over ``info.group`` standing on
+    the plain tensor it was (see the module doc); mark those a DTensor cannot describe."""
+    done: dict[int, TPParam | None] = {}
+    for owner_name, mod in module.named_modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            name = f"{owner_name}.{attr}" if owner_name else attr
+            if id(p) not in done:
+                spec = info.specs.get(name)
+                if spec is not None and not describable(spec, info.size):
+                    _mark_shard(p, name, spec, info)
+                    done[id(p)] = None
+                else:
+                    done[id(p)] = _place(p, name, spec, info)
+            rec = done[id(p)]
+            if rec is None:
+                continue
+            rec.owners.append((mod, attr))
+            mod._parameters[attr] = rec.param
+            mod.__dict__[attr] = rec.leaf
+            mod.register_state_dict_post_hook(partial(_state_entry, attr=attr, rec=rec))
+            mod.register_load_state_dict_pre_hook(partial(_loaded_entry, attr=attr, rec=rec))
+            if "_apply" not in mod.__dict__:
+                mod._apply = partial(_apply_placed, mod, type(mod)._apply.__get__(mod))
+
+
+def _place(leaf: nn.Parameter, name: str, spec: ShardSpec | None, info: TPInfo) -> TPParam:
+    placements: list[Placement] = [Replicate() if spec is None else Shard(spec.dim)]
+    shape = list(leaf.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.full
+    full = torch.Size(shape)
+    rec = TPParam(name, leaf, leaf, spec, info)  # param set just below
+    local = rec.rows(leaf.detach())
+    dt = DTensor.from_local(local, mesh_of(info.group, leaf.device), placements, run_check=False,
+                            shape=full, stride=contiguous_stride(full))
+    rec.param = nn.Parameter(dt, requires_grad=leaf.requires_grad)
+    setattr(rec.param, _RECORD, rec)
+    setattr(leaf, _RECORD, rec)
+    if leaf.requires_grad:
+        rec.handle = leaf.register_post_accumulate_grad_hook(rec.move_grad)
+    return rec
+
+
+def _apply_placed(mod: nn.Module, apply: Any, fn: Any, recurse: bool = True) -> nn.Module:
+    """``mod._apply`` (what ``.to()``, ``.double()``, ``.cuda()`` run) for a module owning tp
+    DTensor parameters: the conversion runs on the leaves, then each DTensor is rebuilt on its
+    converted leaf in place (the same parameter object, so an optimizer made before keeps it)."""
+    recs = [(attr, rec) for attr, p in mod._parameters.items()
+            if (rec := tp_param_of(p)) is not None and rec.param is p]
+    for attr, rec in recs:
+        mod._parameters[attr] = rec.leaf
+    try:
+        return apply(fn, recurse)
+    finally:
+        for attr, rec in recs:
+            leaf = mod._parameters[attr]
+            assert leaf is not None
+            if leaf is not rec.leaf:  # converted into a new tensor (torch's swap-on-conversion)
+                _rebind(rec, leaf)
+            mod._parameters[attr], mod.__dict__[attr] = rec.param, rec.leaf
+            local = rec.rows(rec.leaf.detach())
+            now = rec.dtensor.to_local()
+            if now.data_ptr() != local.data_ptr() or now.dtype != local.dtype or now.device != local.device:
+                fresh = DTensor.from_local(local, mesh_of(rec.info.group, local.device),
+                                           rec.dtensor.placements, run_check=False, shape=rec.param.shape,
+                                           stride=rec.param.stride())
+                torch.utils.swap_tensors(rec.param, nn.Parameter(fresh, rec.param.requires_grad))
+                setattr(rec.param, _RECORD, rec)
+
+
+def _rebind(rec: TPParam, leaf: nn.Parameter) -> None:
+    if rec.handle is not None:
+        rec.handle.remove()
+        rec.handle = leaf.register_post_accumulate_grad_hook(rec.move_grad)
+    setattr(leaf, _RECORD, rec)
+    rec.leaf = leaf
+    for mod, attr in rec.owners:
+        mod.__dict__[attr] = leaf
+
+
+def unplace(module: nn.Module) -> None:
+    """Put every tp DTensor parameter of ``module`` back as the plain leaf it stands on (its
+    gradient with it), marked as a tp piece: for a strategy that shards, buckets or stages plain
+    parameters (DDP, FSDP, pipelines, expert parallelism, mixed precision)."""
+    for mod in module.modules():
+        for attr, p in list(mod._parameters.items()):
+            rec = tp_param_of(p)
+            if rec is None or rec.param is not p:
+                continue
+            mod._parameters[attr] = rec.leaf
+            mod.__dict__.pop(attr, None)
+            mod.__dict__.pop("_apply", None)
+            if rec.handle is not None:
+                rec.handle.remove()
+                rec.handle = None
+                _grad_back(rec)
+                delattr(rec.leaf, _RECORD)
+                if rec.spec is not None:
+                    _mark_shard(rec.leaf, rec.name, rec.spec, rec.info)
+
+
+def _grad_back(rec: TPParam) -> None:
+    g = rec.param.grad
+    if g is None:
+        return
+    rec.param.grad = None
+    rec.leaf.grad = rec.padded(g)
+
+
+def _mark_shard(p: nn.Parameter, name: str, spec: ShardSpec, info: TPInfo) -> None:
+    """Mark ``p``, tp rank ``info.rank``'s plain shard of ``name``, as a piece torch's norms refuse;
+    its optimizer state as DTensors where a DTensor describes the split (a fused one's module
+    ``state_dict()`` refuses by name; plain state keeps torch.save per rank working)."""
+    n, r = info.size, info.rank
+    placed: dict[str, Any] = {"to_full": partial(shard_as_full, spec=spec, info=info, name=name),
+                              "to_local": partial(full_as_shard, spec=spec)} if chunk_rows(spec, n) else {}
+    mark_piece(p, f"tp rank {r}'s shard of '{name}' (tp={n})", split=True, **placed)
+
+
+# ------------------------------------------------------------------ the module's state dict
+def _state_entry(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any, *, attr: str,
+                 rec: TPParam) -> None:
+    """A replicated parameter's entry is its plain tensor, as a one-process model's is: it loads
+    anywhere (DCP keeps one copy of such an entry); a split one stays the DTensor of the full
+    tensor, on this rank's storage. ``keep_vars=True`` gives the parameter as held."""
+    key = prefix + attr
+    t = state.get(key)
+    if mod._parameters.get(attr) is not rec.param:  # unplaced: another strategy's tensor
+        return
+    if rec.spec is None and isinstance(t, DTensor) and not isinstance(t, nn.Parameter):
+        state[key] = t.to_local()
+
+
+def _loaded_entry(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any, attr: str,
+                  rec: TPParam) -> None:
+    """What ``load_state_dict`` gets for this parameter as a DTensor placed like it: a DTensor of
+    the full tensor in any layout, one process's full tensor, or this rank's plain rows (a split
+    one's value comes here as the latter, from `plait.placement.state.place_state_dict`'s hook)."""
+    key = prefix + attr
+    value = state.get(key)
+    if mod._parameters.get(attr) is not rec.param or not isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, DTensor) and value.device_mesh == rec.dtensor.device_mesh \
+            and value.placements == rec.dtensor.placements:
+        return
+    if rec.spec is None:
+        local = value.full_tensor() if isinstance(value, DTensor) else value
+    else:
+        local = rec.rows(full_as_shard(value, rec.leaf, rec.spec))
+    state[key] = rec.as_dtensor(local.to(rec.leaf.dtype))
