@@ -2,10 +2,10 @@
 
 `clip_grad_norm_`:
 
-Where plait's parameters are DTensors (DDP's replicas are whole tensors; FSDP's, and FSDP x TP's,
-are DTensor shards: `test_fsdp_dtensor`) torch's clip takes the global norm. Where a rank holds a
-piece of the model in plain tensors (tensor parallelism without FSDP, experts over ep, pipeline
-stages) torch's norm would be the piece's alone: it raises `TorchToolRefused` before scaling
+Where plait's parameters are whole tensors (DDP's replicas) or DTensors (TP's and DDP x TP's over
+tp; FSDP's and FSDP x TP's shards: `test_fsdp_dtensor`) torch's clip takes the global norm. Where a
+rank holds a piece of the model in plain tensors (experts over ep, pipeline stages, a fused q/k/v
+split) torch's norm would be the piece's alone: it raises `TorchToolRefused` before scaling
 anything, and `plait.clip_grad_norm_`, which the error names, gives one process's norm. Each
 layout trains the tiny GPT in float64 beside its one-process oracle.
 
@@ -146,10 +146,10 @@ TWO_RANKS = {
     "dp2": {"dp": 2},  # replicas: torch's clip is right
 }
 FOUR_RANKS = {
-    "dp2 x tp2": {"dp": 2, "tp": 2},  # DDP's bucket views of plain tp shards
+    "dp2 x tp2": {"dp": 2, "tp": 2},  # DDP's bucket views, the tp DTensors' gradients
     "pp2 x fsdp2": {"pp": 2, "fsdp": 2, "data": "fsdp"},  # a stage's DTensor shards
 }
-EXPECTED = {"dp2": "right", "tp2": "right"}
+EXPECTED = {"dp2": "right", "tp2": "right", "dp2 x tp2": "right"}
 
 
 def _all(layouts: dict[str, dict]) -> dict[str, list[str]]:
@@ -162,10 +162,10 @@ def test_torch_clip_is_refused_on_pieces_and_right_elsewhere_on_two_ranks(pools)
             assert outcome == [EXPECTED.get(name, "refused")] * 2, (name, outcome)
 
 
-def test_torch_clip_is_refused_on_ddp_over_tp_and_on_fsdp_stages(pools):
+def test_torch_clip_is_right_on_ddp_over_tp_and_refused_on_fsdp_stages(pools):
     for got in pools[4].run(_all, FOUR_RANKS):
         for name, outcome in got.items():
-            assert outcome == ["refused"] * 2, (name, outcome)
+            assert outcome == [EXPECTED.get(name, "refused")] * 2, (name, outcome)
 
 
 def test_the_refusals_name_the_piece_and_what_to_use(pools):

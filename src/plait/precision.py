@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from plait._torch_compat import map_tensors
 from plait.materialize import is_meta
-from plait.placement.tp_params import unplace
+from plait.placement.records import held
 
 __all__ = ["MixedPrecision", "mixed_precision", "precision_of", "parse_mixed_precision", "check_castable",
            "DTYPES", "CASTS_ITSELF"]
@@ -121,7 +121,6 @@ def mixed_precision(module: Any, policy: MixedPrecision | str = "bf16", *, cast_
     for m in targets:  # every check first: nothing is installed on a model that is then refused
         _check_target(m, mp)
     for m in targets:
-        unplace(m)  # the casts keep fp32 masters of the plain tensors forward reads
         setattr(m, _ATTR, _Caster(m, mp, cast_inputs))
     return module
 
@@ -201,6 +200,7 @@ class _Caster:
         done = []
         for mod, attr in slots:
             p = mod._parameters.get(attr)
+            p = held(p) if p is not None else None  # a tp DTensor's plain leaf (what forward reads)
             if p is None or not p.is_floating_point() or p.dtype == self.dtype:
                 continue
             low = copies.get(id(p))
@@ -227,7 +227,7 @@ class _Caster:
         self.active -= 1
         if self.active == 0:
             for mod, attr in self.slots:
-                mod.__dict__.pop(attr, None)  # the master weight is the attribute again
+                _restore(mod, attr)  # the master weight is the attribute again
 
     def _own_enter(self, mod: nn.Module, _args: Any) -> None:
         if self.active == 0:  # e.g. recomputed by activation checkpointing during backward
@@ -236,4 +236,13 @@ class _Caster:
 
     def _own_leave(self, mod: nn.Module, _args: Any, _out: Any) -> None:
         for attr in self._own.pop(id(mod), ()):
-            mod.__dict__.pop(attr, None)
+            _restore(mod, attr)
+
+
+def _restore(mod: nn.Module, attr: str) -> None:
+    """Make ``mod.attr`` the master weight again: the parameter, or a tp DTensor's plain leaf."""
+    p = mod._parameters.get(attr)
+    if p is not None and held(p) is not p:
+        mod.__dict__[attr] = held(p)
+    else:
+        mod.__dict__.pop(attr, None)

@@ -33,9 +33,8 @@ from plait.ddp.buckets import params_reached_by, plan_buckets
 from plait.materialize import is_meta
 from plait.mesh import Mesh
 from plait.placement.grads import reduce_expert_grads
-from plait.placement.pieces import remark
-from plait.placement.records import placement_of
-from plait.placement.tp_params import unplace
+from plait.placement.records import held, placement_of
+from plait.placement.tp_params import gradient_assigned, hand_over
 from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
 
@@ -121,7 +120,9 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         if is_meta(module):
             raise ValueError("DistributedDataParallel needs a materialized module; this one has meta "
                              "parameters (use FullyShardedDataParallel for meta-device init)")
-        unplace(module)  # DDP's buckets and hooks are over the plain tensors tp's DTensors stand on
+        # Over a tp model, DDP's buckets and hooks are over the plain leaves tp's DTensor parameters
+        # stand on; the reduced gradients become the DTensors' (`gradient_assigned`).
+        hand_over(module)
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh(dp=-1)
         self.axis = axis
@@ -132,7 +133,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.wire_dtype = _wire_dtype(module, gradient_compression)
 
-        everything = list(dict((id(p), (n, p)) for n, p in module.named_parameters()).values())
+        everything = list(dict((id(held(p)), (n, held(p))) for n, p in module.named_parameters()).values())
         _check_experts_placed(module, everything)
         # Expert parameters (plait.expert_parallel) differ across ep ranks: reduced on their own.
         named = [(n, p) for n, p in everything if placement_of(p) is None]
@@ -199,7 +200,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
 
     @torch.no_grad()
     def _broadcast_state(self) -> None:
-        dense = [p for p in self.module.parameters() if placement_of(p) is None]
+        dense = [held(p) for p in self.module.parameters() if placement_of(p) is None]
         tensors = dense + list(self.module.buffers())
         broadcast_coalesced(tensors, self.src, self.group)
         if self._experts:  # each expert from the first of the ranks holding it
@@ -282,7 +283,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
                 p = b.params[i]
                 if p.grad is not None:  # detach a bucket-view grad before zeroing its slot
                     p.grad = p.grad.clone()
-                    remark(p)
+                    gradient_assigned(p)
                 b.slots[i].zero_()
                 self._mark_ready(b, i)
             else:
@@ -401,7 +402,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
                 # The gradient becomes a view of its bucket: no copy back now, and if the user keeps
                 # it (zero_grad(set_to_none=False), no_sync), the next backward accumulates in place.
                 p.grad = b.grads[i]
-                remark(p)  # a tp shard's gradient stays marked for torch's clip (`plait.placement.pieces`)
+                gradient_assigned(p)  # a tp DTensor's gradient, or a piece's mark (`plait.placement.pieces`)
 
     # ------------------------------------------------------------------ user API
     def grad_norm_parts(self) -> GradParts:
@@ -501,7 +502,7 @@ class _JoinState:
         steps = comm.all_gather_object(self.steps, ddp.group)
         longest = max(range(len(steps)), key=lambda r: (steps[r], r))
         src = ddp.mesh.group_ranks(ddp.axis)[longest]
-        broadcast_coalesced(list(ddp.module.parameters()), src, ddp.group)
+        broadcast_coalesced([held(p) for p in ddp.module.parameters()], src, ddp.group)
 
 
 DDP = DistributedDataParallel

@@ -7,8 +7,9 @@ pipeline stage) that sum is the piece's alone: every rank would clip by its own 
 nothing would say so. `torch.optim.Muon` orthogonalizes each gradient matrix, and a tp shard's
 orthogonalization is not a shard of the whole matrix's. torch's own tensor parallelism avoids both
 with DTensor parameters, whose norms and products DTensor takes over every rank, and so does
-plait's FSDP (its parameters are DTensors, on which both tools are right). Tensor parallelism
-without FSDP, experts and pipeline stages hold plain local tensors. Their gradients are marked
+plait's FSDP and tensor parallelism (`plait.placement.tp_params`: their parameters are DTensors, on
+which both tools are right). Experts over ep, pipeline stages (tp's shards in them included) and
+tp splits no DTensor describes hold plain local tensors. Their gradients are marked
 instead: a tensor subclass that is a plain tensor to every operation (optimizers, DDP's buckets,
 `clip_grad_value_`, comparisons), except a norm taken by `torch.nn.utils`' clipping, and anything
 `torch.optim.Muon` does with a tp shard, which raise `TorchToolRefused` naming the piece and what to

@@ -8,8 +8,9 @@ holding the same experts, the ranks holding the others) and attaches an `ExpertP
 the model. DDP, FSDP, clipping, state dicts and checkpoints learn how a parameter is placed here,
 so none of them imports the strategy that placed it.
 
-The tensors stay plain tensors (FSDP's own parameters are DTensors, which carry their placement
-themselves); the records ride on the module or the parameter as attributes.
+The records ride on the module or the parameter as attributes. FSDP's parameters and tp's
+(`plait.placement.tp_params`) are DTensors, which carry their placement themselves as well; what
+plait computes with stays plain (`held`).
 """
 
 from __future__ import annotations

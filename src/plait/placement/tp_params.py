@@ -35,12 +35,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from plait.dtensors import contiguous_stride, mesh_of
-from plait.placement.pieces import mark_piece
+from plait.placement.pieces import mark_piece, remark
 from plait.placement.records import TP_PARAM_MARK, TPInfo, held
 from plait.placement.shards import ShardSpec
 from plait.placement.state import chunk_rows, full_as_shard, shard_as_full
 
-__all__ = ["TPParam", "place_tp_parameters", "unplace", "tp_param_of", "held", "describable"]
+__all__ = ["TPParam", "place_tp_parameters", "unplace", "hand_over", "gradient_assigned", "tp_param_of",
+           "held", "describable"]
 
 _RECORD = TP_PARAM_MARK
 
@@ -57,7 +58,9 @@ class TPParam:
     spec: ShardSpec | None
     info: TPInfo
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
-    handle: Any = None
+    handle: Any = None  # the leaf's hook that moves each fresh gradient (None once handed over)
+    handed_over: bool = False  # a wrapper (DDP) assigns the finished gradient: `gradient_assigned`
+    published: bool = False  # the DTensor's gradient is the leaf's, as a wrapper last assigned it
 
     @property
     def dtensor(self) -> DTensor:
@@ -192,10 +195,58 @@ def _rebind(rec: TPParam, leaf: nn.Parameter) -> None:
         mod.__dict__[attr] = leaf
 
 
+def _records(module: nn.Module) -> list[TPParam]:
+    """The tp DTensor parameters ``module`` holds, placed, each once."""
+    found: dict[int, TPParam] = {}
+    for mod in module.modules():
+        for p in mod._parameters.values():
+            rec = tp_param_of(p)
+            if rec is not None and rec.param is p:
+                found.setdefault(id(rec), rec)
+    return list(found.values())
+
+
+def hand_over(module: nn.Module) -> None:
+    """For a wrapper that reduces the leaves' gradients itself and then assigns them (DDP, over the
+    leaves: `held`): stop moving each fresh gradient onto the DTensor; the wrapper calls
+    `gradient_assigned` on the leaf with the finished one, which the DTensor's gradient then
+    shares. Before autograd accumulates into a leaf, a published gradient the user dropped from the
+    DTensor since (``zero_grad()``) is dropped from the leaf too, so nothing stale is added to."""
+    for rec in _records(module):
+        if rec.handed_over:
+            continue
+        if rec.handle is not None:
+            rec.handle.remove()
+            rec.handle = None
+        rec.handed_over = True
+        if rec.leaf.requires_grad:
+            rec.leaf.register_hook(partial(_drop_stale, rec))
+
+
+def _drop_stale(rec: TPParam, grad: torch.Tensor) -> None:
+    # Only a gradient published and dropped since: one still accumulating (DDP's no_sync) stays.
+    if rec.published and rec.param.grad is None:
+        rec.leaf.grad = None
+        rec.published = False
+
+
+def gradient_assigned(leaf: torch.Tensor) -> None:
+    """A wrapper assigned ``leaf.grad`` (see `hand_over`): the DTensor's gradient becomes its
+    rows, the same memory; a leaf that is no tp DTensor's keeps its mark (`remark`)."""
+    rec = tp_param_of(leaf)
+    if rec is None or not rec.handed_over or rec.leaf is not leaf:
+        remark(leaf)
+        return
+    g = leaf.grad
+    rec.param.grad = None if g is None else rec.as_dtensor(rec.rows(g))
+    rec.published = g is not None
+
+
 def unplace(module: nn.Module) -> None:
     """Put every tp DTensor parameter of ``module`` back as the plain leaf it stands on (its
     gradient with it), marked as a tp piece: for a strategy that shards, buckets or stages plain
     parameters (DDP, FSDP, pipelines, expert parallelism, mixed precision)."""
+    done: set[int] = set()
     for mod in module.modules():
         for attr, p in list(mod._parameters.items()):
             rec = tp_param_of(p)
@@ -204,13 +255,19 @@ def unplace(module: nn.Module) -> None:
             mod._parameters[attr] = rec.leaf
             mod.__dict__.pop(attr, None)
             mod.__dict__.pop("_apply", None)
+            if id(rec) in done:  # a tied parameter's other owner
+                continue
+            done.add(id(rec))
+            if rec.handed_over:
+                raise ValueError(f"'{rec.name}' is already in a wrapper that reduces its gradient (DDP): "
+                                 "apply this strategy before that wrapper")
             if rec.handle is not None:
                 rec.handle.remove()
                 rec.handle = None
-                _grad_back(rec)
-                delattr(rec.leaf, _RECORD)
-                if rec.spec is not None:
-                    _mark_shard(rec.leaf, rec.name, rec.spec, rec.info)
+            _grad_back(rec)
+            delattr(rec.leaf, _RECORD)
+            if rec.spec is not None:
+                _mark_shard(rec.leaf, rec.name, rec.spec, rec.info)
 
 
 def _grad_back(rec: TPParam) -> None:
