@@ -106,3 +106,15 @@ def tp_pair(got: torch.Tensor, full: torch.Tensor, spec=None) -> tuple[torch.Ten
     if isinstance(got, DTensor):
         return got.full_tensor(), full
     return got, spec.take(full) if spec is not None else full
+
+
+# torch 2.6's clip_grad_norm_ on DTensors scales every gradient by a coefficient rounded through
+# float32 (measured: 4.9e-8 relative on every gradient of a float64 model, the norm itself exact);
+# after 3 AdamW steps that reads 5.8e-7 in the parameters. The pinned torch is exact to 1e-10; the
+# versions between were not measured, so they get the older bound.
+OLD_DTENSOR_CLIP = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+
+
+def dtensor_clip_tol(tol: dict) -> dict:
+    """``tol`` for parameters after torch's clip scaled DTensor gradients (the older bound before 2.13)."""
+    return {"rtol": 2e-6, "atol": 1e-9} if OLD_DTENSOR_CLIP else tol

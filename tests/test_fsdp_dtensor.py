@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from oracle import global_batches, loss64
+from oracle import dtensor_clip_tol, global_batches, loss64
 
 from plait.testing import cached_mesh
 
@@ -108,12 +108,7 @@ def _adamw(named, prefix: str, decay_1d: bool = True) -> torch.optim.Optimizer:
                              lr=1e-2)
 
 
-# torch 2.6's clip_grad_norm_ on DTensors scales every gradient by a coefficient rounded through
-# float32 (measured: 4.9e-8 relative on every gradient of a float64 model, the norm itself exact);
-# after 3 AdamW steps that reads 5.8e-7 in the parameters. The pinned torch is exact to 1e-10; the
-# versions between were not measured, so they get the older bound.
-OLD_CLIP = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
-CLIP_TOL = {"rtol": 2e-6, "atol": 1e-9} if OLD_CLIP else TOL
+CLIP_TOL = dtensor_clip_tol(TOL)
 
 
 def _clip(stage: int) -> list[tuple[float, float]]:

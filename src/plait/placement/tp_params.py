@@ -318,4 +318,5 @@ def _loaded_entry(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any, a
         local = value.full_tensor() if isinstance(value, DTensor) else value
     else:
         local = rec.rows(full_as_shard(value, rec.leaf, rec.spec))
-    state[key] = rec.as_dtensor(local.to(rec.leaf.dtype))
+    # On the leaf's device: a state dict loaded on the CPU goes into a GPU model too.
+    state[key] = rec.as_dtensor(local.to(device=rec.leaf.device, dtype=rec.leaf.dtype))
