@@ -51,6 +51,31 @@ def test_zero1_under_ddp_matches_single_process(pools, world):
     assert all(o["state"] < total / world * 1.3 for o in out) and sum(o["state"] for o in out) == total
 
 
+def _ddp_tp_zero(steps: int, batch: int) -> dict:
+    """ZeRO-1 over the dp ranks of DDP over tensor parallelism, whose parameters are DTensors over tp."""
+    import plait
+    from plait.ddp.wrapper import DDP
+
+    mesh = cached_mesh(dp=2, tp=2)
+    model = tiny_gpt(seed=0)
+    plait.tensor_parallel(model, mesh, plait.gpt_plan(model.cfg, loss_parallel=False))
+    net = DDP(model, mesh)
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, mesh.group("dp"), lr=1e-2,
+                                  weight_decay=0.1)
+    for b in global_batches(steps, batch):
+        x = b.chunk(2)[mesh.rank("dp")]
+        opt.zero_grad()
+        lm_loss(net(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+    return plait.full_state_dict(net)
+
+
+def test_zero1_under_ddp_over_tensor_parallel_matches_single_process(pools):
+    want = train_single(tiny_gpt(seed=0), global_batches(5, 8))
+    for got in pools[4].run(_ddp_tp_zero, 5, 8):
+        assert_params_close(got, want, rtol=1e-4, atol=1e-5)  # fp32: tp sums in another order
+
+
 def test_wrong_optimizer_class_is_rejected():
     with pytest.raises(TypeError, match="optimizer_class must be a torch.optim.Optimizer subclass"):
         ZeroRedundancyOptimizer([torch.nn.Parameter(torch.zeros(2))], lm_loss)
