@@ -133,7 +133,8 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.wire_dtype = _wire_dtype(module, gradient_compression)
 
-        everything = list(dict((id(held(p)), (n, held(p))) for n, p in module.named_parameters()).values())
+        leaves = ((n, held(p)) for n, p in module.named_parameters())
+        everything = list({id(t): (n, t) for n, t in leaves}.values())
         _check_experts_placed(module, everything)
         # Expert parameters (plait.expert_parallel) differ across ep ranks: reduced on their own.
         named = [(n, p) for n, p in everything if placement_of(p) is None]

@@ -36,14 +36,12 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from plait.dtensors import contiguous_stride, mesh_of
 from plait.placement.pieces import mark_piece, remark
-from plait.placement.records import TP_PARAM_MARK, TPInfo, held
+from plait.placement.records import TP_PARAM_MARK, TPInfo
 from plait.placement.shards import ShardSpec
 from plait.placement.state import chunk_rows, full_as_shard, shard_as_full
 
 __all__ = ["TPParam", "place_tp_parameters", "unplace", "hand_over", "gradient_assigned", "tp_param_of",
-           "held", "describable"]
-
-_RECORD = TP_PARAM_MARK
+           "describable"]
 
 
 @dataclass(eq=False)
@@ -108,7 +106,7 @@ def describable(spec: ShardSpec | None, size: int) -> bool:
 
 
 def tp_param_of(p: object) -> TPParam | None:
-    found = getattr(p, _RECORD, None)
+    found = getattr(p, TP_PARAM_MARK, None)
     return found if isinstance(found, TPParam) else None
 
 
@@ -151,8 +149,8 @@ def _place(leaf: nn.Parameter, name: str, spec: ShardSpec | None, info: TPInfo) 
     dt = DTensor.from_local(local, mesh_of(info.group, leaf.device), placements, run_check=False,
                             shape=full, stride=contiguous_stride(full))
     rec.param = nn.Parameter(dt, requires_grad=leaf.requires_grad)
-    setattr(rec.param, _RECORD, rec)
-    setattr(leaf, _RECORD, rec)
+    setattr(rec.param, TP_PARAM_MARK, rec)
+    setattr(leaf, TP_PARAM_MARK, rec)
     if leaf.requires_grad:
         rec.handle = leaf.register_post_accumulate_grad_hook(rec.move_grad)
     return rec
@@ -182,14 +180,14 @@ def _apply_placed(mod: nn.Module, apply: Any, fn: Any, recurse: bool = True) -> 
                                            rec.dtensor.placements, run_check=False, shape=rec.param.shape,
                                            stride=rec.param.stride())
                 torch.utils.swap_tensors(rec.param, nn.Parameter(fresh, rec.param.requires_grad))
-                setattr(rec.param, _RECORD, rec)
+                setattr(rec.param, TP_PARAM_MARK, rec)
 
 
 def _rebind(rec: TPParam, leaf: nn.Parameter) -> None:
     if rec.handle is not None:
         rec.handle.remove()
         rec.handle = leaf.register_post_accumulate_grad_hook(rec.move_grad)
-    setattr(leaf, _RECORD, rec)
+    setattr(leaf, TP_PARAM_MARK, rec)
     rec.leaf = leaf
     for mod, attr in rec.owners:
         mod.__dict__[attr] = leaf
@@ -265,7 +263,7 @@ def unplace(module: nn.Module) -> None:
                 rec.handle.remove()
                 rec.handle = None
             _grad_back(rec)
-            delattr(rec.leaf, _RECORD)
+            delattr(rec.leaf, TP_PARAM_MARK)
             if rec.spec is not None:
                 _mark_shard(rec.leaf, rec.name, rec.spec, rec.info)
 
