@@ -398,6 +398,8 @@ def test_tensor_parallel_experts_with_sequence_parallelism_are_refused(pools):
 def _host_reads_per_step() -> dict:
     """Device-to-host reads (item, tolist, numpy, cpu, cuda.synchronize) plait's own code makes
     in each of two MoE training steps at dp=2 x ep=2: forward, backward and the optimizer's step."""
+    import gc
+    import threading
     import traceback
     from unittest import mock
 
@@ -409,9 +411,14 @@ def _host_reads_per_step() -> dict:
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     x, y = (t.chunk(2)[mesh.rank("dp")] for t in _batch(0))
     reads: list[str] = []
+    stepping = threading.get_ident()
 
     def counting(name, original):
         def read(*args, **kwargs):
+            # The step's own reads only: the patch is process-wide, and a thread an earlier task
+            # left behind in this pool rank must not be counted as this step's.
+            if threading.get_ident() != stepping:
+                return original(*args, **kwargs)
             # the first caller past torch and plait.testing's audit mode (which relays each call)
             caller = next(f for f in reversed(traceback.extract_stack()[:-1])
                           if "/torch/" not in f.filename and not f.filename.endswith("plait/testing.py"))
@@ -422,14 +429,21 @@ def _host_reads_per_step() -> dict:
 
     names = ("item", "tolist", "numpy", "cpu")
     per_step = []
-    with mock.patch.multiple(torch.Tensor, **{n: counting(n, getattr(torch.Tensor, n)) for n in names}), \
-            mock.patch("torch.cuda.synchronize", counting("cuda.synchronize", torch.cuda.synchronize)):
-        for _ in range(2):
-            loss64(net(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            per_step.append(list(reads))
-            reads.clear()
+    # Garbage that earlier tasks left is collected now, not by a collection that an allocation
+    # happens to trigger inside the counted steps (its finalizers would run plait's code there).
+    gc.collect()
+    gc.disable()
+    try:
+        with mock.patch.multiple(torch.Tensor, **{n: counting(n, getattr(torch.Tensor, n)) for n in names}), \
+                mock.patch("torch.cuda.synchronize", counting("cuda.synchronize", torch.cuda.synchronize)):
+            for _ in range(2):
+                loss64(net(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                per_step.append(list(reads))
+                reads.clear()
+    finally:
+        gc.enable()
     return {"first": per_step[0], "reads": per_step[1], "layers": len(moe_layers(net))}
 
 
