@@ -5,7 +5,7 @@ ranks, each rank holding half of every layer's experts (rows of ``gate_up_proj``
 ``down_proj``), under DDP and under FSDP, against one process on the same global batch: the
 logits of the first step, and every parameter after 5 AdamW steps, gathered by
 `plait.full_state_dict` under the model's names and full shapes. The routers compute in float32
-(see test_hf_tp's FLOAT32_ROUTERS).
+(see test_hf_tp's note on float32 routers).
 """
 
 from __future__ import annotations

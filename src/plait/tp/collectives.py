@@ -27,7 +27,8 @@ from plait import faults
 from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
-           "reduce_scatter_to_sp", "scatter_to_sp", "replicate_from_sp", "sum_over_tp", "Emulator",
+           "reduce_scatter_to_sp", "scatter_to_sp", "replicate_from_sp", "sum_over_tp", "sum_grad_on_first",
+           "Emulator",
            "emulated", "shapes_only", "fresh"]
 
 
@@ -160,6 +161,21 @@ class _SumOverTP(torch.autograd.Function):
         return _summed(g, ctx.group), None
 
 
+class _SumGradOnFirst(torch.autograd.Function):
+    """Forward: nothing moves. Backward: all-reduce (sum) of the gradient, kept by the group's
+    first rank; the others pass on zeros."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        total = _summed(g, ctx.group)
+        return (total if dist.get_rank(ctx.group) == 0 else torch.zeros_like(total)), None
+
+
 class _GatherLast(torch.autograd.Function):
     """Forward: all-gather along the last dim. Backward: nothing moves (keep this rank's slice)."""
 
@@ -266,6 +282,23 @@ def sum_over_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     if not _tracing() and (em := _EMULATOR.get()) is not None:
         return em.collective("sum_over_tp", x, -1)
     return x if dist.get_world_size(group) == 1 else _SumOverTP.apply(x, group)
+
+
+def sum_grad_on_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Forward identity; backward all-reduce (sum) of the gradient, which the group's first rank
+    passes on and the others replace by zeros.
+
+    Sits where a replicated tensor meets split computation inside a region and its gradient
+    flows back into replicated code: the routing weights of experts split by hidden units, each
+    rank weighting its partial expert outputs (Megatron's MLP split, Shoeybi et al. 2019, sec. 3).
+    The gradient is summed where it arises, in the dtype the experts compute in, so that the
+    router's own code (a softmax in float32, whose backward rounds what it receives) sees the
+    gradient one process computes rather than rounding each rank's part. One rank carries it on,
+    so that what the region sums later (f at its input, the router's parameter gradients summed
+    over tp) counts it once. A tensor of tokens x top-k values moves in backward."""
+    if not _tracing() and (em := _EMULATOR.get()) is not None:
+        return em.collective("sum_grad_on_first", x, -1)
+    return x if dist.get_world_size(group) == 1 else _SumGradOnFirst.apply(x, group)
 
 
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

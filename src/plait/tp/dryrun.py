@@ -439,7 +439,7 @@ class _Emulator:
         with self.trace.quietly():
             if op in ("copy_to_tp", "reduce_from_tp"):
                 out, tag = x.clone(), IN if op == "copy_to_tp" else R
-            elif op == "sum_over_tp":  # a statistic of split features: rank-local in its gradient
+            elif op in ("sum_over_tp", "sum_grad_on_first"):  # the layout stays; gradients are summed
                 out, tag = x.clone(), layout_of(x)
             elif op in ("gather_from_sp", "replicate_from_sp", "gather_from_tp"):
                 out, tag = torch.cat([x] * n, dim=dim), IN if op == "gather_from_sp" else R

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from plait.placement.shards import ShardSpec, make_spec
-from plait.tp.collectives import shapes_only
+from plait.tp.collectives import shapes_only, sum_grad_on_first
 from plait.tp.context import Style, TPContext
 from plait.tp.layers import find_activation, input_pre_hook
 from plait.tp.styles import enter_parallel, reduce_out
@@ -95,9 +95,37 @@ class MoEParallel(Style):
             style = ctx.assigned.get(".".join(n for n in (name, child) if n))  # the root's name is empty
             if isinstance(style, SplitParams):
                 split |= {id(getattr(cmod, key)) for key, _, _ in style.dims}
+                cmod.register_forward_pre_hook(_weights_summed_in_backward(ctx), with_kwargs=True)
         for p in mod.parameters():
             if p.requires_grad and id(p) not in split:
                 ctx.seq_grads.watch(p)
+
+
+def _weights_summed_in_backward(ctx: TPContext) -> Any:
+    """A forward pre-hook (``with_kwargs=True``) for a module of split experts: each floating
+    tensor it receives besides its activation (the routing weights) that needs a gradient is
+    widened to the activation's dtype where that is wider, and goes through `sum_grad_on_first`.
+
+    Each rank's experts weight their partial outputs, so each rank's gradient of the weights is
+    partial. A router computing in float32 on float64 activations (Mixtral's, Qwen2-MoE's) would
+    round each rank's part to float32 before anything sums them: the router's gradients drifted
+    6e-8 from one process's. Widening is exact and what the experts' own arithmetic does (type
+    promotion) with the weights; the gradient is summed in that dtype, then narrowed once, as in
+    one process."""
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = find_activation(mod, args, kwargs)
+
+        def routed(t: Any) -> Any:
+            if t is x or not isinstance(t, torch.Tensor) or not t.is_floating_point() or not t.requires_grad:
+                return t
+            if x is not None and x.is_floating_point():
+                t = t.to(torch.promote_types(t.dtype, x.dtype))
+            return sum_grad_on_first(t, ctx.group)
+
+        return tuple(routed(a) for a in args), {k: routed(v) for k, v in kwargs.items()}
+
+    return hook
 
 
 def _prefixes(name: str) -> list[str]:

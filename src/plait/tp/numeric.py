@@ -162,8 +162,10 @@ class _Exchange:
         gather = (lambda t: g.gather(r, t, dim))
         split = (lambda t: g.split(r, t, dim))
         reduce_scatter = (lambda t: g.split(r, g.reduce(r, t), dim))
+        on_first = (lambda t: g.reduce(r, t) if r == 0 else torch.zeros_like(g.reduce(r, t)))
         fwd, bwd = {
             "copy_to_tp": (same, reduce), "reduce_from_tp": (reduce, same), "sum_over_tp": (reduce, reduce),
+            "sum_grad_on_first": (same, on_first),
             "gather_from_tp": (gather, split), "scatter_to_tp": (split, gather),
             "gather_from_sp": (gather, reduce_scatter), "reduce_scatter_to_sp": (reduce_scatter, gather),
             "scatter_to_sp": (split, gather), "replicate_from_sp": (gather, split),
