@@ -189,8 +189,34 @@ def is_fake(t: torch.Tensor) -> bool:
     return bool(_is_fake(t))
 
 
+def replica_of(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``module`` made as torch's DataParallel makes its replicas (no parameters
+    of its own, its buffer and child dicts copied, marked as a replica so ``zero_grad`` warns).
+
+    `plait.DataParallel` replicates as torch's ``replicate`` does, but torch's own refuses CPU
+    tensors. Modules override this private method where a plain shallow copy is wrong (RNNs copy
+    their flat weight lists, lazy modules refuse), so calling it keeps their behaviour; torch
+    2.6-2.13 all have it."""
+    return module._replicate_for_data_parallel()
+
+
 # A tensor subclass that must behave as a plain tensor (a marked gradient, `plait.placement.pieces`)
 # runs each torch function with subclass dispatch off, so its results are plain tensors: the
 # documented default (``super().__torch_function__``) would turn every result into the subclass,
 # spreading the mark into optimizer states. torch names no public switch for this.
 plain_torch_functions = torch._C.DisableTorchFunctionSubclass
+
+
+def savable_dtensor(dt: Any) -> Any:
+    """``dt`` (a DTensor) rebuilt over the same local tensor with its own storage offset 0.
+
+    A DTensor takes its local tensor's storage offset (torch 2.6 to 2.13); `torch.save` then reads
+    a wrapper whose data pointer is not 0 as one with real storage and fails ("invalid python
+    storage"). FSDP's local shards are views into one flat vector at non-zero offsets, so the
+    values its ``state_dict()`` returns are rebuilt this way: same memory (a `dcp.load` into them
+    still loads the model), pickled as DTensors. Can go when DTensor ignores the local offset."""
+    out = torch.Tensor._make_wrapper_subclass(
+        type(dt), dt.shape, strides=dt.stride(), storage_offset=0, dtype=dt.dtype, device=dt.device,
+        layout=dt.layout, requires_grad=dt.requires_grad)
+    out._local_tensor, out._spec = dt._local_tensor, dt._spec
+    return out
