@@ -1,15 +1,79 @@
-"""Helpers of `plait.ddp` that need no DDP state: bucket planning and finding the parameters
-a forward's output can reach."""
+"""Helpers of `plait.ddp` that need no DDP state: buckets and their planning, finding the
+parameters a forward's output can reach, and the parameters whose gradients are sparse."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch import nn
+
+from plait import comm
 from plait._torch_compat import tensors_in
 
-__all__ = ["plan_buckets", "params_reached_by"]
+__all__ = ["Bucket", "plan_buckets", "params_reached_by", "output_tensors", "sparse_params"]
+
+
+@dataclass
+class Bucket:
+    """One flat gradient buffer and the parameters whose gradients it carries."""
+
+    index: int
+    first: int  # the flag index of its first parameter (buckets number parameters consecutively)
+    params: list[nn.Parameter]
+    names: list[str]
+    offsets: list[int]
+    buffer: torch.Tensor
+    slots: list[torch.Tensor] = field(default_factory=list)  # flat view of each parameter's range
+    grads: list[torch.Tensor] = field(default_factory=list)  # the same ranges, shaped like the params
+    pending: int = 0
+    wire: torch.Tensor | None = None  # what is actually all-reduced (compressed copy or buffer)
+    handle: comm.Handle | None = None
+    future: torch.futures.Future | None = None  # a communication hook's result
+    ready: set[int] = field(default_factory=set)
+
+    @classmethod
+    def make(cls, index: int, first: int, members: list[tuple[str, nn.Parameter]]) -> Bucket:
+        offsets, total = [], 0
+        for _, p in members:
+            offsets.append(total)
+            total += p.numel()
+        p0 = members[0][1]
+        buf = torch.zeros(total, dtype=p0.dtype, device=p0.device)
+        # Views made once: the backward hooks are on the critical path and run once per parameter.
+        slots = [buf[o : o + p.numel()] for o, (_, p) in zip(offsets, members)]
+        grads = [v.view_as(p) for v, (_, p) in zip(slots, members)]
+        return cls(index, first, [p for _, p in members], [n for n, _ in members], offsets, buf, slots, grads)
+
+    def start(self) -> None:
+        """Ready for a reducing backward: nothing filled, nothing in flight."""
+        self.pending, self.handle, self.wire, self.future = len(self.params), None, None, None
+        self.ready.clear()
+
+
+def sparse_params(module: nn.Module) -> set[int]:
+    """Ids of the parameters whose gradients are sparse: the weights of ``nn.Embedding`` and
+    ``nn.EmbeddingBag`` made with ``sparse=True`` (torch's DDP asks the same modules)."""
+    return {id(m.weight) for m in module.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+
+
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """Every tensor in a forward's output: containers torch's pytree knows, and dataclasses (as
+    torch's DDP walks them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [t for f in dataclasses.fields(out) for t in output_tensors(getattr(out, f.name, None))]
+    if isinstance(out, (list, tuple)):
+        return [t for x in out for t in output_tensors(x)]
+    if isinstance(out, dict):
+        return [t for x in out.values() for t in output_tensors(x)]
+    return tensors_in(out)
 
 SMALL_BUCKET_BYTES = 2**20  # first and last buckets: see plan_buckets
 
@@ -46,7 +110,7 @@ def plan_buckets(sizes: list[int], cap: int, small: int = SMALL_BUCKET_BYTES) ->
 
 def params_reached_by(out: Any) -> set[int]:
     """Ids of the leaf tensors (parameters) that backward from ``out`` would reach."""
-    roots = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None]
+    roots = [t.grad_fn for t in output_tensors(out) if t.grad_fn is not None]
     seen_nodes: set[Any] = set()
     reached: set[int] = set()
     stack = list(roots)

@@ -11,6 +11,8 @@ How a step works (Li et al., "PyTorch Distributed", VLDB 2020, describe the same
 3. At the end of backward the handles are awaited and the averaged gradients are written back
    into ``param.grad``; the user's optimizer then steps as usual.
 
+Which parameters count as used, what an unused one contributes and when ``.grad`` is left
+alone follow torch's reducer (see `DistributedDataParallel` and docs/ddp.md).
 Only the mesh's data-parallel axis is used, so DDP composes with tensor and pipeline
 parallelism on the other axes.
 """
@@ -18,24 +20,27 @@ parallelism on the other axes.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 from plait import comm, faults
 from plait._torch_compat import eager, queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
-from plait.ddp.buckets import params_reached_by, plan_buckets
+from plait.ddp.buckets import Bucket, params_reached_by, plan_buckets, sparse_params
+from plait.ddp.hooks import CommHook, GradBucket, hook_result
+from plait.ddp.join import DDPJoinHook, common_rank, step_counts
+from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, wire_dtype
 from plait.materialize import is_meta
 from plait.mesh import Mesh
 from plait.placement.grads import reduce_expert_grads
 from plait.placement.records import held, placement_of
 from plait.placement.tp_params import gradient_assigned, hand_over
-from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
 
 if TYPE_CHECKING:
@@ -43,47 +48,22 @@ if TYPE_CHECKING:
 
 __all__ = ["DistributedDataParallel", "DDP", "average_gradients", "plan_buckets"]
 
-_COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-
-@dataclass
-class _Bucket:
-    index: int
-    params: list[nn.Parameter]
-    names: list[str]
-    offsets: list[int]
-    buffer: torch.Tensor
-    slots: list[torch.Tensor] = field(default_factory=list)  # flat view of each parameter's range
-    grads: list[torch.Tensor] = field(default_factory=list)  # the same ranges, shaped like the params
-    pending: int = 0
-    wire: torch.Tensor | None = None  # what is actually all-reduced (compressed copy or buffer)
-    handle: comm.Handle | None = None
-    ready: set[int] = field(default_factory=set)
-
-
-def _check_experts_placed(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
-    """An MoE model's experts get gradients only where tokens were routed to them: refuse one
-    whose experts `plait.expert_parallel` did not mark (DDP would wait for their gradients)."""
-    from plait.models.moe import moe_layers
-
-    if moe_layers(module) and not any(placement_of(p) is not None for _, p in named):
-        raise ValueError("DistributedDataParallel: the model has MoE layers; apply "
-                         "plait.expert_parallel(model, mesh) first (with ep=1 it only marks the experts, "
-                         "whose gradients may be missing on a rank that routed them no token)")
-
-
-class DistributedDataParallel(WrappedModuleState, nn.Module):
+class DistributedDataParallel(WrappedModuleState, nn.Module, Joinable):
     """Data parallelism across the ``dp`` axis of ``mesh`` (``mesh=None``: every rank is dp).
 
     Args:
-        module: any ``nn.Module``; tied weights, buffers and frozen parameters are supported.
+        module: any ``nn.Module`` with at least one parameter that requires a gradient; tied
+            weights, buffers, frozen parameters and sparse embeddings are supported.
         mesh: the device mesh; gradients are averaged over ``mesh.group(axis)``.
         bucket_cap_mb: the largest bucket, in MiB of gradient.
-        find_unused_parameters: after each forward, walk the autograd graph and treat
-            parameters it does not reach as finished (they contribute zeros; a parameter unused
-            on every rank keeps ``grad=None``, as in a single process). When off, a parameter
-            that receives no gradient is an error that names it.
-        broadcast_buffers: broadcast buffers from the first rank before every forward.
+        find_unused_parameters: as torch's: after each forward, walk the autograd graph from its
+            outputs; a parameter it does not reach (or that gets no gradient) contributes the
+            gradient it already holds, or zeros; one no rank used since the last reduction
+            (``no_sync`` microbatches included) keeps its ``.grad`` untouched. When off, a
+            parameter that receives no gradient is an error that names it.
+        broadcast_buffers: broadcast buffers from the first rank before a forward that follows
+            a reducing one (torch's rule); while joining, from the highest rank still training.
         gradient_compression: ``None``, ``"bf16"`` or ``"fp16"``: all-reduce a half-precision
             copy of each bucket (half the bytes; gradients are pre-divided so fp16 does not
             overflow). On a module given `plait.mixed_precision`, the default follows the policy's
@@ -91,6 +71,11 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         axis: the mesh axis (or axes) to average over. The default, ``("dp", "cp")``, is the
             ``dp`` group when the mesh has no context parallelism; with it, gradients are averaged
             over the ranks holding other tokens of the sequence too.
+        static_graph: as torch's: the first reducing backward finds which parameters get
+            gradients (and how many times: reentrant checkpointing); later steps trust it.
+        params_and_buffers_to_ignore: names (as ``module.named_parameters()`` /
+            ``named_buffers()`` give them) DDP neither broadcasts nor reduces; torch's
+            ``_set_params_and_buffers_to_ignore_for_model`` adds to them.
     """
 
     def __init__(
@@ -103,80 +88,105 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         broadcast_buffers: bool = True,
         gradient_compression: str | None = None,
         axis: str | tuple[str, ...] = ("dp", "cp"),
+        static_graph: bool = False,
+        params_and_buffers_to_ignore: Iterable[str] | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"DistributedDataParallel(module=...) expects an nn.Module, got {type(module)}")
-        if mesh is not None and not isinstance(mesh, Mesh):
-            raise TypeError(
-                f"DistributedDataParallel(mesh=...) expects a plait.Mesh or None, got {type(mesh)}"
-            )
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        if gradient_compression not in _COMPRESSION:
-            raise ValueError(
-                f"gradient_compression must be one of None, 'bf16', 'fp16'; got {gradient_compression!r}"
-            )
-        if is_meta(module):
-            raise ValueError("DistributedDataParallel needs a materialized module; this one has meta "
-                             "parameters (use FullyShardedDataParallel for meta-device init)")
+        Joinable.__init__(self)
+        options = DDPOptions(bucket_cap_mb, find_unused_parameters, broadcast_buffers, gradient_compression,
+                             axis, static_graph, ignored_names(module, params_and_buffers_to_ignore))
+        _check_module(module, mesh)
         # Over a tp model, DDP's buckets and hooks are over the plain leaves tp's DTensor parameters
         # stand on; the reduced gradients become the DTensors' (`gradient_assigned`).
         hand_over(module)
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh(dp=-1)
-        self.axis = axis
-        self.group = self.mesh.group(axis)
-        self.world = self.mesh.size(axis)
-        self.src = self.mesh.group_ranks(axis)[0]
-        self.find_unused_parameters = find_unused_parameters
-        self.broadcast_buffers = broadcast_buffers
-        self.wire_dtype = _wire_dtype(module, gradient_compression)
-
-        leaves = ((n, held(p)) for n, p in module.named_parameters())
-        everything = list({id(t): (n, t) for n, t in leaves}.values())
-        _check_experts_placed(module, everything)
-        # Expert parameters (plait.expert_parallel) differ across ep ranks: reduced on their own.
-        named = [(n, p) for n, p in everything if placement_of(p) is None]
-        self._experts = [(n, p) for n, p in everything if placement_of(p) is not None and p.requires_grad]
-        self._check_same_model_everywhere(named)
+        self._build(options)
+        self._check_same_model_everywhere(self._dense_named)
         self._broadcast_state()
+
+    # ------------------------------------------------------------------ construction
+    def _build(self, options: DDPOptions) -> None:
+        """Everything but the collectives: options, buckets, hooks and step state (also after a
+        copy: `__setstate__`)."""
+        self._options = options
+        self.axis = options.axis
+        self.group = self.mesh.group(self.axis)
+        self.world = self.mesh.size(self.axis)
+        self.src = self.mesh.group_ranks(self.axis)[0]
+        self.find_unused_parameters = options.find_unused_parameters
+        self.static_graph = options.static_graph
+        self.broadcast_buffers = options.broadcast_buffers
+        self.wire_dtype = wire_dtype(self.module, options.gradient_compression)
+        leaves = ((n, held(p)) for n, p in self.module.named_parameters() if n not in options.ignored)
+        everything = list({id(t): (n, t) for n, t in leaves}.values())
+        if not any(p.requires_grad for _, p in everything):
+            raise RuntimeError("DistributedDataParallel: the module has no parameter that requires a "
+                               "gradient (outside params_and_buffers_to_ignore), so there is nothing to "
+                               "average; use the module without DDP (torch refuses the same)")
+        check_experts_placed(self.module, everything)
+        # Expert parameters (plait.expert_parallel) differ across ep ranks: reduced on their own.
+        self._dense_named = [(n, p) for n, p in everything if placement_of(p) is None]
+        self._experts = [(n, p) for n, p in everything if placement_of(p) is not None and p.requires_grad]
+        self._setup_experts()
+        sparse = sparse_params(self.module)
+        trainable = [(n, p) for n, p in everything
+                     if p.requires_grad and (placement_of(p) is None or id(p) in self._expert_index)]
+        self._sparse = [(n, p) for n, p in trainable if id(p) in sparse]
+        self._buckets = self._make_buckets([(n, p) for n, p in trainable if id(p) not in sparse],
+                                           int(options.bucket_cap_mb * 2**20))
+        self._where: dict[int, tuple[Bucket, int]] = {
+            id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        dense = [p for b in self._buckets for p in b.params]
+        self._flag_of = {id(p): k for k, p in enumerate(dense + [p for _, p in self._sparse])}
+        self._register_hooks(trainable)
+        self._comm_hook: tuple[Any, CommHook] | None = None
+        self._reset_step_state()
+
+    def _setup_experts(self) -> None:
         # Where every expert is held by exactly this DDP's ranks (ep=1 along its axis), its gradient
         # is summed over the same ranks as a dense one: it rides in the buckets, overlapped with
         # backward, instead of one blocking all-reduce after it. A rank that routed no token to an
         # expert contributes zeros, and a flag per expert keeps one process's "no gradient".
-        self._bucketed_experts = self._experts if self._experts_share_buckets(find_unused_parameters) else []
+        self._bucketed_experts = self._experts if self._experts_share_buckets() else []
         self._expert_index = {id(p): i for i, (_, p) in enumerate(self._bucketed_experts)}
         if self._bucketed_experts:  # from here on, _experts are those summed after backward
             self._experts = []
-        trainable = [(n, p) for n, p in everything
-                     if p.requires_grad and (placement_of(p) is None or id(p) in self._expert_index)]
-        self._buckets = self._make_buckets(trainable, int(bucket_cap_mb * 2**20))
-        self._where: dict[int, tuple[_Bucket, int]] = {
-            id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)
-        }
         self._expert_flags = torch.zeros(len(self._bucketed_experts), device=comm.device_of(self.group))
+
+    def _register_hooks(self, trainable: list[tuple[str, nn.Parameter]]) -> None:
         # Through a weak reference: a hook holding the wrapper would tie it to its parameters in a
         # cycle through the tensors' C++ hooks that the collector cannot break, so a deleted DDP
         # (and its buckets) would never be freed.
         ready = weakref.WeakMethod(self._on_grad_ready)
-        for _, p in trainable:  # bucketed experts included
+        for _, p in trainable:  # bucketed experts and sparse parameters included
             p.register_post_accumulate_grad_hook(lambda q, ready=ready: _call_alive(ready, q))
         expert_ready = weakref.WeakMethod(self._on_expert_grad)
         for _, p in self._experts:
             p.register_post_accumulate_grad_hook(lambda q, ready=expert_ready: _call_alive(ready, q))
+
+    def _reset_step_state(self) -> None:
         self._no_sync = False
         self._sync_this_backward = False
         self._callback_queued = False
         self._divisor = float(self.world)
-        self._join: _JoinState | None = None
-        self._used_flags: torch.Tensor | None = None
+        self._join_by_world = True
+        self._buffers_due = True  # torch's require_forward_param_sync
+        n = len(self._flag_of)
+        # Parameters that got a gradient since the last reduction, no_sync backwards included
+        # (torch's local_used_map); all-reduced at the end of a reducing backward.
+        self._local_used = torch.zeros(n, device=comm.device_of(self.group))
+        self._unused: list[int] = []  # flag indices this step treats as unused from its first hook
+        self._unused_marked = True
+        self._static_used: torch.Tensor | None = None  # static_graph: global usage of its first step
+        self._static_hooks = [0] * n  # static_graph: hooks per parameter in its first step
+        self._static_left: list[int] = []
+        self._sparse_ready: set[int] = set()
 
-    # ------------------------------------------------------------------ construction
-    def _experts_share_buckets(self, find_unused_parameters: bool) -> bool:
+    def _experts_share_buckets(self) -> bool:
         """Whether every expert's gradient is summed over exactly this DDP's ranks (not with
         ``find_unused_parameters``, whose flags already stand for the parameters a rank skipped)."""
-        if not self._experts or find_unused_parameters:
+        if not self._experts or self.find_unused_parameters:
             return False
         ours = sorted(self.mesh.group_ranks(self.axis))
         placements = [placement_of(p) for _, p in self._experts]
@@ -201,39 +211,53 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
 
     @torch.no_grad()
     def _broadcast_state(self) -> None:
-        dense = [held(p) for p in self.module.parameters() if placement_of(p) is None]
-        tensors = dense + list(self.module.buffers())
-        broadcast_coalesced(tensors, self.src, self.group)
+        broadcast_coalesced([p for _, p in self._dense_named] + self._synced_buffers(), self.src, self.group)
         if self._experts:  # each expert from the first of the ranks holding it
             where = placement_of(self._experts[0][1])
             assert where is not None
             broadcast_coalesced([p for _, p in self._experts], where.edp_ranks[0], where.edp)
 
-    def _make_buckets(self, trainable: list[tuple[str, nn.Parameter]], cap: int) -> list[_Bucket]:
+    def _synced_params(self) -> list[torch.Tensor]:
+        """The parameters every replica holds alike (not ignored, not experts split over ep)."""
+        return [p for _, p in [*self._dense_named, *self._bucketed_experts]]
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        return [b for n, b in self.module.named_buffers() if n not in self._options.ignored]
+
+    def _make_buckets(self, trainable: list[tuple[str, nn.Parameter]], cap: int) -> list[Bucket]:
         # Launch order is reverse registration order (roughly the order backward finishes
         # gradients); parameters of different dtypes or devices never share a bucket.
         by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
         for name, p in reversed(trainable):
             by_kind.setdefault((p.dtype, p.device), []).append((name, p))
-        buckets: list[_Bucket] = []
+        buckets: list[Bucket] = []
+        first = 0
         for members in by_kind.values():
             sizes = [p.numel() * p.element_size() for _, p in members]
             for idx in plan_buckets(sizes, cap):
-                buckets.append(self._new_bucket(len(buckets), [members[i] for i in idx]))
+                buckets.append(Bucket.make(len(buckets), first, [members[i] for i in idx]))
+                first += len(idx)
         return buckets
 
-    @staticmethod
-    def _new_bucket(index: int, members: list[tuple[str, nn.Parameter]]) -> _Bucket:
-        offsets, total = [], 0
-        for _, p in members:
-            offsets.append(total)
-            total += p.numel()
-        p0 = members[0][1]
-        buf = torch.zeros(total, dtype=p0.dtype, device=p0.device)
-        # Views made once: the backward hooks are on the critical path and run once per parameter.
-        slots = [buf[o : o + p.numel()] for o, (_, p) in zip(offsets, members)]
-        grads = [v.view_as(p) for v, (_, p) in zip(slots, members)]
-        return _Bucket(index, [p for _, p in members], [n for n, _ in members], offsets, buf, slots, grads)
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, ``torch.save``) keeps the module and the options; buckets and
+        hooks are rebuilt by `__setstate__`, and the mesh is found again by its shape."""
+        from plait.ddp.state import mesh_key
+
+        keep = ("_parameters", "_buffers", "_modules", "training", "_options")
+        state = {k: v for k, v in self.__dict__.items() if k in keep}
+        state["_mesh_key"] = mesh_key(self.mesh)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from plait.ddp.state import mesh_for
+
+        options, key = state.pop("_options"), state.pop("_mesh_key")
+        nn.Module.__setstate__(self, state)
+        Joinable.__init__(self)
+        self.mesh = mesh_for(key)
+        self._build(options)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -247,86 +271,172 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
     # buckets' Python state are nothing a graph can hold. Two clean graph breaks per forward.
     @eager
     def _before_forward(self) -> bool:
-        """Join and buffer broadcast; whether this forward's backward reduces."""
-        sync = torch.is_grad_enabled() and not self._no_sync and bool(self._buckets)
-        if self._join is not None:
-            self._divisor = self._join.step(sync)
-        if self.broadcast_buffers and self.world > 1:
-            with comm.operation("DDP buffer broadcast"):
-                broadcast_coalesced(list(self.module.buffers()), self.src, self.group)
+        """Join notice, buffer broadcast, sync count (torch's order); whether this forward's
+        backward reduces."""
+        sync = torch.is_grad_enabled() and not self._no_sync
+        Join.notify_join_context(self)  # only inside an enabled join: counts, may throw
+        self._sync_buffers()
+        if self._join_config.enable:
+            training, _ = step_counts(self, True, sync)
+            self._divisor = float(self.world) if self._join_by_world else training
         return sync
+
+    @torch.no_grad()
+    def _sync_buffers(self, training: bool = True) -> None:
+        """Broadcast the buffers before a forward that follows a reducing one (torch's rule); in
+        a join, from the highest rank still training (a joined rank's are stale)."""
+        if not (self._buffers_due and self.broadcast_buffers and self.world > 1):
+            return
+        buffers = self._synced_buffers()
+        if not buffers:
+            return
+        src = common_rank(self, training) if self._join_config.enable else self.src
+        with comm.operation("DDP buffer broadcast"):
+            broadcast_coalesced(buffers, src, self.group)
 
     @eager
     def _after_forward(self, out: Any, sync: bool) -> None:
+        self._buffers_due = sync
         self._sync_this_backward = sync
         if sync:
             self._start_step()
-            if self.find_unused_parameters:
-                self._mark_unreachable(out)
+            if self.find_unused_parameters and not self.static_graph:
+                reached = params_reached_by(out)
+                self._unused = [k for p_id, k in self._flag_of.items() if p_id not in reached]
+            self._unused_marked = not self._unused
 
     def _start_step(self) -> None:
         for b in self._buckets:
-            b.pending, b.handle, b.wire = len(b.params), None, None
-            b.ready.clear()
+            b.start()
         self._expert_flags.zero_()
         self._callback_queued = False
         self._next_launch = 0
-        self._used_flags = self._no_flags() if self.find_unused_parameters else None
-
-    def _no_flags(self) -> torch.Tensor:
-        """One flag per parameter, on the group's device (NCCL carries only device tensors)."""
-        return torch.zeros(len(self._where), device=comm.device_of(self.group))
-
-    def _mark_unreachable(self, out: Any) -> None:
-        reached = params_reached_by(out)
-        for p_id, (b, i) in self._where.items():
-            if p_id not in reached:
-                p = b.params[i]
-                if p.grad is not None:  # detach a bucket-view grad before zeroing its slot
-                    p.grad = p.grad.clone()
-                    gradient_assigned(p)
-                b.slots[i].zero_()
-                self._mark_ready(b, i)
-            else:
-                assert self._used_flags is not None
-                self._used_flags[self._flag_index(b, i)] = 1.0
-
-    def _flag_index(self, b: _Bucket, i: int) -> int:
-        return sum(len(x.params) for x in self._buckets[: b.index]) + i
+        self._sparse_ready = set()
+        self._unused = list(self._static_unused()) if self._static_done() else []
+        self._static_left = list(self._static_hooks) if self._static_done() else []
 
     # ------------------------------------------------------------------ backward
-    def _on_expert_grad(self, p: nn.Parameter) -> None:
-        if self._sync_this_backward and not self._callback_queued:
-            self._callback_queued = True
-            queue_end_of_backward(self._finish_backward)
+    def _static_done(self) -> bool:
+        return self._static_used is not None
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._sync_this_backward:
-            return
+    def _static_unused(self) -> list[int]:
+        return [k for k, n in enumerate(self._static_hooks) if n == 0]
+
+    def _tracks_usage(self) -> bool:
+        """Whether gradients arriving now count as use (torch: find_unused_parameters without a
+        static graph, or a static graph's first step)."""
+        return (self.find_unused_parameters and not self.static_graph) or (
+            self.static_graph and not self._static_done())
+
+    def _queue_finish(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             queue_end_of_backward(self._finish_backward)
+
+    def _on_expert_grad(self, p: nn.Parameter) -> None:
+        if self._sync_this_backward:
+            self._queue_finish()
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        k = self._flag_of[id(p)]
+        # An undefined gradient (torch's UndefinedGrad, an unused output of a custom Function) fires
+        # the hook with .grad None: not a use, and the gradient held (none) is what it contributes.
+        if self._tracks_usage() and p.grad is not None:  # no_sync backwards count too (torch)
+            self._local_used[k] = 1.0
+        if not self._sync_this_backward:
+            return
+        self._queue_finish()
+        if self.static_graph and not self._static_done():
+            self._static_hooks[k] += 1  # the first step reduces everything at its end (as torch's)
+            return
+        self._mark_unused_once()
+        if self._static_left:  # reentrant checkpointing: ready at the last of its known hooks
+            self._static_left[k] -= 1
+            if self._static_left[k] > 0:
+                return
+        if id(p) not in self._where:  # a sparse gradient, reduced on its own after backward
+            if k in self._sparse_ready:
+                raise self._ready_twice(self._name_of(k))
+            self._sparse_ready.add(k)
+            return
         b, i = self._where[id(p)]
         if i in b.ready:
+            raise self._ready_twice(b.names[i])
+        if p.grad is None:
+            self._contribute_held(k)
             return
-        assert p.grad is not None
         self._fill(b, i, p.grad)
         self._mark_ready(b, i)
 
-    def _fill(self, b: _Bucket, i: int, grad: torch.Tensor) -> None:
+    def _name_of(self, k: int) -> str:
+        for b in self._buckets:
+            if b.first <= k < b.first + len(b.params):
+                return b.names[k - b.first]
+        return self._sparse[k - sum(len(b.params) for b in self._buckets)][0]
+
+    @staticmethod
+    def _ready_twice(name: str) -> RuntimeError:
+        return RuntimeError(
+            f"DistributedDataParallel: parameter {name} got its gradient after DDP had counted it as "
+            "unused or already reduced in this backward. Either it is used outside the wrapped module's "
+            "forward (e.g. a temperature used only in the loss: find_unused_parameters walks the forward's "
+            "outputs and cannot see it; use it inside forward, or drop find_unused_parameters if every "
+            "parameter gets a gradient), or its gradient arrives twice (reentrant activation "
+            "checkpointing: pass static_graph=True, or use_reentrant=False). torch's DDP refuses both.")
+
+    def _mark_unused_once(self) -> None:
+        """At a reducing backward's first hook (torch's moment): what the parameters its forward did
+        not reach contribute, the gradient they hold (or zeros), without counting as use."""
+        if self._unused_marked:
+            return
+        self._unused_marked = True
+        for k in self._unused:
+            self._contribute_held(k)
+
+    def _contribute_held(self, k: int) -> None:
+        p = self._param_at(k)
+        if id(p) not in self._where:
+            self._sparse_ready.add(k)
+            return
+        b, i = self._where[id(p)]
+        grad = p.grad
+        if grad is not None and grad.data_ptr() == b.slots[i].data_ptr():
+            # Last step's reduced gradient lives in the bucket: keep it apart, so a parameter no
+            # rank used keeps it untouched (torch's default copies gradients out of its buckets).
+            p.grad = grad = grad.clone()
+            gradient_assigned(p)
+        if grad is None:
+            b.slots[i].zero_()
+        else:
+            self._fill(b, i, grad)
+        self._mark_ready(b, i)
+
+    def _param_at(self, k: int) -> nn.Parameter:
+        for b in self._buckets:
+            if b.first <= k < b.first + len(b.params):
+                return b.params[k - b.first]
+        return self._sparse[k - sum(len(b.params) for b in self._buckets)][1]
+
+    def _fill(self, b: Bucket, i: int, grad: torch.Tensor) -> None:
         """Copy a gradient into its bucket slot, pre-divided (one pass over memory): the
-        all-reduced sum is then the mean, and a half-precision wire format cannot overflow."""
+        all-reduced sum is then the mean, and a half-precision wire format cannot overflow. With a
+        communication hook, undivided: the hook divides (torch's contract)."""
         slot = b.slots[i]
         expert = self._expert_index.get(id(b.params[i]))
         if expert is not None:
             self._expert_flags[expert] = 1.0
-        divisor = self._divisor + faults.active("ddp-divisor")  # an injected bug in tests only
+        divisor = 1.0 if self._comm_hook is not None else self._divisor + faults.active("ddp-divisor")
         if grad.data_ptr() == slot.data_ptr():  # the grad already lives in the bucket
-            slot.div_(divisor)
+            if divisor != 1.0:
+                slot.div_(divisor)
+        elif grad.requires_grad:  # backward(create_graph=True): the reduced gradient carries no graph
+            _warn_create_graph()
+            with torch.no_grad():
+                torch.div(grad.detach().reshape(-1), divisor, out=slot)
         else:
             torch.div(grad.reshape(-1), divisor, out=slot)
 
-    def _mark_ready(self, b: _Bucket, i: int) -> None:
+    def _mark_ready(self, b: Bucket, i: int) -> None:
         b.ready.add(i)
         b.pending -= 1
         # Launch in index order only: every rank must issue the same collectives in the same order.
@@ -336,6 +446,10 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
 
     def _launch(self, index: int) -> None:
         b = self._buckets[index]
+        if self._comm_hook is not None:
+            state, hook = self._comm_hook
+            b.future = hook(state, GradBucket(index, len(self._buckets), b.buffer, b.params, b.offsets))
+            return
         b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)
         with comm.operation(self._bucket_name(index)):
             b.handle = comm.all_reduce(b.wire, self.group, async_op=True, checked=self._checks_desync(index))
@@ -352,51 +466,32 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
 
     def _finish_backward(self) -> None:
         self._sync_this_backward = False
+        self._mark_unused_once()
+        static_first = self.static_graph and not self._static_done()
         missing = [(b, i) for b in self._buckets for i in range(len(b.params)) if i not in b.ready]
-        if self._bucketed_experts:
-            # An expert this backward routed no token to on this rank: what earlier microbatches
-            # accumulated (no_sync), or zeros flagged as no gradient.
-            for b, i in [(b, i) for b, i in missing if id(b.params[i]) in self._expert_index]:
-                grad = b.params[i].grad
-                if grad is not None:
-                    self._fill(b, i, grad)
-                else:
-                    b.slots[i].zero_()
-                self._mark_ready(b, i)
-            missing = [(b, i) for b, i in missing if i not in b.ready]
-            with comm.operation("DDP expert gradient flags"):
-                comm.all_reduce(self._expert_flags, self.group)
-        if missing and self.find_unused_parameters:
-            for b, i in missing:  # reachable in the graph, yet no gradient arrived: contribute zeros
-                b.slots[i].zero_()
-                self._mark_ready(b, i)
-            missing = []
-        if missing:
-            names = [b.names[i] for b, i in missing]
-            raise RuntimeError(
-                f"DistributedDataParallel: {len(names)} parameter(s) received no gradient in this "
-                f"backward, so their buckets cannot be all-reduced: {', '.join(names[:8])}"
-                f"{' ...' if len(names) > 8 else ''}. If they are legitimately unused, pass "
-                "find_unused_parameters=True; if they should not train, set requires_grad=False."
-            )
+        missing_sparse = [k for _, p in self._sparse if (k := self._flag_of[id(p)]) not in self._sparse_ready]
+        missing = self._fill_missing_experts(missing)
+        if (missing or missing_sparse) and (self.find_unused_parameters or static_first):
+            for b, i in missing:
+                self._settle_missing(b.first + i, static_first)
+            for k in missing_sparse:
+                self._settle_missing(k, static_first)
+            missing, missing_sparse = [], []
+        if missing or missing_sparse:
+            self._refuse_missing([b.names[i] for b, i in missing]
+                                 + [self._name_of(k) for k in missing_sparse])
         if self._experts:  # summed over the ranks holding the same experts, divided as the rest
             reduce_expert_grads([p for _, p in self._experts], self._divisor)
-        globally_used = None
-        if self._used_flags is not None:
-            with comm.operation("DDP unused-parameter flags"):
-                comm.all_reduce(self._used_flags, self.group)
-            globally_used = self._used_flags
+        used = self._reduce_usage()
+        self._reduce_sparse(used)
         flags = self._expert_flags.tolist() if self._bucketed_experts else []
         no_gradient = {id(p) for (_, p), f in zip(self._bucketed_experts, flags) if f == 0}
         # The last bucket first: its desync verdict covers them all (`_checks_desync`).
         for b in self._buckets[-1:] + self._buckets[:-1]:
-            assert b.handle is not None and b.wire is not None
-            b.handle.wait()
-            if b.wire is not b.buffer:
-                b.buffer.copy_(b.wire)
+            self._await(b)
             for i, p in enumerate(b.params):
-                if globally_used is not None and globally_used[self._flag_index(b, i)] == 0:
-                    continue  # unused everywhere: leave grad as a single process would
+                if used is not None and used[b.first + i] == 0:
+                    continue  # no rank used it since the last reduction: .grad untouched (torch)
                 if id(p) in no_gradient:  # an expert no rank routed a token to: none, as in one process
                     p.grad = None
                     continue
@@ -404,6 +499,113 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
                 # it (zero_grad(set_to_none=False), no_sync), the next backward accumulates in place.
                 p.grad = b.grads[i]
                 gradient_assigned(p)  # a tp DTensor's gradient, or a piece's mark (`plait.placement.pieces`)
+
+    def _fill_missing_experts(self, missing: list[tuple[Bucket, int]]) -> list[tuple[Bucket, int]]:
+        if not self._bucketed_experts:
+            return missing
+        # An expert this backward routed no token to on this rank: what earlier microbatches
+        # accumulated (no_sync), or zeros flagged as no gradient.
+        for b, i in [(b, i) for b, i in missing if id(b.params[i]) in self._expert_index]:
+            grad = b.params[i].grad
+            if grad is not None:
+                self._fill(b, i, grad)
+            else:
+                b.slots[i].zero_()
+            self._mark_ready(b, i)
+        with comm.operation("DDP expert gradient flags"):
+            comm.all_reduce(self._expert_flags, self.group)
+        return [(b, i) for b, i in missing if i not in b.ready]
+
+    def _settle_missing(self, k: int, static_first: bool) -> None:
+        """A parameter the forward reached that got no gradient (an output left out of the loss):
+        torch's hook fires for it with the gradient it holds, which counts as use if defined. In a
+        static graph's first step, what every parameter holds is reduced at the end."""
+        p = self._param_at(k)
+        if static_first and self._static_hooks[k] > 0 and p.grad is not None:
+            if id(p) in self._where:
+                b, i = self._where[id(p)]
+                self._fill(b, i, p.grad)
+                self._mark_ready(b, i)
+            else:
+                self._sparse_ready.add(k)
+            return
+        if not static_first and p.grad is not None:
+            self._local_used[k] = 1.0
+        self._contribute_held(k)
+
+    def _refuse_missing(self, names: list[str]) -> None:
+        raise RuntimeError(
+            f"DistributedDataParallel: {len(names)} parameter(s) received no gradient in this "
+            f"backward, so their buckets cannot be all-reduced: {', '.join(names[:8])}"
+            f"{' ...' if len(names) > 8 else ''}. If they are legitimately unused, pass "
+            "find_unused_parameters=True; if they should not train, set requires_grad=False."
+        )
+
+    def _reduce_usage(self) -> torch.Tensor | None:
+        """Which parameters some rank used since the last reduction (None: all of them)."""
+        if not self._tracks_usage():
+            return self._static_used
+        with comm.operation("DDP unused-parameter flags"):
+            comm.all_reduce(self._local_used, self.group)
+        used = self._local_used.clone()
+        self._local_used.zero_()
+        if self.static_graph:  # what the first step found stands for every later one
+            self._static_used = used
+        return used
+
+    @torch.no_grad()
+    def _reduce_sparse(self, used: torch.Tensor | None) -> None:
+        """Sparse gradients (nn.Embedding(sparse=True)) are all-reduced on their own, as sparse
+        tensors, after the buckets (torch gives each its own bucket)."""
+        for name, p in self._sparse:
+            if used is not None and used[self._flag_of[id(p)]] == 0:
+                continue
+            grad = p.grad
+            if grad is None or not grad.is_sparse:
+                grad = _empty_sparse(p) if grad is None else grad.to_sparse()
+            grad = grad.coalesce() / self._divisor
+            with comm.operation(f"DDP sparse gradient {name}"):
+                comm.all_reduce(grad, self.group)
+            p.grad = grad
+
+    def _await(self, b: Bucket) -> None:
+        if b.future is not None:
+            value = hook_result(b.future, b.buffer, b.index)
+            b.future = None
+            if value.data_ptr() != b.buffer.data_ptr() or value.dtype != b.buffer.dtype:
+                b.buffer.copy_(value.reshape(-1))
+            return
+        assert b.handle is not None and b.wire is not None
+        b.handle.wait()
+        if b.wire is not b.buffer:
+            b.buffer.copy_(b.wire)
+
+    @torch.no_grad()
+    def _shadow_backward(self) -> None:
+        """A joined rank's side of one reducing backward of the others (torch's
+        ``_match_all_reduce_for_bwd_pass``): zeros for every bucket, then the same flags."""
+        for index, b in enumerate(self._buckets):
+            zeros = torch.zeros_like(b.buffer)  # not the buffer: this rank's gradients view it
+            if self._comm_hook is not None:
+                state, hook = self._comm_hook
+                hook_result(hook(state, GradBucket(index, len(self._buckets), zeros, b.params, b.offsets)),
+                            zeros, index)
+                continue
+            wire = zeros if self.wire_dtype is None else zeros.to(self.wire_dtype)
+            with comm.operation(self._bucket_name(index)):
+                comm.all_reduce(wire, self.group, checked=self._checks_desync(index))
+        if self._bucketed_experts:
+            with comm.operation("DDP expert gradient flags"):
+                comm.all_reduce(torch.zeros_like(self._expert_flags), self.group)
+        used = self._static_used
+        if self._tracks_usage():
+            used = torch.zeros_like(self._local_used)
+            with comm.operation("DDP unused-parameter flags"):
+                comm.all_reduce(used, self.group)
+        for name, p in self._sparse:
+            if used is None or used[self._flag_of[id(p)]] > 0:
+                with comm.operation(f"DDP sparse gradient {name}"):
+                    comm.all_reduce(_empty_sparse(p), self.group)
 
     # ------------------------------------------------------------------ user API
     def grad_norm_parts(self) -> GradParts:
@@ -426,9 +628,9 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         if self.find_unused_parameters:
             raise ValueError("DistributedDataParallel.prepare_for_backward: not available with "
                              "find_unused_parameters=True (unused parameters are found from a forward)")
-        if self._buckets:
-            self._start_step()
-            self._sync_this_backward = True
+        self._start_step()
+        self._unused_marked = not self._unused
+        self._sync_this_backward = True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -439,95 +641,84 @@ class DistributedDataParallel(WrappedModuleState, nn.Module):
         finally:
             self._no_sync = old
 
-    @contextlib.contextmanager
-    def join(self, divide_by_initial_world_size: bool = True) -> Iterator[None]:
-        """Let ranks with fewer batches finish early without hanging the others.
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in all-reduce
+        (torch's contract: ``bucket`` is a `GradBucket` of undivided gradients, and the hook returns
+        a ``torch.futures.Future`` of the reduced bucket). torch's hooks in
+        ``torch.distributed.algorithms.ddp_comm_hooks`` run unchanged. Once, before training."""
+        if self._comm_hook is not None:
+            raise RuntimeError("DistributedDataParallel.register_comm_hook can only be called once")
+        if not callable(hook):
+            raise TypeError(f"DistributedDataParallel.register_comm_hook: the hook must be callable, "
+                            f"got {hook!r}")
+        if self.wire_dtype is not None:
+            raise ValueError("DistributedDataParallel.register_comm_hook: this DDP already compresses its "
+                             f"buckets to {self.wire_dtype} (gradient_compression or the mixed-precision "
+                             "reduce dtype); use torch's fp16/bf16 compress hook instead of that option, "
+                             "not both")
+        if self._sparse:
+            raise ValueError("DistributedDataParallel.register_comm_hook: not with sparse gradients ("
+                             f"{', '.join(n for n, _ in self._sparse)}): plait reduces those on their own")
+        self._comm_hook = (state, hook)
 
-        Inside the block each forward first counts the ranks still training. A rank that
-        leaves the block keeps answering the others' collectives with zeros until every rank
-        has left; then every rank takes the parameters of the rank that trained longest.
-        Gradients are divided by the initial world size (a finished rank contributes zero),
-        or by the number of ranks still training with ``divide_by_initial_world_size=False``.
+    # torch's Join protocol (torch.distributed.algorithms.Join): DDP is a Joinable.
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Let ranks with fewer batches finish early without hanging the others (torch's ``join``).
+
+        A rank that leaves the block keeps answering the others' collectives with zeros until
+        every rank has left; then every rank takes the parameters and buffers of the last rank
+        to leave. Gradients are divided by the initial world size (a finished rank contributes
+        zero), or by the number of ranks still training with
+        ``divide_by_initial_world_size=False``. With ``throw_on_early_termination=True`` every
+        rank raises as soon as one runs out of inputs. ``Join([ddp, other_joinables])`` works too.
         """
-        self._join = _JoinState(self, divide_by_initial_world_size)
-        try:
-            yield
-        except BaseException:
-            # The block failed (a desync, a timeout, the user's error): shadowing the others'
-            # collectives now would only add a hang to the error.
-            self._join = None
-            raise
-        state, self._join = self._join, None
-        try:
-            state.shadow_until_all_done()
-        finally:
-            self._divisor = float(self.world)
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        return DDPJoinHook(self, bool(kwargs.get("divide_by_initial_world_size", True)))
 
-class _JoinState:
-    def __init__(self, ddp: DistributedDataParallel, by_world: bool) -> None:
-        self.ddp, self.by_world, self.steps = ddp, by_world, 0
+    @property
+    def join_device(self) -> torch.device:
+        return comm.device_of(self.group)
 
-    def step(self, sync: bool) -> float:
-        """Called by each forward of a rank still training; returns the gradient divisor."""
-        self.steps += 1
-        counts = torch.tensor([1.0, float(sync)], device=comm.device_of(self.ddp.group))
-        with comm.operation("DDP join count"):
-            comm.all_reduce(counts, self.ddp.group)
-        return float(self.ddp.world) if self.by_world else counts[0].item()
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
 
-    @torch.no_grad()
-    def shadow_until_all_done(self) -> None:
-        ddp = self.ddp
-        while True:
-            counts = torch.zeros(2, device=comm.device_of(ddp.group))
-            with comm.operation("DDP join count"):
-                comm.all_reduce(counts, ddp.group)
-            if counts[0] == 0:
-                break
-            if ddp.broadcast_buffers and ddp.world > 1:
-                with comm.operation("DDP buffer broadcast"):
-                    broadcast_coalesced(list(ddp.module.buffers()), ddp.src, ddp.group)
-            if counts[1] > 0:  # the others run a synchronised backward: mirror its collectives
-                for index, b in enumerate(ddp._buckets):
-                    b.buffer.zero_()
-                    wire = b.buffer if ddp.wire_dtype is None else b.buffer.to(ddp.wire_dtype)
-                    with comm.operation(ddp._bucket_name(index)):
-                        comm.all_reduce(wire, ddp.group, checked=ddp._checks_desync(index))
-                if ddp._bucketed_experts:
-                    with comm.operation("DDP expert gradient flags"):
-                        comm.all_reduce(torch.zeros_like(ddp._expert_flags), ddp.group)
-                if ddp.find_unused_parameters:
-                    with comm.operation("DDP unused-parameter flags"):
-                        comm.all_reduce(ddp._no_flags(), ddp.group)
-        steps = comm.all_gather_object(self.steps, ddp.group)
-        longest = max(range(len(steps)), key=lambda r: (steps[r], r))
-        src = ddp.mesh.group_ranks(ddp.axis)[longest]
-        broadcast_coalesced([held(p) for p in ddp.module.parameters()], src, ddp.group)
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: Iterable[str]) -> None:
+        """torch's way to name parameters and buffers DDP leaves alone, set on the module before
+        wrapping it (plait also takes them as ``params_and_buffers_to_ignore=``)."""
+        setattr(module, "_ddp_params_and_buffers_to_ignore", list(names))  # noqa: B010 (torch's name)
 
 
 DDP = DistributedDataParallel
 
 
-def _wire_dtype(module: nn.Module, compression: str | None) -> torch.dtype | None:
-    """The dtype buckets are all-reduced in (None: the gradients' own), from ``gradient_compression``
-    and the reduce dtype of the module's `plait.mixed_precision` policy, which must agree."""
-    asked = _COMPRESSION[compression]
-    policy = precision_of(module)
-    if policy is None:
-        return asked
-    # The master gradients are fp32: reducing them "in fp32" is reducing them as they are.
-    wanted = None if policy.wire_dtype == torch.float32 else policy.wire_dtype
-    if wanted not in _COMPRESSION.values():
-        raise ValueError(f"DistributedDataParallel: the module's mixed precision reduces gradients in "
-                         f"{policy.wire_dtype}; DDP reduces the fp32 master gradients as they are or as a "
-                         "bf16 / fp16 copy: use MixedPrecision(reduce_dtype=torch.float32, torch.bfloat16 "
-                         "or torch.float16)")
-    if compression is not None and asked != wanted:
-        raise ValueError(f"DistributedDataParallel(gradient_compression={compression!r}) disagrees with the "
-                         f"module's mixed precision, which reduces gradients in {policy.wire_dtype}: drop "
-                         "the option (it follows the policy) or change the policy's reduce_dtype")
-    return wanted
+def _check_module(module: nn.Module, mesh: Mesh | None) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"DistributedDataParallel(module=...) expects an nn.Module, got {type(module)}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"DistributedDataParallel(mesh=...) expects a plait.Mesh or None, got {type(mesh)}")
+    if is_meta(module):
+        raise ValueError("DistributedDataParallel needs a materialized module; this one has meta "
+                         "parameters (use FullyShardedDataParallel for meta-device init)")
+
+
+def _empty_sparse(p: torch.Tensor) -> torch.Tensor:
+    """A sparse zero gradient of ``p``'s shape (what a rank without one contributes)."""
+    return torch.sparse_coo_tensor(torch.zeros(p.dim(), 0, dtype=torch.long, device=p.device),
+                                   torch.zeros(0, dtype=p.dtype, device=p.device), p.shape)
+
+
+def _warn_create_graph() -> None:
+    warnings.warn("DistributedDataParallel: backward(create_graph=True): the averaged gradients carry no "
+                  "autograd graph (higher-order terms are neither kept nor synchronized, as with torch's "
+                  "DDP); "
+                  "compute gradient penalties with torch.autograd.grad(..., create_graph=True) in the loss",
+                  stacklevel=3)
 
 
 def _call_alive(method: weakref.WeakMethod, p: nn.Parameter) -> None:
