@@ -191,7 +191,8 @@ def _dcp_into_ddp(path: str) -> dict:
     from plait.models.gpt import GPT, GPTConfig
 
     net = plait.DDP(GPT(GPTConfig(**CFG)).to(torch.float64), cached_mesh(dp=dist.get_world_size()))
-    sd = net.state_dict()
+    # FSDP's state dict has the model's own names (as torch's FSDP2's); DDP's carries module.
+    sd = {k.removeprefix("module."): v for k, v in net.state_dict().items()}
     dcp.load(sd, checkpoint_id=path)
     return {k.removeprefix("module."): v.clone() for k, v in net.state_dict().items()}
 
@@ -201,7 +202,7 @@ def _one_process(path: str) -> dict:
     from plait.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(**CFG)).to(torch.float64)
-    sd = {f"module.{k}": v for k, v in model.state_dict().items()}
+    sd = model.state_dict()
     dcp_load_in_this_process(sd, checkpoint_id=path)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -222,8 +223,8 @@ def _torch_state_dict_api() -> dict:
     _train_both(net, oracle, _adamw, steps=1)
     model_sd = get_model_state_dict(net)
     full = net.full_state_dict()
-    out = {"model": sorted(model_sd) == sorted(f"module.{k}" for k in full)}
-    out["values"] = all(torch.equal(_full(v), full[k.removeprefix("module.")]) for k, v in model_sd.items())
+    out = {"model": sorted(model_sd) == sorted(full)}  # the model's own names, as torch's FSDP2's
+    out["values"] = all(torch.equal(_full(v), full[k]) for k, v in model_sd.items())
     try:
         optim_sd = get_optimizer_state_dict(net, opt)
         out["optim"] = sorted(optim_sd["state"])[:3]

@@ -146,7 +146,7 @@ class FlatParam:
     """A unit's parameters of one kind, each sharded on dim 0 across the fsdp axis."""
 
     def __init__(self, slots: list[Slot], dtype: torch.dtype, requires_grad: bool, cfg: ShardCfg) -> None:
-        self.slots, self.cfg, self.requires_grad, self.dtype = slots, cfg, requires_grad, dtype
+        self.slots, self.cfg, self.dtype = slots, cfg, dtype
         self.shard_size = _lay_out(slots, cfg.world)
         self.padded = self.shard_size * cfg.world
         self.total = self.padded  # every slot's range, padding included
@@ -162,13 +162,18 @@ class FlatParam:
         # tensors can be views of it instead of a copy (the ZeRO formula counts parameters once).
         self.aliased = cfg.stage < 3 and self.compute_dtype == dtype and not cfg.offload
         self.buf = torch.zeros(self.padded, dtype=self.compute_dtype, device=cfg.device)
-        self.leaves = [_alias(self.buf, s.offset, s.shape).requires_grad_(requires_grad) for s in slots]
-        if requires_grad:
-            for s, leaf in zip(slots, self.leaves, strict=True):
-                for hook in s.grad_hooks:
-                    leaf.register_hook(hook)
+        self.leaves = [_alias(self.buf, s.offset, s.shape) for s in slots]
+        # Whether each parameter trains, as last synchronised between the DTensor parameter and
+        # its leaf (`sync_requires_grad`): the user may flip either after wrapping.
+        self.trains = [False] * len(slots)
+        self.hooked = [False] * len(slots)  # leaf i carries its gradient hooks
+        self.on_grad: Callable[[int], Callable[[torch.Tensor], None]] | None = None  # set by the wrapper
         self.arrived = 0  # leaves whose gradient this backward has accumulated
+        self.skip: set[int] = set()  # slots this reduction leaves without a gradient (`start_reduce`)
         self.in_buf = [False] * len(slots)  # ZeRO-3: leaf i's gradient already sits in buf
+        # Unreduced gradients accumulated under no_sync in the reduce dtype (bf16 compute, fp32
+        # reduction: summed in fp32, as torch's FSDP2 does), one per leaf, until the next reduction.
+        self.acc: list[torch.Tensor | None] = [None] * len(slots)
         if self.aliased:
             self.shard = self.buf  # the local tensors are views of buf (see `local`)
         else:
@@ -176,10 +181,11 @@ class FlatParam:
             if cfg.offload and torch.cuda.is_available():
                 self.shard = self.shard.pin_memory()  # lets host->device copies run asynchronously
         self.params = [self._dtensor(i, self.local(i), requires_grad) for i in range(len(slots))]
+        self.sync_requires_grad()
         # The flat vector of this rank's reduced gradient chunks and the parameters' DTensor
         # gradients on it, as last installed (weak: the parameters' .grad owns them).
         self._grad_flat: Callable[[], torch.Tensor | None] = lambda: None
-        self._grads: list[weakref.ref] = []
+        self._grads: list[Callable[[], Any]] = []
         self.gathered = True  # buf holds the full vector (zeros now, filled at first gather)
         self.gathered_version = -1  # shard._version at the last gather; -1 forces one
         if cfg.stage == 3:  # built one unit at a time and freed at once: no rank holds the model
@@ -190,6 +196,61 @@ class FlatParam:
         self._out: torch.Tensor | None = None  # the rank-major all-gather output (not direct)
         self.pending: tuple[comm.Handle | None, torch.Tensor] | None = None
         self.offload_bytes = {"to_device": 0, "to_host": 0}
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any of its parameters trains (``requires_grad_`` may change it after wrapping)."""
+        return any(self.trains)
+
+    def sync_requires_grad(self) -> None:
+        """Make each leaf (what forward reads) and its DTensor parameter (what the optimizer and
+        ``requires_grad_`` on modules see) agree on ``requires_grad``: the one the user changed
+        since the last call wins, as on one process. Called before each forward of the unit."""
+        for i, (p, leaf) in enumerate(zip(self.params, self.leaves, strict=True)):
+            want = p.requires_grad if p.requires_grad != self.trains[i] else leaf.requires_grad
+            if want and not (p.dtype.is_floating_point or p.dtype.is_complex):
+                want = False
+            self.trains[i] = want
+            if p.requires_grad != want:
+                p.requires_grad_(want)
+            if leaf.requires_grad != want:
+                leaf.requires_grad_(want)
+            if want and not self.hooked[i]:
+                self._hook(i)
+
+    def _hook(self, i: int) -> None:
+        """Register leaf ``i``'s gradient hooks (a leaf that does not train cannot hold them)."""
+        leaf = self.leaves[i]
+        for hook in self.slots[i].grad_hooks:
+            leaf.register_hook(hook)
+        if self.on_grad is not None:
+            leaf.register_post_accumulate_grad_hook(self.on_grad(i))
+        self.hooked[i] = True
+
+    def set_grad_hook(self, on_grad: Callable[[int], Callable[[torch.Tensor], None]]) -> None:
+        """``on_grad(i)`` makes the post-accumulate-grad hook of leaf ``i`` (the wrapper's)."""
+        self.on_grad = on_grad
+        for i, leaf in enumerate(self.leaves):
+            if self.hooked[i]:
+                leaf.register_post_accumulate_grad_hook(on_grad(i))
+
+    def used(self) -> list[bool]:
+        """Which leaves hold a gradient not reduced yet (moved into buf, accumulated or on the leaf)."""
+        return [self.in_buf[i] or self.acc[i] is not None or leaf.grad is not None
+                for i, leaf in enumerate(self.leaves)]
+
+    def hold_unreduced(self, i: int) -> None:
+        """no_sync: keep leaf ``i``'s new gradient for the next reduction. With a reduce dtype wider
+        than the compute dtype it is summed there (bf16 gradients accumulated in fp32), else it
+        stays on the leaf, where autograd accumulates the next one."""
+        leaf, rd = self.leaves[i], self.cfg.reduce_dtype
+        g = leaf.grad
+        if g is None or rd is None or g.dtype == rd:
+            return
+        with torch.no_grad():
+            acc = self.acc[i]
+            self.acc[i] = g.to(rd) if acc is None else acc.add_(g)
+        leaf.grad = None
 
     # ------------------------------------------------------------- layout helpers
     def local(self, i: int, flat: torch.Tensor | None = None) -> torch.Tensor:
@@ -333,13 +394,15 @@ class FlatParam:
         forward and saved by another op, would break this; plait's FSDP does not support it).
         """
         leaf = self.leaves[i]
-        if self.cfg.stage == 3 and leaf.grad is not None and self.gathered:
+        if self.acc[i] is not None:
+            self.hold_unreduced(i)  # joins the fp32 sum; reduced from there (`_flatten_grads`)
+        elif self.cfg.stage == 3 and leaf.grad is not None and self.gathered:
             with torch.no_grad():
                 self._put(self.buf, i, leaf.grad)
             leaf.grad = None
             self.in_buf[i] = True
         self.arrived += 1
-        return self.arrived == len(self.leaves)
+        return self.arrived == sum(self.trains)
 
     def _put(self, flat: torch.Tensor, i: int, grad: torch.Tensor | None) -> None:
         """Write slot ``i``'s gradient into its padded range of parameter-major ``flat``."""
@@ -361,9 +424,10 @@ class FlatParam:
 
     def _flatten_grads(self) -> torch.Tensor | None:
         """The unit's gradient, rank-major (what the reduce-scatter splits), or None if none."""
-        have = [i for i, leaf in enumerate(self.leaves) if self.in_buf[i] or leaf.grad is not None]
-        if not have:
+        if not any(self.used()):
             return None
+        if any(a is not None for a in self.acc):
+            return self._flatten_accumulated()
         if self.cfg.stage == 3:
             # buf becomes the flat gradient: ranges already moved there stay, the rest take the
             # leaves' gradients (no_sync leftovers) or zeros.
@@ -371,8 +435,8 @@ class FlatParam:
             flat = self.buf
             self.gathered = False  # from here on buf holds gradients; freed after the reduction
         else:
-            # Only stage 3 moves gradients into buf: here ``have`` lists the leaves with a .grad,
-            # written straight in rank-major order.
+            # Only stage 3 moves gradients into buf: here the leaves' gradients are written
+            # straight in rank-major order.
             first = next(g for leaf in self.leaves if (g := leaf.grad) is not None)
             dtype = self.cfg.reduce_dtype or first.dtype
             out = torch.empty(self.padded, dtype=dtype, device=self.buf.device)
@@ -390,6 +454,28 @@ class FlatParam:
         if out is not self.buf:
             self.buf.untyped_storage().resize_(0)  # its gradients now sit in rank-major order
         self.in_buf = [False] * len(self.leaves)
+        return out
+
+    def _flatten_accumulated(self) -> torch.Tensor:
+        """`_flatten_grads` when no_sync left gradients summed in the reduce dtype: every slot's
+        gradient (the sum, a range of buf, the leaf's or zeros) is written into a new vector of
+        that dtype, so nothing is rounded to the compute dtype before the reduction."""
+        rd = self.cfg.reduce_dtype
+        assert rd is not None
+        full = torch.empty(self.padded, dtype=rd, device=self.cfg.device)
+        with torch.no_grad():
+            for i, leaf in enumerate(self.leaves):
+                s = self.slots[i]
+                g = self.acc[i] if self.acc[i] is not None else leaf.grad
+                if self.in_buf[i]:
+                    g = self.buf.narrow(0, s.offset, s.numel).view(s.shape)
+                self._put(full, i, g)
+                leaf.grad = None
+        out = full if self.reduce_param_major else self.rank_major(full)
+        if self.cfg.stage == 3:
+            self.gathered = False
+            self.buf.untyped_storage().resize_(0)
+        self.acc, self.in_buf = [None] * len(self.leaves), [False] * len(self.leaves)
         return out
 
     def _put_rank_major(self, out: torch.Tensor, i: int, grad: torch.Tensor | None) -> None:
@@ -413,13 +499,15 @@ class FlatParam:
             dst[full, rem:].zero_()
             dst[full + 1 :].zero_()
 
-    def start_reduce(self) -> None:
+    def start_reduce(self, unused: set[int] | None = None) -> None:
         """Issue this backward's gradient reduction (async) and drop the unsharded gradient.
 
         ZeRO-1: all-reduce of the full gradient (every rank keeps the whole sum, then its chunks).
         ZeRO-2/3: reduce-scatter, rank r receives the sum of its chunks. Both in the reduce dtype
-        over the fsdp axis.
+        over the fsdp axis. The slots in ``unused`` (no rank used them) and those that do not
+        train keep the gradient they had (None, as on one process) instead of a zero one.
         """
+        self.skip = set(unused or ()) | {i for i, t in enumerate(self.trains) if not t}
         g, self.arrived = self._flatten_grads(), 0
         if g is None:
             return
@@ -482,7 +570,7 @@ class FlatParam:
         held = [flat is not None and p.grad is not None and p.grad is ref()
                 for p, ref in zip(self.params, self._grads, strict=True)] if self._grads else []
         with torch.no_grad():
-            if flat is not None and all(held):
+            if flat is not None and all(h for i, h in enumerate(held) if i not in self.skip):
                 flat.add_(red.to(flat.device, flat.dtype))
                 return
             if fresh and red.dtype == self.dtype and red.device == self.home:
@@ -493,11 +581,18 @@ class FlatParam:
             for i, p in enumerate(self.params):
                 if p.grad is not None:  # accumulated earlier, or set by the user
                     self.local(i, new).add_(cast(DTensor, p.grad).to_local())
-        grads = [self._dtensor(i, self.local(i, new)) for i in range(len(self.slots))]
+        grads = [None if i in self.skip else self._dtensor(i, self.local(i, new))
+                 for i in range(len(self.slots))]
         for p, g in zip(self.params, grads, strict=True):
-            p.grad = g
+            if g is not None:
+                p.grad = g
         self._grad_flat = weakref.ref(new)
-        self._grads = [weakref.ref(g) for g in grads]
+        self._grads = [_dead if g is None else weakref.ref(g) for g in grads]
+
+
+def _dead() -> None:
+    """A weak reference that never resolves: a slot left without a gradient."""
+    return None
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...] | torch.Size | int) -> torch.Tensor:

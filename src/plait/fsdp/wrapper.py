@@ -53,6 +53,8 @@ a CPU-only machine the same copies run host-to-host, so tests can check the data
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -64,10 +66,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from plait._torch_compat import eager, queue_end_of_backward
+from plait import comm
+from plait._torch_compat import eager, queue_end_of_backward, tree_flatten, tree_unflatten
 from plait.dtensors import mesh_over
 from plait.env import device as default_device
 from plait.fsdp.flat import FlatParam, Placing, ShardCfg, Slot
+from plait.fsdp.names import own_names, report_own_names, top_level_names, wrapped_names
 from plait.fsdp.units import Unit, build_units, check_no_optimizer
 from plait.mesh import Mesh
 from plait.placement.grads import reduce_expert_grads
@@ -179,20 +183,22 @@ class FullyShardedDataParallel(nn.Module):
             if getattr(unit.module, "_compiled_call_impl", None) is not None:
                 self._around_compiled_call(unit)
             else:
-                unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+                unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
                 unit.module.register_forward_hook(self._make_post_forward(unit))
         for unit in self.units:
             for flat in unit.flats:
                 flat.bind_views()
-                if flat.requires_grad:
-                    for i, leaf in enumerate(flat.leaves):
-                        leaf.register_post_accumulate_grad_hook(self._make_post_backward(flat, i))
+                flat.set_grad_hook(functools.partial(self._make_post_backward, flat))
         self._order: list[Unit] = []  # units in this forward's execution order
         self._prev_order: list[Unit] = list(self.units)  # last forward's order: what to prefetch
         self._sync = True
         self._backward_queued = False
         self._inflight: list[FlatParam] = []  # reductions issued and not yet awaited
         self._reduced: set[int] = set()  # ids of flats whose reduction this backward has issued
+        # State dicts under the model's own names, as torch's FSDP1 and FSDP2 write them.
+        self.register_state_dict_post_hook(own_names)
+        self.register_load_state_dict_pre_hook(wrapped_names)
+        self.register_load_state_dict_post_hook(report_own_names)
 
     def _placing(self) -> Placing:
         """How each parameter's DTensor is placed: ``Shard(0)`` over fsdp (HSDP: replicated over
@@ -241,9 +247,10 @@ class FullyShardedDataParallel(nn.Module):
         return None
 
     def state_dict(self, *args, **kwargs):
-        """nn.Module's: the DTensor parameters under the model's names (prefixed ``module.``, as
-        DDP's) and the buffers, which `torch.distributed.checkpoint` saves and reshards. Refused
-        where a DTensor cannot describe a parameter (see `_torch_state_refusal`)."""
+        """nn.Module's: the DTensor parameters and the buffers under the model's own names (no
+        ``module.``, as torch's FSDP1 and FSDP2: `plait.fsdp.names`), which `torch.save` pickles and
+        `torch.distributed.checkpoint` saves and reshards. Refused where a DTensor cannot describe a
+        parameter (see `_torch_state_refusal`)."""
         why = self._torch_state_refusal()
         if why is not None:
             raise ValueError(
@@ -251,6 +258,11 @@ class FullyShardedDataParallel(nn.Module):
                 "save wrong values; save model.sharded_state_dict(optimizer) (plait.checkpoint) or "
                 "plait.full_state_dict(model) instead")
         return super().state_dict(*args, **kwargs)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint.state_dict's contract for a module whose state-dict keys
+        skip a level: the model's top-level names stand for ``module.<name>``."""
+        return top_level_names(self.module)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -291,6 +303,8 @@ class FullyShardedDataParallel(nn.Module):
     def _pre_forward(self, unit: Unit) -> None:
         unit.position = len(self._order)
         self._order.append(unit)
+        for flat in unit.flats:  # requires_grad_ set after wrapping, on a parameter or its module
+            flat.sync_requires_grad()
         unit.gather()
         nxt = unit.position + 1
         if self.zero_stage == 3 and nxt < len(self._prev_order):
@@ -330,14 +344,23 @@ class FullyShardedDataParallel(nn.Module):
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._pre_forward(unit)
+            if self.mp is not None:
+                args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
             out = compiled(*args, **kwargs)
             self._post_forward(unit, out)
             return out
 
         unit.module._compiled_call_impl = call
 
-    def _make_pre_forward(self, unit: Unit):
-        return lambda _mod, _args: self._pre_forward(unit)
+    def _make_pre_forward(self, unit: Unit) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict] | None]:
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            self._pre_forward(unit)
+            if self.mp is None:
+                return None
+            # Each unit's inputs, as torch's FSDP2 casts them: an fp32 tensor made between units
+            # (a buffer added to the activations) must not reach bf16 weights as it is.
+            return _cast_floats((args, kwargs), self.mp.param_dtype)
+        return hook
 
     def _make_post_forward(self, unit: Unit):
         return lambda _mod, _args, out: self._post_forward(unit, out)
@@ -382,8 +405,9 @@ class FullyShardedDataParallel(nn.Module):
             # when it ends.
             self._backward_queued = True
             queue_end_of_backward(self._end_backward)
-        if not self._sync:
-            return  # no_sync: unsharded gradients keep accumulating on the leaves
+        if not self._sync:  # no_sync: unsharded gradients accumulate until the next reduction
+            flat.hold_unreduced(i)
+            return
         if not flat.grad_ready(i):
             return  # the unit's other parameters have not reported yet
         flat.start_reduce()  # overlaps with the rest of backward
@@ -403,13 +427,33 @@ class FullyShardedDataParallel(nn.Module):
             reduce_expert_grads(self._experts, float(self.cfg.world * self.cfg.replicas))
         self._inflight.clear()
         self._reduced.clear()
+        if self._sync:  # the units some of whose parameters got no gradient on this rank
+            partial = [f for u in self.units for f in u.flats
+                       if f.requires_grad and f.pending is None and any(f.used())]
+            for flat, unused in zip(partial, self._unused_everywhere(partial), strict=True):
+                flat.start_reduce(unused)
         for unit in self.units:
             for flat in unit.flats:
-                if self._sync and flat.requires_grad and flat.pending is None:
-                    flat.start_reduce()  # a unit some of whose parameters got no gradient
                 flat.finish_reduce()
             if self.zero_stage == 3:
                 unit.reshard()
+
+    def _unused_everywhere(self, flats: list[FlatParam]) -> list[set[int]]:
+        """For each flat, the slots that no rank used in this backward: they keep their gradient
+        (None), as on one process, rather than receiving a zero one that moves them under momentum or
+        weight decay. One small all-reduce of the slots' use flags over the shard group (and dp),
+        only in a backward that left some unit's parameters without a gradient on this rank."""
+        if not flats:
+            return []
+        used = torch.tensor([u for f in flats for u in f.used()], dtype=torch.int32, device=self.cfg.device)
+        comm.all_reduce(used, self.cfg.group)
+        if self.cfg.dp_group is not None:
+            comm.all_reduce(used, self.cfg.dp_group)
+        out, at = [], 0
+        for f in flats:
+            out.append({i for i in range(len(f.slots)) if not used[at + i]})
+            at += len(f.slots)
+        return out
 
     # ------------------------------------------------------------------ user API
     @property
@@ -557,21 +601,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    if torch.is_tensor(obj):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
+def _is_dataclass(obj: Any) -> bool:
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _cast_floats(obj, dtype: torch.dtype):
-    if torch.is_tensor(obj):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a block's output: what torch's pytree knows (lists, tuples, named tuples,
+    dicts, registered classes such as transformers' outputs) and plain dataclasses' fields, so
+    the pre-backward hook sees every tensor that carries gradients back into the unit."""
+    out: list[torch.Tensor] = []
+    for leaf in tree_flatten(obj)[0]:
+        if torch.is_tensor(leaf):
+            out.append(leaf)
+        elif _is_dataclass(leaf):
+            out += [t for f in dataclasses.fields(leaf) for t in _tensors(getattr(leaf, f.name))]
+    return out
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """``obj`` with its floating-point tensors cast to ``dtype`` (structure kept, named tuples and
+    dataclasses included), as torch's FSDP2 casts each sharded module's inputs."""
+    def cast(x: Any) -> Any:
+        if torch.is_tensor(x):
+            return x.to(dtype) if x.is_floating_point() else x
+        if _is_dataclass(x):
+            return dataclasses.replace(x, **{f.name: _cast_floats(getattr(x, f.name), dtype)
+                                             for f in dataclasses.fields(x) if f.init})
+        return x
+
+    leaves, spec = tree_flatten(obj)
+    return tree_unflatten([cast(x) for x in leaves], spec)
