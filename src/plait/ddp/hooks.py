@@ -8,13 +8,15 @@ fp16/bf16 compression and their wrappers, PowerSGD, post-local SGD) only call it
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradBucket", "CommHook", "hook_result"]
+__all__ = ["GradBucket", "CommHook", "check_hook", "hook_result"]
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
@@ -51,8 +53,28 @@ class GradBucket:
         return list(self._params)
 
 
+def check_hook(hook: Any) -> None:
+    """torch's checks of a hook at registration: callable, and annotated (if at all) as taking a
+    ``GradBucket`` and returning a ``Future``."""
+    if not callable(hook):
+        raise TypeError("DistributedDataParallel.register_comm_hook: Communication hook must be callable.")
+    sig = inspect.signature(hook)
+    bucket = sig.parameters.get("bucket")
+    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, "GradBucket",
+                                                         "dist.GradBucket", GradBucket, dist.GradBucket):
+        raise ValueError("DistributedDataParallel.register_comm_hook: Communication hook: bucket annotation "
+                         "should be dist.GradBucket.")
+    ret = sig.return_annotation
+    if ret is not inspect.Signature.empty and not (ret is torch.futures.Future or "Future" in str(ret)):
+        raise ValueError("DistributedDataParallel.register_comm_hook: Communication hook: return annotation "
+                         "should be torch.futures.Future[torch.Tensor].")
+
+
 def hook_result(future: torch.futures.Future, bucket: torch.Tensor, index: int) -> torch.Tensor:
     """The reduced bucket a hook's future holds (a tensor, or a list of one, as torch accepts)."""
+    if not callable(getattr(future, "wait", None)):  # torch.futures.Future, or the C++ one collectives give
+        raise RuntimeError("DistributedDataParallel: the communication hook's callback must return a "
+                           f"torch.futures.Future object, but got {type(future).__name__}")
     value = future.wait()
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]

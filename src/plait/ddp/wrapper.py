@@ -33,7 +33,7 @@ from plait import comm, faults
 from plait._torch_compat import eager, queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import Bucket, params_reached_by, plan_buckets, sparse_params
-from plait.ddp.hooks import CommHook, GradBucket, hook_result
+from plait.ddp.hooks import CommHook, GradBucket, check_hook, hook_result
 from plait.ddp.join import DDPJoinHook, common_rank, step_counts
 from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, wire_dtype
 from plait.materialize import is_meta
@@ -245,7 +245,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module, Joinable):
         hooks are rebuilt by `__setstate__`, and the mesh is found again by its shape."""
         from plait.ddp.state import mesh_key
 
-        keep = ("_parameters", "_buffers", "_modules", "training", "_options")
+        keep = {*nn.Module().__dict__, "_options"}  # the module's own attributes; the rest is rebuilt
         state = {k: v for k, v in self.__dict__.items() if k in keep}
         state["_mesh_key"] = mesh_key(self.mesh)
         return state
@@ -647,10 +647,9 @@ class DistributedDataParallel(WrappedModuleState, nn.Module, Joinable):
         a ``torch.futures.Future`` of the reduced bucket). torch's hooks in
         ``torch.distributed.algorithms.ddp_comm_hooks`` run unchanged. Once, before training."""
         if self._comm_hook is not None:
-            raise RuntimeError("DistributedDataParallel.register_comm_hook can only be called once")
-        if not callable(hook):
-            raise TypeError(f"DistributedDataParallel.register_comm_hook: the hook must be callable, "
-                            f"got {hook!r}")
+            raise RuntimeError("DistributedDataParallel: register_comm_hook or register_builtin_comm_hook "
+                               "can only be called once.")
+        check_hook(hook)
         if self.wire_dtype is not None:
             raise ValueError("DistributedDataParallel.register_comm_hook: this DDP already compresses its "
                              f"buckets to {self.wire_dtype} (gradient_compression or the mixed-precision "
