@@ -24,6 +24,7 @@ _SOURCES = {
     "gpt_plan": "plait.plans", "plan_for": "plait.plans", "ParallelPlan": "plait.parallelize",
     "Pipeline": "plait.pipeline", "MixedPrecision": "plait.precision", "mixed_precision": "plait.precision",
     "GradScaler": "plait.scaler", "full_state_dict": "plait.state_dict",
+    "SyncBatchNorm": "plait.sync_batchnorm",
     "load_full_state_dict": "plait.state_dict", "ColwiseParallel": "plait.tp", "ParallelRegion": "plait.tp",
     "RowwiseParallel": "plait.tp", "SequenceParallel": "plait.tp", "VocabParallelEmbedding": "plait.tp",
     "VocabParallelOutput": "plait.tp", "loss_fn_for": "plait.tp", "tensor_parallel": "plait.tp",
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # type checkers see the names as plain imports (the callable 
     from plait.precision import MixedPrecision, mixed_precision
     from plait.scaler import GradScaler
     from plait.state_dict import full_state_dict, load_full_state_dict
+    from plait.sync_batchnorm import SyncBatchNorm
     from plait.tp import (
         ColwiseParallel,
         ParallelRegion,
@@ -74,6 +76,7 @@ __all__ = [
     "DDP",
     "FullyShardedDataParallel",
     "FSDP",
+    "SyncBatchNorm",
     "MixedPrecision",
     "mixed_precision",
     "GradScaler",
