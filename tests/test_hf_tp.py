@@ -184,7 +184,29 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ parity with one process
 def _train(family: str, sp: bool, data: str) -> float:
     """5 AdamW steps of ``family`` under tp=2 (``data='fsdp'``: FSDP over fsdp=2 as well) and of
-    the oracle; assert equal parameters and return a digest of the gathered state.
+    the oracle, compared by `train_against_one_process`."""
+    # Gemma3's q_norm/k_norm (float32 inside) have their gradients summed over tp with or without
+    # SP (each rank normalizes its own heads): float32 rounding as above (measured 3e-7 relative).
+    tol = TOL_FLOAT32_NORMS if family in FLOAT32_NORMS and (sp or family == "gemma3") else TOL
+    # OLMo2's forward itself differs by float32 rounding, the others' only in gradients.
+    wide = family in FLOAT32_WIDE_NORMS
+    return train_against_one_process(family, lambda: _build(family), _token_batch, sp, data,
+                                     TOL_FLOAT32_FORWARD if wide else tol,
+                                     TOL_FLOAT32_FORWARD if wide else TOL)
+
+
+def _token_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    ids, tgt = _batch(step)
+    return {"input_ids": ids}, tgt
+
+
+def train_against_one_process(label: str, build, batch, sp: bool, data: str, tol: dict, forward_tol: dict,
+                              grads: bool = False) -> float:
+    """5 AdamW steps of the model ``build()`` makes, under tp=2 with `plait.plan_for`'s plan
+    (``data='fsdp'``: FSDP over fsdp=2 as well), and of the oracle, one process on the global batch
+    ``batch(step)`` gives (keyword inputs of the model, targets of its ``.logits``); assert equal
+    logits at the first step (``forward_tol``), with ``grads`` every parameter's gradient there too
+    (tp alone), and equal parameters after the last (``tol``); return a digest of the gathered state.
 
     The gathered state is the same on every rank (the digests show it), so rank 0 alone trains the
     oracle and compares the whole state with it; every rank compares its logits at the first step."""
@@ -194,37 +216,36 @@ def _train(family: str, sp: bool, data: str) -> float:
     from plait.testing import cached_mesh
 
     fsdp = 2 if data == "fsdp" else 1
+    assert not grads or fsdp == 1, "gradients are compared under tp alone"
     mesh = cached_mesh(fsdp=2, tp=2) if fsdp > 1 else cached_mesh(tp=2)
     torch.manual_seed(0)  # the same random init on every rank
-    oracle = _build(family)
+    oracle = build()
     init = {k: p.detach().clone() for k, p in oracle.named_parameters()}
     model = copy.deepcopy(oracle)
     net = plait.parallelize(model, mesh, plait.ParallelPlan(tp=plait.plan_for(model), sequence_parallel=sp,
                                                             data=data))
-    # Gemma3's q_norm/k_norm (float32 inside) have their gradients summed over tp with or without
-    # SP (each rank normalizes its own heads): float32 rounding as above (measured 3e-7 relative).
-    tol = TOL_FLOAT32_NORMS if family in FLOAT32_NORMS and (sp or family == "gemma3") else TOL
-    # OLMo2's forward itself differs by float32 rounding, the others' only in gradients.
-    wide = family in FLOAT32_WIDE_NORMS
-    tol = TOL_FLOAT32_FORWARD if wide else tol
     trains_oracle = dist.get_rank() == 0
     opt_ref, opt = torch.optim.AdamW(oracle.parameters()), torch.optim.AdamW(net.parameters())
     mine = slice(mesh.rank("fsdp") * BATCH // fsdp, (mesh.rank("fsdp") + 1) * BATCH // fsdp)
+    grads_ref: dict[str, torch.Tensor] = {}
     for step in range(STEPS):
-        ids, tgt = _batch(step)
+        inputs, tgt = batch(step)
         if trains_oracle:
-            logits_ref = oracle(ids).logits
+            logits_ref = oracle(**inputs).logits
             _loss(logits_ref, tgt).backward()
+            if step == 0:
+                grads_ref = {n: p.grad.clone() for n, p in oracle.named_parameters() if p.grad is not None}
             opt_ref.step()
             opt_ref.zero_grad()
         elif step == 0:
             with torch.no_grad():
-                logits_ref = oracle(ids).logits
-        logits = net(input_ids=ids[mine]).logits  # the model's own output: gathered logits
+                logits_ref = oracle(**inputs).logits
+        logits = net(**{k: v[mine] for k, v in inputs.items()}).logits  # the model's own output, gathered
         _loss(logits, tgt[mine]).backward()
         if step == 0:
-            torch.testing.assert_close(logits, logits_ref[mine].detach(),
-                                       **(TOL_FLOAT32_FORWARD if wide else TOL))
+            torch.testing.assert_close(logits, logits_ref[mine].detach(), **forward_tol)
+            if grads:
+                _compare_grads(label, net, grads_ref, tol)
         opt.step()
         opt.zero_grad()
     full = plait.full_state_dict(net)
@@ -232,10 +253,24 @@ def _train(family: str, sp: bool, data: str) -> float:
         ref = oracle.state_dict()
         assert set(full) == set(ref)
         for name, want in ref.items():
-            torch.testing.assert_close(full[name], want, **tol, msg=lambda m, n=name: f"{family} {n}: {m}")
+            torch.testing.assert_close(full[name], want, **tol, msg=lambda m, n=name: f"{label} {n}: {m}")
         moved = max(float((ref[k] - v).abs().max()) for k, v in init.items())
         assert moved > 1e-4  # training really changed the parameters compared
     return sum(float(v.double().sum()) for v in full.values())
+
+
+def _compare_grads(label: str, net: torch.nn.Module, want: dict[str, torch.Tensor], tol: dict) -> None:
+    """Every parameter's gradient in full (a tp DTensor's gathered: every rank takes part) against
+    the oracle's ``want`` (on rank 0; empty elsewhere)."""
+    from torch.distributed.tensor import DTensor
+
+    got = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+           for n, p in net.named_parameters()}
+    if not want:
+        return
+    assert set(got) == set(want), set(got) ^ set(want)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, **tol, msg=lambda m, n=name: f"{label} grad {n}: {m}")
 
 
 def _tp2(runs: list[tuple[str, bool]]) -> dict:
@@ -297,7 +332,8 @@ def test_tp2_splits_opts_mlp_in_the_decoder_layer_and_sp_is_refused_by_name(pool
     from plait.tp import check_plan
 
     model = _build("opt")
-    with pytest.raises(ValueError, match=r"InlineMLP\(fork_rng=False\) on 'model.decoder.layers.0' "
+    with pytest.raises(ValueError, match=r"InlineMLP\(fork_rng=False, entry=''\) on "
+                                         r"'model.decoder.layers.0' "
                                          r"\(OPTDecoderLayer\): .* use sequence_parallel=False"):
         check_plan(model, plait.plan_for(model), tp=2, sequence_parallel=True)
     pools[2].run(_tp2, [("opt", False)])
@@ -557,8 +593,8 @@ def _refused(case: str) -> tuple[torch.nn.Module, dict, dict]:
 
 REFUSED = {
     "mlp-only-sp": "'model.layers.0.self_attn' (LlamaAttention): reads the shape",
-    "mlp-only-sp-bare": "'model.layers.0.mlp' (LlamaMLP): ParallelRegion(fork_rng=True) expects this rank's "
-                        "sequence shard",
+    "mlp-only-sp-bare": "'model.layers.0.mlp' (LlamaMLP): ParallelRegion(fork_rng=True, entry='') expects "
+                        "this rank's sequence shard",
     "region-around-layer": "'model.layers.0.input_layernorm' (LlamaRMSNorm): pow reads the input of its "
                            "ParallelRegion directly",
     "embedding-own-lookup": "'model.embed_tokens' (OwnLookup): TypeError: model.embed_tokens: "

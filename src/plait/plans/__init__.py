@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from plait.plans.causal_lm import causal_lm_plan
+from plait.plans.encoder import bert_layers, bert_plan, is_vision, vision_plan
 from plait.tp.styles import (
     ColwiseParallel,
     ParallelRegion,
@@ -31,6 +32,10 @@ def plan_for(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Styl
 
     if isinstance(model, GPT):
         return gpt_plan(model.cfg, loss_parallel=loss_parallel)
+    if bert_layers(model) is not None:
+        return bert_plan(model, loss_parallel=loss_parallel)
+    if is_vision(model):
+        return vision_plan(model, loss_parallel=loss_parallel)
     return causal_lm_plan(model, loss_parallel=loss_parallel)
 
 

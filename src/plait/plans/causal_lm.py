@@ -30,10 +30,22 @@ does after its layers runs replicated. The logits come back whole unless ``loss_
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
 from torch import nn
 
+from plait.plans.structure import (
+    NotPlaced,
+    count,
+    fail,
+    geometry,
+    has_params,
+    head_attrs,
+    is_norm,
+    linears,
+    only_known_params,
+    same_blocks,
+    sizes,
+)
 from plait.tp.attention import AttentionParallel, HeadNorm, SplitRMSNorm
 from plait.tp.experts import MoEParallel, SplitParams
 from plait.tp.layers import linear_layout
@@ -49,7 +61,7 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["causal_lm_plan"]
+__all__ = ["causal_lm_plan", "final_norm", "layers_plan"]
 
 SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("wq", "wk", "wv"),
                 ("q", "k", "v"))
@@ -64,48 +76,13 @@ GATED_MLP = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 FUSED_GATED_MLP = (("gate_up_proj", "down_proj"),)  # [gate | up]
 PLAIN_MLP = (("c_fc", "c_proj"), ("fc1", "fc2"), ("dense_h_to_4h", "dense_4h_to_h"), ("fc_in", "fc_out"),
              ("up_proj", "down_proj"))
-# Attention attributes some families read in forward, and the count each holds.
-HEAD_ATTRS = {"num_heads": "heads", "num_attention_heads": "heads", "n_head": "heads",
-              "num_key_value_heads": "kv_heads", "num_kv_heads": "kv_heads", "num_key_value_groups": "groups",
-              "kv_heads": "kv_heads", "split_size": "width", "embed_dim": "width", "n_embd": "width",
-              "hidden_size": "width", "kv_dim": "kv_width"}
-CONFIG_ATTRS = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads"}
 # Attention inputs laid out (batch * heads, ...) by the model, for all heads: Bloom's ALiBi biases.
 HEAD_INPUTS = ("alibi",)
 
 
-class _NotPlaced(ValueError):
-    pass
-
-
-def _fail(name: str, mod: nn.Module, why: str) -> _NotPlaced:
-    return _NotPlaced(f"plan_for: cannot place module {name!r} ({type(mod).__name__}): {why}")
-
-
-def _linears(mod: nn.Module) -> dict[str, nn.Module]:
-    return {n: c for n, c in mod.named_children() if linear_layout(c) is not None}
-
-
-def _sizes(mod: nn.Module) -> tuple[int, int]:
-    layout = linear_layout(mod)
-    assert layout is not None
-    return layout.sizes(mod)
-
-
-def _is_norm(mod: nn.Module) -> bool:
-    params = list(mod.parameters())
-    named = isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(mod).__name__.lower()
-    return named and bool(params) and all(p.dim() == 1 for p in params) and not any(
-        True for c in mod.children() if any(True for _ in c.parameters()))
-
-
-def _has_params(mod: nn.Module) -> bool:
-    return any(True for _ in mod.parameters())
-
-
 # ------------------------------------------------------------------ attention and MLP
 def _attention_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
-    lin = _linears(mod)
+    lin = linears(mod)
     out = next((o for o in ATTN_OUT if o in lin), None)
     if out is None:
         return None
@@ -122,7 +99,7 @@ def _attention_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
 
 
 def _mlp_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
-    lin = _linears(mod)
+    lin = linears(mod)
     for kind, table in (("gated", GATED_MLP), ("fused_gated", FUSED_GATED_MLP), ("plain", PLAIN_MLP)):
         for names in table:
             if all(n in lin for n in names):
@@ -130,55 +107,32 @@ def _mlp_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
     return None
 
 
-def _count(sources: list[Any], names: tuple[str, ...]) -> int | None:
-    for src in sources:
-        for n in names:
-            value = getattr(src, n, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
-def _geometry(model: nn.Module, attn: nn.Module, name: str, hidden: int) -> tuple[int, int, int]:
-    """(heads, KV heads, head size) from the config or the attention's own attributes."""
-    sources = [getattr(model, "config", None), getattr(attn, "config", None), attn]
-    sources = [s for s in sources if s is not None]
-    heads = _count(sources, ("num_attention_heads", "n_head", "num_heads"))
-    if heads is None:
-        raise _fail(name, attn, "no head count found (config.num_attention_heads or the module's num_heads)")
-    # The attention's own KV count first: Falcon's config says 4 KV heads where its multi-query
-    # attention uses 1.
-    kv = _count(sources[::-1], ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_heads")) or heads
-    dim = _count(sources, ("head_dim", "head_size")) or hidden // heads
-    return heads, kv, dim
-
-
 def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -> dict[str, Style]:
     found = _attention_kind(attn)
     assert found is not None
     kind, names = found
-    heads, kv, d = _geometry(model, attn, name, hidden)
+    heads, kv, d = geometry(model, attn, name, hidden)
     if kind == "per_head" and kv == 1 < heads:  # Falcon's multi-query: [q of every head | k | v]
         kind = "fused"
     elif kind == "per_head" and kv != heads:  # checked first: the sizes below assume one KV head per head
-        raise _fail(name, attn, f"its fused {names[0]!r} serves {heads} heads with {kv} KV heads (Falcon's "
+        raise fail(name, attn, f"its fused {names[0]!r} serves {heads} heads with {kv} KV heads (Falcon's "
                                 "grouped layout, [q... k v] per KV head, read from the attention), and plait "
                                 f"splits {names[0]!r} only as [q k v] per head (GPT-NeoX's) or as "
                                 "[q | k | v] with one KV head (multi-query); train this model with data or "
                                 "fully sharded parallelism (DDP, FSDP) instead")
     elif kind == "fused" and getattr(attn, "multi_query", None) is False and kv == heads:
         kind = "per_head"  # GPT-BigCode without multi-query: c_attn holds [q k v] per head
-    lin = _linears(attn)
-    qkv_out = sum(_sizes(lin[n])[1] for n in names[:-1])
+    lin = linears(attn)
+    qkv_out = sum(sizes(lin[n])[1] for n in names[:-1])
     want = 3 * heads * d if kind == "per_head" else (heads + 2 * kv) * d
-    if qkv_out != want or _sizes(lin[names[-1]])[0] != heads * d:
-        raise _fail(name, attn, f"its projections have {qkv_out} q/k/v outputs and "
-                                f"{_sizes(lin[names[-1]])[0]} inputs to {names[-1]!r}, which do not fit "
+    if qkv_out != want or sizes(lin[names[-1]])[0] != heads * d:
+        raise fail(name, attn, f"its projections have {qkv_out} q/k/v outputs and "
+                                f"{sizes(lin[names[-1]])[0]} inputs to {names[-1]!r}, which do not fit "
                                 f"{heads} heads and {kv} KV heads of {d} features")
     groups = _qkv_groups(attn, name, heads, kv) if kind == "fused" else 1
     head_inputs = tuple(n for n in HEAD_INPUTS if n in inspect.signature(attn.forward).parameters)
     plan: dict[str, Style] = {"": AttentionParallel(heads=heads, kv_heads=kv, head_dim=d, head_groups=groups,
-                                                    attrs=_head_attrs(attn, heads, kv, d),
+                                                    attrs=head_attrs(attn, heads, kv, d),
                                                     head_inputs=head_inputs)}
     out_parts: tuple[int, ...] = ()
     if kind == "separate":
@@ -202,7 +156,7 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
     plan[o] = RowwiseParallel(unit=d, what="attention heads", parts=out_parts)
     norms = _head_norms(attn, name, heads, kv, d)
     plan.update(norms)
-    _only_known_params(attn, name, set(names) | set(norms))
+    only_known_params(attn, name, set(names) | set(norms))
     return plan
 
 
@@ -212,7 +166,7 @@ def _head_norms(attn: nn.Module, name: str, heads: int, kv: int, d: int) -> dict
     summed over tp); a norm of another width is refused."""
     found: dict[str, Style] = {}
     for cname, child in attn.named_children():
-        if not _is_norm(child):
+        if not is_norm(child):
             continue
         widths = {p.shape[0] for p in child.parameters()}
         if widths == {d}:
@@ -220,7 +174,7 @@ def _head_norms(attn: nn.Module, name: str, heads: int, kv: int, d: int) -> dict
         elif widths <= {heads * d, kv * d} and len(widths) == 1:
             found[cname] = SplitRMSNorm(width=widths.pop(), unit=d, what="heads")
         else:
-            raise _fail(f"{name}.{cname}", child,
+            raise fail(f"{name}.{cname}", child,
                         f"it normalizes {sorted(widths)} features at once, neither one head's {d} nor a "
                         f"whole projection's ({heads} or {kv} heads); train this model with data or fully "
                         "sharded parallelism (DDP, FSDP) instead")
@@ -229,22 +183,14 @@ def _head_norms(attn: nn.Module, name: str, heads: int, kv: int, d: int) -> dict
 
 def _qkv_groups(attn: nn.Module, name: str, heads: int, kv: int) -> int:
     """How many interleaved groups the fused projection of ``attn`` holds (`QKV_GROUPS`; 1: none)."""
-    groups = _count([attn], QKV_GROUPS)
+    groups = count([attn], QKV_GROUPS)
     if groups is None or groups == 1:
         return 1
     if kv != heads or heads % groups:
-        raise _fail(name, attn, f"a fused projection in {groups} groups of [q v k] ({QKV_GROUPS[0]}) needs "
+        raise fail(name, attn, f"a fused projection in {groups} groups of [q v k] ({QKV_GROUPS[0]}) needs "
                                 f"as many KV heads as heads, and whole heads in each group; it has {heads} "
                                 f"heads and {kv} KV heads")
     return groups
-
-
-def _head_attrs(attn: nn.Module, heads: int, kv: int, d: int) -> tuple[tuple[str, str], ...]:
-    full = {"heads": heads, "kv_heads": kv, "groups": heads // kv, "width": heads * d, "kv_width": kv * d}
-    out = [(a, what) for a, what in HEAD_ATTRS.items() if getattr(attn, a, None) == full[what]]
-    cfg = getattr(attn, "config", None)
-    out += [(f"config.{a}", what) for a, what in CONFIG_ATTRS.items() if getattr(cfg, a, None) == full[what]]
-    return tuple(out)
 
 
 def _mlp_plan(mlp: nn.Module, name: str) -> dict[str, Style]:
@@ -253,22 +199,13 @@ def _mlp_plan(mlp: nn.Module, name: str) -> dict[str, Style]:
     kind, names = found
     plan: dict[str, Style] = {"": ParallelRegion(), names[-1]: RowwiseParallel()}
     if kind == "fused_gated":
-        width = _sizes(_linears(mlp)[names[0]])[1]
+        width = sizes(linears(mlp)[names[0]])[1]
         plan[names[0]] = ColwiseParallel(input_comm=False, parts=(width // 2, width // 2))
     else:
         for n in names[:-1]:
             plan[n] = ColwiseParallel(input_comm=False)
-    _only_known_params(mlp, name, set(names))
+    only_known_params(mlp, name, set(names))
     return plan
-
-
-def _only_known_params(mod: nn.Module, name: str, known: set[str]) -> None:
-    if any(True for _ in mod.parameters(recurse=False)):
-        raise _fail(name, mod, "it owns parameters besides its projections")
-    for child_name, child in mod.named_children():
-        if child_name not in known and _has_params(child):
-            raise _fail(f"{name}.{child_name}", child, "a module with parameters inside the attention or MLP "
-                                                       "that is not one of its recognised projections")
 
 
 # ------------------------------------------------------------------ the whole model
@@ -283,14 +220,14 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     for name, mod in model.named_modules():  # say what the closest candidate lacks
         candidate = mod[0] if isinstance(mod, nn.ModuleList) and len(mod) > 0 else None
         if candidate is not None and any(_attention_kind(c) for c in candidate.children()):
-            loose = sorted(_linears(candidate))
+            loose = sorted(linears(candidate))
             where = f" (its linear layers {loose} are not an MLP's)" if loose else ""
-            raise _fail(f"{name}.0", candidate,
+            raise fail(f"{name}.0", candidate,
                         f"the decoder layer holds an attention but no MLP{where}; plan_for splits an MLP "
                         "held in a module of its own or as linear layers of the layer named as in "
                         f"{[n for n, _ in PLAIN_MLP]}: train this model with data or fully sharded "
                         "parallelism (DDP, FSDP) instead, or write a plan by hand")
-    raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: no nn.ModuleList of decoder layers, "
+    raise NotPlaced(f"plan_for: cannot place {type(model).__name__}: no nn.ModuleList of decoder layers, "
                      "each holding an attention (q/k/v/o or fused qkv projections) and an MLP")
 
 
@@ -319,22 +256,22 @@ def _moe_plan(moe: nn.Module, name: str, hidden: int) -> dict[str, Style]:
                 up = "down" not in k if "down" in k or "up" in k else p.shape[2] == hidden != p.shape[1]
                 if (p.shape[2] if up else p.shape[1]) != hidden or not ("up" in k or "down" in k or
                                                                         p.shape[1] != p.shape[2]):
-                    raise _fail(where, child, f"its expert tensor {k!r} of shape {tuple(p.shape)} is neither "
+                    raise fail(where, child, f"its expert tensor {k!r} of shape {tuple(p.shape)} is neither "
                                               f"(experts, inner, {hidden}) nor (experts, {hidden}, inner)")
                 inner = p.shape[1] if up else p.shape[2]
                 dims.append((k, 1 if up else 2, (inner // 2,) * 2 if up and "gate_up" in k else ()))
-            if any(_has_params(c) for c in child.children()):
-                raise _fail(where, child, "experts with submodules holding parameters")
+            if any(has_params(c) for c in child.children()):
+                raise fail(where, child, "experts with submodules holding parameters")
             plan[cname] = SplitParams(dims=tuple(dims))
         elif _mlp_kind(child):  # a shared expert, which every token goes through
             kind, names = _mlp_kind(child)  # type: ignore[misc]
-            lin = _linears(child)
+            lin = linears(child)
             for n in names:
                 layout = linear_layout(lin[n])
                 assert layout is not None
                 if n == names[-1]:
                     if getattr(lin[n], "bias", None) is not None:
-                        raise _fail(f"{where}.{n}", lin[n], "a shared expert's output projection with a "
+                        raise fail(f"{where}.{n}", lin[n], "a shared expert's output projection with a "
                                                              "bias, which a split expert adds on every rank")
                     plan[f"{cname}.{n}"] = SplitParams(dims=(("weight", layout.in_dim, ()),))
                     continue
@@ -342,7 +279,7 @@ def _moe_plan(moe: nn.Module, name: str, hidden: int) -> dict[str, Style]:
                 parts = (out // 2,) * 2 if kind == "fused_gated" else ()
                 bias = (("bias", 0, parts),) if getattr(lin[n], "bias", None) is not None else ()
                 plan[f"{cname}.{n}"] = SplitParams(dims=(("weight", layout.out_dim, parts), *bias))
-            _only_known_params(child, where, set(names))
+            only_known_params(child, where, set(names))
     return plan
 
 
@@ -350,7 +287,7 @@ def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, St
     plan: dict[str, Style] = {}
     attn = mlp = None
     if any(True for _ in block.parameters(recurse=False)):
-        raise _fail(prefix, block, "the decoder layer owns parameters of its own")
+        raise fail(prefix, block, "the decoder layer owns parameters of its own")
     hidden = _hidden(block)
     inline = () if any(_mlp_kind(c) or _is_moe(c) for c in block.children()) else _mlp_kind(block)
     if inline:  # OPT: fc1 and fc2 in the layer itself, which is then the region (without f)
@@ -359,7 +296,7 @@ def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, St
         plan[names[-1]] = RowwiseParallel()
         for n in names[:-1]:
             plan[n] = ColwiseParallel() if kind != "fused_gated" else ColwiseParallel(
-                parts=(_sizes(_linears(block)[n])[1] // 2,) * 2)
+                parts=(sizes(linears(block)[n])[1] // 2,) * 2)
         mlp = "(the layer)"
     for cname, child in block.named_children():
         where = f"{prefix}.{cname}"
@@ -373,10 +310,10 @@ def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, St
             mlp = cname
             sub = _moe_plan(child, where, hidden) if _is_moe(child) else _mlp_plan(child, where)
             plan.update({f"{cname}.{k}" if k else cname: s for k, s in sub.items()})
-        elif _is_norm(child) or isinstance(child, nn.Dropout):
+        elif is_norm(child) or isinstance(child, nn.Dropout):
             plan[cname] = SequenceParallel()
-        elif _has_params(child):
-            raise _fail(where, child, "a module with parameters in the decoder layer that is neither its "
+        elif has_params(child):
+            raise fail(where, child, "a module with parameters in the decoder layer that is neither its "
                                       "attention, its MLP nor a norm")
     return plan
 
@@ -386,48 +323,54 @@ def _hidden(block: nn.Module) -> int:
     attn = next(c for c in block.children() if _attention_kind(c))
     found = _attention_kind(attn)
     assert found is not None
-    return _sizes(_linears(attn)[found[1][-1]])[1]
+    return sizes(linears(attn)[found[1][-1]])[1]
 
 
-def _same_blocks(layers: nn.ModuleList, name: str) -> None:
-    def shape(block: nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
-        return [(n, type(m).__name__, tuple(p.shape)) for n, m in block.named_modules()
-                for p in m.parameters(recurse=False)]
-
-    first = shape(layers[0])
-    for i, block in enumerate(layers):
-        if type(block) is not type(layers[0]) or shape(block) != first:
-            raise _fail(f"{name}.{i}", block, f"the decoder layers differ ({name}.0 is a "
-                                              f"{type(layers[0]).__name__}); one plan needs identical layers")
-
-
-def _top_level(model: nn.Module, layers_name: str, hidden: int) -> tuple[str, nn.Module, str, str | None]:
-    """(lm_head name, lm_head, token embedding name, final norm name or None)."""
+def _top_level(model: nn.Module, layers_name: str, hidden: int) -> tuple[str, str]:
+    """(lm_head name, token embedding name)."""
     heads = [(n, c) for n, c in model.named_children()
-             if linear_layout(c) is not None and _sizes(c)[0] == hidden]
+             if linear_layout(c) is not None and sizes(c)[0] == hidden]
     if len(heads) != 1:
-        raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: expected one top-level linear "
-                         f"layer from the hidden size ({hidden}) to the vocabulary (the lm_head), found "
-                         f"{[n for n, _ in heads]}")
+        raise NotPlaced(f"plan_for: cannot place {type(model).__name__}: expected one top-level linear "
+                        f"layer from the hidden size ({hidden}) to the vocabulary (the lm_head), found "
+                        f"{[n for n, _ in heads]}")
     head_name, head = heads[0]
-    vocab = _sizes(head)[1]
+    vocab = sizes(head)[1]
     base_name = layers_name.rpartition(".")[0]
     base = model.get_submodule(base_name) if base_name else model
     prefix = f"{base_name}." if base_name else ""
     embs = [n for n, c in base.named_children()
             if isinstance(c, nn.Embedding) and c.num_embeddings == vocab and c.embedding_dim == hidden]
     if len(embs) != 1:
-        raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: expected one token embedding with "
-                         f"{vocab} rows of {hidden} in {base_name or 'the model'}, found {embs}")
+        raise NotPlaced(f"plan_for: cannot place {type(model).__name__}: expected one token embedding with "
+                        f"{vocab} rows of {hidden} in {base_name or 'the model'}, found {embs}")
+    return head_name, prefix + embs[0]
+
+
+def layers_plan(model: nn.Module) -> tuple[str, dict[str, Style], int]:
+    """(name of the decoder layers' ``nn.ModuleList``, the plan of its layers under
+    ``<name>.*``, the hidden size): what every plan of a model with decoder-shaped layers
+    shares, whatever comes before and after them (a causal LM's vocabulary, ViT's patches)."""
+    layers_name, layers = _decoder_layers(model)
+    same_blocks(layers, layers_name)
+    plan = {f"{layers_name}.*" + f".{k}" * bool(k): s
+            for k, s in _layer_plan(model, layers[0], f"{layers_name}.0").items()}
+    return layers_name, plan, _hidden(layers[0])
+
+
+def final_norm(model: nn.Module, layers_name: str) -> str | None:
+    """The name of the norm that follows the layers named ``layers_name`` (a sibling of the list
+    registered after it, or one named ``final``), or None."""
+    base_name, _, last = layers_name.rpartition(".")
+    base = model.get_submodule(base_name) if base_name else model
     children = list(base.named_children())
-    after = [n for n, c in children[[n for n, _ in children].index(layers_name.rpartition(".")[2]) + 1:]
-             if _is_norm(c)]
+    after = [n for n, c in children[[n for n, _ in children].index(last) + 1:] if is_norm(c)]
     if not after:  # OPT registers its final_layer_norm before its layers
-        after = [n for n, c in children if _is_norm(c) and "final" in n]
+        after = [n for n, c in children if is_norm(c) and "final" in n]
     if len(after) > 1:
-        raise _NotPlaced(f"plan_for: cannot place {type(model).__name__}: several norms after the decoder "
-                         f"layers ({after}); which one is final is ambiguous")
-    return head_name, head, prefix + embs[0], prefix + after[0] if after else None
+        raise NotPlaced(f"plan_for: cannot place {type(model).__name__}: several norms after the decoder "
+                        f"layers ({after}); which one is final is ambiguous")
+    return f"{base_name}.{after[0]}" if after and base_name else after[0] if after else None
 
 
 def causal_lm_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Style]:
@@ -435,12 +378,9 @@ def causal_lm_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str
     ``loss_parallel=True`` leaves the logits split by vocabulary for
     `plait.vocab_parallel_cross_entropy`; by default they are gathered, so the model's output is
     what it returns on one device. Raises ``ValueError`` naming a module it cannot place."""
-    layers_name, layers = _decoder_layers(model)
-    _same_blocks(layers, layers_name)
-    plan = {f"{layers_name}.*" + f".{k}" * bool(k): s
-            for k, s in _layer_plan(model, layers[0], f"{layers_name}.0").items()}
-    hidden = _hidden(layers[0])
-    head_name, _, emb, norm = _top_level(model, layers_name, hidden)
+    layers_name, plan, hidden = layers_plan(model)
+    head_name, emb = _top_level(model, layers_name, hidden)
+    norm = final_norm(model, layers_name)
     if not isinstance(plan.get(f"{layers_name}.*"), InlineMLP):  # InlineMLP refuses SP itself
         plan[f"{layers_name}.0"] = ScatterSequence()
     plan[emb] = VocabParallelEmbedding(shard_sequence=False)

@@ -328,12 +328,17 @@ def _named_params(module: nn.Module):
 
 
 def _param_specs(module: nn.Module, ctx: TPContext) -> dict[int, ShardSpec]:
-    """Shard of each split parameter, by identity; tied parameters must agree on it."""
+    """Shard of each split parameter, by identity; tied parameters must agree on it. A module
+    without a style has no say: BERT's MLM head registers the decoder's bias as its own ``bias``
+    too, and the decoder's style splits it (a module that used it itself would meet a shard,
+    which the dry run refuses by name)."""
     specs: dict[int, ShardSpec | None] = {}
     owner: dict[int, str] = {}
     for name, mod in module.named_modules():
         style = ctx.assigned.get(name)
-        wanted = style.shard_specs(mod, ctx) if style is not None else {}
+        if style is None:
+            continue
+        wanted = style.shard_specs(mod, ctx)
         for key, p in mod._parameters.items():
             if p is None:
                 continue

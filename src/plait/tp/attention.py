@@ -248,11 +248,15 @@ def _resolve(obj: Any, path: str) -> Any:
 
 
 def _assign(mod: nn.Module, path: str, value: int) -> None:
-    """Set ``mod.<path>``, copying every object on the way (a shared config stays untouched)."""
+    """Set ``mod.<path>``, copying every object on the way (a shared config stays untouched)
+    but submodules, which are the model's own (BERT's attention sets ``self.num_attention_heads``
+    on its ``self``)."""
     *parents, last = path.split(".")
     obj: Any = mod
     for part in parents:
-        child = copy.copy(getattr(obj, part))
-        setattr(obj, part, child)
+        child = getattr(obj, part)
+        if not isinstance(child, nn.Module):
+            child = copy.copy(child)
+            setattr(obj, part, child)
         obj = child
     setattr(obj, last, value)

@@ -81,5 +81,11 @@ class Style:
     def shard_specs(self, mod: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
         return {}
 
+    def is_unit(self) -> bool:
+        """Whether the numeric plan check runs the module as one unit when no module enclosing it
+        has a style (`plait.tp.numeric.units`); False where the style only marks a span of
+        modules, whose own styled modules are then the units."""
+        return True
+
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         pass

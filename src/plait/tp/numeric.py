@@ -79,8 +79,10 @@ class Blank:
 
 
 def units(assigned: dict[str, Style]) -> list[str]:
-    """The modules with a style none of whose ancestors has one."""
-    return [n for n in assigned if not any(o and n.startswith(o + ".") for o in assigned if o != n)]
+    """The modules with a style none of whose ancestors has one, where spans of modules
+    (`Style.is_unit` false) count as having none."""
+    whole = {n: s for n, s in assigned.items() if s.is_unit()}
+    return [n for n in whole if not any(o and n.startswith(o + ".") for o in whole if o != n)]
 
 
 def _tree(obj: Any, leaf: Callable[[Any], Any]) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +26,18 @@ class ScatterSequence(Style):
     (full-length and replicated until here) is cut along the sequence, forward keeping this
     rank's chunk (nothing moves), backward all-gathering the gradient. Everything computed
     before it saw the full length. Without SP: nothing. Put it on the first decoder layer.
+
+    ``gather_output``: on a module that runs all the layers (BERT's ``encoder``, whose layers
+    end in their norms, with no final norm after them), its output (a tensor, or the first of
+    a tuple or of a ``ModelOutput``) is gathered again, as `GatherSequence` does: what the
+    model does after it runs replicated. Such a span is not one unit of the numeric plan check
+    (`plait.tp.numeric`): the styled modules inside it are.
     """
+
+    gather_output: bool = False
+
+    def is_unit(self) -> bool:
+        return not self.gather_output
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         if not ctx.sequence_parallel:
@@ -36,6 +48,23 @@ class ScatterSequence(Style):
             return scatter_to_sp(x, ctx.group, dim=1)
 
         mod.register_forward_pre_hook(input_pre_hook(scatter, name), with_kwargs=True)
+        if self.gather_output:
+            mod.register_forward_hook(lambda _m, _a, out: _gather_first(out, ctx, name))
+
+
+def _gather_first(out: Any, ctx: TPContext, name: str) -> Any:
+    """``out`` with its first tensor (itself, or the first entry of a tuple or a mapping, as
+    transformers' ``ModelOutput``) gathered along the sequence (`replicate_from_sp`)."""
+    if isinstance(out, torch.Tensor):
+        return replicate_from_sp(out, ctx.group, dim=1)
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (replicate_from_sp(out[0], ctx.group, dim=1), *out[1:])
+    if isinstance(out, dict) and out and isinstance(first := next(iter(out.values())), torch.Tensor):
+        # A ModelOutput sets the attribute of the same name too.
+        out[next(iter(out))] = replicate_from_sp(first, ctx.group, dim=1)
+        return out
+    raise TypeError(f"{name}: ScatterSequence(gather_output=True) gathers the first tensor of the module's "
+                    f"output, but it returns a {type(out).__name__} that starts with none")
 
 
 @dataclass(frozen=True)

@@ -425,23 +425,57 @@ class ParallelRegion(Style):
     column-parallel layers inside. It must contain a RowwiseParallel layer that brings the
     activation back. ``fork_rng`` (default) runs the body on the per-rank random stream,
     because dropout there acts on different heads or hidden units on every rank.
+
+    ``entry``: the child module (a dotted name under this one) whose activation enters through
+    f, for a block that splits its work across sibling modules and runs replicated code around
+    them: BERT's attention computes heads in ``self`` and then, in ``output``, projects them
+    back (the RowwiseParallel layer), adds the attention's own input and normalizes; its layer
+    runs the MLP as ``intermediate`` then ``output``, likewise. The region's own input then does
+    not pass f (its other uses, the residual additions, stay replicated or on sequence shards),
+    and the per-rank random stream runs from the child's call to the region's end.
     """
 
     fork_rng: bool = True
+    entry: str = ""
 
     def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
         inside = [s for n, s in ctx.assigned.items() if n.startswith(name + ".") or not name and n]
         if not any(isinstance(s, RowwiseParallel) for s in inside):
             raise ValueError(f"plan: {self!r} on {name!r} needs a RowwiseParallel layer inside it to "
                              "reduce the sharded activation, but the plan gives it none")
+        if self.entry:
+            try:
+                mod.get_submodule(self.entry)
+            except AttributeError:
+                raise ValueError(f"plan: {self!r} on {name!r}: it has no submodule {self.entry!r} for its "
+                                 "entry") from None
 
     def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
-        enter = input_pre_hook(partial(enter_parallel, ctx=ctx), name)
-        mod.register_forward_pre_hook(enter, with_kwargs=True)
-        if self.fork_rng:
-            enter_rng, exit_rng = ctx.rng.region_hooks(mod)
+        where = mod.get_submodule(self.entry) if self.entry else mod
+        label = f"{name}.{self.entry}" if self.entry else name
+        enter = input_pre_hook(partial(enter_parallel, ctx=ctx), label)
+        where.register_forward_pre_hook(enter, with_kwargs=True)
+        if not self.fork_rng:
+            return
+        enter_rng, exit_rng = ctx.rng.region_hooks(mod)
+        if not self.entry:
             mod.register_forward_pre_hook(enter_rng)
             mod.register_forward_hook(exit_rng, always_call=True)
+            return
+        entered: list[bool] = []  # the entry's call may not come (an exception before it)
+
+        def enter_at_entry(*_: Any) -> None:
+            enter_rng()
+            entered.append(True)
+
+        def exit_region(*_: Any) -> None:
+            while entered:  # once per call of the entry (a block that calls it twice)
+                entered.pop()
+                exit_rng()
+
+        enter_at_entry.rng_fork = exit_region.rng_fork = ctx.rng  # type: ignore[attr-defined]  # `fork_of`
+        where.register_forward_pre_hook(enter_at_entry)
+        mod.register_forward_hook(exit_region, always_call=True)
 
 
 @dataclass(frozen=True)
