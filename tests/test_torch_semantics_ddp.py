@@ -798,3 +798,80 @@ def test_no_sync_accumulation_and_nested_outputs_match_torch(pools):
     for r in range(2):
         for i, (a, b) in enumerate(zip(out[r]["ours"], out[r]["theirs"], strict=True)):
             _same(a, b, f"rank {r} step {i}")
+
+
+# ---------------------------------------------------------------------------------------------
+# reentrant activation checkpointing
+
+
+class _CheckpointOnce(nn.Module):
+    def __init__(self, twice_shared: bool = False) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(6, 6)
+        self.l2 = nn.Linear(6, 6)
+        self.twice_shared = twice_shared
+        if twice_shared:
+            self.l1.weight = self.l2.weight
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.l2, self.l1(x), use_reentrant=True)
+        return checkpoint(self.l2, h, use_reentrant=True) if self.twice_shared else h
+
+
+def _reentrant(cases: list[tuple[bool, dict]]) -> dict:
+    rank = dist.get_rank()
+    res = {}
+    for i, (shared, kw) in enumerate(cases):
+        for name, model in zip(("ours", "theirs"), _pair(lambda s=shared: _CheckpointOnce(s), kw, kw)):
+            snaps = []
+            for it in range(3):
+                model.zero_grad(set_to_none=False)
+                model(_x(rank, it, (3, 6))).pow(2).sum().backward()
+                snaps.append(_grads(model.module))
+            res[(i, name)] = snaps
+    return res
+
+
+REENTRANT = [(False, {}), (False, {"static_graph": True}), (True, {"static_graph": True})]
+
+
+def test_reentrant_checkpointing_matches_torch(pools):
+    """torch: test/distributed/test_c10d_common.py::CommonDistributedDataParallelTest::test_ddp_checkpointing_once
+    and ::test_ddp_checkpointing_twice_weight_sharing (use_reentrant=True; torch runs them on GPUs,
+    the logic is the same on CPU).
+
+    Parameters whose gradients arrive inside checkpointing's nested backwards are reduced at the
+    end of the step's own backward (before: the nested backward's end ended the step, and the
+    parameters after it were missing); with static_graph a weight shared by two checkpointed calls,
+    whose gradient arrives twice, is reduced once, after its second."""  # noqa: E501
+    out = pools[2].run(_reentrant, REENTRANT)
+    for r in range(2):
+        for i in range(len(REENTRANT)):
+            for s, (a, b) in enumerate(zip(out[r][(i, "ours")], out[r][(i, "theirs")], strict=True)):
+                _same(a, b, f"rank {r} case {i} step {s}")
+
+
+def _reentrant_unused(wrap: str) -> str:
+    mesh = cached_mesh(dp=2)
+    torch.manual_seed(0)
+    net = _CheckpointOnce().to(D)
+    model = (DDP(net, mesh, find_unused_parameters=True) if wrap == "plait"
+             else TorchDDP(net, process_group=mesh.group("dp"), find_unused_parameters=True))
+    try:
+        model(_x(dist.get_rank(), 0, (3, 6))).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_reentrant_checkpointing_with_find_unused_is_refused_as_torch(pools):
+    """torch: test/distributed/test_c10d_common.py::CommonDistributedDataParallelTest::test_ddp_checkpointing_unused_params.
+
+    Reentrant checkpointing hides its parameters from the walk from the outputs: torch raises, and
+    plait raises naming the parameter and the way out (use_reentrant=False or static_graph)."""  # noqa: E501
+    theirs = pools[2].run(_reentrant_unused, "torch")
+    ours = pools[2].run(_reentrant_unused, "plait")
+    assert all("ready only once" in t for t in theirs), theirs
+    assert all("parameter l2." in o and "use_reentrant=False" in o for o in ours), ours

@@ -40,6 +40,18 @@ def step_counts(ddp: DistributedDataParallel, training: bool, sync: bool) -> tup
     return counts[0].item(), counts[1].item()
 
 
+def mirror_layers(ddp: DistributedDataParallel) -> None:
+    """Layers with collectives of their own (`plait.SyncBatchNorm`) mirror one step of the others.
+
+    Here, after the sync count, as the others' forward comes after theirs; their groups are their
+    own, so their backward's collectives need not be ordered with the buckets' (which the others
+    launch without waiting)."""
+    found = (getattr(x, "join_mirror", None) for x in ddp.module.modules())
+    mirrors = {id(m): m for m in found if m is not None}
+    for mirror in mirrors.values():
+        mirror.shadow_step()
+
+
 class DDPJoinHook(JoinHook):
     """Mirrors one step of the ranks still training (``main_hook``), then syncs the final model."""
 
@@ -53,6 +65,7 @@ class DDPJoinHook(JoinHook):
         ddp._sync_buffers(training=False)
         _, syncing = step_counts(ddp, False, False)
         ddp._buffers_due = syncing > 0
+        pass
         if syncing > 0:
             ddp._shadow_backward()
 

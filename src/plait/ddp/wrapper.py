@@ -32,7 +32,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from plait import comm, faults
 from plait._torch_compat import eager, queue_end_of_backward
 from plait.comm import average_gradients, broadcast_coalesced
-from plait.ddp.buckets import Bucket, params_reached_by, plan_buckets, sparse_params
+from plait.ddp.buckets import Bucket, output_tensors, params_reached_by, plan_buckets, sparse_params
 from plait.ddp.hooks import CommHook, GradBucket, check_hook, hook_result
 from plait.ddp.join import DDPJoinHook, common_rank, step_counts
 from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, wire_dtype
@@ -169,6 +169,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module, Joinable):
         self._no_sync = False
         self._sync_this_backward = False
         self._callback_queued = False
+        self._hooks_seen = False
         self._divisor = float(self.world)
         self._join_by_world = True
         self._buffers_due = True  # torch's require_forward_param_sync
@@ -300,16 +301,31 @@ class DistributedDataParallel(WrappedModuleState, nn.Module, Joinable):
         self._sync_this_backward = sync
         if sync:
             self._start_step()
+            self._watch_outputs(out)
             if self.find_unused_parameters and not self.static_graph:
                 reached = params_reached_by(out)
                 self._unused = [k for p_id, k in self._flag_of.items() if p_id not in reached]
             self._unused_marked = not self._unused
+
+    def _watch_outputs(self, out: Any) -> None:
+        """Queue the end of the step from the backward's own graph task, when a gradient first reaches
+        an output: a parameter's hook may fire inside a nested backward (reentrant activation
+        checkpointing), whose end is not the step's."""
+        start = weakref.WeakMethod(self._on_output_grad)
+        for t in output_tensors(out):
+            if t.requires_grad:
+                t.register_hook(lambda g, start=start: _call_alive(start, g))
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if self._sync_this_backward:
+            self._queue_finish()
 
     def _start_step(self) -> None:
         for b in self._buckets:
             b.start()
         self._expert_flags.zero_()
         self._callback_queued = False
+        self._hooks_seen = False
         self._next_launch = 0
         self._sparse_ready = set()
         self._unused = list(self._static_unused()) if self._static_done() else []
@@ -335,6 +351,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module, Joinable):
 
     def _on_expert_grad(self, p: nn.Parameter) -> None:
         if self._sync_this_backward:
+            self._hooks_seen = True
             self._queue_finish()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -345,6 +362,7 @@ class DistributedDataParallel(WrappedModuleState, nn.Module, Joinable):
             self._local_used[k] = 1.0
         if not self._sync_this_backward:
             return
+        self._hooks_seen = True
         self._queue_finish()
         if self.static_graph and not self._static_done():
             self._static_hooks[k] += 1  # the first step reduces everything at its end (as torch's)
@@ -465,6 +483,9 @@ class DistributedDataParallel(WrappedModuleState, nn.Module, Joinable):
         return f"DDP bucket {index + 1} of {len(self._buckets)}"
 
     def _finish_backward(self) -> None:
+        if not self._hooks_seen:  # a backward that reached no parameter (torch.autograd.grad of a
+            self._callback_queued = False  # gradient penalty): the step's own backward is still to come
+            return
         self._sync_this_backward = False
         self._mark_unused_once()
         static_first = self.static_graph and not self._static_done()
@@ -720,8 +741,8 @@ def _warn_create_graph() -> None:
                   stacklevel=3)
 
 
-def _call_alive(method: weakref.WeakMethod, p: nn.Parameter) -> None:
+def _call_alive(method: weakref.WeakMethod, t: torch.Tensor) -> None:
     """Call a weakly held gradient hook if its wrapper still exists."""
     fn = method()
     if fn is not None:
-        fn(p)
+        fn(t)
