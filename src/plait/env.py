@@ -54,6 +54,9 @@ class Launch:
     master_port: int
     source: str  # "torchrun", "slurm" or "single"
     note: str = ""  # why a Slurm allocation's variables were not taken for a launch
+    # torchrun's restart of the job (0: its first attempt), when its agent hosts the store the
+    # ranks meet through; None otherwise.
+    attempt: int | None = None
 
 
 def _first_slurm_host(nodelist: str) -> str:
@@ -89,6 +92,8 @@ def launch_from_env(environ: dict[str, str] | None = None) -> Launch:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", "29500")),
             source="torchrun",
+            attempt=(int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None),
         )
     if _srun_task(env):
         nodelist = env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
@@ -106,6 +111,19 @@ def launch_from_env(environ: dict[str, str] | None = None) -> Launch:
         note = (f"Slurm job {job} with {tasks} tasks, but this process is not a task of srun (no "
                 "SLURM_STEP_ID): it runs on its own; start it with srun for one rank per Slurm task")
     return Launch(0, 1, 0, "127.0.0.1", 0, "single", note)
+
+
+def _attempt_store(launch: Launch, timeout: _dt.timedelta) -> dist.Store:
+    """The store of torchrun's agent, its keys under this restart's own prefix.
+
+    The agent keeps one store for the whole job, and the default group's keys (each rank's
+    address) are the same names on every attempt: after a restart (``--max-restarts``), the new
+    ranks read the dead ones' addresses and never connect (seen with torch 2.13 and Gloo, under
+    the static and the c10d rendezvous alike). A prefix per attempt keeps each one's keys apart.
+    """
+    agent = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"plait/attempt_{launch.attempt}", agent)
 
 
 def seed_everything(seed: int) -> None:
@@ -159,8 +177,10 @@ def init(
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
+        elif launch.attempt is not None:
+            dist.init_process_group(backend, store=_attempt_store(launch, timeout), rank=launch.rank,
+                                    world_size=launch.world_size, timeout=timeout)
         else:
-            # env:// lets torchrun hand over its own store (TORCHELASTIC_USE_AGENT_STORE).
             os.environ.setdefault("MASTER_ADDR", launch.master_addr)
             os.environ.setdefault("MASTER_PORT", str(launch.master_port))
             dist.init_process_group(

@@ -201,8 +201,9 @@ class CheckpointSection:
     """checkpoints go to SAVE_DIR/step_NNNNNN"""
     save_every: int = 0
     """steps between checkpoints (0: only at the end, when save_dir is given)"""
-    resume: bool = False
-    """continue from the newest intact checkpoint in save_dir, on any world size"""
+    resume: bool | Literal["auto"] = False
+    """continue from the newest intact checkpoint in save_dir, on any world size (--resume alone: one must
+    exist; --resume auto: the newest if there is one, else step 0, for commands a launcher restarts)"""
     resume_anyway: bool = False
     """resume a checkpoint of another run (other seed, lr, data...) with a warning"""
     keep: int = 3
@@ -872,7 +873,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
         path = _config_path(argv)
         file_args = _config_file_args(path) if path is not None else []
         # The file's options come first, so the same flag given on the command line wins.
-        cfg, show = tyro.cli(_command, args=[*file_args, *argv], prog="plait train",
+        cfg, show = tyro.cli(_command, args=_resume_valued([*file_args, *argv]), prog="plait train",
                              config=(tyro.conf.OmitArgPrefixes,))
     except ValueError as e:
         print(f"plait train: error: {e}", file=sys.stderr)
@@ -881,6 +882,31 @@ def parse_args(argv: list[str]) -> TrainConfig:
         print(to_toml(cfg), end="")
         raise SystemExit(0)
     return cfg
+
+
+_RESUME_VALUES = {"auto": "auto", "true": "True", "false": "False"}
+
+
+def _resume_valued(args: list[str]) -> list[str]:
+    """``--resume`` is a switch that may take one value: alone it means True (a checkpoint must
+    exist), ``--resume auto`` resumes if there is one; ``--no-resume`` is False. The parser sees
+    each as ``--resume VALUE``."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--no-resume":
+            out += ["--resume", "False"]
+        elif arg.startswith("--resume="):
+            out += ["--resume", _RESUME_VALUES.get(arg.split("=", 1)[1].lower(), arg.split("=", 1)[1])]
+        elif arg == "--resume":
+            following = args[i + 1].lower() if i + 1 < len(args) else ""
+            out.append("--resume")
+            if following not in _RESUME_VALUES:
+                out.append("True")
+        elif i and args[i - 1] == "--resume" and arg.lower() in _RESUME_VALUES:
+            out.append(_RESUME_VALUES[arg.lower()])
+        else:
+            out.append(arg)
+    return out
 
 
 def given_flags(argv: list[str]) -> set[str]:

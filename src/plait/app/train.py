@@ -442,9 +442,14 @@ def _maybe_resume(cfg: TrainConfig, save_dir: Path, model: nn.Module | Pipeline,
     """
     if not cfg.checkpoint.resume:
         return 0
-    found = checkpoint.choose(save_dir, _identity(cfg, sampler), resume_anyway=cfg.checkpoint.resume_anyway)
+    auto = cfg.checkpoint.resume == "auto"
+    found = checkpoint.choose(save_dir, _identity(cfg, sampler), resume_anyway=cfg.checkpoint.resume_anyway,
+                              missing_ok=auto)
     if found is None:
-        log.warning("--resume: no save in %s ever finished, starting from step 0", save_dir)
+        if auto:
+            log.info("--resume auto: no checkpoint in %s yet, starting from step 0", save_dir)
+        else:
+            log.warning("--resume: no save in %s ever finished, starting from step 0", save_dir)
         return 0
     path, meta = found
     checkpoint.load(path, model, opt, check=False)  # choose() verified it on rank 0
@@ -561,7 +566,7 @@ def cli_main(argv: list[str]) -> int:
     try:
         if under_launcher:
             cfg = _fit_launcher(cfg, argv, launch.world_size)
-        if cfg.checkpoint.resume:  # a mistyped --save-dir or --name must not train from step 0
+        if cfg.checkpoint.resume is True:  # a mistyped --save-dir or --name must not train from step 0
             checkpoint.check_resumable(cfg.checkpoint.save_dir
                                        or Path(cfg.run.run_dir) / str(cfg.run.name) / "checkpoints")
     except (ValueError, checkpoint.NoCheckpoint) as e:

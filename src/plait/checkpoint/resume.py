@@ -39,10 +39,12 @@ def check_resumable(directory: str | Path) -> None:
 
 
 def choose(directory: str | Path, identity: dict[str, Any] | None = None, *,
-           resume_anyway: bool = False) -> tuple[Path, dict[str, Any]] | None:
+           resume_anyway: bool = False, missing_ok: bool = False) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from and its ``plait.json``, the same on every rank (a collective).
 
-    A ``directory`` that does not exist or holds no ``step_*`` folder raises `NoCheckpoint`.
+    A ``directory`` that does not exist or holds no ``step_*`` folder raises `NoCheckpoint`, or,
+    with ``missing_ok`` (a job that a launcher or a scheduler restarts with the same command:
+    the first attempt has nothing to resume), returns None, as it does when no save ever finished.
 
     Rank 0 takes the newest ``step_*`` folder that `verify` passes, warning about each newer one
     it skips and why; one all_gather_object hands its answer to every rank, so no two ranks load
@@ -56,6 +58,8 @@ def choose(directory: str | Path, identity: dict[str, Any] | None = None, *,
     answer: Any = _survey(root, identity) if rank() == 0 else None
     if distributed():
         answer = comm.all_gather_object(answer)[0]  # rank 0's view, on every rank
+    if missing_ok and answer.get("empty"):
+        return None
     return _decide(root, answer, resume_anyway)
 
 
