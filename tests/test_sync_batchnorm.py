@@ -109,3 +109,65 @@ def test_hsdp_with_an_empty_rank(pools):
     got = pools[4].run(_train, "hsdp", sizes)
     for rank in range(4):
         _compare(got[rank], want, sizes, rank)
+
+
+JOIN_SIZES = [[3, 5], [3, 5], [0, 4]]  # per step, per rank; rank 0 has run out of batches at the last
+
+
+def _join_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randn(sum(s), 2, 3, 3, generator=g, dtype=torch.float64) for s in JOIN_SIZES]
+
+
+def _join_oracle() -> dict:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outs = []
+    for b in _join_batches():
+        out = model(b)
+        _loss(out, 1, len(b)).backward()
+        outs.append(out.detach())
+        opt.step()
+        opt.zero_grad()
+    return {"outs": outs, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _train_join() -> dict:
+    from plait.ddp import DDP
+    from plait.state_dict import full_state_dict
+    from plait.testing import cached_mesh
+
+    rank = dist.get_rank()
+    mesh = cached_mesh(dp=2)
+    net = DDP(SyncBatchNorm.convert_sync_batchnorm(_model(), mesh), mesh)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    outs = []
+    with net.join():
+        for sizes, b in zip(JOIN_SIZES, _join_batches()):
+            if sizes[rank] == 0:
+                break  # this rank has no more batches: it joins, and mirrors the other's steps
+            start = sum(sizes[:rank])
+            out = net(b[start:start + sizes[rank]])
+            _loss(out, 2, len(b)).backward()
+            outs.append(out.detach())
+            opt.step()
+            opt.zero_grad()
+    return {"outs": outs, "state": full_state_dict(net)}
+
+
+def test_join_a_rank_without_batches_adds_count_zero(pools):
+    """Under `DDP.join`, a rank that ran out of batches mirrors the other's SyncBatchNorm
+    collectives with count 0 and zero gradient sums: the last step normalizes the other rank's 4
+    rows by their own statistics, and the gradients (divided by the initial world size, DDP's
+    default) are those of the mean over those rows; both ranks end with one process's model and
+    running statistics. Without the mirror the other rank would wait for ever."""
+    want = _join_oracle()
+    got = pools[2].run(_train_join)
+    starts = [0, 3]
+    for rank in range(2):
+        for step, out in enumerate(got[rank]["outs"]):
+            rows = slice(starts[rank] if step < 2 else 0, None)
+            torch.testing.assert_close(out, want["outs"][step][rows][:len(out)], **TOL)
+        for k, v in want["state"].items():
+            torch.testing.assert_close(got[rank]["state"][k], v, **TOL, msg=k)
+    assert len(got[0]["outs"]) == 2 and len(got[1]["outs"]) == 3

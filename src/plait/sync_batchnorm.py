@@ -60,9 +60,10 @@ class _Sync:
         self.last_step = self.calls
 
     @torch.no_grad()
-    def shadow_step(self, device: torch.device) -> None:
-        """A joined rank's side of one step of the others: each collective of this rank's last
-        step, in order, contributing count 0 (no samples) and zero gradient sums."""
+    def shadow_step(self) -> None:
+        """A joined rank's side of one step of the others (`DDP.join`): each collective of this
+        rank's last step, in order, contributing count 0 (no samples) and zero gradient sums."""
+        device = comm.device_of(self.group)
         for kind, numel, dtype in list(self.last_step):
             zeros = torch.zeros(numel, dtype=dtype, device=device)
             if kind == "forward":
@@ -235,11 +236,11 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                                                          running_var, self.eps, factor, self._sync)
         return out
 
-    def shadow_for_join(self, device: torch.device) -> None:
-        """While the other ranks still train, mirror their collectives of one step with count 0
-        (`DDP.join`: this rank has run out of batches)."""
-        if self._sync is not None:
-            self._sync.shadow_step(device)
+    @property
+    def join_mirror(self) -> _Sync | None:
+        """What mirrors the others' collectives while this rank has joined (`DDP.join` calls its
+        ``shadow_step()`` once per step of theirs; the layers of one conversion share it)."""
+        return self._sync
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, mesh: Any = None,

@@ -65,7 +65,7 @@ class DDPJoinHook(JoinHook):
         ddp._sync_buffers(training=False)
         _, syncing = step_counts(ddp, False, False)
         ddp._buffers_due = syncing > 0
-        pass
+        mirror_layers(ddp)
         if syncing > 0:
             ddp._shadow_backward()
 
