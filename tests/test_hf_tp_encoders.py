@@ -57,8 +57,9 @@ def encoder_batch(family: str, step: int) -> tuple[dict[str, torch.Tensor], torc
 
 
 def _train(family: str, sp: bool) -> float:
-    return train_against_one_process(family, lambda: build_encoder(family), lambda s: encoder_batch(family, s),
-                                     sp, "none", TOL, TOL, grads=True)
+    return train_against_one_process(family, lambda: build_encoder(family),
+                                     lambda step: encoder_batch(family, step), sp, "none", TOL, TOL,
+                                     grads=True)
 
 
 def _tp2(runs: list[tuple[str, bool]]) -> dict:
@@ -78,3 +79,91 @@ def test_vit_at_tp2_with_and_without_sp_matches_single_process(pools):
     # ViT's layers are planned as a decoder's; the patches, class token and classifier run
     # replicated. Before: refused, its 3 labels taken for a vocabulary.
     pools[2].run(_tp2, [("vit", False), ("vit", True)])
+
+
+# ------------------------------------------------------------------ plans, checked without spawning
+def test_every_encoder_is_planned_and_checked_without_spawning():
+    import plait
+    from plait.tp import AttentionParallel, ParallelRegion, ScatterSequence, VocabParallelOutput, check_plan
+
+    for family in ("bert-mlm", "bert-cls", "roberta-mlm", "vit"):
+        model = build_encoder(family)
+        plan = plait.plan_for(model)
+        inputs = encoder_batch(family, 0)[0]
+        for sp in (False, True):
+            check_plan(model, plan, tp=2, sequence_parallel=sp, example_inputs=inputs)
+        if family == "bert-mlm":  # regions entered at their first child; the tied decoder split by vocabulary
+            assert plan["bert.encoder.layer.*.attention"].entry == "self"
+            assert isinstance(plan["bert.encoder.layer.*.attention"], AttentionParallel)
+            assert plan["bert.encoder.layer.*"] == ParallelRegion(entry="intermediate")
+            assert plan["bert.encoder"] == ScatterSequence(gather_output=True)
+            assert isinstance(plan["cls.predictions.decoder"], VocabParallelOutput)
+            assert plait.plan_for(model, loss_parallel=True)["cls.predictions.decoder"].gather_output is False
+        if family == "bert-cls":  # the pooler and the classifier run replicated
+            assert not any(k.startswith(("bert.pooler", "classifier")) for k in plan)
+        if family == "vit":
+            assert "classifier" not in plan and "vit.layers.*.attention.q_proj" in plan
+
+
+def _refused(case: str) -> tuple[torch.nn.Module, dict]:
+    """(model, check_plan options) of a layout that must be refused by name."""
+    if case == "heads-not-divisible":  # 3 heads of 8 features over tp=2
+        return build_encoder("bert-mlm", num_attention_heads=3, hidden_size=24), {"tp": 2}
+    if case == "vit-odd-sequence":  # 16 patches and the class token: 17 positions over tp=2
+        pixels = torch.zeros(1, 3, 16, 16, dtype=torch.float64)
+        return build_encoder("vit", image_size=16), {"tp": 2, "sequence_parallel": True,
+                                                      "example_inputs": {"pixel_values": pixels}}
+    if case == "mlm-labels-on-split-logits":  # the model's own loss over a vocabulary shard
+        ids = torch.zeros(1, 4, dtype=torch.long)
+        return build_encoder("bert-mlm"), {"tp": 2, "loss_parallel": True,
+                                           "example_inputs": {"input_ids": ids, "labels": ids}}
+    raise ValueError(case)
+
+
+REFUSED = {
+    "heads-not-divisible": "on 'bert.encoder.layer.0.attention' cannot split 3 attention heads evenly across "
+                           "tp=2; tp degrees that work: 1, 3",
+    "vit-odd-sequence": "sequence parallelism splits dim 1 (the sequence) across tp=2, but the activation "
+                        "has shape (1, 17, 32)",
+    "mlm-labels-on-split-logits": "(BertForMaskedLM): view on vocabulary-split logits",
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_layouts_that_cannot_split_are_refused_by_name_without_spawning(case):
+    import plait
+    from plait.tp import check_plan
+
+    model, options = _refused(case)
+    plan = plait.plan_for(model, loss_parallel=options.pop("loss_parallel", False))
+    with pytest.raises(ValueError, match="plan") as err:
+        check_plan(model, plan, **options)
+    assert REFUSED[case] in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("family", ["bert-cls", "vit"])
+def test_loss_parallel_without_a_vocabulary_is_refused_by_name(family):
+    import plait
+
+    with pytest.raises(ValueError, match=f"plan_for: {family.startswith('vit') and 'ViT' or 'Bert'}"
+                                         r"\w+ has no output over a vocabulary to leave split"):
+        plait.plan_for(build_encoder(family), loss_parallel=True)
+
+
+def test_what_plan_for_does_not_split_is_refused_by_name():
+    import plait
+
+    # A BERT decoder's cross-attention reads the encoder's states: refused, naming the module.
+    decoder = build_encoder("bert-mlm", is_decoder=True, add_cross_attention=True)
+    with pytest.raises(ValueError, match=r"cannot place module 'bert.encoder.layer.0.crossattention' "
+                                         r"\(BertAttention\): .*data or fully sharded parallelism"):
+        plait.plan_for(decoder)
+    # T5: an encoder and a decoder whose cross-attention reads the encoder's states (before: "the
+    # decoder layer holds an attention but no MLP", naming T5's attention sublayer).
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0))
+    with pytest.raises(ValueError, match=r"cannot place T5ForConditionalGeneration: it holds an encoder and a "
+                                         r"decoder .*data or fully sharded parallelism"):
+        plait.plan_for(t5)
+    # ViT's message named its 3 labels as a vocabulary ("expected one token embedding with 3 rows").
+    assert "vit.layers.0" in plait.plan_for(build_encoder("vit"))

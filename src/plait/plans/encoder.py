@@ -50,7 +50,7 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["bert_layers", "bert_plan", "is_vision", "vision_plan"]
+__all__ = ["bert_layers", "bert_plan", "encoder_decoder", "is_vision", "vision_plan"]
 
 
 def _one_linear(mod: nn.Module) -> str | None:
@@ -217,6 +217,16 @@ def bert_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Sty
     else:
         _no_vocabulary(model, loss_parallel)
     return plan
+
+
+def encoder_decoder(model: nn.Module) -> str | None:
+    """The name of the module of ``model`` holding an ``encoder`` and a ``decoder`` (T5's is the
+    model itself: ``""``), or None."""
+    for name, mod in model.named_modules():
+        kids = dict(mod.named_children())
+        if "encoder" in kids and "decoder" in kids:
+            return name
+    return None
 
 
 def is_vision(model: nn.Module) -> bool:
