@@ -171,3 +171,38 @@ def test_join_a_rank_without_batches_adds_count_zero(pools):
         for k, v in want["state"].items():
             torch.testing.assert_close(got[rank]["state"][k], v, **TOL, msg=k)
     assert len(got[0]["outs"]) == 2 and len(got[1]["outs"]) == 3
+
+
+def _per_rank_batchnorm(folder: str) -> dict:
+    from plait import checkpoint
+    from plait.ddp import DDP
+    from plait.state_dict import full_state_dict
+    from plait.testing import cached_mesh
+
+    rank = dist.get_rank()
+    model = _model()
+    net = DDP(model, cached_mesh(dp=2))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for b in _batches([4, 4]):
+        _loss(net(b[4 * rank:4 * rank + 4]), 2, 8).backward()
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(folder, net, opt, {"step": STEPS})
+    return {"own": {k: b.clone() for k, b in model.named_buffers()}, "full": full_state_dict(net)}
+
+
+def test_buffers_of_a_full_state_dict_and_a_checkpoint_are_rank_0s(pools, tmp_path):
+    """Under DDP with per-rank BatchNorm the ranks' running statistics differ after a step (each
+    updates them from its own rows after the broadcast); `plait.full_state_dict` gives rank 0's
+    on every rank, and a checkpoint holds rank 0's (it held whichever rank DCP picked: rank 1's)."""
+    from plait import checkpoint
+
+    got = pools[2].run(_per_rank_batchnorm, str(tmp_path))
+    own0, own1 = got[0]["own"], got[1]["own"]
+    assert not torch.equal(own0["1.running_mean"], own1["1.running_mean"])
+    one = _model()
+    checkpoint.load(tmp_path, one, torch.optim.AdamW(one.parameters(), lr=1e-2))
+    for name, want in own0.items():
+        for rank in range(2):
+            torch.testing.assert_close(got[rank]["full"][name], want, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(dict(one.named_buffers())[name], want, rtol=0, atol=0, msg=name)

@@ -35,6 +35,8 @@ from plait.placement import state as tp_state
 from plait.placement.records import ep_info, tp_module
 from plait.tensor_source import FullValue, whole
 
+_DATA_AXES = ("dp", "fsdp")  # the ranks that see different samples, whose buffers may differ
+
 __all__ = ["full_state_dict", "load_full_state_dict", "union_over", "with_other_experts",
            "without_others_experts"]
 
@@ -49,7 +51,33 @@ def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     else:  # (a wrapper's own method comes here for its module: experts are gathered once)
         state = with_other_experts(model, {k: v.detach().clone() for k, v in model.state_dict().items()})
     moved: dict[int, torch.Tensor] = {}  # a tensor listed under two names (tied) moves once
-    return {plain_name(k): moved.setdefault(id(v), v.cpu()) for k, v in state.items()}
+    full = {plain_name(k): moved.setdefault(id(v), v.cpu()) for k, v in state.items()}
+    _buffers_of_first_data_rank(model, full)
+    return full
+
+
+def _buffers_of_first_data_rank(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Replace the buffers in ``state`` by those of the first rank of ``model``'s data ranks.
+
+    A data-parallel layout keeps a buffer per rank, and a buffer updated in forward differs across
+    them (BatchNorm's running statistics are each rank's batches' under DDP between broadcasts,
+    and under FSDP always): without this each rank would return its own, and "the same on every
+    rank" would not hold. Rank 0's, as DDP broadcasts and as a checkpoint writes them."""
+    from plait.mesh import Mesh
+
+    mesh, module = getattr(model, "mesh", None), getattr(model, "module", None)
+    if not isinstance(mesh, Mesh) or not isinstance(module, nn.Module) or mesh.size(_DATA_AXES) == 1:
+        return
+    names = [n for n in (plain_name(k) for k, _ in module.named_buffers()) if n in state]
+    if not names:
+        return
+    group = mesh.group(_DATA_AXES)
+    device = comm.device_of(group)
+    moved = [state[n].to(device, copy=True) for n in names]
+    with comm.operation("buffers of the first data rank"):
+        comm.broadcast_coalesced(moved, mesh.group_ranks(_DATA_AXES)[0], group)
+    for n, t in zip(names, moved):
+        state[n] = t.cpu()
 
 
 def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue]) -> None:
