@@ -8,21 +8,39 @@ parameters and buffers of the last rank to join (torch: ``_sync_final_model``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
 from plait import comm
 from plait.comm import broadcast_coalesced
-
-if TYPE_CHECKING:
-    from plait.ddp.wrapper import DistributedDataParallel
+from plait.mesh import Mesh
 
 __all__ = ["DDPJoinHook", "common_rank", "step_counts"]
 
 
-def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
+class Joining(Protocol):
+    """What the join hook needs of `plait.ddp.DistributedDataParallel` (which imports this module)."""
+
+    mesh: Mesh
+    module: nn.Module
+    axis: Any
+    group: Any
+    world: int
+    broadcast_buffers: bool
+    _divisor: float
+    _join_by_world: bool
+    _buffers_due: bool
+
+    def _sync_buffers(self, training: bool = True) -> None: ...
+    def _shadow_backward(self) -> None: ...
+    def _synced_params(self) -> list[torch.Tensor]: ...
+    def _synced_buffers(self) -> list[torch.Tensor]: ...
+
+
+def common_rank(ddp: Joining, candidate: bool) -> int:
     """The highest global rank among the candidates of ``ddp``'s group (torch's
     ``_find_common_rank``: the authority for buffers while joining, and for the final model)."""
     mine = torch.tensor([float(ddp.mesh.group_ranks(ddp.axis).index(ddp.mesh.global_rank) if candidate
@@ -32,7 +50,7 @@ def common_rank(ddp: DistributedDataParallel, candidate: bool) -> int:
     return ddp.mesh.group_ranks(ddp.axis)[int(mine.item())]
 
 
-def step_counts(ddp: DistributedDataParallel, training: bool, sync: bool) -> tuple[float, float]:
+def step_counts(ddp: Joining, training: bool, sync: bool) -> tuple[float, float]:
     """(ranks still training, ranks whose backward reduces) in this step."""
     counts = torch.tensor([float(training), float(sync)], device=comm.device_of(ddp.group))
     with comm.operation("DDP join count"):
@@ -40,7 +58,7 @@ def step_counts(ddp: DistributedDataParallel, training: bool, sync: bool) -> tup
     return counts[0].item(), counts[1].item()
 
 
-def mirror_layers(ddp: DistributedDataParallel) -> None:
+def mirror_layers(ddp: Joining) -> None:
     """Layers with collectives of their own (`plait.SyncBatchNorm`) mirror one step of the others.
 
     Here, after the sync count, as the others' forward comes after theirs; their groups are their
@@ -55,7 +73,7 @@ def mirror_layers(ddp: DistributedDataParallel) -> None:
 class DDPJoinHook(JoinHook):
     """Mirrors one step of the ranks still training (``main_hook``), then syncs the final model."""
 
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+    def __init__(self, ddp: Joining, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
         ddp._join_by_world = divide_by_initial_world_size
 

@@ -20,7 +20,6 @@ parallelism on the other axes.
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -29,18 +28,18 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from plait import comm, faults
-from plait._torch_compat import eager, queue_end_of_backward
+from plait import comm
+from plait._torch_compat import eager
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import Bucket, output_tensors, params_reached_by, plan_buckets, sparse_params
-from plait.ddp.hooks import CommHook, GradBucket, check_hook, hook_result
+from plait.ddp.hooks import CommHook, check_hook
 from plait.ddp.join import DDPJoinHook, common_rank, step_counts
+from plait.ddp.reducer import Reducer
 from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, wire_dtype
 from plait.materialize import is_meta
 from plait.mesh import Mesh
-from plait.placement.grads import reduce_expert_grads
 from plait.placement.records import held, placement_of
-from plait.placement.tp_params import gradient_assigned, hand_over
+from plait.placement.tp_params import hand_over
 from plait.wrapped_state import WrappedModuleState
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["DistributedDataParallel", "DDP", "average_gradients", "plan_buckets"]
 
 
-class DistributedDataParallel(WrappedModuleState, nn.Module, Joinable):
+class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
     """Data parallelism across the ``dp`` axis of ``mesh`` (``mesh=None``: every rank is dp).
 
     Args:
@@ -320,314 +319,6 @@ class DistributedDataParallel(WrappedModuleState, nn.Module, Joinable):
         if self._sync_this_backward:
             self._queue_finish()
 
-    def _start_step(self) -> None:
-        for b in self._buckets:
-            b.start()
-        self._expert_flags.zero_()
-        self._callback_queued = False
-        self._hooks_seen = False
-        self._next_launch = 0
-        self._sparse_ready = set()
-        self._unused = list(self._static_unused()) if self._static_done() else []
-        self._static_left = list(self._static_hooks) if self._static_done() else []
-
-    # ------------------------------------------------------------------ backward
-    def _static_done(self) -> bool:
-        return self._static_used is not None
-
-    def _static_unused(self) -> list[int]:
-        return [k for k, n in enumerate(self._static_hooks) if n == 0]
-
-    def _tracks_usage(self) -> bool:
-        """Whether gradients arriving now count as use (torch: find_unused_parameters without a
-        static graph, or a static graph's first step)."""
-        return (self.find_unused_parameters and not self.static_graph) or (
-            self.static_graph and not self._static_done())
-
-    def _queue_finish(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            queue_end_of_backward(self._finish_backward)
-
-    def _on_expert_grad(self, p: nn.Parameter) -> None:
-        if self._sync_this_backward:
-            self._hooks_seen = True
-            self._queue_finish()
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        k = self._flag_of[id(p)]
-        # An undefined gradient (torch's UndefinedGrad, an unused output of a custom Function) fires
-        # the hook with .grad None: not a use, and the gradient held (none) is what it contributes.
-        if self._tracks_usage() and p.grad is not None:  # no_sync backwards count too (torch)
-            self._local_used[k] = 1.0
-        if not self._sync_this_backward:
-            return
-        self._hooks_seen = True
-        self._queue_finish()
-        if self.static_graph and not self._static_done():
-            self._static_hooks[k] += 1  # the first step reduces everything at its end (as torch's)
-            return
-        self._mark_unused_once()
-        if self._static_left:  # reentrant checkpointing: ready at the last of its known hooks
-            self._static_left[k] -= 1
-            if self._static_left[k] > 0:
-                return
-        if id(p) not in self._where:  # a sparse gradient, reduced on its own after backward
-            if k in self._sparse_ready:
-                raise self._ready_twice(self._name_of(k))
-            self._sparse_ready.add(k)
-            return
-        b, i = self._where[id(p)]
-        if i in b.ready:
-            raise self._ready_twice(b.names[i])
-        if p.grad is None:
-            self._contribute_held(k)
-            return
-        self._fill(b, i, p.grad)
-        self._mark_ready(b, i)
-
-    def _name_of(self, k: int) -> str:
-        for b in self._buckets:
-            if b.first <= k < b.first + len(b.params):
-                return b.names[k - b.first]
-        return self._sparse[k - sum(len(b.params) for b in self._buckets)][0]
-
-    @staticmethod
-    def _ready_twice(name: str) -> RuntimeError:
-        return RuntimeError(
-            f"DistributedDataParallel: parameter {name} got its gradient after DDP had counted it as "
-            "unused or already reduced in this backward. Either it is used outside the wrapped module's "
-            "forward (e.g. a temperature used only in the loss: find_unused_parameters walks the forward's "
-            "outputs and cannot see it; use it inside forward, or drop find_unused_parameters if every "
-            "parameter gets a gradient), or its gradient arrives twice (reentrant activation "
-            "checkpointing: pass static_graph=True, or use_reentrant=False). torch's DDP refuses both.")
-
-    def _mark_unused_once(self) -> None:
-        """At a reducing backward's first hook (torch's moment): what the parameters its forward did
-        not reach contribute, the gradient they hold (or zeros), without counting as use."""
-        if self._unused_marked:
-            return
-        self._unused_marked = True
-        for k in self._unused:
-            self._contribute_held(k)
-
-    def _contribute_held(self, k: int) -> None:
-        p = self._param_at(k)
-        if id(p) not in self._where:
-            self._sparse_ready.add(k)
-            return
-        b, i = self._where[id(p)]
-        grad = p.grad
-        if grad is not None and grad.data_ptr() == b.slots[i].data_ptr():
-            # Last step's reduced gradient lives in the bucket: keep it apart, so a parameter no
-            # rank used keeps it untouched (torch's default copies gradients out of its buckets).
-            p.grad = grad = grad.clone()
-            gradient_assigned(p)
-        if grad is None:
-            b.slots[i].zero_()
-        else:
-            self._fill(b, i, grad)
-        self._mark_ready(b, i)
-
-    def _param_at(self, k: int) -> nn.Parameter:
-        for b in self._buckets:
-            if b.first <= k < b.first + len(b.params):
-                return b.params[k - b.first]
-        return self._sparse[k - sum(len(b.params) for b in self._buckets)][1]
-
-    def _fill(self, b: Bucket, i: int, grad: torch.Tensor) -> None:
-        """Copy a gradient into its bucket slot, pre-divided (one pass over memory): the
-        all-reduced sum is then the mean, and a half-precision wire format cannot overflow. With a
-        communication hook, undivided: the hook divides (torch's contract)."""
-        slot = b.slots[i]
-        expert = self._expert_index.get(id(b.params[i]))
-        if expert is not None:
-            self._expert_flags[expert] = 1.0
-        divisor = 1.0 if self._comm_hook is not None else self._divisor + faults.active("ddp-divisor")
-        if grad.data_ptr() == slot.data_ptr():  # the grad already lives in the bucket
-            if divisor != 1.0:
-                slot.div_(divisor)
-        elif grad.requires_grad:  # backward(create_graph=True): the reduced gradient carries no graph
-            _warn_create_graph()
-            with torch.no_grad():
-                torch.div(grad.detach().reshape(-1), divisor, out=slot)
-        else:
-            torch.div(grad.reshape(-1), divisor, out=slot)
-
-    def _mark_ready(self, b: Bucket, i: int) -> None:
-        b.ready.add(i)
-        b.pending -= 1
-        # Launch in index order only: every rank must issue the same collectives in the same order.
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
-            self._launch(self._next_launch)
-            self._next_launch += 1
-
-    def _launch(self, index: int) -> None:
-        b = self._buckets[index]
-        if self._comm_hook is not None:
-            state, hook = self._comm_hook
-            b.future = hook(state, GradBucket(index, len(self._buckets), b.buffer, b.params, b.offsets))
-            return
-        b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)
-        with comm.operation(self._bucket_name(index)):
-            b.handle = comm.all_reduce(b.wire, self.group, async_op=True, checked=self._checks_desync(index))
-
-    def _checks_desync(self, index: int) -> bool:
-        """Whether bucket ``index`` carries the backward's desync check. Only the last one does: its
-        fingerprint covers every bucket before it, and `_finish_backward` reads its verdict before
-        any bucket's result. A check per bucket cost about 4% of a step on 2 CPU ranks."""
-        return index == len(self._buckets) - 1
-
-    def _bucket_name(self, index: int) -> str:
-        """What desync reports call the bucket (a joined rank mirrors it from another line)."""
-        return f"DDP bucket {index + 1} of {len(self._buckets)}"
-
-    def _finish_backward(self) -> None:
-        if not self._hooks_seen:  # a backward that reached no parameter (torch.autograd.grad of a
-            self._callback_queued = False  # gradient penalty): the step's own backward is still to come
-            return
-        self._sync_this_backward = False
-        self._mark_unused_once()
-        static_first = self.static_graph and not self._static_done()
-        missing = [(b, i) for b in self._buckets for i in range(len(b.params)) if i not in b.ready]
-        missing_sparse = [k for _, p in self._sparse if (k := self._flag_of[id(p)]) not in self._sparse_ready]
-        missing = self._fill_missing_experts(missing)
-        if (missing or missing_sparse) and (self.find_unused_parameters or static_first):
-            for b, i in missing:
-                self._settle_missing(b.first + i, static_first)
-            for k in missing_sparse:
-                self._settle_missing(k, static_first)
-            missing, missing_sparse = [], []
-        if missing or missing_sparse:
-            self._refuse_missing([b.names[i] for b, i in missing]
-                                 + [self._name_of(k) for k in missing_sparse])
-        if self._experts:  # summed over the ranks holding the same experts, divided as the rest
-            reduce_expert_grads([p for _, p in self._experts], self._divisor)
-        used = self._reduce_usage()
-        self._reduce_sparse(used)
-        flags = self._expert_flags.tolist() if self._bucketed_experts else []
-        no_gradient = {id(p) for (_, p), f in zip(self._bucketed_experts, flags) if f == 0}
-        # The last bucket first: its desync verdict covers them all (`_checks_desync`).
-        for b in self._buckets[-1:] + self._buckets[:-1]:
-            self._await(b)
-            for i, p in enumerate(b.params):
-                if used is not None and used[b.first + i] == 0:
-                    continue  # no rank used it since the last reduction: .grad untouched (torch)
-                if id(p) in no_gradient:  # an expert no rank routed a token to: none, as in one process
-                    p.grad = None
-                    continue
-                # The gradient becomes a view of its bucket: no copy back now, and if the user keeps
-                # it (zero_grad(set_to_none=False), no_sync), the next backward accumulates in place.
-                p.grad = b.grads[i]
-                gradient_assigned(p)  # a tp DTensor's gradient, or a piece's mark (`plait.placement.pieces`)
-
-    def _fill_missing_experts(self, missing: list[tuple[Bucket, int]]) -> list[tuple[Bucket, int]]:
-        if not self._bucketed_experts:
-            return missing
-        # An expert this backward routed no token to on this rank: what earlier microbatches
-        # accumulated (no_sync), or zeros flagged as no gradient.
-        for b, i in [(b, i) for b, i in missing if id(b.params[i]) in self._expert_index]:
-            grad = b.params[i].grad
-            if grad is not None:
-                self._fill(b, i, grad)
-            else:
-                b.slots[i].zero_()
-            self._mark_ready(b, i)
-        with comm.operation("DDP expert gradient flags"):
-            comm.all_reduce(self._expert_flags, self.group)
-        return [(b, i) for b, i in missing if i not in b.ready]
-
-    def _settle_missing(self, k: int, static_first: bool) -> None:
-        """A parameter the forward reached that got no gradient (an output left out of the loss):
-        torch's hook fires for it with the gradient it holds, which counts as use if defined. In a
-        static graph's first step, what every parameter holds is reduced at the end."""
-        p = self._param_at(k)
-        if static_first and self._static_hooks[k] > 0 and p.grad is not None:
-            if id(p) in self._where:
-                b, i = self._where[id(p)]
-                self._fill(b, i, p.grad)
-                self._mark_ready(b, i)
-            else:
-                self._sparse_ready.add(k)
-            return
-        if not static_first and p.grad is not None:
-            self._local_used[k] = 1.0
-        self._contribute_held(k)
-
-    def _refuse_missing(self, names: list[str]) -> None:
-        raise RuntimeError(
-            f"DistributedDataParallel: {len(names)} parameter(s) received no gradient in this "
-            f"backward, so their buckets cannot be all-reduced: {', '.join(names[:8])}"
-            f"{' ...' if len(names) > 8 else ''}. If they are legitimately unused, pass "
-            "find_unused_parameters=True; if they should not train, set requires_grad=False."
-        )
-
-    def _reduce_usage(self) -> torch.Tensor | None:
-        """Which parameters some rank used since the last reduction (None: all of them)."""
-        if not self._tracks_usage():
-            return self._static_used
-        with comm.operation("DDP unused-parameter flags"):
-            comm.all_reduce(self._local_used, self.group)
-        used = self._local_used.clone()
-        self._local_used.zero_()
-        if self.static_graph:  # what the first step found stands for every later one
-            self._static_used = used
-        return used
-
-    @torch.no_grad()
-    def _reduce_sparse(self, used: torch.Tensor | None) -> None:
-        """Sparse gradients (nn.Embedding(sparse=True)) are all-reduced on their own, as sparse
-        tensors, after the buckets (torch gives each its own bucket)."""
-        for name, p in self._sparse:
-            if used is not None and used[self._flag_of[id(p)]] == 0:
-                continue
-            grad = p.grad
-            if grad is None or not grad.is_sparse:
-                grad = _empty_sparse(p) if grad is None else grad.to_sparse()
-            grad = grad.coalesce() / self._divisor
-            with comm.operation(f"DDP sparse gradient {name}"):
-                comm.all_reduce(grad, self.group)
-            p.grad = grad
-
-    def _await(self, b: Bucket) -> None:
-        if b.future is not None:
-            value = hook_result(b.future, b.buffer, b.index)
-            b.future = None
-            if value.data_ptr() != b.buffer.data_ptr() or value.dtype != b.buffer.dtype:
-                b.buffer.copy_(value.reshape(-1))
-            return
-        assert b.handle is not None and b.wire is not None
-        b.handle.wait()
-        if b.wire is not b.buffer:
-            b.buffer.copy_(b.wire)
-
-    @torch.no_grad()
-    def _shadow_backward(self) -> None:
-        """A joined rank's side of one reducing backward of the others (torch's
-        ``_match_all_reduce_for_bwd_pass``): zeros for every bucket, then the same flags."""
-        for index, b in enumerate(self._buckets):
-            zeros = torch.zeros_like(b.buffer)  # not the buffer: this rank's gradients view it
-            if self._comm_hook is not None:
-                state, hook = self._comm_hook
-                hook_result(hook(state, GradBucket(index, len(self._buckets), zeros, b.params, b.offsets)),
-                            zeros, index)
-                continue
-            wire = zeros if self.wire_dtype is None else zeros.to(self.wire_dtype)
-            with comm.operation(self._bucket_name(index)):
-                comm.all_reduce(wire, self.group, checked=self._checks_desync(index))
-        if self._bucketed_experts:
-            with comm.operation("DDP expert gradient flags"):
-                comm.all_reduce(torch.zeros_like(self._expert_flags), self.group)
-        used = self._static_used
-        if self._tracks_usage():
-            used = torch.zeros_like(self._local_used)
-            with comm.operation("DDP unused-parameter flags"):
-                comm.all_reduce(used, self.group)
-        for name, p in self._sparse:
-            if used is None or used[self._flag_of[id(p)]] > 0:
-                with comm.operation(f"DDP sparse gradient {name}"):
-                    comm.all_reduce(_empty_sparse(p), self.group)
-
     # ------------------------------------------------------------------ user API
     def grad_norm_parts(self) -> GradParts:
         """After the all-reduce every replica holds the same gradients: the wrapped module's parts,
@@ -727,18 +418,6 @@ def _check_module(module: nn.Module, mesh: Mesh | None) -> None:
                          "parameters (use FullyShardedDataParallel for meta-device init)")
 
 
-def _empty_sparse(p: torch.Tensor) -> torch.Tensor:
-    """A sparse zero gradient of ``p``'s shape (what a rank without one contributes)."""
-    return torch.sparse_coo_tensor(torch.zeros(p.dim(), 0, dtype=torch.long, device=p.device),
-                                   torch.zeros(0, dtype=p.dtype, device=p.device), p.shape)
-
-
-def _warn_create_graph() -> None:
-    warnings.warn("DistributedDataParallel: backward(create_graph=True): the averaged gradients carry no "
-                  "autograd graph (higher-order terms are neither kept nor synchronized, as with torch's "
-                  "DDP); "
-                  "compute gradient penalties with torch.autograd.grad(..., create_graph=True) in the loss",
-                  stacklevel=3)
 
 
 def _call_alive(method: weakref.WeakMethod, t: torch.Tensor) -> None:
