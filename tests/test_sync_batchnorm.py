@@ -206,3 +206,46 @@ def test_buffers_of_a_full_state_dict_and_a_checkpoint_are_rank_0s(pools, tmp_pa
         for rank in range(2):
             torch.testing.assert_close(got[rank]["full"][name], want, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(dict(one.named_buffers())[name], want, rtol=0, atol=0, msg=name)
+
+
+def _bn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 2, 3, 3, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g,
+                                                                                   dtype=torch.float64)
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def bn_factory():
+    """A `plait check` factory: the model with per-rank BatchNorm."""
+    return _model(), _bn_batch, _mse
+
+
+def sync_bn_factory():
+    """The same model with its BatchNorm layers converted (over every rank; plain in one process)."""
+    return SyncBatchNorm.convert_sync_batchnorm(_model()), _bn_batch, _mse
+
+
+def _check_both() -> tuple:
+    import plait
+    from plait.testing import cached_mesh
+
+    mesh = cached_mesh(dp=2)
+    with plait.check.shared_reference():  # one reference process for both checks
+        return (plait.check(bn_factory, mesh=mesh, steps=2, batch_size=8),
+                plait.check(sync_bn_factory, mesh=mesh, steps=2, batch_size=8))
+
+
+def test_check_explains_batchnorm_divergence(pools):
+    """`plait check` of a BatchNorm model under DDP diverges (per-rank statistics) and says why:
+    it names the BatchNorm layers and the two ways to compare alike; converted to SyncBatchNorm
+    the same model passes."""
+    per_rank, synced = pools[2].run(_check_both)[0]
+    text = per_rank.format()
+    assert not per_rank.ok and "FAILED" in text
+    assert "note: the model has BatchNorm layers (1, 5)" in text, text
+    assert "plait.SyncBatchNorm.convert_sync_batchnorm(model)" in text and "per-rank statistics" in text
+    assert synced.ok, synced.format()
+    assert "BatchNorm" not in synced.format()

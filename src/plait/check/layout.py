@@ -28,7 +28,15 @@ from plait.check.common import (
     refuse_routing_in_half,
 )
 from plait.check.probe import Comparer, module_order
-from plait.check.report import CheckReport, StepDiff, first_divergence, tensor_diff, update_rounding
+from plait.check.report import (
+    CheckReport,
+    StepDiff,
+    batchnorm_note,
+    first_divergence,
+    per_rank_batchnorms,
+    tensor_diff,
+    update_rounding,
+)
 from plait.cp import shard as cp_shard
 from plait.env import init
 from plait.materialize import is_meta
@@ -66,6 +74,7 @@ class LayoutRun:
         splits = sp or any(self.mesh.size(a) > 1 for a in (*DATA_AXES, "cp", "pp"))
         modules = compared_modules(model, self.mesh.size("pp") > 1, splits)
         self.param_names = [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+        self.batchnorms = per_rank_batchnorms(model) if splits else []
         tokens, world = spec.batch_size * spec.seq, dist.get_world_size()
         computes_in = spec.plan.precision.param_dtype if spec.plan.precision is not None else spec.dtype
         self.tolerance, self.budget = tolerance_of(spec.tolerance, computes_in, model, tokens, world)
@@ -93,8 +102,9 @@ class LayoutRun:
                 order.setdefault(k.rpartition(".")[0], i)
         first = first_divergence(steps, initial, missing, self.tolerance, order)
         tolerances = [self.tolerance(i) for i in range(s.steps + 1)]
+        notes = [batchnorm_note(self.batchnorms)] if first is not None and self.batchnorms else []
         return CheckReport(s.label, self.label, str(s.dtype).replace("torch.", ""), tolerances[-1], s.lr,
-                           initial, steps, missing, first, tolerances, self.budget)
+                           initial, steps, missing, first, tolerances, self.budget, notes)
 
     def _step(self, step: int, before: State, ref_before: State,
               order: dict[str, int]) -> tuple[StepDiff, State, State, dict[str, int]]:

@@ -146,8 +146,14 @@ def _global_batch(spec: Spec, step: int, make_batch: BatchFn | None, vocab: int 
 @torch.no_grad()
 def _probe(model: nn.Module, recorder: Recorder, spec: Spec, inputs: Any, d: int) -> dict[str, Any]:
     """Every module's output on data slice ``d`` of the batch, microbatch by microbatch as a pipeline
-    runs it; the model's buffers and the random state are left as they were."""
-    mine = map_tensors(partial(chunk, m=spec.data_size, i=d), inputs)
+    runs it; the model's buffers and the random state are left as they were.
+
+    A model with `plait.SyncBatchNorm` layers normalizes with the whole batch's statistics in the
+    layout, so the slice's outputs are those of the whole batch, cut to the slice's rows (here, a
+    world of one, its layers are plain BatchNorm); one microbatch only (a pipeline's microbatches of
+    several ranks are not contiguous rows)."""
+    whole = spec.microbatches == 1 and _has_sync_batchnorm(model)
+    mine = inputs if whole else map_tensors(partial(chunk, m=spec.data_size, i=d), inputs)
     m = spec.microbatches
     saved = {k: b.clone() for k, b in model.named_buffers()}
     with torch.random.fork_rng(devices=[]):
@@ -157,8 +163,25 @@ def _probe(model: nn.Module, recorder: Recorder, spec: Spec, inputs: Any, d: int
         recorder.stop()
     for k, b in model.named_buffers():
         b.copy_(saved[k])
-    return {"outputs": [(name, call, recorder.order[(name, call)], [t.cpu() for t in ts])
+    rows = _rows(inputs)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return chunk(t, spec.data_size, d) if whole and t.dim() and t.shape[0] == rows else t
+
+    return {"outputs": [(name, call, recorder.order[(name, call)], [cut(t).cpu() for t in ts])
                         for (name, call), ts in recorder.outputs.items()]}
+
+
+def _has_sync_batchnorm(model: nn.Module) -> bool:
+    from plait.sync_batchnorm import SyncBatchNorm
+
+    return any(isinstance(m, SyncBatchNorm) for m in model.modules())
+
+
+def _rows(inputs: Any) -> int:
+    """The global batch's number of rows (its first tensor's dim 0)."""
+    first = next(iter(tensors_in(inputs)), None)
+    return int(first.shape[0]) if first is not None and first.dim() else -1
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["TensorDiff", "ActivationDiff", "StepDiff", "Divergence", "CheckReport", "tensor_diff",
-           "update_rounding", "first_divergence", "Tolerance"]
+           "update_rounding", "first_divergence", "Tolerance", "per_rank_batchnorms", "batchnorm_note"]
 
 Tolerance = Callable[[int], float]  # the step (0: the initial values) -> the largest relative difference
 
@@ -97,6 +97,7 @@ class CheckReport:
     first: Divergence | None = None
     tolerances: list[float] = field(default_factory=list)  # per step, from 0 (the initial values)
     budget: str = ""  # how the error budget was derived; empty for a tolerance given or float64's
+    notes: list[str] = field(default_factory=list)  # why the layout may differ by design (BatchNorm)
 
     @property
     def ok(self) -> bool:
@@ -130,6 +131,7 @@ class CheckReport:
                          f"{self._tol(self.tolerance)}")
         else:
             lines.append(f"first divergence: {self.first.describe()}")
+            lines += [f"note: {n}" for n in self.notes]
             lines.append(f"FAILED: differences above the tolerance "
                          f"{self._tol(self.tolerance_at(self.first.step))}")
         return "\n".join(lines)
@@ -296,3 +298,26 @@ def _first_over(diffs: Mapping[str, TensorDiff], tol: float) -> str | None:
 
 def _owner(name: str) -> str:
     return name.rpartition(".")[0]
+
+
+# ---------------------------------------------------------------------------- BatchNorm
+
+
+def per_rank_batchnorms(model: torch.nn.Module) -> list[str]:
+    """The BatchNorm layers of ``model`` that normalize with the statistics of the rows they see
+    (every BatchNorm but `plait.SyncBatchNorm`): per rank in a layout that splits the batch."""
+    from plait.sync_batchnorm import SyncBatchNorm
+
+    return [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, SyncBatchNorm)]
+
+
+def batchnorm_note(names: Sequence[str]) -> str:
+    """Why a layout with BatchNorm parts from one process, and the two ways to compare alike."""
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return (f"the model has BatchNorm layers ({shown}): in this layout each rank (or microbatch) normalizes "
+            "its own rows with their own statistics, BatchNorm's semantics under data parallelism, while "
+            "one process normalizes the whole batch (docs/batchnorm.md). To compare like with like, either "
+            "convert them in the factory with plait.SyncBatchNorm.convert_sync_batchnorm(model) (statistics "
+            "over every data rank, as one process), or compare against per-rank statistics: a reference "
+            "that runs each rank's rows through the BatchNorm layers separately")
