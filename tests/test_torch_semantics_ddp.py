@@ -875,3 +875,282 @@ def test_reentrant_checkpointing_with_find_unused_is_refused_as_torch(pools):
     ours = pools[2].run(_reentrant_unused, "plait")
     assert all("ready only once" in t for t in theirs), theirs
     assert all("parameter l2." in o and "use_reentrant=False" in o for o in ours), ours
+
+
+# ---------------------------------------------------------------------------------------------
+# more of torch's patterns, side by side
+
+
+def _train_both(build, steps: int, ours_kw=None, theirs_kw=None, loss=None, inputs=None) -> dict:
+    """Both wrappers, ``steps`` SGD steps on each rank's inputs; gradients after each backward and
+    the final state."""
+    rank = dist.get_rank()
+    loss = loss or (lambda out: out.pow(2).sum())
+    res = {}
+    for name, model in zip(("ours", "theirs"), _pair(build, ours_kw, theirs_kw)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        snaps = []
+        for it in range(steps):
+            opt.zero_grad()
+            x = inputs(rank, it) if inputs else _x(rank, it)
+            loss(model(x)).backward()
+            snaps.append(_grads(model.module))
+            opt.step()
+        res[name] = snaps + [_state(model.module)]
+    return res
+
+
+def _assert_same_runs(out: list[dict]) -> None:
+    for r, res in enumerate(out):
+        for i, (a, b) in enumerate(zip(res["ours"], res["theirs"], strict=True)):
+            _same(a, b, f"rank {r} snapshot {i}")
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8, bias=False)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def test_basic_training_matches_torch(pools):
+    """torch: distributed_test.py::_DistTestBase::test_DistributedDataParallelCPU and
+    test/distributed/test_c10d_gloo.py::DistributedDataParallelTest::test_gloo_backend_cpu_module.
+
+    Plain training: gradients at every step and parameters after three SGD steps equal torch's."""
+    _assert_same_runs(pools[2].run(_train_both, _Plain, 3))
+
+
+class _ZeroFeatures(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.empty = nn.Linear(4, 0)
+
+    def forward(self, x):
+        return self.fc(x).sum(1) + self.empty(x).sum(1)
+
+
+def test_zero_output_features_match_torch(pools):
+    """torch: distributed_test.py::_DistTestBase::test_ddp_zero_output_features.
+
+    A layer with no output features (parameters of zero elements) trains beside the others."""
+    _assert_same_runs(pools[2].run(_train_both, _ZeroFeatures, 2))
+
+
+class _NoGradOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4, bias=False)
+        self.fc2 = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        y = self.fc2(F.relu(self.fc1(x)))
+        return y.detach(), y.clone(), torch.ones(2, dtype=x.dtype), {"new": torch.zeros(1, dtype=x.dtype)}
+
+
+def _no_grad_outputs() -> dict:
+    res = {}
+    for i, kw in enumerate([{}, {"find_unused_parameters": True}, {"static_graph": True}]):
+        def loss(out):
+            assert not out[0].requires_grad and out[2].grad_fn is None
+            return (out[0] + out[1]).sum()
+        res[i] = _train_both(_NoGradOutput, 3, kw, kw, loss)
+    return res
+
+
+def test_outputs_without_grad_and_new_tensors_match_torch(pools):
+    """torch: distributed_test.py::_DistTestBase::test_ddp_returns_tensor_with_no_grad,
+    ::test_ddp_new_tensor_in_fwd and ::test_ddp_new_tensor_in_fwd_static_graph.
+
+    Outputs that do not require grad (detached, or made in forward) are returned as they are, under
+    every option, and the gradients equal torch's."""
+    out = pools[2].run(_no_grad_outputs)
+    for case in range(3):
+        _assert_same_runs([out[r][case] for r in range(2)])
+
+
+def _ignored_outputs(find_unused: bool) -> dict:
+    kw = {"find_unused_parameters": find_unused}
+    res = {}
+    # with find_unused_parameters, a model whose `temperature` forward never uses
+    for name, model in zip(("ours", "theirs"), _pair(_Temperature if find_unused else _Plain, kw, kw)):
+        for it in range(3):  # forwards whose outputs are dropped: no backward is owed
+            model(_x(0, it))
+        snaps = []
+        for it in range(3):
+            model(_x(dist.get_rank(), it)).pow(2).sum().backward()
+            snaps.append(_grads(model.module))
+        res[name] = snaps
+    return res
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_ignored_output_matches_torch(pools, find_unused):
+    """torch: test/distributed/test_c10d_gloo.py::DistributedDataParallelTest::test_ignored_output
+    and ::test_ignored_output_with_unused_parameters.
+
+    Forwards whose output is dropped owe no backward; training afterwards (with a parameter never
+    used, under find_unused_parameters) gives torch's gradients."""
+    _assert_same_runs(pools[2].run(_ignored_outputs, find_unused))
+
+
+class _Shared(nn.Module):
+    """One Linear reached through two attributes, and a module unused in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.again = self.shared
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.again(torch.tanh(self.shared(x)))
+
+
+def test_shared_parameters_with_unused_params_match_torch(pools):
+    """torch: distributed_test.py::_DistTestBase::test_ddp_shared_grad_acc_unused_params.
+
+    A module registered twice, plus an unused one, under find_unused_parameters: torch's gradients."""
+    kw = {"find_unused_parameters": True}
+    _assert_same_runs(pools[2].run(_train_both, _Shared, 3, kw, kw))
+
+
+class _ControlFlow(nn.Module):
+    """Which layer runs depends on the step (the same on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.step = 0
+
+    def forward(self, x):
+        self.step += 1
+        return (self.a if self.step % 2 else self.b)(x)
+
+
+def test_control_flow_same_across_ranks_matches_torch(pools):
+    """torch: distributed_test.py::_DistTestBase::test_ddp_control_flow_same_across_ranks.
+
+    Layers used on alternate steps, on every rank alike, with find_unused_parameters: torch's
+    gradients (a layer skipped this step keeps None, having been zeroed)."""
+    kw = {"find_unused_parameters": True}
+    _assert_same_runs(pools[2].run(_train_both, _ControlFlow, 4, kw, kw))
+
+
+class _Buffered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(4))
+
+    def forward(self, x):
+        self.seen += x.sum(0)  # differs per rank until DDP broadcasts rank 0's
+        return self.fc(x) * 2 + self.seen
+
+
+def _buffers(broadcast: bool, no_grad_every: int) -> dict:
+    rank = dist.get_rank()
+    kw = {"broadcast_buffers": broadcast}
+    res = {}
+    for name, model in zip(("ours", "theirs"), _pair(_Buffered, kw, kw)):
+        snaps = []
+        for it in range(4):
+            if no_grad_every and it % no_grad_every == 1:
+                with torch.no_grad():
+                    model(_x(rank, it, (3, 4)))
+            else:
+                with model.no_sync() if it == 2 else _nothing():
+                    model(_x(rank, it, (3, 4))).sum().backward()
+            snaps.append(_state(model.module))
+        res[name] = snaps
+    return res
+
+
+@pytest.mark.parametrize("broadcast,no_grad_every", [(True, 0), (True, 2), (False, 0)])
+def test_buffer_broadcast_matches_torch(pools, broadcast, no_grad_every):
+    """torch: distributed_test.py::_DistTestBase::test_ddp_broadcast_buffer,
+    ::test_ddp_inference and ::test_ddp_init_sync_buffers_with_forward_sync_buffers_false.
+
+    Buffers are broadcast from rank 0 before a forward that follows a reducing one (not after a
+    no_sync or torch.no_grad() forward), never with broadcast_buffers=False (but once at
+    construction): the buffers after every forward equal torch's on each rank."""
+    _assert_same_runs(pools[2].run(_buffers, broadcast, no_grad_every))
+
+
+def _join_options_more(kind: str) -> dict:
+    rank = dist.get_rank()
+    kw = {"find_unused_parameters": True} if kind == "find_unused" else (
+        {"broadcast_buffers": False} if kind == "no_buffers" else {})
+    res = {}
+    for name, model in zip(("ours", "theirs"), _pair(_BNNet, kw, kw)):
+        if kind == "hook":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            model.register_comm_hook(cached_mesh(dp=2).group("dp"), default_hooks.allreduce_hook)
+        res[name] = [_uneven(model, 1 + 2 * rank, True)]
+    return res
+
+
+@pytest.mark.parametrize("kind", ["find_unused", "hook", "no_buffers"])
+def test_join_with_options_matches_torch(pools, kind):
+    """torch: distributed_test.py::_DistTestBase::test_ddp_uneven_inputs (its find_unused and
+    comm-hook variants) and ::test_ddp_join_respects_forward_sync_buffers_false.
+
+    A rank that joined mirrors the unused-parameter flags and the communication hook's collectives;
+    with broadcast_buffers=False the final sync leaves each rank's buffers alone, as torch's."""
+    _assert_same_runs(pools[2].run(_join_options_more, kind))
+
+
+def _differs(what: str) -> None:
+    rank = dist.get_rank()
+    layers = [nn.Linear(4, 4) for _ in range(1 + rank)]
+    net = nn.Linear(4, 4 + rank) if what == "shape" else nn.Sequential(*layers)
+    DDP(net, cached_mesh(dp=2))
+
+
+@pytest.mark.parametrize("what", ["shape", "count"])
+def test_models_that_differ_across_ranks_are_refused(pools, what):
+    """torch: distributed_test.py::_DistTestBase::test_ddp_model_diff_shape_across_ranks and
+    ::test_ddp_model_diff_num_params_across_ranks.
+
+    Every rank raises at construction, naming the first parameter that differs."""
+    errors = pools[2].errors(_differs, what)
+    assert len(errors) == 2 and all("differs across ranks" in e for e in errors.values()), errors
+
+
+class _Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _nested_unused(ignore: bool) -> str:
+    names = [n for n, _ in _Nested().named_parameters() if n.startswith("inner.")]
+    model = DDP(_Nested().to(D), cached_mesh(dp=2), params_and_buffers_to_ignore=names if ignore else None)
+    try:
+        model(_x(0, 0)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_unused_parameters_without_detection_are_named(pools):
+    """torch: distributed_test.py::_DistTestBase::test_ddp_multiple_nested_unused_params_error,
+    ::test_ddp_multiple_nested_unused_params_err_ignore_params and
+    ::test_ddp_unused_params_rebuild_buckets_exception.
+
+    Without find_unused_parameters, nested unused parameters are an error naming each (plait: at
+    the end of that backward; torch: at the next forward); ignored, they are no error."""
+    out = pools[2].run(_nested_unused, False)
+    for text in out:
+        assert all(n in text for n in ("inner.0.weight", "inner.1.0.bias"))
+        assert "find_unused_parameters" in text
+    assert pools[2].run(_nested_unused, True) == ["no error", "no error"]
