@@ -41,6 +41,13 @@ def build_encoder(family: str, **extra) -> torch.nn.Module:
     elif family == "vit":
         model = t.ViTForImageClassification(t.ViTConfig(
             **{**common, "image_size": IMAGE, "patch_size": PATCH, "num_labels": LABELS, **extra}))
+    elif family in ("t5", "t5-untied", "t5-gated"):  # relative position biases, cross-attention
+        model = t.T5ForConditionalGeneration(t.T5Config(
+            vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+            use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+            **{"feed_forward_proj": "gated-gelu" if family == "t5-gated" else "relu", **extra}))
+        if family == "t5-untied":  # an lm_head of its own (transformers ties it to the embedding)
+            model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone())
     else:
         raise ValueError(family)
     return model.to(torch.float64)
@@ -53,6 +60,9 @@ def encoder_batch(family: str, step: int) -> tuple[dict[str, torch.Tensor], torc
     if family == "vit":
         return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g, dtype=torch.float64)}, labels
     ids, tgt = _batch(step)
+    if family.startswith("t5"):  # the decoder reads half as many positions as the encoder
+        decoder = torch.randint(0, VOCAB, (BATCH, ids.shape[1] // 2 + 1), generator=g)
+        return {"input_ids": ids, "decoder_input_ids": decoder[:, :-1]}, decoder[:, 1:]
     return {"input_ids": ids}, labels if family.endswith("-cls") else tgt
 
 
@@ -70,9 +80,18 @@ def test_bert_and_roberta_at_tp2_with_and_without_sp_match_single_process(pools)
     # BERT's attention computes its heads in `self` and projects them back in `output`, beside the
     # residual and the norm; its MLP is `intermediate` then `output`: each a region entered at its
     # first child. Before: plan_for refused them ("no nn.ModuleList of decoder layers").
-    runs = [(f, sp) for f in ("bert-mlm", "bert-cls", "roberta-mlm") for sp in (False, True)]
+    # The heads and RoBERTa's embeddings sit outside the sequence-parallel span: each with SP only.
+    runs = [("bert-mlm", False), ("bert-mlm", True), ("bert-cls", True), ("roberta-mlm", True)]
     out = pools[2].run(_tp2, runs)
     assert out[0] == out[1]  # the gathered parameters are the same on every rank
+
+
+def test_t5_at_tp2_with_and_without_sp_matches_single_process(pools):
+    # Each stack's first block makes a bias per head from relative positions: each rank looks up
+    # its heads' columns, and the bias goes whole from block to block; the decoder's cross-attention
+    # reads the encoder's output through f. The lm_head tied to the shared embedding (T5's default)
+    # and an lm_head of its own; T5 v1.1's gated MLP (wi_0, wi_1, wo). Before: refused.
+    pools[2].run(_tp2, [("t5", False), ("t5", True), ("t5-untied", True), ("t5-gated", False)])
 
 
 def test_vit_at_tp2_with_and_without_sp_matches_single_process(pools):
@@ -84,14 +103,21 @@ def test_vit_at_tp2_with_and_without_sp_matches_single_process(pools):
 # ------------------------------------------------------------------ plans, checked without spawning
 def test_every_encoder_is_planned_and_checked_without_spawning():
     import plait
-    from plait.tp import AttentionParallel, ParallelRegion, ScatterSequence, VocabParallelOutput, check_plan
+    from plait.tp import (
+        AttentionParallel,
+        HeadEmbedding,
+        ParallelRegion,
+        ScatterSequence,
+        VocabParallelOutput,
+        check_plan,
+    )
 
-    for family in ("bert-mlm", "bert-cls", "roberta-mlm", "vit"):
+    for family in ("bert-mlm", "bert-cls", "roberta-mlm", "vit", "t5", "t5-untied", "t5-gated"):
         model = build_encoder(family)
         plan = plait.plan_for(model)
         inputs = encoder_batch(family, 0)[0]
-        for sp in (False, True):
-            check_plan(model, plan, tp=2, sequence_parallel=sp, example_inputs=inputs)
+        for sp in (False, True):  # the numeric check runs in the parity tests
+            check_plan(model, plan, tp=2, sequence_parallel=sp, example_inputs=inputs, numeric=False)
         if family == "bert-mlm":  # regions entered at their first child; the tied decoder split by vocabulary
             assert plan["bert.encoder.layer.*.attention"].entry == "self"
             assert isinstance(plan["bert.encoder.layer.*.attention"], AttentionParallel)
@@ -103,6 +129,14 @@ def test_every_encoder_is_planned_and_checked_without_spawning():
             assert not any(k.startswith(("bert.pooler", "classifier")) for k in plan)
         if family == "vit":
             assert "classifier" not in plan and "vit.layers.*.attention.q_proj" in plan
+        if family.startswith("t5"):  # the relative position biases split by heads, in block 0 only
+            blocks = "decoder.block.{}.layer.0.SelfAttention"
+            assert isinstance(plan[blocks.format(0) + ".relative_attention_bias"], HeadEmbedding)
+            assert blocks.format(1) + ".relative_attention_bias" not in plan
+            cross = plan["decoder.block.1.layer.1.EncDecAttention"]
+            assert cross.kv_inputs == ("key_value_states",) and cross.head_bias == "position_bias"
+            tied = model.lm_head.weight is model.shared.weight
+            assert tied == (family != "t5-untied") and isinstance(plan["lm_head"], VocabParallelOutput)
 
 
 def _refused(case: str) -> tuple[torch.nn.Module, dict]:
@@ -158,12 +192,5 @@ def test_what_plan_for_does_not_split_is_refused_by_name():
     with pytest.raises(ValueError, match=r"cannot place module 'bert.encoder.layer.0.crossattention' "
                                          r"\(BertAttention\): .*data or fully sharded parallelism"):
         plait.plan_for(decoder)
-    # T5: an encoder and a decoder whose cross-attention reads the encoder's states (before: "the
-    # decoder layer holds an attention but no MLP", naming T5's attention sublayer).
-    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0))
-    with pytest.raises(ValueError, match=r"cannot place T5ForConditionalGeneration: it holds an encoder and a "
-                                         r"decoder .*data or fully sharded parallelism"):
-        plait.plan_for(t5)
     # ViT's message named its 3 labels as a vocabulary ("expected one token embedding with 3 rows").
     assert "vit.layers.0" in plait.plan_for(build_encoder("vit"))

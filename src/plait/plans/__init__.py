@@ -6,7 +6,7 @@ from torch import nn
 
 from plait.plans.causal_lm import causal_lm_plan
 from plait.plans.encoder import bert_layers, bert_plan, encoder_decoder, is_vision, vision_plan
-from plait.plans.structure import NotPlaced
+from plait.plans.seq2seq import seq2seq_plan
 from plait.tp.styles import (
     ColwiseParallel,
     ParallelRegion,
@@ -35,11 +35,7 @@ def plan_for(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Styl
         return gpt_plan(model.cfg, loss_parallel=loss_parallel)
     seq2seq = encoder_decoder(model)
     if seq2seq is not None:
-        where = f"its {seq2seq!r}" if seq2seq else "it"
-        raise NotPlaced(f"plan_for: cannot place {type(model).__name__}: {where} holds an encoder and a "
-                        "decoder (T5, BART), whose cross-attention reads the encoder's output, and plan_for "
-                        "plans encoders and decoders on their own only; train this model with data or fully "
-                        "sharded parallelism (DDP, FSDP) instead, or write a plan by hand")
+        return seq2seq_plan(model, seq2seq, loss_parallel=loss_parallel)
     if bert_layers(model) is not None:
         return bert_plan(model, loss_parallel=loss_parallel)
     if is_vision(model):

@@ -46,7 +46,7 @@ from plait.plans.structure import (
     same_blocks,
     sizes,
 )
-from plait.tp.attention import AttentionParallel, HeadNorm, SplitRMSNorm
+from plait.tp.attention import AttentionParallel, HeadEmbedding, HeadNorm, SplitRMSNorm
 from plait.tp.experts import MoEParallel, SplitParams
 from plait.tp.layers import linear_layout
 from plait.tp.sequence import GatherSequence, ScatterSequence
@@ -61,7 +61,8 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["causal_lm_plan", "final_norm", "layers_plan"]
+__all__ = ["attention_kind", "attention_plan", "causal_lm_plan", "final_norm", "layers_plan", "mlp_kind",
+           "mlp_plan"]
 
 SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("wq", "wk", "wv"),
                 ("q", "k", "v"))
@@ -72,16 +73,20 @@ FUSED_QKV = ("qkv_proj", "c_attn", "W_pack", "Wqkv")  # [q | k | v]
 # trained at); the attention splits the projection's output into that many groups itself.
 QKV_GROUPS = ("mp_num",)
 PER_HEAD_QKV = ("query_key_value",)  # GPT-NeoX: [q k v] of head 0, of head 1...
-GATED_MLP = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+GATED_MLP = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("wi_0", "wi_1", "wo"))
 FUSED_GATED_MLP = (("gate_up_proj", "down_proj"),)  # [gate | up]
 PLAIN_MLP = (("c_fc", "c_proj"), ("fc1", "fc2"), ("dense_h_to_4h", "dense_4h_to_h"), ("fc_in", "fc_out"),
-             ("up_proj", "down_proj"))
+             ("up_proj", "down_proj"), ("wi", "wo"))
 # Attention inputs laid out (batch * heads, ...) by the model, for all heads: Bloom's ALiBi biases.
 HEAD_INPUTS = ("alibi",)
+# An additive bias of all heads, (batch, heads, q, k), that the attention takes and returns (T5's).
+HEAD_BIAS = ("position_bias",)
+# Another activation the key and value projections read: a cross-attention's encoder states (T5's).
+KV_INPUTS = ("key_value_states",)
 
 
 # ------------------------------------------------------------------ attention and MLP
-def _attention_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
+def attention_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
     lin = linears(mod)
     out = next((o for o in ATTN_OUT if o in lin), None)
     if out is None:
@@ -98,7 +103,7 @@ def _attention_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
     return None
 
 
-def _mlp_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
+def mlp_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
     lin = linears(mod)
     for kind, table in (("gated", GATED_MLP), ("fused_gated", FUSED_GATED_MLP), ("plain", PLAIN_MLP)):
         for names in table:
@@ -107,8 +112,8 @@ def _mlp_kind(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
     return None
 
 
-def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -> dict[str, Style]:
-    found = _attention_kind(attn)
+def attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -> dict[str, Style]:
+    found = attention_kind(attn)
     assert found is not None
     kind, names = found
     heads, kv, d = geometry(model, attn, name, hidden)
@@ -130,10 +135,12 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
                                 f"{sizes(lin[names[-1]])[0]} inputs to {names[-1]!r}, which do not fit "
                                 f"{heads} heads and {kv} KV heads of {d} features")
     groups = _qkv_groups(attn, name, heads, kv) if kind == "fused" else 1
-    head_inputs = tuple(n for n in HEAD_INPUTS if n in inspect.signature(attn.forward).parameters)
-    plan: dict[str, Style] = {"": AttentionParallel(heads=heads, kv_heads=kv, head_dim=d, head_groups=groups,
-                                                    attrs=head_attrs(attn, heads, kv, d),
-                                                    head_inputs=head_inputs)}
+    signature = inspect.signature(attn.forward).parameters
+    head_inputs = tuple(n for n in HEAD_INPUTS if n in signature)
+    plan: dict[str, Style] = {"": AttentionParallel(
+        heads=heads, kv_heads=kv, head_dim=d, head_groups=groups, attrs=head_attrs(attn, heads, kv, d),
+        head_inputs=head_inputs, head_bias=next((n for n in HEAD_BIAS if n in signature), ""),
+        kv_inputs=tuple(n for n in KV_INPUTS if n in signature))}
     out_parts: tuple[int, ...] = ()
     if kind == "separate":
         q, k, v, o = names
@@ -156,7 +163,11 @@ def _attention_plan(model: nn.Module, attn: nn.Module, name: str, hidden: int) -
     plan[o] = RowwiseParallel(unit=d, what="attention heads", parts=out_parts)
     norms = _head_norms(attn, name, heads, kv, d)
     plan.update(norms)
-    only_known_params(attn, name, set(names) | set(norms))
+    # An embedding of one column per head: T5's relative_attention_bias.
+    biases = {n: HeadEmbedding(heads=heads) for n, c in attn.named_children()
+              if isinstance(c, nn.Embedding) and c.embedding_dim == heads}
+    plan.update(biases)
+    only_known_params(attn, name, set(names) | set(norms) | set(biases))
     return plan
 
 
@@ -193,8 +204,8 @@ def _qkv_groups(attn: nn.Module, name: str, heads: int, kv: int) -> int:
     return groups
 
 
-def _mlp_plan(mlp: nn.Module, name: str) -> dict[str, Style]:
-    found = _mlp_kind(mlp)
+def mlp_plan(mlp: nn.Module, name: str) -> dict[str, Style]:
+    found = mlp_kind(mlp)
     assert found is not None
     kind, names = found
     plan: dict[str, Style] = {"": ParallelRegion(), names[-1]: RowwiseParallel()}
@@ -214,12 +225,12 @@ def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
             block = mod[0]
             kids = list(block.children())
-            mlp = any(_mlp_kind(c) or _is_moe(c) for c in kids) or _mlp_kind(block)  # OPT's: in the layer
-            if any(_attention_kind(c) for c in kids) and mlp:
+            mlp = any(mlp_kind(c) or _is_moe(c) for c in kids) or mlp_kind(block)  # OPT's: in the layer
+            if any(attention_kind(c) for c in kids) and mlp:
                 return name, mod
     for name, mod in model.named_modules():  # say what the closest candidate lacks
         candidate = mod[0] if isinstance(mod, nn.ModuleList) and len(mod) > 0 else None
-        if candidate is not None and any(_attention_kind(c) for c in candidate.children()):
+        if candidate is not None and any(attention_kind(c) for c in candidate.children()):
             loose = sorted(linears(candidate))
             where = f" (its linear layers {loose} are not an MLP's)" if loose else ""
             raise fail(f"{name}.0", candidate,
@@ -263,8 +274,8 @@ def _moe_plan(moe: nn.Module, name: str, hidden: int) -> dict[str, Style]:
             if any(has_params(c) for c in child.children()):
                 raise fail(where, child, "experts with submodules holding parameters")
             plan[cname] = SplitParams(dims=tuple(dims))
-        elif _mlp_kind(child):  # a shared expert, which every token goes through
-            kind, names = _mlp_kind(child)  # type: ignore[misc]
+        elif mlp_kind(child):  # a shared expert, which every token goes through
+            kind, names = mlp_kind(child)  # type: ignore[misc]
             lin = linears(child)
             for n in names:
                 layout = linear_layout(lin[n])
@@ -289,7 +300,7 @@ def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, St
     if any(True for _ in block.parameters(recurse=False)):
         raise fail(prefix, block, "the decoder layer owns parameters of its own")
     hidden = _hidden(block)
-    inline = () if any(_mlp_kind(c) or _is_moe(c) for c in block.children()) else _mlp_kind(block)
+    inline = () if any(mlp_kind(c) or _is_moe(c) for c in block.children()) else mlp_kind(block)
     if inline:  # OPT: fc1 and fc2 in the layer itself, which is then the region (without f)
         kind, names = inline
         plan[""] = InlineMLP()
@@ -302,13 +313,13 @@ def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, St
         where = f"{prefix}.{cname}"
         if inline and cname in inline[1]:
             continue
-        if attn is None and _attention_kind(child):
+        if attn is None and attention_kind(child):
             attn = cname
             plan.update({f"{cname}.{k}" if k else cname: s
-                         for k, s in _attention_plan(model, child, where, hidden).items()})
-        elif mlp is None and (_mlp_kind(child) or _is_moe(child)):
+                         for k, s in attention_plan(model, child, where, hidden).items()})
+        elif mlp is None and (mlp_kind(child) or _is_moe(child)):
             mlp = cname
-            sub = _moe_plan(child, where, hidden) if _is_moe(child) else _mlp_plan(child, where)
+            sub = _moe_plan(child, where, hidden) if _is_moe(child) else mlp_plan(child, where)
             plan.update({f"{cname}.{k}" if k else cname: s for k, s in sub.items()})
         elif is_norm(child) or isinstance(child, nn.Dropout):
             plan[cname] = SequenceParallel()
@@ -320,8 +331,8 @@ def _layer_plan(model: nn.Module, block: nn.Module, prefix: str) -> dict[str, St
 
 def _hidden(block: nn.Module) -> int:
     """The model's width: the output size of the attention's output projection."""
-    attn = next(c for c in block.children() if _attention_kind(c))
-    found = _attention_kind(attn)
+    attn = next(c for c in block.children() if attention_kind(c))
+    found = attention_kind(attn)
     assert found is not None
     return sizes(linears(attn)[found[1][-1]])[1]
 

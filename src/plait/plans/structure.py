@@ -17,7 +17,8 @@ __all__ = ["NotPlaced", "fail", "linears", "sizes", "is_norm", "has_params", "co
 HEAD_ATTRS = {"num_heads": "heads", "num_attention_heads": "heads", "n_head": "heads",
               "num_key_value_heads": "kv_heads", "num_kv_heads": "kv_heads", "num_key_value_groups": "groups",
               "kv_heads": "kv_heads", "split_size": "width", "embed_dim": "width", "n_embd": "width",
-              "hidden_size": "width", "kv_dim": "kv_width", "all_head_size": "width"}
+              "hidden_size": "width", "kv_dim": "kv_width", "all_head_size": "width", "n_heads": "heads",
+              "inner_dim": "width"}
 CONFIG_ATTRS = {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads"}
 
 
@@ -69,7 +70,7 @@ def geometry(model: nn.Module, attn: nn.Module, name: str, hidden: int) -> tuple
     # The attention's own KV count first: Falcon's config says 4 KV heads where its multi-query
     # attention uses 1.
     kv = count(sources[::-1], ("num_key_value_heads", "num_kv_heads", "n_head_kv", "kv_heads")) or heads
-    dim = count(sources, ("head_dim", "head_size")) or hidden // heads
+    dim = count(sources, ("head_dim", "head_size", "d_kv", "key_value_proj_dim")) or hidden // heads
     return heads, kv, dim
 
 

@@ -2,7 +2,7 @@
 
 from plait.placement.records import TPInfo, tp_info, tp_module
 from plait.tp.apply import assign_styles, check_plan, loss_fn_for, tensor_parallel, validate_styles
-from plait.tp.attention import AttentionParallel, HeadNorm, SplitRMSNorm
+from plait.tp.attention import AttentionParallel, HeadEmbedding, HeadNorm, SplitRMSNorm
 from plait.tp.context import Style
 from plait.tp.dryrun import PlanError
 from plait.tp.experts import MoEParallel, SplitParams
@@ -21,5 +21,5 @@ from plait.tp.styles import (
 __all__ = ["tensor_parallel", "check_plan", "validate_styles", "PlanError", "assign_styles", "loss_fn_for",
            "tp_info", "tp_module", "TPInfo", "vocab_parallel_cross_entropy", "Style", "ColwiseParallel",
            "RowwiseParallel", "VocabParallelEmbedding", "VocabParallelOutput", "SequenceParallel",
-           "ParallelRegion", "InlineMLP", "AttentionParallel", "HeadNorm", "SplitRMSNorm", "MoEParallel",
-           "SplitParams", "ScatterSequence", "GatherSequence"]
+           "ParallelRegion", "InlineMLP", "AttentionParallel", "HeadEmbedding", "HeadNorm", "SplitRMSNorm",
+           "MoEParallel", "SplitParams", "ScatterSequence", "GatherSequence"]

@@ -25,6 +25,7 @@ along the sequence, and norms and dropouts run on sequence shards.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -182,9 +183,9 @@ def check_plan(module: nn.Module, plan: Plan, *, tp: int, sequence_parallel: boo
     ``example_inputs``: the forward's arguments, as a tensor, a tuple of positional arguments
     or a dict of keyword arguments (their values are not used, only shapes and dtypes); by
     default token ids of shape ``(1, 2 * tp)`` when ``forward``'s first parameter is named like
-    token ids (``input_ids``, ``idx``...). Under sequence parallelism, floating-point inputs
-    count as this rank's sequence shard unless the plan splits the sequence itself (a
-    `ScatterSequence` or a `VocabParallelEmbedding`).
+    token ids (``input_ids``, ``idx``...), and as ``decoder_input_ids`` when it takes those.
+    Under sequence parallelism, floating-point inputs count as this rank's sequence shard unless
+    the plan splits the sequence itself (a `ScatterSequence` or a `VocabParallelEmbedding`).
 
     ``numeric`` (default): also verify each distinct unit by its numbers (`plait.tp.numeric`).
     """
@@ -226,7 +227,10 @@ def _example_inputs(module: nn.Module, n: int, given: Any) -> tuple[tuple, dict]
     if given is None:
         if activation_name(module) not in TOKEN_INPUTS:
             return None
-        return (torch.zeros(1, 2 * n, dtype=torch.long, device="meta"),), {}
+        ids = torch.zeros(1, 2 * n, dtype=torch.long, device="meta")
+        # An encoder-decoder (T5) needs its decoder's ids too.
+        decoder = "decoder_input_ids" in inspect.signature(module.forward).parameters
+        return (ids,), {"decoder_input_ids": ids} if decoder else {}
     if isinstance(given, torch.Tensor):
         return (given,), {}
     if isinstance(given, dict):

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from plait.placement.shards import ShardSpec, make_spec
-from plait.tp.collectives import sum_over_tp
+from plait.tp.collectives import copy_to_tp, gather_from_tp, scatter_to_tp, sum_over_tp
 from plait.tp.context import Style, TPContext
 from plait.tp.styles import ParallelRegion
 
-__all__ = ["AttentionParallel", "HEAD_COUNTS", "HeadNorm", "SplitRMSNorm"]
+__all__ = ["AttentionParallel", "HEAD_COUNTS", "HeadEmbedding", "HeadNorm", "SplitRMSNorm"]
 
 EPS_ATTRS = ("variance_epsilon", "eps", "epsilon")
 
@@ -47,6 +47,20 @@ class AttentionParallel(ParallelRegion):
     (Bloom's ``alibi``: each head's ALiBi bias, built by the model for all heads): each rank
     gets the rows of its own heads, as its query and key projections give it their heads; one
     passed as None is left alone.
+
+    ``head_bias``: an argument of forward holding an additive bias of every head, laid out
+    (batch or 1, heads, queries, keys), that the attention also returns, as output
+    ``bias_out``, for the next layers to reuse (T5's ``position_bias``, which the first layer of
+    each stack computes from its ``relative_attention_bias``, `HeadEmbedding`). Every rank passes
+    its heads' part in (backward: the gradient all-gathered), and returns the bias whole: the one
+    it was given, or, when the attention made it for its own heads, all-gathered over tp (once per
+    stack and kind of attention). Between layers the bias is then the same on every rank, as one
+    process has it.
+
+    ``kv_inputs``: arguments of forward holding another replicated activation that the key and
+    value projections read (a cross-attention's encoder states): each enters through f as the
+    attention's own input does (copy: forward identity, backward all-reduce), whole-length with
+    sequence parallelism too.
     """
 
     heads: int = 0
@@ -55,6 +69,9 @@ class AttentionParallel(ParallelRegion):
     attrs: tuple[tuple[str, str], ...] = ()
     head_groups: int = 1
     head_inputs: tuple[str, ...] = ()
+    head_bias: str = ""
+    bias_out: int = 1
+    kv_inputs: tuple[str, ...] = ()
 
     def counts(self, n: int) -> dict[str, int]:
         """Every count of `HEAD_COUNTS` on one of ``n`` ranks."""
@@ -101,6 +118,48 @@ class AttentionParallel(ParallelRegion):
             _assign(mod, path, local[what])
         if self.head_inputs:
             mod.register_forward_pre_hook(self._own_heads_hook(mod, name, ctx), with_kwargs=True)
+        if self.kv_inputs:
+            mod.register_forward_pre_hook(self._kv_hook(mod, ctx), with_kwargs=True)
+        if self.head_bias:
+            self._install_head_bias(mod, name, ctx)
+
+    def _kv_hook(self, mod: nn.Module, ctx: TPContext) -> Any:
+        """A pre-hook passing each of `kv_inputs` through f (`copy_to_tp`)."""
+        params = list(inspect.signature(mod.forward).parameters)
+
+        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+            for key in self.kv_inputs:
+                args, kwargs = _map_arg(params, args, kwargs, key, lambda t: copy_to_tp(t, ctx.group))
+            return args, kwargs
+
+        return hook
+
+    def _install_head_bias(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        """Hooks giving the attention its heads of `head_bias` and returning the bias whole."""
+        params = list(inspect.signature(mod.forward).parameters)
+        given: list[torch.Tensor | None] = []  # the whole bias of each call in flight
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() != 4 or t.shape[1] != self.heads:
+                raise ValueError(f"{name}: {self.head_bias!r} has shape {tuple(t.shape)}, not (batch, "
+                                 f"{self.heads} heads, queries, keys)")
+            given[-1] = t
+            return scatter_to_tp(t.movedim(1, -1), ctx.group).movedim(-1, 1)
+
+        def before(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+            given.append(None)
+            return _map_arg(params, args, kwargs, self.head_bias, own)
+
+        def after(_m: nn.Module, _args: Any, out: Any) -> Any:
+            whole = given.pop() if given else None
+            if not isinstance(out, tuple) or not isinstance(out[self.bias_out], torch.Tensor):
+                return out
+            bias = whole if whole is not None else gather_from_tp(
+                out[self.bias_out].movedim(1, -1).contiguous(), ctx.group).movedim(-1, 1)
+            return (*out[:self.bias_out], bias, *out[self.bias_out + 1:])
+
+        mod.register_forward_pre_hook(before, with_kwargs=True)
+        mod.register_forward_hook(after, always_call=True)
 
     def _own_heads_hook(self, mod: nn.Module, name: str, ctx: TPContext) -> Any:
         """A pre-hook giving the attention its heads' rows of each of `head_inputs`."""
@@ -136,6 +195,43 @@ class AttentionParallel(ParallelRegion):
             return tuple(pos), kwargs
 
         return hook
+
+
+def _map_arg(params: list[str], args: tuple[Any, ...], kwargs: dict[str, Any], key: str,
+             fn: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the tensor passed as ``key`` (by keyword, or by position in
+    ``params``) replaced by ``fn`` of it; None or absent is left alone."""
+    if isinstance(kwargs.get(key), torch.Tensor):
+        return args, {**kwargs, key: fn(kwargs[key])}
+    i = params.index(key) if key in params else len(args)
+    if i < len(args) and isinstance(args[i], torch.Tensor):
+        return (*args[:i], fn(args[i]), *args[i + 1:]), kwargs
+    return args, kwargs
+
+
+@dataclass(frozen=True)
+class HeadEmbedding(Style):
+    """An embedding with one column per head inside an attention split by heads (T5's
+    ``relative_attention_bias``: a bias per relative-position bucket and head): kept whole on
+    every rank, its lookup narrowed to this rank's heads (`scatter_to_tp`; backward all-gathers
+    the gradient, so the weight's gradient is whole on every rank, as a replicated one's is)."""
+
+    heads: int = 0
+    expects = (nn.Embedding,)
+
+    def validate(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        super().validate(mod, name, ctx)
+        assert isinstance(mod, nn.Embedding)
+        if mod.embedding_dim != self.heads or self.heads % ctx.size:
+            raise ValueError(f"plan: {self!r} on {name!r}: {mod.embedding_dim} columns cannot be split as "
+                             f"{self.heads} heads across tp={ctx.size}")
+        parts = name.split(".")
+        if not any(isinstance(ctx.assigned.get(".".join(parts[:i])), AttentionParallel)
+                   for i in range(len(parts))):
+            raise ValueError(f"plan: {self!r} on {name!r} needs an AttentionParallel around it")
+
+    def install(self, mod: nn.Module, name: str, ctx: TPContext) -> None:
+        mod.register_forward_hook(lambda _m, _a, y: scatter_to_tp(y, ctx.group))
 
 
 @dataclass(frozen=True)
