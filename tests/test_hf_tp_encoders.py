@@ -10,8 +10,11 @@ reorders sums).
 Families: BERT with its masked-LM head (the decoder tied to the word embedding, its bias registered
 twice) and with a sequence-classification head (pooler, 3 labels), RoBERTa's masked LM (positions
 counted from the padding id), ViT's image classification (patch embedding, class token, 3 labels:
-9 patches and the class token, 10 positions, so the sequence splits over tp=2). What must be
-refused is checked without spawning: `plait.tp.check_plan` needs no process group.
+9 patches and the class token, 10 positions, so the sequence splits over tp=2), and T5 (relative
+position biases made by each stack's first block and reused by the others, the decoder's
+cross-attention, its lm_head tied to the shared embedding or its own, a ReLU or a gated MLP;
+16 encoder and 8 decoder positions). What must be refused is checked without spawning:
+`plait.tp.check_plan` needs no process group.
 """
 
 from __future__ import annotations
@@ -192,5 +195,12 @@ def test_what_plan_for_does_not_split_is_refused_by_name():
     with pytest.raises(ValueError, match=r"cannot place module 'bert.encoder.layer.0.crossattention' "
                                          r"\(BertAttention\): .*data or fully sharded parallelism"):
         plait.plan_for(decoder)
+    # BART, an encoder-decoder whose layers hold their MLP inline, not T5's lists of sublayers.
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64))
+    with pytest.raises(ValueError, match=r"cannot place module 'model.encoder' \(BartEncoder\): .*data or "
+                                         "fully sharded parallelism"):
+        plait.plan_for(bart)
     # ViT's message named its 3 labels as a vocabulary ("expected one token embedding with 3 rows").
     assert "vit.layers.0" in plait.plan_for(build_encoder("vit"))
