@@ -61,6 +61,22 @@ NOT_PORTED = {
     f"{GLOO}::test_ignored_sharded_tensor": "ShardedTensor on CUDA",
     f"{GLOO}::test_save_load_checkpoint": "CUDA only; plait's state_dict round trip is in test_checkpoint",
     f"{GLOO}::test_ddp_comm_hook_future_passing_gpu_gloo": "CUDA half of the CPU test ported",
+    f"{GLOO}::test_ddp_comm_hook_sparse_gradients": "plait refuses a comm hook with sparse gradients",
+    f"{GLOO}::test_sparse_gradients_grad_is_view": "no gradient_as_bucket_view: .grad is a view",
+    f"{GLOO}::test_gloo_backend_cpu_module_grad_is_view": "gradient_as_bucket_view is not an option",
+    f"{SRC}::test_ddp_hook_pickling_powerSGD": "a copied plait DDP drops its comm hook (registered again)",
+    f"{SRC}::test_detect_ddp_is_actually_static": "reads torch's DDP logger (can_set_static_graph)",
+    f"{SRC}::test_sync_bn_logged": "torch's DDP logger",
+    f"{SRC}::test_ddp_sync_bn_training_vs_eval": "profiler event names of torch's SyncBatchNorm",
+    f"{SRC}::test_DistributedDataParallel_with_amp_and_grad_is_view": "CUDA autocast and GradScaler",
+    f"{SRC}::test_ddp_hook_with_optimizer_parity_adam": "_hook_then_optimizer (private torch API)",
+    f"{SRC}::test_ddp_hook_with_optimizer_parity_adamw": "_hook_then_optimizer (private torch API)",
+    f"{SRC}::test_ddp_native_mixed_precision_grad_as_bucket_view_no_set_grad_none":
+        "DDP(mixed_precision=) is torch-internal; plait.mixed_precision has its own tests",
+    f"{SRC}::test_ddp_update_process_group_default_group": "torch's private _update_process_group",
+    f"{SRC}::test_ddp_forward_backward_hook": "CUDA only; DDP calls the module as is",
+    f"{SRC}::test_ddp_sync_module_states": "torch's private _sync_module_states helper",
+    f"{SRC}::test_skip_all_reduce_unused_parameters": "torch's reducer option skip_all_reduce_unused_params",
 }
 
 
@@ -283,8 +299,9 @@ def _join_bn(steps: list[int], by_world: bool) -> dict:
 
 @pytest.mark.parametrize("by_world", [True, False])
 def test_join_with_batchnorm_matches_torch(pools, by_world):
-    """torch: distributed_test.py::_DistTestBase::test_ddp_uneven_inputs (its BatchNorm model) and
-    ::test_ddp_uneven_inputs_stop_iteration_sync_bn, ::test_ddp_grad_div_uneven_inputs.
+    """torch: distributed_test.py::_DistTestBase::test_ddp_uneven_inputs (its BatchNorm model),
+    ::test_ddp_join_model_equivalence, ::test_ddp_uneven_inputs_stop_iteration_sync_bn and
+    ::test_ddp_grad_div_uneven_inputs.
 
     Rank 0 has 2 batches, rank 1 has 4: parameters and BatchNorm running statistics end equal to
     torch's on both ranks and across ranks (before: the buffers were broadcast from rank 0 after it
@@ -1154,3 +1171,107 @@ def test_unused_parameters_without_detection_are_named(pools):
         assert all(n in text for n in ("inner.0.weight", "inner.1.0.bias"))
         assert "find_unused_parameters" in text
     assert pools[2].run(_nested_unused, True) == ["no error", "no error"]
+
+
+class _TwoForwards(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.relu(self.lin(x))
+
+
+def _multi_forward(kw: dict) -> dict:
+    rank = dist.get_rank()
+    res = {}
+    for name, model in zip(("ours", "theirs"), _pair(_TwoForwards, kw, kw)):
+        snaps = []
+        for it in range(3):
+            model.zero_grad()
+            (model(_x(rank, it)).sum() + model(_x(rank, it + 5)).sum()).backward()
+            snaps.append(_grads(model.module))
+        res[name] = snaps
+    return res
+
+
+@pytest.mark.parametrize("kw", [{}, {"static_graph": True}], ids=["plain", "static_graph"])
+def test_two_forwards_one_backward_match_torch(pools, kw):
+    """torch: distributed_test.py::_DistTestBase::test_static_graph_multi_forward.
+
+    Two forwards, one backward of their summed losses: torch's gradients, with and without
+    static_graph."""
+    _assert_same_runs(pools[2].run(_multi_forward, kw))
+
+
+class _OnesBranch(nn.Module):
+    """Uses ``b`` only for an input of ones: a graph that changes with the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) if bool((x == 1).all()) else h
+
+
+def _changing_graph(first_ones: bool) -> str:
+    model = DDP(_OnesBranch().to(D), cached_mesh(dp=2), static_graph=True)
+    try:
+        for i in range(2):
+            ones = (i % 2 == 0) == first_ones
+            x = torch.ones(3, 4, dtype=D) if ones else _x(dist.get_rank(), i)
+            model(x).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("first_ones", [False, True])
+def test_static_graph_that_changes_is_refused(pools, first_ones):
+    """torch: distributed_test.py::_DistTestBase::test_invalid_static_graph.
+
+    With static_graph, a parameter the first step did not use getting a gradient later, or one it
+    used getting none, raises "your training graph has changed in this iteration", naming it."""
+    for text in pools[2].run(_changing_graph, first_ones):
+        assert "training graph has changed in this iteration" in text and " b." in text, text
+
+
+class _Stateless(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(1, 1)
+        self.register_buffer("buffer", torch.ones(1))
+
+    def forward(self, x):
+        return self.l1(x) + self.buffer
+
+
+def _stateless() -> dict:
+    res = {}
+    for name, model in zip(("ours", "theirs"), _pair(_Stateless)):
+        x = torch.full((1, 1), 0.25, dtype=D)
+        swapped = {"module.l1.weight": torch.ones(1, 1, dtype=D, requires_grad=True),
+                   "module.l1.bias": torch.zeros(1, dtype=D, requires_grad=True),
+                   "module.buffer": torch.zeros(1, dtype=D)}
+        before = _state(model.module)
+        out = torch.func.functional_call(model, swapped, x)
+        out.sum().backward()
+        model(x).sum().backward()  # and the module's own parameters still train afterwards
+        res[name] = [{"out": out.detach(), **{k: v.grad for k, v in swapped.items()}},
+                     {k: v for k, v in _state(model.module).items() if not torch.equal(v, before[k])},
+                     _grads(model.module)]
+    return res
+
+
+def test_functional_call_matches_torch(pools):
+    """torch: distributed_test.py::_DistTestBase::test_stateless_api_with_ddp.
+
+    ``torch.func.functional_call`` on the DDP module runs forward with the given tensors, leaves the
+    module's own untouched, and their gradients land on the given tensors; the next ordinary
+    step reduces as usual."""
+    out = pools[2].run(_stateless)
+    _assert_same_runs(out)
+    assert out[0]["ours"][1] == {}

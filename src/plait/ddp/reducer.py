@@ -126,8 +126,9 @@ class Reducer:
                 return b.names[k - b.first]
         return self._sparse[k - sum(len(b.params) for b in self._buckets)][0]
 
-    @staticmethod
-    def _ready_twice(name: str) -> RuntimeError:
+    def _ready_twice(self, name: str) -> RuntimeError:
+        if self.static_graph:
+            return self._graph_changed([name], "got a gradient it did not get in the first step")
         return RuntimeError(
             f"DistributedDataParallel: parameter {name} got its gradient after DDP had counted it as "
             "unused or already reduced in this backward. Either it is used outside the wrapped module's "
@@ -288,7 +289,16 @@ class Reducer:
             self._local_used[k] = 1.0
         self._contribute_held(k)
 
+    def _graph_changed(self, names: list[str], what: str) -> RuntimeError:
+        return RuntimeError(
+            "DistributedDataParallel(static_graph=True): your training graph has changed in this "
+            f"iteration: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''} {what} (or got it a "
+            "different number of times). static_graph trusts the first reducing backward's graph; use "
+            "find_unused_parameters=True for a graph that changes")
+
     def _refuse_missing(self, names: list[str]) -> None:
+        if self.static_graph:
+            raise self._graph_changed(names, "got no gradient, though it did in the first step")
         raise RuntimeError(
             f"DistributedDataParallel: {len(names)} parameter(s) received no gradient in this "
             f"backward, so their buckets cannot be all-reduced: {', '.join(names[:8])}"
