@@ -238,7 +238,8 @@ class Reducer:
                                  + [self._name_of(k) for k in missing_sparse])
         if self._experts:  # summed over the ranks holding the same experts, divided as the rest
             reduce_expert_grads([p for _, p in self._experts], self._divisor)
-        used = self._reduce_usage()
+        reduced = self._reduce_usage()
+        used = None if reduced is None else reduced.tolist()  # one read, not one per parameter (NCCL)
         self._reduce_sparse(used)
         flags = self._expert_flags.tolist() if self._bucketed_experts else []
         no_gradient = {id(p) for (_, p), f in zip(self._bucketed_experts, flags) if f == 0}
@@ -310,16 +311,16 @@ class Reducer:
         """Which parameters some rank used since the last reduction (None: all of them)."""
         if not self._tracks_usage():
             return self._static_used
+        used = self._local_used.to(comm.device_of(self.group), copy=True)
         with comm.operation("DDP unused-parameter flags"):
-            comm.all_reduce(self._local_used, self.group)
-        used = self._local_used.clone()
+            comm.all_reduce(used, self.group)
         self._local_used.zero_()
         if self.static_graph:  # what the first step found stands for every later one
             self._static_used = used
         return used
 
     @torch.no_grad()
-    def _reduce_sparse(self, used: torch.Tensor | None) -> None:
+    def _reduce_sparse(self, used: list[float] | None) -> None:
         """Sparse gradients (nn.Embedding(sparse=True)) are all-reduced on their own, as sparse
         tensors, after the buckets (torch gives each its own bucket)."""
         for name, p in self._sparse:
@@ -362,11 +363,12 @@ class Reducer:
         if self._bucketed_experts:
             with comm.operation("DDP expert gradient flags"):
                 comm.all_reduce(torch.zeros_like(self._expert_flags), self.group)
-        used = self._static_used
+        reduced = self._static_used
         if self._tracks_usage():
-            used = torch.zeros_like(self._local_used)
+            reduced = torch.zeros(len(self._flag_of), device=comm.device_of(self.group))
             with comm.operation("DDP unused-parameter flags"):
-                comm.all_reduce(used, self.group)
+                comm.all_reduce(reduced, self.group)
+        used = None if reduced is None else reduced.tolist()
         for name, p in self._sparse:
             if used is None or used[self._flag_of[id(p)]] > 0:
                 with comm.operation(f"DDP sparse gradient {name}"):

@@ -175,7 +175,7 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         n = len(self._flag_of)
         # Parameters that got a gradient since the last reduction, no_sync backwards included
         # (torch's local_used_map); all-reduced at the end of a reducing backward.
-        self._local_used = torch.zeros(n, device=comm.device_of(self.group))
+        self._local_used = torch.zeros(n, device="cpu")  # written by hooks: host memory, sent once
         self._unused: list[int] = []  # flag indices this step treats as unused from its first hook
         self._unused_marked = True
         self._static_used: torch.Tensor | None = None  # static_graph: global usage of its first step
