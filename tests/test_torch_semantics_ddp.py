@@ -77,6 +77,11 @@ NOT_PORTED = {
     f"{SRC}::test_ddp_forward_backward_hook": "CUDA only; DDP calls the module as is",
     f"{SRC}::test_ddp_sync_module_states": "torch's private _sync_module_states helper",
     f"{SRC}::test_skip_all_reduce_unused_parameters": "torch's reducer option skip_all_reduce_unused_params",
+    "test/distributed/test_c10d_gloo.py::ReducerTest::test_single_dtype_single_bucket":
+        "builds torch's internal dist.Reducer with hand-made buckets",
+    "test/distributed/test_c10d_gloo.py::ReducerTest::test_multi_dtype_single_bucket":
+        "torch's internal dist.Reducer (plait never mixes dtypes in a bucket: test_mixed_dtypes_...)",
+    "test/distributed/test_c10d_gloo.py::ReducerTest::test_multi_dtype_multi_bucket": "torch's internal dist.Reducer",
 }
 
 
@@ -1275,3 +1280,86 @@ def test_functional_call_matches_torch(pools):
     out = pools[2].run(_stateless)
     _assert_same_runs(out)
     assert out[0]["ours"][1] == {}
+
+
+class _MixedDtypes(nn.Module):
+    """fc1 in float64, the rest in float32 (buckets never mix dtypes); fc3 used from step 2 on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 10, bias=False).double()
+        self.fc2 = nn.Linear(10, 4, bias=False)
+        self.fc3 = nn.Linear(4, 4, bias=False)
+        self.step = 0
+
+    def forward(self, x):
+        self.step += 1
+        h = F.relu(self.fc2(F.relu(self.fc1(x)).float()))
+        return F.softmax(self.fc3(h) if self.step > 1 else h, dim=1)
+
+
+def _mixed_dtypes() -> dict:
+    rank = dist.get_rank()
+    mesh = cached_mesh(dp=2)
+    torch.manual_seed(0)
+    base = _MixedDtypes()
+    res = {}
+    for name, model in (("ours", DDP(copy.deepcopy(base), mesh, find_unused_parameters=True)),
+                        ("theirs", TorchDDP(copy.deepcopy(base), process_group=mesh.group("dp"),
+                                            find_unused_parameters=True))):
+        opt = torch.optim.Adam(model.parameters())
+        snaps = []
+        for it in range(3):
+            g = torch.Generator().manual_seed(10 * it + rank)
+            opt.zero_grad()
+            x, y = torch.rand(5, 2, generator=g, dtype=D), torch.randint(0, 4, (5,), generator=g)
+            F.cross_entropy(model(x), y).backward()
+            snaps.append(_grads(model.module))
+            opt.step()
+        res[name] = snaps + [_state(model.module)]
+    return res
+
+
+def test_mixed_dtypes_with_a_late_parameter_match_torch(pools):
+    """torch: test/distributed/test_c10d_gloo.py::ReducerTest::test_forward_backward_unused_parameters
+    and ::test_forward_backward_optimizer (through DDP rather than torch's internal Reducer).
+
+    float64 and float32 parameters in their own buckets, a parameter unused in the first step only
+    (None after it, then trained), Adam zeroing the gradients that are bucket views: torch's
+    gradients and parameters (float32 to 1e-6)."""
+    out = pools[2].run(_mixed_dtypes)
+    for r in range(2):
+        for i, (a, b) in enumerate(zip(out[r]["ours"], out[r]["theirs"], strict=True)):
+            for k in b:
+                assert (a[k] is None) == (b[k] is None), (r, i, k)
+                if b[k] is not None:
+                    torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
+        assert out[r]["ours"][0]["fc3.weight"] is None
+
+
+def _then_hook(state, bucket):  # unannotated: torch reads this module's annotations as strings
+    fut = dist.all_reduce(bucket.buffer(), group=state, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0] / 2).then(lambda f: f.value() * 0.5)
+
+
+def _chained_hook() -> dict:
+    rank = dist.get_rank()
+    res = {}
+    for name, model in zip(("ours", "theirs"), _pair(_Plain)):
+        model.register_comm_hook(cached_mesh(dp=2).group("dp"), _then_hook)
+        snaps = []
+        for it in range(3):
+            with model.no_sync() if it == 0 else _nothing():
+                model(_x(rank, it)).pow(2).sum().backward()
+            snaps.append(_grads(model.module))
+        res[name] = snaps
+    return res
+
+
+def test_then_chained_hook_with_no_sync_matches_torch(pools):
+    """torch: distributed_test.py::_DistTestBase::test_accumulate_gradients_no_sync_allreduce_with_then_hook
+    and test/distributed/test_c10d_gloo.py::DistributedDataParallelTest::test_ddp_comm_hook_future_passing_cpu.
+
+    A user hook whose future chains two ``then`` callbacks, after a no_sync microbatch: the
+    gradients are the chain's result, as torch's."""  # noqa: E501
+    _assert_same_runs(pools[2].run(_chained_hook))
