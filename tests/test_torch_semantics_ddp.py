@@ -81,7 +81,8 @@ NOT_PORTED = {
         "builds torch's internal dist.Reducer with hand-made buckets",
     "test/distributed/test_c10d_gloo.py::ReducerTest::test_multi_dtype_single_bucket":
         "torch's internal dist.Reducer (plait never mixes dtypes in a bucket: test_mixed_dtypes_...)",
-    "test/distributed/test_c10d_gloo.py::ReducerTest::test_multi_dtype_multi_bucket": "torch's internal dist.Reducer",
+    "test/distributed/test_c10d_gloo.py::ReducerTest::test_multi_dtype_multi_bucket":
+        "torch's internal dist.Reducer",
 }
 
 
