@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import io
 from typing import Any, NamedTuple
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from plait.testing import cached_mesh
 
@@ -463,3 +465,257 @@ def test_grad_acc_with_reduce_dtype(pools, stage):
     float32 rounding of one division (1e-6 relative on gradients of order 1)."""  # noqa: E501
     for r in pools[2].run(_grad_acc_reduce_dtype, stage):
         assert r["none"] == 0 and r["grad"] < 1e-6, r
+
+
+# ------------------------------------------------------------------ conversions after wrapping
+def _to_float64_after_wrapping(stage: int) -> dict[str, Any]:
+    ref = _stack().float()
+    net = _fsdp(copy.deepcopy(ref), stage)
+    before = [id(p) for p in net.parameters()]
+    net.to(torch.float64)
+    ref.to(torch.float64)
+    dtypes = {p.dtype for p in net.parameters()} | {p.to_local().dtype for p in net.parameters()}
+    out: dict[str, Any] = {"dtypes": dtypes, "same_objects": [id(p) for p in net.parameters()] == before}
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
+    worst = 0.0
+    for step in range(3):
+        x, mine = _batch(step)
+        for opt in opts:
+            opt.zero_grad()
+        net(mine).square().mean().backward()
+        ref(x).square().mean().backward()
+        for opt in opts:
+            opt.step()
+        r = _compare(net, ref)
+        assert not r["none"], r
+        worst = max(worst, r["param"], r["grad"])
+    out["worst"] = worst
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_to_float64_after_init(pools, stage):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_training.py::TestFullyShardCastAfterInit::test_to_float64_after_init
+
+    ``model.to(torch.float64)`` after wrapping converts the shards (the same parameter objects, as
+    FSDP2 swaps them), and training matches one process in float64."""  # noqa: E501
+    for out in pools[2].run(_to_float64_after_wrapping, stage):
+        assert out["dtypes"] == {torch.float64} and out["same_objects"] and out["worst"] <= TOL, out
+
+
+# ------------------------------------------------------------------ refusals that name the unit
+class LayerDrop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MLP(), MLP(), MLP()])
+
+    def forward(self, x: torch.Tensor, skip: int) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                x = layer(x)
+        return x
+
+
+def _layer_dropped_on_one_rank() -> None:
+    import plait
+    from plait import comm
+
+    torch.manual_seed(0)
+    # A mesh of its own: the desync leaves its groups' histories apart, and they die with the task.
+    net = plait.FSDP(LayerDrop().double(), plait.Mesh(fsdp=dist.get_world_size()), 3)
+    with comm.desync_check("fast"):
+        for step in range(2):  # the first forward gathers every unit (prefetch); backward differs
+            x, mine = _batch(step)
+            net(mine, 1 if dist.get_rank() == 1 and step == 1 else -1).sum().backward()
+
+
+def test_unit_skipped_on_one_rank_is_named(pools):
+    """No torch counterpart (FSDP2 hangs or aborts inside the collective): a unit skipped on one
+    rank only (LayerDrop drawn per rank) is reported at the first collective that differs, each
+    rank's naming the unit it reached, before any data is exchanged (docs/failures.md's desync
+    report), instead of aborting inside Gloo."""
+    errors = pools[2].errors(_layer_dropped_on_one_rank)
+    for text in errors.values():
+        assert "collective desync" in text and "unit 'layers.1'" in text, text
+
+
+class ReadsOthersWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MLP(), MLP()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x @ self.layers[1].out_proj.weight  # read outside its unit's forward, not tied
+
+
+def _reads_freed_weight() -> None:
+    torch.manual_seed(0)
+    net = _fsdp(ReadsOthersWeight().double(), 3)
+    net(_batch(0)[1]).sum().backward()
+
+
+def test_weight_read_after_its_unit_resharded_is_named(pools):
+    """No torch counterpart (FSDP2 gives the sharded DTensor there and fails on the mix): a
+    module reading another unit's weight after that unit freed it is refused, naming the freed
+    units and the fix (tie the parameter, or one unit for both), not "setStorage ... size 0"."""
+    for text in pools[2].errors(_reads_freed_weight).values():
+        assert "outside that unit's own forward" in text and "'layers.1'" in text, text
+
+
+# ------------------------------------------------------------------ FSDP2's controls and arguments
+def _controls() -> dict[str, Any]:
+    ref = _stack()
+    net = _fsdp(copy.deepcopy(ref), 3)
+    out: dict[str, Any] = {}
+    net.unshard()  # before any forward: every unit gathered, the leaves forward reads are whole
+    leaves = {n: functools.reduce(getattr, n.split("."), net.module) for n in _named(ref)}  # forward's
+    out["unshard"] = all(torch.equal(leaves[n], p) for n, p in _named(ref).items())
+    net.reshard()
+    out["reshard"] = all(not f.gathered for u in net.units for f in u.flats)
+    net.unshard(async_op=True).wait()
+    out["async"] = all(f.gathered for u in net.units for f in u.flats)
+    net.reshard()
+    refusals = []
+    for call in (lambda: net.set_requires_gradient_sync(False, recurse=False),
+                 lambda: net.set_modules_to_forward_prefetch([net.module[1]]),
+                 lambda: _fsdp(_stack(), 3, shard_placement_fn=lambda p: Shard(p.ndim - 1))):
+        try:
+            call()
+        except (ValueError, NotImplementedError) as e:
+            refusals.append(str(e).split(":")[0])
+    out["refusals"] = refusals
+    _fsdp(_stack(), 3, shard_placement_fn=lambda p: Shard(0))  # honoured: the layout plait uses
+    return out
+
+
+def test_unshard_without_lazy_init(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_comm.py::TestFullyShardUnshardMultiThread::test_unshard_without_lazy_init
+    torch: test/distributed/_composable/fsdp/test_fully_shard_comm.py::TestFullyShardUnshardMultiThread::test_unshard_no_param_group
+
+    unshard() before any forward gathers the parameters (equal to one process's), the async
+    handle's wait() completes the gathers, reshard() frees them; what plait cannot honour
+    (recurse=False, explicit prefetch lists, a placement other than Shard(0)) is refused by name."""  # noqa: E501
+    for out in pools[2].run(_controls):
+        assert out == {"unshard": True, "reshard": True, "async": True, "refusals": [
+            "FullyShardedDataParallel.set_requires_gradient_sync(recurse=False)",
+            "FullyShardedDataParallel.set_modules_to_forward_prefetch",
+            f"FullyShardedDataParallel(shard_placement_fn=...) asks for {Shard(1)!r} for '0.in_proj.weight'",
+        ]}, out
+
+
+def _grad_acc_controls(reshard_after_backward: bool) -> dict[str, Any]:
+    ref = _stack()
+    net = _fsdp(copy.deepcopy(ref), 3)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (net, ref)]
+    worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+    for step in range(2):
+        x, mine = _batch(step, rows=8)
+        for i, (part, whole) in enumerate(zip(mine.chunk(4), x.chunk(4), strict=True)):
+            last = i == 3
+            net.set_requires_gradient_sync(last)
+            net.set_reshard_after_backward(last or reshard_after_backward)
+            net.set_is_last_backward(last)
+            net(part).square().mean().div(4).backward()
+            ref(whole).square().mean().div(4).backward()
+        r = _compare(net, ref)
+        worst = {"param": max(worst["param"], r["param"]), "grad": max(worst["grad"], r["grad"]),
+                 "none": worst["none"] + r["none"]}
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return worst
+
+
+@pytest.mark.parametrize("reshard_after_backward", [True, False])
+def test_gradient_accumulation(pools, reshard_after_backward):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_training.py::TestFullyShardGradientAccumulation::test_gradient_accumulation
+
+    set_requires_gradient_sync(False) accumulates micro-batches without communication and
+    set_reshard_after_backward(False) keeps the units gathered between them; the reduced gradients
+    and the AdamW steps match one process on the global micro-batches."""  # noqa: E501
+    for r in pools[2].run(_grad_acc_controls, reshard_after_backward):
+        assert _ok(r), r
+
+
+class WithExtra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MLP(), MLP()])
+        self.side = nn.Linear(DIM, DIM)  # left out of FSDP: whole and unsynchronised
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.side(x)
+
+
+def _ignored_params() -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    ref = WithExtra().double()
+    model = copy.deepcopy(ref)
+    net = _fsdp(model, 3, ignored_params=set(model.side.parameters()))
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
+    worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+    plain = [p for p in net.parameters() if not isinstance(p, DTensor)]
+    out: dict[str, Any] = {"plain": sorted(n for n, p in _named(net).items() if not isinstance(p, DTensor))}
+    for step in range(3):
+        x, mine = _batch(step)
+        for opt in opts:
+            opt.zero_grad()
+        net(mine).square().mean().backward()
+        for p in plain:  # FSDP left these alone: the user averages them (torch's test: DDP does)
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        ref(x).square().mean().backward()
+        for opt in opts:
+            opt.step()
+        r = _compare(net, ref)
+        worst = {"param": max(worst["param"], r["param"]), "grad": max(worst["grad"], r["grad"]),
+                 "none": worst["none"] + r["none"]}
+    out["worst"] = worst
+    return out
+
+
+def test_ddp_A_fsdp_B_ddp_C(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_ignore_params.py::TestFullyShardIgnoreParams::test_ddp_A_fsdp_B_ddp_C
+
+    ignored_params stay plain, whole and unsynchronised: FSDP neither shards nor reduces them
+    (here the user averages their gradients, where torch's test wraps them in DDP), and training
+    matches one process."""  # noqa: E501
+    for out in pools[2].run(_ignored_params):
+        assert out["plain"] == ["side.bias", "side.weight"] and _ok(out["worst"]), out
+
+
+def _meta_assign() -> dict[str, Any]:
+    ref = _stack()
+    trained = _fsdp(copy.deepcopy(ref), 3)
+    trained(_batch(0)[1]).sum().backward()
+    torch.optim.SGD(trained.parameters(), lr=0.1).step()
+    sd = trained.state_dict()
+    with torch.device("meta"):
+        meta = _stack()
+    net = _fsdp(meta, 3)
+    net.to_empty(device="cpu")
+    result = net.load_state_dict(sd, assign=True)
+    pairs = zip(net.state_dict().values(), sd.values(), strict=True)
+    x = _batch(1)[1]
+    return {"keys": not result.missing_keys and not result.unexpected_keys,
+            "values": all(torch.equal(_full(a), _full(b)) for a, b in pairs),
+            "forward": torch.equal(net(x), trained(x)),
+            "params_are_shards": all(p.to_local().untyped_storage().data_ptr() ==
+                                     f.shard.untyped_storage().data_ptr()
+                                     for u in net.units for f in u.flats for p in f.params)}
+
+
+def test_meta_device_init_then_load_state_dict_assign(pools):
+    """torch: test/distributed/checkpoint/test_state_dict.py::TestStateDict::test_setting_meta_device_model
+
+    Built on the meta device, wrapped, ``to_empty`` and ``load_state_dict(sharded, assign=True)``
+    (torch's idiom; it failed inside DTensor): the values land in FSDP's shards, which forward
+    reads, and the model computes as the one saved."""
+    for out in pools[2].run(_meta_assign):
+        assert out == {"keys": True, "values": True, "forward": True, "params_are_shards": True}, out

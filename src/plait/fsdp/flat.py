@@ -147,6 +147,9 @@ class FlatParam:
 
     def __init__(self, slots: list[Slot], dtype: torch.dtype, requires_grad: bool, cfg: ShardCfg) -> None:
         self.slots, self.cfg, self.dtype = slots, cfg, dtype
+        # What its collectives are called in desync reports, and compared as across ranks: a rank
+        # that skipped a unit (LayerDrop on one rank) is named at the first collective that differs.
+        self.label = f"{slots[0].fqn}..." if slots else "(empty)"
         self.shard_size = _lay_out(slots, cfg.world)
         self.padded = self.shard_size * cfg.world
         self.total = self.padded  # every slot's range, padding included
@@ -341,7 +344,8 @@ class FlatParam:
             self._out = self.buf
         else:
             self._out = torch.empty(self.padded, dtype=self.compute_dtype, device=self.cfg.device)
-        self._handle = comm.all_gather_into(self._out, self._src, self.cfg.group, async_op=True)
+        with comm.operation(f"FSDP all-gather of {self.label}"):
+            self._handle = comm.all_gather_into(self._out, self._src, self.cfg.group, async_op=True)
 
     def _ensure_buf(self) -> None:
         nbytes = self.padded * self.buf.element_size()
@@ -374,6 +378,24 @@ class FlatParam:
             return
         self.buf.untyped_storage().resize_(0)
         self.gathered = False
+
+    def retyped(self, dtype: torch.dtype) -> FlatParam:
+        """The same parameters held in ``dtype`` (``model.to(torch.float64)`` after wrapping): a new
+        flat group with this one's values, whose DTensor parameters are swapped into this one's
+        parameter objects (`torch.utils.swap_tensors`), so an optimizer already built on them, and
+        ``requires_grad``, carry over as under torch's FSDP2."""
+        new = FlatParam(self.slots, dtype, self.requires_grad, self.cfg)
+        with torch.no_grad():
+            for i in range(len(self.slots)):
+                new.local(i).copy_(self.local(i))
+        for i, (old_p, new_p) in enumerate(zip(self.params, new.params, strict=True)):
+            new_p.requires_grad_(self.trains[i])
+            old_p.grad = None
+            torch.utils.swap_tensors(old_p, new_p)
+            new.params[i] = old_p
+        new.trains = [False] * len(self.slots)
+        new.sync_requires_grad()
+        return new
 
     def bind_views(self) -> None:
         """Register the DTensor parameters and point every owner module's attribute at its
@@ -519,11 +541,13 @@ class FlatParam:
             if self.cfg.stage == 3:
                 self.buf.untyped_storage().resize_(0)  # the cast copy is what gets reduced
         if self.cfg.stage == 1:
-            self.pending = (comm.all_reduce(g, self.cfg.group, async_op=True), g)
+            with comm.operation(f"FSDP gradient all-reduce of {self.label}"):
+                self.pending = (comm.all_reduce(g, self.cfg.group, async_op=True), g)
         else:
             # g is dropped after the reduction, so it may serve as the reduction's own scratch
             # (on Gloo: no hidden full-size clone; the result is a view of g).
-            handle, chunk = comm.reduce_scatter_consuming(g, self.cfg.group, async_op=True)
+            with comm.operation(f"FSDP gradient reduce-scatter of {self.label}"):
+                handle, chunk = comm.reduce_scatter_consuming(g, self.cfg.group, async_op=True)
             # Parameter-major, the whole of g is summed and this rank's chunks are read after.
             self.pending = (handle, g if self.reduce_param_major else chunk)
 
@@ -544,7 +568,8 @@ class FlatParam:
                 r = (r - 1) % self.cfg.world
             red = self.own_chunks(red, r)
         if self.cfg.dp_group is not None:
-            comm.all_reduce(red, self.cfg.dp_group)  # replicas hold the same slice: plain all-reduce
+            with comm.operation(f"FSDP gradient all-reduce over dp of {self.label}"):
+                comm.all_reduce(red, self.cfg.dp_group)  # replicas hold the same slice: plain all-reduce
         red.div_(self.cfg.world * self.cfg.replicas)
         if self.cfg.offload:
             # (On a CPU-only machine offload still makes the copy, so the data path is exercised.)

@@ -117,12 +117,14 @@ def _contains(unit: str, mod_name: str) -> bool:
     return unit == "" or mod_name == unit or mod_name.startswith(unit + ".")
 
 
-def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: ShardCfg, seed: int) -> list[Unit]:
+def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: ShardCfg, seed: int,
+                ignored: frozenset[int] = frozenset()) -> list[Unit]:
     """Group ``module``'s parameters into units, shard them, materialize this rank's slices.
 
-    Afterwards the original parameters are gone from the modules (`FlatParam.bind_views` puts
-    the DTensor parameters and the gathered leaves in their place) and buffers sit on the
-    compute device.
+    Parameters whose ids are in ``ignored`` (torch's ``ignored_params``) stay whole, plain and
+    unsynchronised, as FSDP2 leaves them. Afterwards the other parameters are gone from the modules
+    (`FlatParam.bind_views` puts the DTensor parameters and the gathered leaves in their place)
+    and buffers sit on the compute device.
     """
     names = _unit_names(module, spec)
     by_depth = sorted(names, key=lambda n: -1 if n == "" else n.count("."), reverse=True)
@@ -135,7 +137,7 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
     info: dict[int, tuple[nn.Parameter, Slot, list[str]]] = {}
     for mname, mod in module.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
-            if p is None or placement_of(p) is not None:  # experts stay whole (plait.expert_parallel)
+            if p is None or placement_of(p) is not None or id(p) in ignored:  # experts, ignored: whole
                 continue
             fqn = f"{mname}.{attr}" if mname else attr
             if id(p) not in info:
@@ -154,16 +156,17 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
     where: dict[int, tuple[FlatParam, int]] = {}
     for (home, dtype, req), slots in groups.items():
         flat = FlatParam(slots, dtype, req, cfg)
+        flat.label = f"unit {home or '(root)'!r} ({dtype}{'' if req else ', frozen'})"
         units[home].flats.append(flat)
         for i, s in enumerate(slots):
             where[id(s.owners[0][0]._parameters[s.owners[0][1]])] = (flat, i)
 
-    materialize(module, seed, _keep_shard(where, cfg))
+    materialize(module, seed, _keep_shard(where, cfg, ignored))
     # Units left without parameters (all of theirs tied elsewhere) need no hooks.
     return [units[n] for n in names if units[n].flats or n == ""]
 
 
-def _keep_shard(where: dict[int, tuple[FlatParam, int]], cfg: ShardCfg) -> Keep:
+def _keep_shard(where: dict[int, tuple[FlatParam, int]], cfg: ShardCfg, ignored: frozenset[int]) -> Keep:
     """FSDP's share of each tensor: a parameter's rows go into its flat shard (the module's own
     parameter is replaced by the DTensor afterwards), a buffer stays whole on the compute device."""
 
@@ -171,6 +174,10 @@ def _keep_shard(where: dict[int, tuple[FlatParam, int]], cfg: ShardCfg) -> Keep:
         if not isinstance(t, nn.Parameter):
             return full.to(cfg.device)
         placed = placement_of(t)
+        if id(t) in ignored:  # whole, on the device, left alone
+            if not t.is_meta and t.device == cfg.device:
+                return t
+            return nn.Parameter(full.to(cfg.device), requires_grad=t.requires_grad)
         if placed is not None:  # an expert: whole, on the device, still marked
             if not t.is_meta and t.device == cfg.device:
                 return t

@@ -34,14 +34,16 @@ State: `full_state_dict` (gathered, CPU, original names) for export; `sharded_st
 (per-parameter ``Shard(0)`` DTensors under the original names, optionally with the optimizer's
 state) for `torch.distributed.checkpoint`, loadable at another world size, and
 `plait.checkpoint`'s protocol (``checkpoint_state``). ``state_dict()`` is nn.Module's: the
-DTensor parameters and the buffers.
+DTensor parameters and the buffers, under the model's own names (`plait.fsdp.names`).
 
 Activation checkpointing (`plait.activation_checkpointing`, applied before wrapping) replaces a
 block's forward inside the unit's hooks, so its recomputation, in backward, runs after the unit's
 pre-backward hook has gathered the unit again (or kept it, ``reshard_after_forward=False``) and
 never re-enters the unit's own hooks; units nested inside a checkpointed block are called by the
-recomputation, hooks and all (one more gather and reshard each). Not covered yet: parameters
-used on some ranks but not others in the same step (every rank must issue the same reductions).
+recomputation, hooks and all (one more gather and reshard each). Parameters of a unit that some
+ranks used and others did not are reduced at the end of backward, after one all-reduce of use
+flags; a unit skipped entirely on some ranks only makes their collectives differ, which the
+desync check reports by unit name (each flat group's collectives carry it, `FlatParam.label`).
 fp16 needs loss scaling: `plait.GradScaler`.
 
 GPU behaviour (CPU offload): shards, their gradients and the optimizer state stay in host
@@ -56,7 +58,7 @@ import contextlib
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,6 +72,7 @@ from plait import comm
 from plait._torch_compat import eager, queue_end_of_backward, tree_flatten, tree_unflatten
 from plait.dtensors import mesh_over
 from plait.env import device as default_device
+from plait.fsdp.controls import FSDPControls, PlacementFn, check_placements, ignored_grads, ignored_ids
 from plait.fsdp.flat import FlatParam, Placing, ShardCfg, Slot
 from plait.fsdp.names import own_names, report_own_names, top_level_names, wrapped_names
 from plait.fsdp.units import Unit, build_units, check_no_optimizer
@@ -90,8 +93,12 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecision", "model_state_by
 # layout), so they may as well hold different shards. With cp=1 this is the fsdp group.
 SHARD_AXES = ("fsdp", "cp")
 
+# What torch says when an op reads a tensor whose storage FSDP freed (resized to zero bytes).
+_FREED_READ = ("storage of size 0", "data is not allocated yet")
+Convert = Callable[[torch.Tensor], torch.Tensor]  # what nn.Module._apply maps over tensors
 
-class FullyShardedDataParallel(nn.Module):
+
+class FullyShardedDataParallel(nn.Module, FSDPControls):
     """Shard ``module``'s parameters, gradients and optimizer state across ``mesh``'s fsdp axis.
 
     Args:
@@ -114,6 +121,13 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: `MixedPrecision`, ``"bf16"``/``"fp16"`` or None (fp32).
         offload: keep shards, gradients and optimizer state in CPU memory.
         seed: initialisation seed for a meta-device module.
+        ignored_params: parameters left whole, plain and unsynchronised (torch's FSDP2 argument).
+        shard_placement_fn: torch's FSDP2 argument; plait honours ``None`` and ``Shard(0)`` only
+            and refuses others by name.
+
+    torch's FSDP2 controls (`plait.fsdp.controls`): ``set_requires_gradient_sync``,
+    ``set_reshard_after_forward``, ``set_reshard_after_backward``, ``set_is_last_backward``,
+    ``unshard`` and ``reshard``, acting on every unit.
     """
 
     casts_parameters = True  # its own mixed precision: `plait.mixed_precision` refuses to cast on top
@@ -130,6 +144,8 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: MixedPrecision | str | None = None,
         offload: bool = False,
         seed: int = 0,
+        ignored_params: Iterable[nn.Parameter] | None = None,
+        shard_placement_fn: PlacementFn | None = None,
     ) -> None:
         super().__init__()
         # Every check runs before the first collective, so bad input never leaves ranks hanging.
@@ -151,6 +167,8 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"FullyShardedDataParallel(backward_prefetch=...) expects True or False, "
                             f"got {backward_prefetch!r}")
         check_no_optimizer(module)
+        check_placements(module, shard_placement_fn)
+        self._ignored = ignored_ids(module, ignored_params)
         if precision_of(module) is not None:
             raise ValueError("FullyShardedDataParallel: the module was given plait.mixed_precision, whose "
                              "casts FSDP's gathered parameters would bypass; pass "
@@ -173,7 +191,7 @@ class FullyShardedDataParallel(nn.Module):
                              "outside FSDP's shards, so FSDP's mixed precision and offloading would not "
                              "reach them; train them in fp32 on the device (drop mixed_precision / offload)")
         self.cfg.placing = self._placing()
-        self.units: list[Unit] = build_units(module, units, self.cfg, seed)
+        self.units: list[Unit] = build_units(module, units, self.cfg, seed, self._ignored)
         # Experts (plait.expert_parallel) stay the module's own parameters, whole: ranks of the
         # shard group hold different ones. Their gradients are summed over edp at backward's end.
         self._experts = [p for p in placed_experts(module) if p.requires_grad]
@@ -192,6 +210,7 @@ class FullyShardedDataParallel(nn.Module):
         self._order: list[Unit] = []  # units in this forward's execution order
         self._prev_order: list[Unit] = list(self.units)  # last forward's order: what to prefetch
         self._sync = True
+        self.reshard_after_backward = True  # ZeRO-3 (`set_reshard_after_backward`)
         self._backward_queued = False
         self._inflight: list[FlatParam] = []  # reductions issued and not yet awaited
         self._reduced: set[int] = set()  # ids of flats whose reduction this backward has issued
@@ -259,6 +278,48 @@ class FullyShardedDataParallel(nn.Module):
                 "plait.full_state_dict(model) instead")
         return super().state_dict(*args, **kwargs)
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """nn.Module's, under the model's own names (`plait.fsdp.names`). ``assign=True`` (torch's
+        idiom for a model built on the meta device) copies the values in instead: FSDP materialized
+        the shards when it wrapped the model, and a parameter assigned in place of a shard would be
+        cut off the flat vector that forward reads."""
+        return super().load_state_dict(state_dict, strict=strict, assign=False)
+
+    def _apply(self, fn: Convert, recurse: bool = True) -> FullyShardedDataParallel:
+        """nn.Module's conversions (``.to``, ``.double()``, ``to_empty``...) after wrapping: buffers and
+        experts as nn.Module converts them; FSDP's flat groups are rebuilt in a new dtype (values
+        and parameter objects kept, as torch's FSDP2 keeps them). nn.Module's own conversion would
+        replace each DTensor parameter's data, cutting it off the flat shard forward reads."""
+        flats = [(u, j, f) for u in self.units for j, f in enumerate(u.flats)]
+        targets = [_converted(fn, f) for _, _, f in flats]
+        moved = [f.slots[0].fqn for (_, _, f), (_, dev) in zip(flats, targets, strict=True) if dev != f.home]
+        if moved:
+            raise ValueError(
+                f"FullyShardedDataParallel: moving the wrapped model to another device would leave its "
+                f"shards ({moved[:3]}) where FSDP communicates them from; move the model (or build it "
+                "on the meta device) before FullyShardedDataParallel(...), which places them on "
+                "plait.init()'s device")
+        hidden = [(m, a, p) for _, _, f in flats for s, p in zip(f.slots, f.params, strict=True)
+                  for m, a in s.owners]
+        for m, a, _ in hidden:
+            m._parameters[a] = None  # kept in place (order) and skipped by nn.Module._apply
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for m, a, p in hidden:
+                m._parameters[a] = p
+        for (unit, j, flat), (dtype, _) in zip(flats, targets, strict=True):
+            if dtype != flat.dtype:
+                if any(p.grad is not None for p in flat.params):
+                    raise ValueError("FullyShardedDataParallel: changing the dtype of parameters that hold "
+                                     "gradients; call zero_grad(set_to_none=True) first")
+                new = unit.flats[j] = flat.retyped(dtype)
+                new.label = flat.label.replace(str(flat.dtype), str(dtype))
+                new.set_grad_hook(functools.partial(self._make_post_backward, new))
+                new.bind_views()
+        return self
+
     def _fqn_modifiers(self) -> dict[str, str]:
         """torch.distributed.checkpoint.state_dict's contract for a module whose state-dict keys
         skip a level: the model's top-level names stand for ``module.<name>``."""
@@ -267,9 +328,23 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         args, kwargs = self._begin_forward(args, kwargs)
-        out = self.module(*args, **kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+        except RuntimeError as e:
+            if not any(m in str(e) for m in _FREED_READ):
+                raise
+            raise RuntimeError(self._freed_read(), *e.args[1:]) from e
         self._end_forward(out)
         return out
+
+    def _freed_read(self) -> str:
+        """Why a forward read a freed parameter, and what to do instead."""
+        freed = [u.name or "(root)" for u in self.units if any(not f.gathered for f in u.flats)]
+        return (f"FullyShardedDataParallel: the forward read a parameter of a sharding unit outside that "
+                f"unit's own forward, after FSDP had freed it (units freed then: {freed}). A module that "
+                "uses another's weight (a decoder reading encoder.embed.weight) must share the nn.Parameter "
+                "itself (decoder.weight = encoder.embed.weight: FSDP keeps a tied parameter in the units' "
+                "common ancestor, gathered for both), or sit in the same unit (units=[...])")
 
     # Under torch.compile the wrapper's own work runs eagerly between graphs, as torch's DDP runs
     # its reducer: gathers, reshards and the hooks that queue reductions are Python bookkeeping
@@ -412,7 +487,7 @@ class FullyShardedDataParallel(nn.Module):
             return  # the unit's other parameters have not reported yet
         flat.start_reduce()  # overlaps with the rest of backward
         self._reduced.add(id(flat))
-        if self.zero_stage == 3:
+        if self.zero_stage == 3 and self.reshard_after_backward:
             flat.reshard()
         # Keep one reduction in flight: an issued reduce-scatter holds its full-size input
         # gradient until awaited, so waiting for the older one here bounds memory to about
@@ -435,7 +510,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.units:
             for flat in unit.flats:
                 flat.finish_reduce()
-            if self.zero_stage == 3:
+            if self.zero_stage == 3 and self.reshard_after_backward:
                 unit.reshard()
 
     def _unused_everywhere(self, flats: list[FlatParam]) -> list[set[int]]:
@@ -446,9 +521,10 @@ class FullyShardedDataParallel(nn.Module):
         if not flats:
             return []
         used = torch.tensor([u for f in flats for u in f.used()], dtype=torch.int32, device=self.cfg.device)
-        comm.all_reduce(used, self.cfg.group)
-        if self.cfg.dp_group is not None:
-            comm.all_reduce(used, self.cfg.dp_group)
+        with comm.operation("FSDP use flags of " + ", ".join(f.label for f in flats)):
+            comm.all_reduce(used, self.cfg.group)
+            if self.cfg.dp_group is not None:
+                comm.all_reduce(used, self.cfg.dp_group)
         out, at = [], 0
         for f in flats:
             out.append({i for i in range(len(f.slots)) if not used[at + i]})
@@ -499,6 +575,7 @@ class FullyShardedDataParallel(nn.Module):
                     if tp is not None and _tp_spec(tp, s) is not None:
                         key = (*key, tp.group)
                     parts[key].append(_local(p.grad))
+        parts[()] += [_local(g) for g in ignored_grads(self.module, self._ignored)]  # each rank's own
         return {**parts, **_expert_parts(self.module, self._experts)}
 
     # The state-dict functions are imported when called: they need plait.checkpoint, whose
@@ -599,6 +676,13 @@ def _tp_spec(tp: TPInfo, slot: Slot):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _converted(fn: Convert, flat: FlatParam) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device nn.Module's conversion ``fn`` gives a tensor like ``flat``'s shards."""
+    with torch.no_grad():
+        out = fn(torch.zeros(1, dtype=flat.dtype, device=flat.home))
+    return out.dtype, out.device
 
 
 def _is_dataclass(obj: Any) -> bool:
