@@ -4,6 +4,8 @@ FSDP (ZeRO-3) and HSDP, with uneven batches per rank (a rank with none included)
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,6 +62,7 @@ def _train(layout: str, sizes: list[int]) -> dict:
     mesh = cached_mesh(dp=2) if layout == "ddp" else cached_mesh(fsdp=2) if layout == "fsdp" \
         else cached_mesh(dp=2, fsdp=2)
     model = SyncBatchNorm.convert_sync_batchnorm(_model(), mesh)
+    assert copy.deepcopy(model)[1].join_mirror is model[1].join_mirror  # a copy shares the group
     net = DDP(model, mesh) if layout == "ddp" else FSDP(model, mesh, zero_stage=3)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     start = sum(sizes[:rank])

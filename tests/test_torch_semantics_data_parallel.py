@@ -29,9 +29,6 @@ NOT_PORTED = {
         "NCCL and CUDA only; asserts the real view torch's CUDA broadcast gave complex parameters",
     f"{SRC}::TestDataParallel::test_scatter_gpu": "the CUDA input variant of test_scatter_cpu (ported)",
     f"{SRC}::TestDataParallel::test_gather_gpu": "gathers onto a CUDA device; test_gather_cpu is ported",
-    f"{SRC}::TestDataParallel::test_data_parallel_device_args":
-        "checks CUDA device objects as ids; on CPU only output_device/devices objects remain (ported in "
-        "test_data_parallel_device_args_cpu)",
 }
 
 

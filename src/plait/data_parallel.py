@@ -24,6 +24,7 @@ tested.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import traceback
@@ -45,7 +46,9 @@ DeviceLike = torch.device | str | int
 
 
 def _as_device(d: DeviceLike) -> torch.device:
-    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+    if isinstance(d, int):  # a CUDA index; -1 is the CPU (torch's convention for output_device)
+        return torch.device("cpu") if d == -1 else torch.device("cuda", d)
+    return torch.device(d)
 
 
 def _is_namedtuple(obj: Any) -> bool:
@@ -263,8 +266,10 @@ def parallel_apply(modules: Sequence[nn.Module], inputs: Sequence[Any],
     results: list[Any] = [None] * len(modules)
 
     def work(i: int) -> None:
+        # The replica's GPU is the thread's current device, so tensors its forward makes land there.
+        on_device = torch.cuda.device(targets[i]) if targets[i].type == "cuda" else contextlib.nullcontext()
         try:
-            with torch.set_grad_enabled(grad_enabled), \
+            with torch.set_grad_enabled(grad_enabled), on_device, \
                     torch.autocast(kind, dtype=autocast[1], enabled=autocast[0]):
                 args = inputs[i] if isinstance(inputs[i], (list, tuple)) else (inputs[i],)
                 results[i] = modules[i](*args, **kws[i])

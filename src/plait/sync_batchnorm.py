@@ -52,6 +52,11 @@ class _Sync:
     last_step: list[tuple[str, int, torch.dtype]] = field(default_factory=list)
     in_backward: bool = False
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Sync:
+        """A copied model (an EMA copy, a reference) reduces over the same group: a process group
+        cannot be copied, and the copy's ranks are the same."""
+        return self
+
     def record(self, kind: str, numel: int, dtype: torch.dtype) -> None:
         if kind == "forward" and self.in_backward:  # a forward after a backward starts a step
             self.calls, self.in_backward = [], False
