@@ -92,9 +92,11 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedDataParallel(module=...) expects an nn.Module, got {type(module)}")
         options = DDPOptions(bucket_cap_mb, find_unused_parameters, broadcast_buffers, gradient_compression,
                              axis, static_graph, ignored_names(module, params_and_buffers_to_ignore))
-        _check_module(module, mesh)
+        _check_module(module, mesh, options.ignored)
         # Over a tp model, DDP's buckets and hooks are over the plain leaves tp's DTensor parameters
         # stand on; the reduced gradients become the DTensors' (`gradient_assigned`).
         hand_over(module)
@@ -119,10 +121,6 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         self.wire_dtype = wire_dtype(self.module, options.gradient_compression)
         leaves = ((n, held(p)) for n, p in self.module.named_parameters() if n not in options.ignored)
         everything = list({id(t): (n, t) for n, t in leaves}.values())
-        if not any(p.requires_grad for _, p in everything):
-            raise RuntimeError("DistributedDataParallel: the module has no parameter that requires a "
-                               "gradient (outside params_and_buffers_to_ignore), so there is nothing to "
-                               "average; use the module without DDP (torch refuses the same)")
         check_experts_placed(self.module, everything)
         # Expert parameters (plait.expert_parallel) differ across ep ranks: reduced on their own.
         self._dense_named = [(n, p) for n, p in everything if placement_of(p) is None]
@@ -408,9 +406,12 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
 DDP = DistributedDataParallel
 
 
-def _check_module(module: nn.Module, mesh: Mesh | None) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"DistributedDataParallel(module=...) expects an nn.Module, got {type(module)}")
+def _check_module(module: nn.Module, mesh: Mesh | None, ignored: frozenset[str]) -> None:
+    """Refusals before any collective (making the default mesh is one)."""
+    if not any(p.requires_grad for n, p in module.named_parameters() if n not in ignored):
+        raise RuntimeError("DistributedDataParallel: the module has no parameter that requires a gradient "
+                           "(outside params_and_buffers_to_ignore), so there is nothing to average; use "
+                           "the module without DDP (torch refuses the same)")
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"DistributedDataParallel(mesh=...) expects a plait.Mesh or None, got {type(mesh)}")
     if is_meta(module):
