@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.data_parallel import DataParallel
 from plait.sync_batchnorm import SyncBatchNorm
 
 STEPS = 3
@@ -63,6 +65,8 @@ def _train(layout: str, sizes: list[int]) -> dict:
         else cached_mesh(dp=2, fsdp=2)
     model = SyncBatchNorm.convert_sync_batchnorm(_model(), mesh)
     assert copy.deepcopy(model)[1].join_mirror is model[1].join_mirror  # a copy shares the group
+    with pytest.raises(ValueError, match="1, 5 synchronize batch statistics across ranks"):
+        DataParallel(model, ["cpu", "cpu"])(torch.zeros(4, 2, 3, 3, dtype=torch.float64))
     net = DDP(model, mesh) if layout == "ddp" else FSDP(model, mesh, zero_stage=3)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     start = sum(sizes[:rank])
@@ -252,3 +256,12 @@ def test_check_explains_batchnorm_divergence(pools):
     assert "plait.SyncBatchNorm.convert_sync_batchnorm(model)" in text and "per-rank statistics" in text
     assert synced.ok, synced.format()
     assert "BatchNorm" not in synced.format()
+
+
+def test_a_rank_that_joins_before_any_step_says_why():
+    """A rank with no batch at all cannot know which collectives to mirror: it raises, naming the
+    reason, rather than leaving the others waiting silently."""
+    from plait.sync_batchnorm import _Sync
+
+    with pytest.raises(RuntimeError, match="joined before it trained a step"):
+        _Sync(group=None, world=2).shadow_step()  # type: ignore[arg-type]

@@ -297,6 +297,16 @@ def _check_source(module: nn.Module, source: torch.device) -> None:
                                f"(device_ids[0]) but found one of them on device: {t.device}")
 
 
+def _refuse_collective_layers(module: nn.Module) -> None:
+    """Layers that communicate across ranks (`plait.SyncBatchNorm` inside a job) would issue the
+    same collectives from every replica's thread at once, on one group: refused, before any."""
+    names = [n for n, m in module.named_modules() if getattr(m, "join_mirror", None) is not None]
+    if names:
+        raise ValueError(f"DataParallel: {', '.join(names[:4])} synchronize batch statistics across ranks "
+                         "(SyncBatchNorm), which its replicas' threads cannot do together; use "
+                         "DistributedDataParallel, one process per device")
+
+
 def _run(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None,
          devices: list[torch.device], output_device: torch.device, dim: int) -> Any:
     """Scatter, replicate on the devices the chunks need, apply, gather: one forward."""
@@ -307,6 +317,8 @@ def _run(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any] | No
     if len(devices) == 1:
         return module(*args[0], **kws[0])
     used = devices[:len(args)]
+    if len(used) > 1:
+        _refuse_collective_layers(module)
     replicas = replicate(module, used, detach=not torch.is_grad_enabled())
     return gather(parallel_apply(replicas, args, kws, used), output_device, dim)
 

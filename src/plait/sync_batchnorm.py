@@ -68,6 +68,11 @@ class _Sync:
     def shadow_step(self) -> None:
         """A joined rank's side of one step of the others (`DDP.join`): each collective of this
         rank's last step, in order, contributing count 0 (no samples) and zero gradient sums."""
+        if not self.last_step:
+            raise RuntimeError("SyncBatchNorm under DDP.join: this rank joined before it trained a step, "
+                               "so it cannot tell which SyncBatchNorm collectives the others run; give "
+                               "every rank at least one batch (the others would wait for this rank until "
+                               "the timeout)")
         device = comm.device_of(self.group)
         for kind, numel, dtype in list(self.last_step):
             zeros = torch.zeros(numel, dtype=dtype, device=device)
