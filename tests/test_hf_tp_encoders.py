@@ -46,9 +46,10 @@ def build_encoder(family: str, **extra) -> torch.nn.Module:
             **{**common, "image_size": IMAGE, "patch_size": PATCH, "num_labels": LABELS, **extra}))
     elif family in ("t5", "t5-untied", "t5-gated"):  # relative position biases, cross-attention
         model = t.T5ForConditionalGeneration(t.T5Config(
-            vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
-            use_cache=False, decoder_start_token_id=0, pad_token_id=0,
-            **{"feed_forward_proj": "gated-gelu" if family == "t5-gated" else "relu", **extra}))
+            vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4, use_cache=False,
+            decoder_start_token_id=0, pad_token_id=0,
+            **{"dropout_rate": 0.0, "feed_forward_proj": "gated-gelu" if family == "t5-gated" else "relu",
+               **extra}))
         if family == "t5-untied":  # an lm_head of its own (transformers ties it to the embedding)
             model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone())
     else:
@@ -116,7 +117,11 @@ def test_every_encoder_is_planned_and_checked_without_spawning():
     )
 
     for family in ("bert-mlm", "bert-cls", "roberta-mlm", "vit", "t5", "t5-untied", "t5-gated"):
-        model = build_encoder(family)
+        # Training with dropout: the dry run also checks that each dropout draws from the random
+        # stream matching what it drops (per rank on split heads or sequence shards).
+        rates = {"dropout_rate": 0.1} if family.startswith("t5") else {
+            "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+        model = build_encoder(family, **rates).train()
         plan = plait.plan_for(model)
         inputs = encoder_batch(family, 0)[0]
         for sp in (False, True):  # the numeric check runs in the parity tests
