@@ -59,6 +59,13 @@ def _one_linear(mod: nn.Module) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
+def _linear_sizes(mod: nn.Module) -> tuple[int, int]:
+    """(in, out) of ``mod``'s only linear child."""
+    name = _one_linear(mod)
+    assert name is not None
+    return sizes(mod.get_submodule(name))
+
+
 def _heads_module(mod: nn.Module) -> tuple[str, ...] | None:
     """``mod``'s q, k and v projections, when it holds those and no output projection."""
     lin = linears(mod)
@@ -96,8 +103,7 @@ def _mlp_parts(block: nn.Module, attention: str, where: str) -> tuple[str, str]:
         raise fail(where, block, f"expected two modules besides {attention!r} holding one linear layer each "
                                  f"(the MLP's, as BERT's intermediate and output), found {found}; train this "
                                  "model with data or fully sharded parallelism (DDP, FSDP) instead")
-    first, second = (sizes(getattr(block.get_submodule(n), _one_linear(block.get_submodule(n)) or ""))
-                     for n in found)
+    first, second = (_linear_sizes(block.get_submodule(n)) for n in found)
     if first[1] != second[0] or first[0] != second[1]:
         raise fail(where, block, f"{found[0]!r} maps {first[0]} to {first[1]} features and {found[1]!r} "
                                  f"{second[0]} to {second[1]}: not an MLP's two projections")
@@ -141,6 +147,12 @@ def _bert_layer_plan(model: nn.Module, block: nn.Module, where: str) -> tuple[di
     assert o is not None
     hidden = sizes(getattr(out_mod, o))[1]
     q, k, v = _heads_module(heads_mod) or ()
+    loose = [n for n, c in heads_mod.named_children() if n not in (q, k, v) and has_params(c)]
+    if loose or any(True for _ in heads_mod.parameters(recurse=False)):
+        raise fail(f"{where}.{attn}.{heads_name}", heads_mod,
+                   f"parameters besides its q, k and v projections ({loose or 'its own'}: relative position "
+                   "embeddings over each head's features?); train this model with data or fully sharded "
+                   "parallelism (DDP, FSDP) instead")
     n_heads, kv, d = geometry(model, heads_mod, f"{where}.{attn}.{heads_name}", hidden)
     if kv != n_heads or sizes(getattr(heads_mod, q))[1] != n_heads * d:
         raise fail(f"{where}.{attn}", attention,
