@@ -22,12 +22,14 @@ __all__ = ["gpt_plan", "plan_for", "splits_logits_by_default"]
 
 def plan_for(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Style]:
     """A tensor-parallel plan for ``model``: `gpt_plan` for plait's GPT, else the plan of a
-    `transformers`-shaped causal LM recognised by its module structure
-    (`plait.plans.causal_lm`: Llama, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX, Gemma, Gemma2,
-    CodeGen and others of the same shapes). The model returns what it returns on one device
-    (gathered logits), so the usual loss works unchanged; ``loss_parallel=True`` leaves the
-    logits split by vocabulary for `plait.loss_fn_for(model)` (vocab-parallel cross-entropy).
-    Raises ``ValueError`` naming the module it cannot place.
+    `transformers`-shaped model recognised by its module structure: an encoder-decoder shaped like
+    T5 (`plait.plans.seq2seq`), an encoder shaped like BERT or RoBERTa, or a vision transformer
+    (ViT), with their heads (`plait.plans.encoder`), or a causal LM (`plait.plans.causal_lm`:
+    Llama, Mistral, Qwen2, Phi-3, GPT-2, GPT-NeoX, Gemma, Gemma2, CodeGen, Mixtral and others of
+    the same shapes). The model returns what it returns on one device (gathered logits), so the
+    usual loss works unchanged; ``loss_parallel=True`` leaves the logits split by vocabulary for
+    `plait.loss_fn_for(model)` (vocab-parallel cross-entropy), and is refused for a model with no
+    vocabulary (a classifier). Raises ``ValueError`` naming the module it cannot place.
     """
     from plait.models.gpt import GPT
 
