@@ -1,0 +1,130 @@
+"""Two nodes on one machine: two `plait run` launchers (``--nnodes 2 --node-rank N``) meeting at one
+rendezvous endpoint, as on two hosts. Layouts launched this way reproduce one process, the groups
+that must stay inside a node (FSDP's shards under HSDP, tensor parallelism) do, and a node that
+dies takes the job down within the collective timeout, naming what failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from oracle import TRAIN_ARGV
+
+from plait.env import DEFAULT_TIMEOUT_S, free_port
+
+
+def _nodes(args: list[str], per_node: int, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start two launchers, nodes 0 and 1, of one job: ``args`` is what follows the launcher's options
+    (a script or ``-m module`` and its flags)."""
+    endpoint = f"localhost:{free_port()}"
+    return [subprocess.Popen([sys.executable, "-m", "plait", "run", "--nnodes", "2", "--node-rank", str(node),
+                              "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
+                              "--rdzv-endpoint", endpoint, "--rdzv-id", "job",
+                              # node 0 hosts the rendezvous (both are "localhost": either might)
+                              "--rdzv-conf", f"is_host={int(node == 0)}", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, env={**os.environ, **(env or {})})
+            for node in (0, 1)]
+
+
+def _finish(launchers: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
+    outputs = [p.communicate(timeout=300) for p in launchers]
+    return [(p.returncode, out, err) for p, (out, err) in zip(launchers, outputs, strict=True)]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+PLACES = textwrap.dedent("""
+    import json, os, torch.distributed as dist
+    import plait
+    plait.init()
+    out = {"rank": dist.get_rank(), "node": int(os.environ["GROUP_RANK"])}
+    hsdp, dp_tp = plait.Mesh(dp=2, fsdp=2), plait.Mesh(dp=2, tp=2)
+    out["hsdp"] = dist.get_process_group_ranks(hsdp.group("fsdp"))
+    out["tp"] = dist.get_process_group_ranks(dp_tp.group("tp"))
+    print("PLACE " + json.dumps(out), flush=True)
+""")
+
+
+def test_shards_and_tensor_parallel_groups_stay_inside_a_node(tmp_path):
+    """HSDP replicates across nodes and shards within one; tp ranks are neighbours on one node."""
+    script = tmp_path / "places.py"
+    script.write_text(PLACES)
+    results = _finish(_nodes([str(script)], per_node=2))
+    assert all(code == 0 for code, _, _ in results), [err[-2000:] for _, _, err in results]
+    places = [json.loads(line[6:]) for _, out, _ in results for line in out.splitlines()
+              if line.startswith("PLACE ")]
+    node_of = {p["rank"]: p["node"] for p in places}
+    assert sorted(node_of) == [0, 1, 2, 3] and sorted(node_of.values()) == [0, 0, 1, 1]
+    for p in places:
+        for axis in ("hsdp", "tp"):
+            assert len(p[axis]) == 2 and {node_of[r] for r in p[axis]} == {p["node"]}, (axis, p)
+
+
+# DDP across the nodes is dp2-tp2's data axis (and HSDP's replicas); FSDP at world 2 shards across them.
+LAYOUTS = {
+    "fsdp": (1, ["--strategy", "fsdp", "--nproc", "2"]),
+    "hsdp-dp2-fsdp2": (2, ["--strategy", "fsdp", "--nproc", "4", "--dp", "2"]),
+    "dp2-tp2": (2, ["--strategy", "ddp", "--nproc", "4", "--tp", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_layout_launched_on_two_nodes_reproduces_one_process(tmp_path, oracle, layout):
+    per_node, flags = LAYOUTS[layout]
+    results = _finish(_nodes(["-m", "plait", "train", *TRAIN_ARGV, *flags, "--run-dir", str(tmp_path),
+                              "--name", "two"], per_node))
+    assert all(code == 0 for code, _, _ in results), [err[-2000:] for _, _, err in results]
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["summary"]["world"] == 2 * per_node
+    assert [r["loss"] for r in rows if "step" in r] == pytest.approx(oracle, rel=1e-4)
+
+
+def test_a_node_killed_ends_the_other_within_the_timeout_naming_the_failure(tmp_path):
+    """``kill -9`` of node 1's launcher and its ranks mid-training: node 0's rank sees its peer gone
+    and node 0's launcher exits non-zero within the collective timeout plus 5 s (a dead peer's closed
+    connections end the wait at once: seconds, measured here), its error naming the collective and
+    the ranks that did not arrive."""
+    timeout_s = DEFAULT_TIMEOUT_S
+    launchers = _nodes(["-m", "plait", "train", *TRAIN_ARGV, "--steps", "100000", "--strategy", "ddp",
+                        "--nproc", "2", "--run-dir", str(tmp_path), "--name", "k"], per_node=1)
+    metrics = tmp_path / "k" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert all(p.poll() is None for p in launchers) and time.monotonic() < deadline, _finish(launchers)
+        time.sleep(0.05)
+    # torchrun starts its ranks in sessions of their own: the launcher's process group is not the node.
+    node = [launchers[1].pid, *_descendants(launchers[1].pid)]
+    killed = time.monotonic()
+    for pid in node:  # the node: its launcher and every rank it started
+        os.kill(pid, signal.SIGKILL)
+    launchers[0].wait(timeout=timeout_s + 60)
+    took = time.monotonic() - killed
+    print(f"node 0 exited {took:.1f} s after node 1 was killed")
+    _, err = launchers[0].communicate()
+    launchers[1].wait()
+    assert launchers[0].returncode != 0
+    assert took < timeout_s + 5, (took, err[-3000:])
+    assert "rank 0: CollectiveError" in err and "ranks [1] did not arrive" in err, err[-3000:]
