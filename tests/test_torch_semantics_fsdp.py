@@ -50,6 +50,20 @@ NOT_PORTED = {
         "patches dist.reduce_scatter_single to read the reduction's dtype",
     "test_fully_shard_autograd.py::TestFullyShardAutograd::test_unused_forward_output":
         "covered by test_unused_forward_module's port below (an output no loss reads leaves the same None)",
+    "test_fully_shard_comm.py::TestFullyShardUnshardMultiProcess::test_unshard_async":
+        "unshards FSDP submodules under torch's replicate(); plait's units are not FSDP modules of their own",
+    "test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_dp_state_dict_cpu_offload":
+        "loads pieces with assign=True into a model still partly on meta; plait materializes when it wraps",
+    "test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_2d_state_dict_correctness":
+        "torch's parallelize_module under fully_shard; plait's FSDP x TP state dicts: tests/test_fsdp_tp.py",
+    "test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_dp_tp_state_dict_save_load":
+        "torch's parallelize_module under fully_shard; plait's FSDP x TP state dicts: tests/test_fsdp_tp.py",
+    "test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_hsdp_tp_state_dict_save_load":
+        "8 ranks, torch's parallelize_module; plait's HSDP x TP is in tests/test_fsdp_tp.py",
+    "test_fully_shard_state_dict.py::TestFullyShardStateDictMultiThread::test_rank0_offload_full_state_dict":
+        "GPU only (multi-thread ranks on CUDA); plait.full_state_dict is tested in tests/test_state_dict.py",
+    "test_fully_shard_training.py (the rest)":
+        "GPU/NCCL-only parity matrices; plait's FSDP parity against one process is tests/test_fsdp.py",
 }
 
 
@@ -230,6 +244,12 @@ def _state_dict_round_trip(stage: int) -> dict[str, Any]:
     opt.step()
     sd = net.state_dict()
     out: dict[str, Any] = {"names": list(sd) == list(ref.state_dict())}
+    # The values are the shards themselves (same memory), as FSDP2's, and stay so across steps.
+    ptrs = {n: p.to_local().data_ptr() for n, p in _named(net).items()}
+    net(_batch(1)[1]).sum().backward()
+    opt.step()
+    out["shared"] = all(v.to_local().data_ptr() == ptrs[k] and torch.equal(_full(v), _full(_named(net)[k]))
+                        for k, v in sd.items())
     buf = io.BytesIO()
     torch.save(sd, buf)  # was: "invalid python storage" (shards at non-zero offsets of a flat vector)
     buf.seek(0)
@@ -256,13 +276,15 @@ def _state_dict_round_trip(stage: int) -> dict[str, Any]:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_dp_state_dict_save_load(pools, stage):
     """torch: test/distributed/_composable/fsdp/test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_dp_state_dict_save_load
+    torch: test/distributed/_composable/fsdp/test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_cached_state_dict
 
-    state_dict() has the model's own names (no ``module.``), torch.save pickles it, torch.load plus
+    state_dict() has the model's own names (no ``module.``), its values share the shards' memory
+    across optimizer steps, torch.save pickles it, torch.load plus
     load_state_dict restores it into another wrapped model, and get_model_state_dict /
     set_model_state_dict agree."""  # noqa: E501
     for out in pools[2].run(_state_dict_round_trip, stage):
-        assert out == {"names": True, "loaded": True, "plain": True, "missing": ["0.in_proj.weight"],
-                       "dsd_names": True, "dsd_loaded": True}, out
+        assert out == {"names": True, "shared": True, "loaded": True, "plain": True,
+                       "missing": ["0.in_proj.weight"], "dsd_names": True, "dsd_loaded": True}, out
 
 
 # ------------------------------------------------------------------ structured activations
@@ -719,3 +741,44 @@ def test_meta_device_init_then_load_state_dict_assign(pools):
     reads, and the model computes as the one saved."""
     for out in pools[2].run(_meta_assign):
         assert out == {"keys": True, "values": True, "forward": True, "params_are_shards": True}, out
+
+
+class WithInt(nn.Module):
+    """torch's Model: two linears and an int64 parameter that cannot train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        self.non_float = nn.Parameter(torch.ones(16, dtype=torch.int64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _frozen_first_forward() -> dict[str, Any]:
+    from plait.precision import MixedPrecision
+
+    torch.manual_seed(0)
+    net = _fsdp(WithInt(), 3, units=[], mixed_precision=MixedPrecision(torch.bfloat16, torch.float32))
+    net.requires_grad_(False)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        net(x)
+    net(x.requires_grad_()).sum().backward()  # frozen: the input's gradient only
+    frozen = [n for n, p in _named(net).items() if p.grad is not None]
+    net.module.layers.requires_grad_(True)
+    net(x).sum().backward()
+    dtypes = {n: (None if p.grad is None else p.grad.dtype) for n, p in _named(net).items()}
+    return {"frozen": frozen, **dtypes}
+
+
+def test_reduce_dtype_after_frozen_first_forward(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining::test_reduce_dtype_after_frozen_first_forward
+
+    A model frozen whole after wrapping (an int64 parameter among them) gets no gradients, even
+    from a backward; run once under no_grad, then unfrozen in part, the unfrozen parameters get
+    fp32 (reduce dtype) gradients and the others none."""  # noqa: E501
+    f32 = torch.float32
+    for out in pools[2].run(_frozen_first_forward):
+        assert out == {"frozen": [], "layers.0.weight": f32, "layers.0.bias": f32, "layers.1.weight": f32,
+                       "layers.1.bias": f32, "non_float": None}, out
