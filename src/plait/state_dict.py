@@ -37,8 +37,8 @@ from plait.tensor_source import FullValue, whole
 
 _DATA_AXES = ("dp", "fsdp")  # the ranks that see different samples, whose buffers may differ
 
-__all__ = ["full_state_dict", "load_full_state_dict", "union_over", "with_other_experts",
-           "without_others_experts"]
+__all__ = ["full_state_dict", "load_full_state_dict", "buffers_of_first_data_rank", "union_over",
+           "with_other_experts", "without_others_experts"]
 
 
 def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
@@ -52,23 +52,26 @@ def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
         state = with_other_experts(model, {k: v.detach().clone() for k, v in model.state_dict().items()})
     moved: dict[int, torch.Tensor] = {}  # a tensor listed under two names (tied) moves once
     full = {plain_name(k): moved.setdefault(id(v), v.cpu()) for k, v in state.items()}
-    _buffers_of_first_data_rank(model, full)
+    buffers_of_first_data_rank(model, full)
     return full
 
 
-def _buffers_of_first_data_rank(model: Any, state: dict[str, torch.Tensor]) -> None:
-    """Replace the buffers in ``state`` by those of the first rank of ``model``'s data ranks.
+def buffers_of_first_data_rank(model: Any, state: dict[str, Any]) -> None:
+    """Replace the buffers in ``state`` (by their original names) by those of the first rank of
+    ``model``'s data ranks, in place; a collective over them.
 
     A data-parallel layout keeps a buffer per rank, and a buffer updated in forward differs across
     them (BatchNorm's running statistics are each rank's batches' under DDP between broadcasts,
     and under FSDP always): without this each rank would return its own, and "the same on every
-    rank" would not hold. Rank 0's, as DDP broadcasts and as a checkpoint writes them."""
+    rank" would not hold. Rank 0's, as DDP broadcasts them; `plait.checkpoint.save` writes the
+    same (DCP stores a replicated entry from whichever rank balances the bytes)."""
     from plait.mesh import Mesh
 
     mesh, module = getattr(model, "mesh", None), getattr(model, "module", None)
     if not isinstance(mesh, Mesh) or not isinstance(module, nn.Module) or mesh.size(_DATA_AXES) == 1:
         return
-    names = [n for n in (plain_name(k) for k, _ in module.named_buffers()) if n in state]
+    names = [n for n in (plain_name(k) for k, _ in module.named_buffers())
+             if type(state.get(n)) is torch.Tensor]  # plain tensors: a DTensor is placed, not replicated
     if not names:
         return
     group = mesh.group(_DATA_AXES)
@@ -77,7 +80,7 @@ def _buffers_of_first_data_rank(model: Any, state: dict[str, torch.Tensor]) -> N
     with comm.operation("buffers of the first data rank"):
         comm.broadcast_coalesced(moved, mesh.group_ranks(_DATA_AXES)[0], group)
     for n, t in zip(names, moved):
-        state[n] = t.cpu()
+        state[n] = t.to(state[n].device)
 
 
 def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue]) -> None:

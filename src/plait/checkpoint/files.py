@@ -44,6 +44,7 @@ from plait.checkpoint.integrity import (
 )
 from plait.checkpoint.protocol import Checkpointable, load_state_dict, state_dict
 from plait.env import get_logger
+from plait.state_dict import buffers_of_first_data_rank
 
 __all__ = ["save", "load", "latest", "prune", "SaveHandle", "NoSpaceLeft", "step_folders", "distributed",
            "rank", "version"]
@@ -194,20 +195,6 @@ def _background() -> _Background:
     return bg
 
 
-def _first_rank_planner() -> Any:
-    """DCP's planner, writing an entry that several ranks hold (a replicated parameter or buffer)
-    from the lowest of them. By default DCP spreads such entries over the ranks to balance the
-    bytes, so a buffer that differs across data ranks (BatchNorm's running statistics) came from
-    whichever rank it picked; rank 0's is what `plait.full_state_dict` gives. torch 2.6 lacks the
-    option (its checkpoints keep the balancing)."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
-    try:
-        return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-    except TypeError:
-        return DefaultSavePlanner()
-
-
 def save(directory: str | Path, model: Checkpointable | nn.Module, optimizer: Any, meta: dict[str, Any], *,
          keep: int | None = None, async_save: bool = False) -> SaveHandle:
     """Write a checkpoint (a collective: every rank calls it) and, last, its ``plait.json``.
@@ -229,15 +216,18 @@ def save(directory: str | Path, model: Checkpointable | nn.Module, optimizer: An
             (path / stale).unlink(missing_ok=True)
     writer = _RecordingWriter(path)
     state = state_dict(model, optimizer)
+    # DCP writes an entry several ranks hold from whichever rank balances the bytes: a buffer that
+    # differs across data ranks (BatchNorm's running statistics) is made rank 0's first, in this
+    # copy of the state only (the ranks keep their own), as `plait.full_state_dict` gives it.
+    buffers_of_first_data_rank(model, state["model"])
     need = _state_bytes(state)
     if not async_save:
         with _naming_a_full_disk(path, need):
-            dcp.save(state, storage_writer=writer, planner=_first_rank_planner())
+            dcp.save(state, storage_writer=writer)
             return SaveHandle(_finish(path, writer, meta, keep, None))
     group = bg.checkpoint_group()
     with _naming_a_full_disk(path, need):
-        written = dcp.async_save(state, storage_writer=writer, process_group=group,
-                                 planner=_first_rank_planner())
+        written = dcp.async_save(state, storage_writer=writer, process_group=group)
     upload: Any = getattr(written, "upload_completion", written)  # newer torch may return two futures
     bg.pending = SaveHandle(path, bg.executor.submit(_finish_after, upload, path, writer, meta, keep, group,
                                                      need))
