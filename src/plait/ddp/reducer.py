@@ -328,7 +328,7 @@ class Reducer:
                 continue
             grad = p.grad
             if grad is None or not grad.is_sparse:
-                grad = _empty_sparse(p) if grad is None else grad.to_sparse()
+                grad = _empty_sparse(p) if grad is None else grad.to_sparse(1)
             grad = grad.coalesce() / self._divisor
             with comm.operation(f"DDP sparse gradient {name}"):
                 comm.all_reduce(grad, self.group)
@@ -376,9 +376,10 @@ class Reducer:
 
 
 def _empty_sparse(p: torch.Tensor) -> torch.Tensor:
-    """A sparse zero gradient of ``p``'s shape (what a rank without one contributes)."""
-    return torch.sparse_coo_tensor(torch.zeros(p.dim(), 0, dtype=torch.long, device=p.device),
-                                   torch.zeros(0, dtype=p.dtype, device=p.device), p.shape)
+    """A sparse zero gradient of ``p``'s shape (what a rank without one contributes), laid out as an
+    embedding's: rows sparse, each row dense (Gloo fails on ranks that disagree on the layout)."""
+    return torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long, device=p.device),
+                                   torch.zeros(0, *p.shape[1:], dtype=p.dtype, device=p.device), p.shape)
 
 def _warn_create_graph() -> None:
     warnings.warn("DistributedDataParallel: backward(create_graph=True): the averaged gradients carry no "
