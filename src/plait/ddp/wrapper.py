@@ -310,7 +310,7 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         checkpointing), whose end is not the step's."""
         start = weakref.WeakMethod(self._on_output_grad)
         for t in output_tensors(out):
-            if t.requires_grad:
+            if t.grad_fn is not None:  # not a leaf: a hook on a parameter returned as is would stay
                 t.register_hook(lambda g, start=start: _call_alive(start, g))
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
