@@ -265,3 +265,7 @@ def test_a_rank_that_joins_before_any_step_says_why():
 
     with pytest.raises(RuntimeError, match="joined before it trained a step"):
         _Sync(group=None, world=2).shadow_step()  # type: ignore[arg-type]
+    sync = _Sync(group=None, world=2)  # type: ignore[arg-type]
+    for _ in range(5000):  # train-mode forwards without backward: the log stays bounded
+        sync.record("forward", 9, torch.float64)
+    assert 0 < len(sync.last_step) <= 4096

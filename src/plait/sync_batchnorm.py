@@ -39,6 +39,7 @@ from plait import comm
 __all__ = ["SyncBatchNorm", "DATA_AXES"]
 
 DATA_AXES: tuple[str, ...] = ("dp", "fsdp")  # the axes along which ranks hold different samples
+_MAX_LOG = 4096  # collectives kept of the current step (see `_Sync.record`)
 
 
 @dataclass
@@ -58,7 +59,10 @@ class _Sync:
         return self
 
     def record(self, kind: str, numel: int, dtype: torch.dtype) -> None:
-        if kind == "forward" and self.in_backward:  # a forward after a backward starts a step
+        # A forward after a backward starts a step. Forwards without backward (recomputing the
+        # running statistics in train mode under no_grad) never end one: the log is cut short
+        # rather than grow without end (a rank that joins after such steps cannot mirror them).
+        if kind == "forward" and (self.in_backward or len(self.calls) >= _MAX_LOG):
             self.calls, self.in_backward = [], False
         self.in_backward = self.in_backward or kind == "backward"
         self.calls.append((kind, numel, dtype))
