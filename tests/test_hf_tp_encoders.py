@@ -12,9 +12,9 @@ twice) and with a sequence-classification head (pooler, 3 labels), RoBERTa's mas
 counted from the padding id), ViT's image classification (patch embedding, class token, 3 labels:
 9 patches and the class token, 10 positions, so the sequence splits over tp=2), and T5 (relative
 position biases made by each stack's first block and reused by the others, the decoder's
-cross-attention, its lm_head tied to the shared embedding or its own, a ReLU or a gated MLP;
-16 encoder and 8 decoder positions). What must be refused is checked without spawning:
-`plait.tp.check_plan` needs no process group.
+cross-attention, its lm_head tied to the shared embedding or its own; 16 encoder and 8 decoder
+positions), BERT's and T5's also under fsdp=2 x tp=2 with SP. What must be refused is checked
+without spawning: `plait.tp.check_plan` needs no process group.
 """
 
 from __future__ import annotations
@@ -94,8 +94,21 @@ def test_t5_at_tp2_with_and_without_sp_matches_single_process(pools):
     # Each stack's first block makes a bias per head from relative positions: each rank looks up
     # its heads' columns, and the bias goes whole from block to block; the decoder's cross-attention
     # reads the encoder's output through f. The lm_head tied to the shared embedding (T5's default)
-    # and an lm_head of its own; T5 v1.1's gated MLP (wi_0, wi_1, wo). Before: refused.
-    pools[2].run(_tp2, [("t5", False), ("t5", True), ("t5-untied", True), ("t5-gated", False)])
+    # and an lm_head of its own (T5 v1.1's gated MLP, wi_0 wi_1 wo, is planned as a gated MLP of a
+    # decoder is: checked without spawning below). Before: refused.
+    pools[2].run(_tp2, [("t5", False), ("t5", True), ("t5-untied", True)])
+
+
+def _fsdp_tp(families: list[str]) -> dict:
+    return {f: train_against_one_process(f, lambda f=f: build_encoder(f),
+                                         lambda step, f=f: encoder_batch(f, step), True, "fsdp", TOL, TOL)
+            for f in families}
+
+
+def test_bert_and_t5_under_fsdp2_x_tp2_with_sp_match_single_process(pools):
+    # FSDP gathers each unit's shards into plain tensors for the forward: BERT's tied MLM bias and
+    # T5's relative position table (whole over tp, sharded over fsdp) must be read from those.
+    pools[4].run(_fsdp_tp, ["bert-mlm", "t5"])
 
 
 def test_vit_at_tp2_with_and_without_sp_matches_single_process(pools):
