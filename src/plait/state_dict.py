@@ -70,11 +70,16 @@ def buffers_of_first_data_rank(model: Any, state: dict[str, Any]) -> None:
     mesh, module = getattr(model, "mesh", None), getattr(model, "module", None)
     if not isinstance(mesh, Mesh) or not isinstance(module, nn.Module) or mesh.size(_DATA_AXES) == 1:
         return
-    names = [n for n in (plain_name(k) for k, _ in module.named_buffers())
-             if type(state.get(n)) is torch.Tensor]  # plain tensors: a DTensor is placed, not replicated
+    held = [n for n in (plain_name(k) for k, _ in module.named_buffers())
+            if type(state.get(n)) is torch.Tensor]  # plain tensors: a DTensor is placed, not replicated
+    mine = [(n, tuple(state[n].shape), str(state[n].dtype)) for n in held]
+    group = mesh.group(_DATA_AXES)
+    # Only what every rank holds alike (a rank's own experts' buffers, say, stay its own): a
+    # broadcast of tensors some rank lacks would not match up.
+    every = comm.all_gather_object(mine, group)
+    names = [n for n, shape, dtype in mine if all((n, shape, dtype) in other for other in every)]
     if not names:
         return
-    group = mesh.group(_DATA_AXES)
     device = comm.device_of(group)
     moved = [state[n].to(device, copy=True) for n in names]
     with comm.operation("buffers of the first data rank"):
