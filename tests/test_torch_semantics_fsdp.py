@@ -782,3 +782,37 @@ def test_reduce_dtype_after_frozen_first_forward(pools):
     for out in pools[2].run(_frozen_first_forward):
         assert out == {"frozen": [], "layers.0.weight": f32, "layers.0.bias": f32, "layers.1.weight": f32,
                        "layers.1.bias": f32, "non_float": None}, out
+
+
+def _meta_init_reset(stage: int, offload: bool) -> dict[str, Any]:
+    with torch.device("meta"):
+        meta = _stack()
+    net = _fsdp(meta, stage, offload=offload)
+    net.to_empty(device="cpu")
+    torch.manual_seed(5)  # the same on every rank: each keeps its rows of the same full values
+    for m in net.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    ref = _stack()
+    torch.manual_seed(5)
+    for m in ref.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    x, mine = _batch(0)
+    out = {"forward": (net(mine) - ref(x).chunk(dist.get_world_size())[dist.get_rank()]).abs().max().item()}
+    r = _compare(net, ref)
+    out["param"] = r["param"]
+    out["state_dict"] = all(torch.equal(_full(v), ref.state_dict()[k]) for k, v in net.state_dict().items())
+    return out
+
+
+@pytest.mark.parametrize(("stage", "offload"), [(2, True), (3, False)])
+def test_meta_device_1d_init(pools, stage, offload):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_init.py::TestFullyShardMetaDeviceInit::test_meta_device_1d_init
+
+    torchtitan's order: build on the meta device, wrap, ``to_empty``, then ``reset_parameters()``
+    on each module: the values written through the modules land in the shards (with offload or
+    mixed precision they were written to the gathered copy and lost at the next gather; under ZeRO-3
+    they failed on freed storage), equal to one process re-initialised with the same seed."""  # noqa: E501
+    for out in pools[2].run(_meta_init_reset, stage, offload):
+        assert out == {"forward": 0.0, "param": 0.0, "state_dict": True}, out

@@ -185,6 +185,9 @@ class FlatParam:
                 self.shard = self.shard.pin_memory()  # lets host->device copies run asynchronously
         self.params = [self._dtensor(i, self.local(i), requires_grad) for i in range(len(slots))]
         self.sync_requires_grad()
+        # The leaves' version counters as FSDP last saw them: a change means a write through the
+        # module attributes outside forward (`write_back`).
+        self.leaf_versions = [leaf._version for leaf in self.leaves]
         # The flat vector of this rank's reduced gradient chunks and the parameters' DTensor
         # gradients on it, as last installed (weak: the parameters' .grad owns them).
         self._grad_flat: Callable[[], torch.Tensor | None] = lambda: None
@@ -364,10 +367,25 @@ class FlatParam:
             self.gathered_version = self._version()
         self.gathered = True
 
+    def write_back(self) -> None:
+        """Copy into this rank's shard the rows of every leaf written through the module's attributes
+        since FSDP last looked (``reset_parameters()``, an in-place init after wrapping): the shard
+        is what the optimizer, the state dicts and the next gather read, so the write would be lost."""
+        if not self.gathered or self._handle is not None:
+            return
+        changed = [i for i, leaf in enumerate(self.leaves) if leaf._version != self.leaf_versions[i]]
+        with torch.no_grad():
+            for i in changed:
+                s, leaf = self.slots[i], self.leaves[i]
+                a, b = s.rows_of(self.cfg.rank)
+                self.local(i).copy_(leaf if s.replicated else leaf[a:b])
+        self.leaf_versions = [leaf._version for leaf in self.leaves]
+
     def reshard(self) -> None:
         """Free the gathered parameters (ZeRO-3); the shard stays."""
         if self.cfg.stage < 3:
             return
+        self.write_back()
         if self._handle is not None:
             # A prefetch nobody used: let it land before freeing. Also when not gathered yet, or it
             # would stay pending and be taken for current values after the optimizer step.

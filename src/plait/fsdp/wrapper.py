@@ -270,6 +270,7 @@ class FullyShardedDataParallel(nn.Module, FSDPControls):
         ``module.``, as torch's FSDP1 and FSDP2: `plait.fsdp.names`), which `torch.save` pickles and
         `torch.distributed.checkpoint` saves and reshards. Refused where a DTensor cannot describe a
         parameter (see `_torch_state_refusal`)."""
+        self._write_back()
         why = self._torch_state_refusal()
         if why is not None:
             raise ValueError(
@@ -320,6 +321,22 @@ class FullyShardedDataParallel(nn.Module, FSDPControls):
                 new.bind_views()
         return self
 
+    def to_empty(self, *, device: torch.device | str | int | None,
+                 recurse: bool = True) -> FullyShardedDataParallel:
+        """torch's meta-device idiom (build on meta, wrap, ``to_empty``, then ``reset_parameters()`` or
+        ``init_weights()``): the shards, materialized when FSDP wrapped the model, keep their values
+        and the buffers are emptied, as nn.Module empties them. ZeRO-3 then gathers every unit, so
+        the module attributes the re-initialisation writes through hold whole tensors; the writes go
+        back to the shards (`FlatParam.write_back`) and the units are freed at the next forward."""
+        super().to_empty(device=device, recurse=recurse)
+        self.unshard()
+        return self
+
+    def _write_back(self) -> None:
+        for unit in self.units:
+            for flat in unit.flats:
+                flat.write_back()
+
     def _fqn_modifiers(self) -> dict[str, str]:
         """torch.distributed.checkpoint.state_dict's contract for a module whose state-dict keys
         skip a level: the model's top-level names stand for ``module.<name>``."""
@@ -353,6 +370,7 @@ class FullyShardedDataParallel(nn.Module, FSDPControls):
     def _begin_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         root = self.units[0]
         self._order = []
+        self._write_back()
         if self._backward_queued:  # the previous backward raised before its end callback
             for unit in self.units:
                 for flat in unit.flats:
