@@ -8,7 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-BENCHES = ("ddp", "fsdp", "tp", "pp", "cp", "moe", "compile", "checkpoint", "memory", "plan", "mesh_groups")
+BENCHES = ("ddp", "fsdp", "deepspeed", "tp", "pp", "cp", "moe", "compile", "checkpoint", "memory", "plan",
+           "mesh_groups")
 
 
 def _bench_package_root() -> Path:
