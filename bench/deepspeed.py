@@ -73,10 +73,10 @@ def _step_fn(impl: str, args: dict, stage: int, losses: list[float], tracker: Li
             engine.step()
             losses.append(loss.item())
         return ds_step
-    from bench.fsdp import _build
+    from bench.fsdp import build
 
     plain = {**args, "zero_stage": stage, "offload": False, "mixed_precision": False}
-    model, opt = _build(impl, plain, stage)
+    model, opt = build(impl, plain, stage)
 
     def step() -> None:
         loss = lm_loss(model(x), y)

@@ -51,7 +51,7 @@ def _batch(args: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return b[:, :-1], b[:, 1:]
 
 
-def _build(impl: str, args: dict, stage: int | None = None):
+def build(impl: str, args: dict, stage: int | None = None):
     """impl: "plait" (defaults), "plait_lowmem" (backward_prefetch=False) or "torch"."""
     import torch.distributed as dist
 
@@ -118,7 +118,7 @@ def timing_job(args: dict) -> dict:
     rank = dist.get_rank()
     x, y = _batch(args, rank)
     losses: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    models = {impl: _build(impl, args) for impl in IMPLS}
+    models = {impl: build(impl, args) for impl in IMPLS}
     steps = {impl: _step_fn(*models[impl], x, y, losses[impl]) for impl in models}
     times = alternate(steps, warmup=args["warmup"], iters=args["iters"])
     # Communication of one plait step against DDP's one all-reduce of every gradient.
@@ -139,7 +139,7 @@ def memory_job(impl: str, args: dict) -> dict:
     from plait.fsdp.wrapper import model_state_bytes
 
     x, y = _batch(args, dist.get_rank())
-    model, opt = _build(impl, args)
+    model, opt = build(impl, args)
     _step_fn(model, opt, x, y, [])()  # optimizer state exists from here on, as in steady-state training
     gc.collect()
     out: dict = {"phase": None, "bwd_start": None}
@@ -162,7 +162,7 @@ def memory_job(impl: str, args: dict) -> dict:
         del model, opt
         stages = {}
         for stage in (1, 2, 3):
-            m, o = _build("plait", args, stage)
+            m, o = build("plait", args, stage)
             _step_fn(m, o, x, y, [])()  # optimizer state exists
             lm_loss(m(x), y).backward()  # gradients present, as the ZeRO formula counts them
             stages[stage] = model_state_bytes(m, o)["total"]
