@@ -113,6 +113,54 @@ def memory_job(impl: str, stage: int, args: dict) -> dict:
     return {"peak_live": tracker.peak}
 
 
+def pipeline_job(args: dict) -> dict:
+    """plait's 1F1B against DeepSpeed's pipeline engine (`PipelineModule`, its own 1F1B), pp 2, the same
+    segments in each stage (DeepSpeed's balance by parameters, given to plait as its split)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    import plait
+    from plait.models.gpt import GPT, lm_loss
+    from plait.pipeline import pipeline
+    from plait.pipeline.split import segments
+    from plait.testing import cached_mesh
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg, m, world = gpt_config(args), args["microbatches"], dist.get_world_size()
+    segs = segments(plait.init_weights(GPT(cfg), 0))
+    ds_model = PipelineModule(layers=[mod for _, mod in segs], num_stages=world, loss_fn=lm_loss,
+                              partition_method="parameters")
+    starts = [segs[i][0] for i in ds_model.parts[1:-1]]
+    config = {"train_micro_batch_size_per_gpu": args["batch"] // m, "gradient_accumulation_steps": m,
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
+    trained = [p for p in ds_model.parameters() if p.requires_grad]
+    ds_opt = torch.optim.AdamW(trained, lr=1e-3, weight_decay=0.1)
+    engine, _, _, _ = deepspeed.initialize(model=ds_model, optimizer=ds_opt, config=config)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    pipe = pipeline(meta, cached_mesh(pp=world), split=starts, schedule="1f1b", microbatches=m,
+                    loss_fn=lm_loss)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1234)
+    data = torch.randint(0, 256, (args["batch"], args["seq_len"] + 1), generator=g)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    micro = list(zip(x.chunk(m), y.chunk(m), strict=True))
+    losses: dict[str, list[float]] = {"plait": [], "deepspeed": []}
+
+    def plait_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        losses["plait"].append(float(pipe.step(x, y)))
+        opt.step()
+
+    def ds_step() -> None:
+        losses["deepspeed"].append(float(engine.train_batch(data_iter=iter(micro))))
+
+    times = alternate({"plait": plait_step, "deepspeed": ds_step}, warmup=args["warmup"], iters=args["iters"])
+    return {"times": times, "losses": losses, "starts": starts}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="plait bench deepspeed", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="25m", help="GPT preset (default 25m)")
@@ -121,7 +169,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--iters", type=int, default=20, help="timed steps per side and stage (default 20)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--stages", default="1,2,3", help="ZeRO stages to compare (default 1,2,3)")
+    p.add_argument("--stages", default="1,2,3", help="ZeRO stages to compare (default 1,2,3; or 'none')")
+    p.add_argument("--pipeline", action="store_true",
+                   help="also 1F1B at pp 2 against DeepSpeed's pipeline engine")
+    p.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (default 4)")
     p.add_argument("--no-write", action="store_true", help="print only; do not update bench/results")
     a = p.parse_args(argv)
     try:
@@ -130,13 +181,15 @@ def main(argv: list[str]) -> int:
         raise SystemExit("plait bench deepspeed needs DeepSpeed: pip install deepspeed "
                          "(the bench extra)") from None
     args = {"model": a.model, "seq_len": a.seq_len, "batch": a.batch, "iters": a.iters, "warmup": a.warmup,
-            "world": a.world, "stages": [int(s) for s in a.stages.split(",")]}
+            "world": a.world, "stages": [] if a.stages == "none" else [int(s) for s in a.stages.split(",")],
+            "microbatches": a.microbatches}
     from plait.testing import RankPool
 
     t0, load0 = time.time(), os.getloadavg()[0]
     pool = RankPool(args["world"], timeout_s=1800)
     try:
         timing = pool.run(timing_job, args)[0]
+        piped = pool.run(pipeline_job, args)[0] if a.pipeline else None
     finally:
         pool.close()
     mem: dict[tuple[int, str], int] = {}
@@ -148,7 +201,7 @@ def main(argv: list[str]) -> int:
             finally:
                 pool.close()
     args["load"] = (load0, os.getloadavg()[0])
-    body = _report(args, timing, mem, time.time() - t0)
+    body = _report(args, timing, mem, time.time() - t0) + (_pipeline_report(args, piped) if piped else "")
     print(body)
     if not a.no_write:
         write_section("deepspeed", "ZeRO 1/2/3: plait against DeepSpeed (and FSDP2)", body,
@@ -188,6 +241,27 @@ storage per rank is measured in fresh processes per implementation, one step aft
 {table}
 
 The losses differ only by the order of floating-point sums (same initial values and batch).
+"""
+
+
+def _pipeline_report(args: dict, piped: dict) -> str:
+    t, losses = piped["times"], piped["losses"]
+    r = spread(paired_ratios(t["plait"], t["deepspeed"]))
+    row = ["1F1B, pp 2", median(t["plait"]), median(t["deepspeed"]), r.median,
+           f"{r.p25:.3f}-{r.p75:.3f}; {r.p10:.3f}-{r.p90:.3f}",
+           f"{losses['plait'][0]:.4f} / {losses['deepspeed'][0]:.4f}",
+           f"{losses['plait'][-1]:.4f} / {losses['deepspeed'][-1]:.4f}"]
+    table = markdown_table(["schedule", "plait step (s)", "DeepSpeed step (s)",
+                            "step ratio (median of pairs)", "ratio IQR; p10-p90",
+                            "loss step 1 (plait / DeepSpeed)", "loss last step"], [row])
+    return f"""
+### Pipelines: plait's 1F1B against DeepSpeed's pipeline engine
+
+Two stages, {args['microbatches']} microbatches of the same global batch; DeepSpeed's `PipelineModule`
+over the model's segments balanced by parameters (second stage from `{piped['starts'][0]}`), the same
+split given to `plait.pipeline`; torch's AdamW on both, steps alternating as above.
+
+{table}
 """
 
 
