@@ -35,6 +35,7 @@ class Reducer:
     _buckets: list[Bucket]
     _where: dict[int, tuple[Bucket, int]]
     _flag_of: dict[int, int]
+    _flagged: list[tuple[str, nn.Parameter]]
     _sparse: list[tuple[str, nn.Parameter]]
     _experts: list[tuple[str, nn.Parameter]]
     _bucketed_experts: list[tuple[str, nn.Parameter]]
@@ -121,10 +122,7 @@ class Reducer:
         self._mark_ready(b, i)
 
     def _name_of(self, k: int) -> str:
-        for b in self._buckets:
-            if b.first <= k < b.first + len(b.params):
-                return b.names[k - b.first]
-        return self._sparse[k - sum(len(b.params) for b in self._buckets)][0]
+        return self._flagged[k][0]
 
     def _ready_twice(self, name: str) -> RuntimeError:
         if self.static_graph:
@@ -165,10 +163,7 @@ class Reducer:
         self._mark_ready(b, i)
 
     def _param_at(self, k: int) -> nn.Parameter:
-        for b in self._buckets:
-            if b.first <= k < b.first + len(b.params):
-                return b.params[k - b.first]
-        return self._sparse[k - sum(len(b.params) for b in self._buckets)][1]
+        return self._flagged[k][1]
 
     def _fill(self, b: Bucket, i: int, grad: torch.Tensor) -> None:
         """Copy a gradient into its bucket slot, pre-divided (one pass over memory): the

@@ -134,8 +134,9 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
                                            int(options.bucket_cap_mb * 2**20))
         self._where: dict[int, tuple[Bucket, int]] = {
             id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
-        dense = [p for b in self._buckets for p in b.params]
-        self._flag_of = {id(p): k for k, p in enumerate(dense + [p for _, p in self._sparse])}
+        # Each reduced parameter's flag index: bucket order, then the sparse ones.
+        self._flagged = [(n, p) for b in self._buckets for n, p in zip(b.names, b.params)] + self._sparse
+        self._flag_of = {id(p): k for k, (_, p) in enumerate(self._flagged)}
         self._register_hooks(trainable)
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._reset_step_state()
