@@ -49,7 +49,6 @@ NOT_PORTED = {
     f"{SRC}::test_ddp_update_process_group_new_group": "torch's private _update_process_group",
     f"{SRC}::test_ddp_remove_autograd_hooks": "torch's private _remove_autograd_hooks",
     f"{SRC}::test_ddp_has_finalized": "torch's reducer internal _check_reducer_finalized",
-    f"{SRC}::test_ddp_device": "device_ids / output_device placement is CUDA only",
     f"{SRC}::test_ddp_sink_noclone": "torch's _DDPSink internals (plait applies no sink)",
     f"{SRC}::test_ddp_buffer_hook_allreduce": "torch's private _register_buffer_comm_hook",
     f"{SRC}::test_ddp_broadcast_buffer_via_hook": "torch's private _register_buffer_comm_hook",
@@ -1448,3 +1447,21 @@ def test_comm_hook_state_pickling_as_torch(pools):
     for out in pools[2].run(_hook_pickling):
         _same(out["loaded"], out["original"])
         assert all(out["state"].values()), out["state"]
+
+
+def test_torch_only_arguments_are_refused_by_name_before_communication():
+    """torch: distributed_test.py::_DistTestBase::test_ddp_device (device_ids / output_device, which
+    plait's DDP does not take: refused by name with what to write instead).
+
+    ``device_ids``, ``process_group``, ``gradient_as_bucket_view`` and other torch-only arguments
+    raise a TypeError naming each and its replacement, before any collective; a misspelt option
+    too."""
+    import plait
+
+    plait.init()
+    with pytest.raises(TypeError, match=r"device_ids: .*module is.*process_group: pass mesh="):
+        DDP(nn.Linear(2, 2), None, device_ids=[0], process_group=None)
+    with pytest.raises(TypeError, match="gradient_as_bucket_view"):
+        DDP(nn.Linear(2, 2), None, gradient_as_bucket_view=False)
+    with pytest.raises(TypeError, match="find_unused_paramters: not an argument"):
+        DDP(nn.Linear(2, 2), None, find_unused_paramters=True)

@@ -14,7 +14,8 @@ from plait.mesh import Mesh
 from plait.placement.records import placement_of
 from plait.precision import precision_of
 
-__all__ = ["DDPOptions", "ignored_names", "wire_dtype", "check_experts_placed", "mesh_key", "mesh_for"]
+__all__ = ["DDPOptions", "ignored_names", "refuse_torch_only", "wire_dtype", "check_experts_placed",
+           "mesh_key", "mesh_for"]
 
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,6 +36,29 @@ class DDPOptions:
         if self.gradient_compression not in COMPRESSION:
             raise ValueError("gradient_compression must be one of None, 'bf16', 'fp16'; got "
                              f"{self.gradient_compression!r}")
+
+
+# torch's DistributedDataParallel arguments plait's takes otherwise, with what to write instead.
+_TORCH_ONLY = {
+    "device_ids": "plait's DDP runs where the module is: move it first (plait.init() returns the device)",
+    "output_device": "outputs stay on the module's device",
+    "dim": "each rank runs its own batch: nothing is scattered",
+    "process_group": "pass mesh=plait.Mesh(...) and axis=: the group is mesh.group(axis)",
+    "gradient_as_bucket_view": ".grad is always a view of its bucket (torch's True); drop the option",
+    "mixed_precision": "apply plait.mixed_precision(model, ...) before wrapping",
+    "init_sync": "the model is always checked and broadcast at construction",
+    "delay_all_reduce_named_params": "not supported",
+    "device_mesh": "pass mesh=plait.Mesh(...)",
+    "skip_all_reduce_unused_params": "not supported: unused parameters are all-reduced as torch's default",
+}
+
+
+def refuse_torch_only(given: dict) -> None:
+    """Refuse torch's DDP arguments plait does not take, naming each with its replacement."""
+    if not given:
+        return
+    lines = [f"{k}: {_TORCH_ONLY.get(k, 'not an argument of torch DDP either')}" for k in sorted(given)]
+    raise TypeError("DistributedDataParallel got arguments plait's DDP does not take: " + "; ".join(lines))
 
 
 def ignored_names(module: nn.Module, names: Iterable[str] | None) -> frozenset[str]:

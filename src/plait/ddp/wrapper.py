@@ -35,7 +35,7 @@ from plait.ddp.buckets import Bucket, output_tensors, params_reached_by, plan_bu
 from plait.ddp.hooks import CommHook, check_hook
 from plait.ddp.join import DDPJoinHook, common_rank, step_counts
 from plait.ddp.reducer import Reducer
-from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, wire_dtype
+from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, refuse_torch_only, wire_dtype
 from plait.materialize import is_meta
 from plait.mesh import Mesh
 from plait.placement.records import held, placement_of
@@ -75,6 +75,9 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         params_and_buffers_to_ignore: names (as ``module.named_parameters()`` /
             ``named_buffers()`` give them) DDP neither broadcasts nor reduces; torch's
             ``_set_params_and_buffers_to_ignore_for_model`` adds to them.
+
+    torch's other arguments (``device_ids``, ``process_group``, ``mixed_precision``, ...) are
+    refused by name with what to write instead, before any collective.
     """
 
     def __init__(
@@ -89,9 +92,11 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         axis: str | tuple[str, ...] = ("dp", "cp"),
         static_graph: bool = False,
         params_and_buffers_to_ignore: Iterable[str] | None = None,
+        **torch_only: Any,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
+        refuse_torch_only(torch_only)
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel(module=...) expects an nn.Module, got {type(module)}")
         options = DDPOptions(bucket_cap_mb, find_unused_parameters, broadcast_buffers, gradient_compression,
