@@ -73,6 +73,7 @@ from plait._torch_compat import eager, queue_end_of_backward, tree_flatten, tree
 from plait.dtensors import mesh_over
 from plait.env import device as default_device
 from plait.fsdp.controls import FSDPControls, PlacementFn, check_placements, ignored_grads, ignored_ids
+from plait.fsdp.conversions import Conversions
 from plait.fsdp.flat import FlatParam, Placing, ShardCfg, Slot
 from plait.fsdp.names import own_names, report_own_names, top_level_names, wrapped_names
 from plait.fsdp.units import Unit, build_units, check_no_optimizer
@@ -95,10 +96,8 @@ SHARD_AXES = ("fsdp", "cp")
 
 # What torch says when an op reads a tensor whose storage FSDP freed (resized to zero bytes).
 _FREED_READ = ("storage of size 0", "data is not allocated yet")
-Convert = Callable[[torch.Tensor], torch.Tensor]  # what nn.Module._apply maps over tensors
 
-
-class FullyShardedDataParallel(nn.Module, FSDPControls):
+class FullyShardedDataParallel(Conversions, FSDPControls):
     """Shard ``module``'s parameters, gradients and optimizer state across ``mesh``'s fsdp axis.
 
     Args:
@@ -286,51 +285,6 @@ class FullyShardedDataParallel(nn.Module, FSDPControls):
         the shards when it wrapped the model, and a parameter assigned in place of a shard would be
         cut off the flat vector that forward reads."""
         return super().load_state_dict(state_dict, strict=strict, assign=False)
-
-    def _apply(self, fn: Convert, recurse: bool = True) -> FullyShardedDataParallel:
-        """nn.Module's conversions (``.to``, ``.double()``, ``to_empty``...) after wrapping: buffers and
-        experts as nn.Module converts them; FSDP's flat groups are rebuilt in a new dtype (values
-        and parameter objects kept, as torch's FSDP2 keeps them). nn.Module's own conversion would
-        replace each DTensor parameter's data, cutting it off the flat shard forward reads."""
-        flats = [(u, j, f) for u in self.units for j, f in enumerate(u.flats)]
-        targets = [_converted(fn, f) for _, _, f in flats]
-        moved = [f.slots[0].fqn for (_, _, f), (_, dev) in zip(flats, targets, strict=True) if dev != f.home]
-        if moved:
-            raise ValueError(
-                f"FullyShardedDataParallel: moving the wrapped model to another device would leave its "
-                f"shards ({moved[:3]}) where FSDP communicates them from; move the model (or build it "
-                "on the meta device) before FullyShardedDataParallel(...), which places them on "
-                "plait.init()'s device")
-        hidden = [(m, a, p) for _, _, f in flats for s, p in zip(f.slots, f.params, strict=True)
-                  for m, a in s.owners]
-        for m, a, _ in hidden:
-            m._parameters[a] = None  # kept in place (order) and skipped by nn.Module._apply
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for m, a, p in hidden:
-                m._parameters[a] = p
-        for (unit, j, flat), (dtype, _) in zip(flats, targets, strict=True):
-            if dtype != flat.dtype:
-                if any(p.grad is not None for p in flat.params):
-                    raise ValueError("FullyShardedDataParallel: changing the dtype of parameters that hold "
-                                     "gradients; call zero_grad(set_to_none=True) first")
-                new = unit.flats[j] = flat.retyped(dtype)
-                new.label = flat.label.replace(str(flat.dtype), str(dtype))
-                new.set_grad_hook(functools.partial(self._make_post_backward, new))
-                new.bind_views()
-        return self
-
-    def to_empty(self, *, device: torch.device | str | int | None,
-                 recurse: bool = True) -> FullyShardedDataParallel:
-        """torch's meta-device idiom (build on meta, wrap, ``to_empty``, then ``reset_parameters()`` or
-        ``init_weights()``): the shards, materialized when FSDP wrapped the model, keep their values
-        and the buffers are emptied, as nn.Module empties them. ZeRO-3 then gathers every unit, so
-        the module attributes the re-initialisation writes through hold whole tensors; the writes go
-        back to the shards (`FlatParam.write_back`) and the units are freed at the next forward."""
-        super().to_empty(device=device, recurse=recurse)
-        self.unshard()
-        return self
 
     def _write_back(self) -> None:
         for unit in self.units:
@@ -694,13 +648,6 @@ def _tp_spec(tp: TPInfo, slot: Slot):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _converted(fn: Convert, flat: FlatParam) -> tuple[torch.dtype, torch.device]:
-    """The dtype and device nn.Module's conversion ``fn`` gives a tensor like ``flat``'s shards."""
-    with torch.no_grad():
-        out = fn(torch.zeros(1, dtype=flat.dtype, device=flat.home))
-    return out.dtype, out.device
 
 
 def _is_dataclass(obj: Any) -> bool:
