@@ -196,11 +196,15 @@ def _background() -> _Background:
 
 
 def save(directory: str | Path, model: Checkpointable | nn.Module, optimizer: Any, meta: dict[str, Any], *,
-         keep: int | None = None, async_save: bool = False) -> SaveHandle:
+         keep: int | None = None, async_save: bool = False,
+         extra: dict[str, dict[str, torch.Tensor]] | None = None) -> SaveHandle:
     """Write a checkpoint (a collective: every rank calls it) and, last, its ``plait.json``.
 
     ``model`` is any layout `plait.checkpoint.state_dict` takes. ``meta`` (JSON) goes into
-    ``plait.json`` with the file checksums and plait's version. ``keep``: once this checkpoint is
+    ``plait.json`` with the file checksums and plait's version. ``extra``: more tensors saved,
+    checksummed and resharded with the model, by name (``{"ema": {name: tensor}}``: DTensors
+    as each rank holds them, plain tensors alike on every rank); `load` takes the same dict
+    and fills its tensors, in any layout. ``keep``: once this checkpoint is
     complete, rank 0 deletes the ``step_*`` folders beside it beyond the ``keep`` newest (never
     this one). ``async_save``: return once this rank's state is copied to CPU memory; DCP writes
     it in the background and the returned handle's `wait` waits for the end. Every save first
@@ -215,7 +219,7 @@ def save(directory: str | Path, model: Checkpointable | nn.Module, optimizer: An
         for stale in (META, DCP_METADATA):
             (path / stale).unlink(missing_ok=True)
     writer = _RecordingWriter(path)
-    state = state_dict(model, optimizer)
+    state = _with_extra(state_dict(model, optimizer), extra)
     # DCP writes an entry several ranks hold from whichever rank balances the bytes: a buffer that
     # differs across data ranks (BatchNorm's running statistics) is made rank 0's first, in this
     # copy of the state only (the ranks keep their own), as `plait.full_state_dict` gives it.
@@ -328,8 +332,11 @@ def _same_run(folder: Path, identity: dict[str, Any]) -> bool:
 
 
 def load(directory: str | Path, model: Checkpointable | nn.Module, optimizer: Any, *,
-         check: bool = True) -> dict[str, Any]:
+         check: bool = True, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """Load a checkpoint written by `save`, on any number of ranks and layout; return its metadata.
+
+    ``extra``: tensors saved with ``save(..., extra=...)``, the same names, filled in place (each a
+    DTensor of this layout or a plain tensor, whichever layout wrote them).
 
     With ``check``, every rank first runs `verify` when ``plait.json`` lists checksums (pass
     ``check=False`` after `choose`, which verified on rank 0). A ``plait.json`` without a file
@@ -349,10 +356,24 @@ def load(directory: str | Path, model: Checkpointable | nn.Module, optimizer: An
         else:
             verify(path)
     read_dcp_metadata(path / DCP_METADATA)  # refuses a crafted file here, with its own error
-    template = state_dict(model, optimizer)
+    template = _with_extra(state_dict(model, optimizer), extra)
     dcp.load(template, storage_reader=SafeReader(path))
     load_state_dict(model, optimizer, template)
     return json.loads((path / META).read_text())
+
+
+def _with_extra(state: dict[str, Any], extra: dict[str, dict[str, torch.Tensor]] | None) -> dict[str, Any]:
+    """The checkpoint's state with the caller's ``extra`` tensors beside the model and optimizer."""
+    if not extra:
+        return state
+    taken = sorted(set(extra) & set(state))
+    if taken:
+        raise ValueError(f"checkpoint extra={{...}}: {taken} would replace the checkpoint's own "
+                         f"{taken} state; name the extra state otherwise (e.g. 'ema')")
+    for name, tensors in extra.items():
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise TypeError(f"checkpoint extra={{{name!r}: ...}} must map names to tensors")
+    return {**state, **extra}
 
 
 def latest(directory: str | Path) -> Path | None:
