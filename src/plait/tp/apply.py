@@ -332,17 +332,27 @@ def _named_params(module: nn.Module):
 
 
 def _param_specs(module: nn.Module, ctx: TPContext) -> dict[int, ShardSpec]:
-    """Shard of each split parameter, by identity; tied parameters must agree on it. A module
-    without a style has no say: BERT's MLM head registers the decoder's bias as its own ``bias``
-    too, and the decoder's style splits it (a module that used it itself would meet a shard,
-    which the dry run refuses by name)."""
+    """Shard of each split parameter, by identity; tied parameters must agree on it.
+
+    A module without a style wants its parameters whole (a tied LM head left out of the plan
+    computes with the whole tensor: a plan that splits it at another use is refused), except
+    where it only registers a tensor a styled module computes with: a container (BERT's MLM head
+    registers the decoder's bias as its own ``bias`` too), or a second module of the same kind
+    as a styled one holding it (T5's ``shared`` embedding beside each stack's ``embed_tokens``)."""
     specs: dict[int, ShardSpec | None] = {}
     owner: dict[int, str] = {}
+    styled_kinds: dict[int, set[type]] = {}
+    for name, mod in module.named_modules():
+        if name in ctx.assigned:
+            for p in mod._parameters.values():
+                if p is not None:
+                    styled_kinds.setdefault(id(p), set()).add(type(mod))
     for name, mod in module.named_modules():
         style = ctx.assigned.get(name)
-        if style is None:
+        if style is None and (next(mod.children(), None) is not None or any(
+                type(mod) in styled_kinds.get(id(p), ()) for p in mod._parameters.values() if p is not None)):
             continue
-        wanted = style.shard_specs(mod, ctx)
+        wanted = style.shard_specs(mod, ctx) if style is not None else {}
         for key, p in mod._parameters.items():
             if p is None:
                 continue
