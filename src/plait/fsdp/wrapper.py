@@ -297,6 +297,20 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
         return top_level_names(self.module)
 
     # ------------------------------------------------------------------ forward
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped model's submodules, parameters and buffers through the wrapper: the state
+        dict's names are the model's own, and torch's state-dict functions (torch 2.6's
+        ``get_model_state_dict``) find each name's module by attribute from the wrapper. Other
+        attributes stay the wrapper's own (plait reads its marks on the model it was given)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self._modules.get("module")  # None while __init__ has not registered it
+            owned = (inner._modules, inner._parameters, inner._buffers) if inner is not None else ()
+            if not any(name in d for d in owned):
+                raise
+            return getattr(inner, name)
+
     def forward(self, *args, **kwargs):
         args, kwargs = self._begin_forward(args, kwargs)
         try:
