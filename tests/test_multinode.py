@@ -56,10 +56,13 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-PLACES = textwrap.dedent("""
+# `plait train` as a script under the launcher (HSDP: replicas across the nodes, shards within),
+# then, in the same job, where the mesh's groups lie.
+TRAIN_THEN_PLACES = textwrap.dedent("""
     import json, os, sys, torch.distributed as dist
     import plait
-    plait.init()
+    from plait.app.cli import main
+    assert main(["train", *sys.argv[2:]]) == 0
     out = {"rank": dist.get_rank(), "node": int(os.environ["GROUP_RANK"])}
     hsdp, dp_tp = plait.Mesh(dp=2, fsdp=2), plait.Mesh(dp=2, tp=2)
     out["hsdp"] = dist.get_process_group_ranks(hsdp.group("fsdp"))
@@ -70,36 +73,24 @@ PLACES = textwrap.dedent("""
 """)
 
 
-def test_shards_and_tensor_parallel_groups_stay_inside_a_node(tmp_path):
-    """HSDP replicates across nodes and shards within one; tp ranks are neighbours on one node."""
-    script = tmp_path / "places.py"
-    script.write_text(PLACES)
-    results = _finish(_nodes([str(script), str(tmp_path)], per_node=2))
+def test_hsdp_on_two_nodes_reproduces_one_process_with_shard_and_tp_groups_inside_a_node(tmp_path, oracle):
+    """HSDP 2x2 launched as two nodes (DDP replicas across them, FSDP shards within each) gives one
+    process's losses; the mesh keeps FSDP's shard groups and tensor-parallel groups inside a node."""
+    script = tmp_path / "job.py"
+    script.write_text(TRAIN_THEN_PLACES)
+    flags = [*TRAIN_ARGV, "--strategy", "fsdp", "--nproc", "4", "--dp", "2", "--run-dir", str(tmp_path),
+             "--name", "two"]
+    results = _finish(_nodes([str(script), str(tmp_path), *flags], per_node=2))
     assert all(code == 0 for code, _, _ in results), [err[-2000:] for _, _, err in results]
+    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["summary"]["world"] == 4
+    assert [r["loss"] for r in rows if "step" in r] == pytest.approx(oracle, rel=1e-4)
     places = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     node_of = {p["rank"]: p["node"] for p in places}
     assert sorted(node_of) == [0, 1, 2, 3] and sorted(node_of.values()) == [0, 0, 1, 1]
     for p in places:
         for axis in ("hsdp", "tp"):
             assert len(p[axis]) == 2 and {node_of[r] for r in p[axis]} == {p["node"]}, (axis, p)
-
-
-# DDP across the nodes is dp2-tp2's data axis and HSDP's replicas; HSDP shards within each node.
-LAYOUTS = {
-    "hsdp-dp2-fsdp2": (2, ["--strategy", "fsdp", "--nproc", "4", "--dp", "2"]),
-    "dp2-tp2": (2, ["--strategy", "ddp", "--nproc", "4", "--tp", "2"]),
-}
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_layout_launched_on_two_nodes_reproduces_one_process(tmp_path, oracle, layout):
-    per_node, flags = LAYOUTS[layout]
-    results = _finish(_nodes(["-m", "plait", "train", *TRAIN_ARGV, *flags, "--run-dir", str(tmp_path),
-                              "--name", "two"], per_node))
-    assert all(code == 0 for code, _, _ in results), [err[-2000:] for _, _, err in results]
-    rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["summary"]["world"] == 2 * per_node
-    assert [r["loss"] for r in rows if "step" in r] == pytest.approx(oracle, rel=1e-4)
 
 
 def test_a_node_killed_ends_the_other_within_the_timeout_naming_the_failure(tmp_path):
