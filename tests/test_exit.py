@@ -78,7 +78,7 @@ def test_every_rank_of_every_launch_exits_cleanly(tmp_path):
 STOP_BOUND_S = 10.0
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (its ranks), from /proc."""
     parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -114,7 +114,7 @@ def _launch_and_signal(tmp_path: Path, args: list[str], *signals: int) -> tuple[
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # the header, then a step
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1]
         time.sleep(0.05)
-    ranks = _descendants(launcher.pid)
+    ranks = descendants(launcher.pid)
     sent = time.monotonic()
     for sig in signals:
         launcher.send_signal(sig)

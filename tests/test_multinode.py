@@ -12,10 +12,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 from oracle import TRAIN_ARGV
+from test_exit import descendants
 
 from plait.env import DEFAULT_TIMEOUT_S, free_port
 
@@ -37,23 +37,6 @@ def _nodes(args: list[str], per_node: int, env: dict[str, str] | None = None) ->
 def _finish(launchers: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
     outputs = [p.communicate(timeout=300) for p in launchers]
     return [(p.returncode, out, err) for p, (out, err) in zip(launchers, outputs, strict=True)]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 # `plait train` as a script under the launcher (HSDP: replicas across the nodes, shards within),
@@ -107,7 +90,7 @@ def test_a_node_killed_ends_the_other_within_the_timeout_naming_the_failure(tmp_
         assert all(p.poll() is None for p in launchers) and time.monotonic() < deadline, _finish(launchers)
         time.sleep(0.05)
     # torchrun starts its ranks in sessions of their own: the launcher's process group is not the node.
-    node = [launchers[1].pid, *_descendants(launchers[1].pid)]
+    node = [launchers[1].pid, *descendants(launchers[1].pid)]
     killed = time.monotonic()
     for pid in node:  # the node: its launcher and every rank it started
         os.kill(pid, signal.SIGKILL)
