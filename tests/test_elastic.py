@@ -86,3 +86,63 @@ def test_resume_auto_is_parsed_beside_the_plain_switch():
     assert parse_args([*base, "--resume", "--steps", "300"]).checkpoint.resume is True
     assert parse_args([*base, "--no-resume"]).checkpoint.resume is False
     assert parse_args(base).checkpoint.resume is False
+
+
+STUCK_MODEL = '''
+import time
+from torch import nn
+
+
+class Stuck(nn.Module):
+    """Hangs in its third forward, outside any collective (as a stuck data read or a user loop would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head, self.calls = nn.Embedding(256, 8), nn.Linear(8, 256), 0
+
+    def forward(self, x):
+        self.calls += 1
+        while self.calls == 3:
+            time.sleep(0.05)
+        return self.head(self.emb(x))
+
+
+def build():
+    return Stuck()
+'''
+
+
+def test_a_rank_stuck_outside_collectives_ends_itself_after_the_step_timeout_naming_it(tmp_path):
+    """No collective waits on a rank stuck in its own code (one process here), so the collective timeout
+    cannot fire: the step timeout does, with every thread's stack (the stuck line among them), and the
+    process exits with the status a restarting launcher acts on."""
+    from plait.app.watchdog import STEP_TIMEOUT_EXIT
+
+    (tmp_path / "stuck.py").write_text(STUCK_MODEL)
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "plait", "train", *RUN, "--model", "stuck:build", "--strategy", "none",
+         "--nproc", "1", "--timeout", "1", "--step-timeout", "2", "--run-dir", str(tmp_path), "--name", "s"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - began
+    assert done.returncode == STEP_TIMEOUT_EXIT, done.stderr[-3000:]
+    assert "step timeout fired (--step-timeout 2 s)" in done.stderr and "while running step 3" in done.stderr
+    stacks = (tmp_path / "s" / "flight" / "rank0-stacks.txt").read_text()
+    assert "stuck.py\", line 16 in forward" in stacks, stacks  # the sleeping line
+    assert took < 60, took
+
+
+def test_the_timeouts_nest_collective_step_rendezvous():
+    """--step-timeout must be longer than --timeout (the collective timeout, which names the ranks that did
+    not arrive, fires first); `plait run` gives the rendezvous a timeout longer than the default step
+    timeout unless --rdzv-conf sets one."""
+    from plait.app.config import parse_args
+    from plait.app.run import RENDEZVOUS_TIMEOUT_S, with_rendezvous_timeout
+
+    cfg = parse_args(["--timeout", "10", "--step-timeout", "11"])
+    assert (cfg.run.timeout, cfg.run.step_timeout) == (10, 11)
+    assert 3 * parse_args([]).run.timeout < RENDEZVOUS_TIMEOUT_S  # test_flags.py: the refusals
+    assert with_rendezvous_timeout("", "c10d") == f"join_timeout={RENDEZVOUS_TIMEOUT_S}"
+    assert with_rendezvous_timeout("", "static") == f"timeout={RENDEZVOUS_TIMEOUT_S}"
+    assert with_rendezvous_timeout("join_timeout=30,last_call_timeout=2", "c10d") == \
+        "join_timeout=30,last_call_timeout=2"

@@ -76,6 +76,8 @@ BAD = [
     (dict(chunks=2), "--chunks 2 sets pipeline stages per rank: it needs --pp 2"),
     (dict(seq_len=10**7), "--seq-len 10000000: .*held-out 5%"),
     (dict(max_bytes=2000, seq_len=200), "--seq-len 200"),
+    (dict(timeout=10, step_timeout=5), "--step-timeout 5 must be longer than --timeout 10"),
+    (dict(timeout=0), "--timeout 0: must be a finite number of seconds > 0"),
     # Paths.
     (dict(data="/no/such/corpus"), "--data /no/such/corpus: no such file or folder"),
 ]

@@ -42,6 +42,7 @@ else:  # the same parser, before it joined the standard library
 
 from plait.app import data as corpus
 from plait.app import usermodel
+from plait.env import DEFAULT_TIMEOUT_S
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, PRESETS, GPTConfig
 from plait.parallel_plan import ParallelPlan
@@ -245,6 +246,13 @@ class RunSection:
     """steps between straggler reports: a rank the others waited for in two reports' windows in a row,
     per axis and phase, logged and written to metrics.jsonl as "stragglers" (0: off; measured by the
     desync check)"""
+    timeout: float = DEFAULT_TIMEOUT_S
+    """seconds a collective waits for its peers before failing with an error naming the ranks that did
+    not arrive (the innermost timeout: docs/failures.md)"""
+    step_timeout: float | None = None
+    """seconds a rank may go without finishing a step, evaluation or checkpoint before it writes every
+    thread's stack to its run folder and exits (a rank stuck outside any collective); longer than
+    --timeout. None: 3 x --timeout"""
 
 
 SECTIONS: dict[str, type] = {"model": ModelSection, "parallel": ParallelSection,
@@ -339,6 +347,14 @@ class TrainConfig:
             raise ValueError("--layers sets the blocks of plait's GPT; --hf-config's model has its own "
                              "(edit num_hidden_layers in its config)")
         _require(run, "seed", 0 <= run.seed < 2**32, "an integer in [0, 2**32)")
+        _require(run, "timeout", math.isfinite(run.timeout) and run.timeout > 0,
+                 "a finite number of seconds > 0")
+        step_timeout = run.step_timeout
+        if step_timeout is not None and not (math.isfinite(step_timeout) and step_timeout > run.timeout):
+            raise ValueError(f"--step-timeout {step_timeout:g} must be longer than --timeout "
+                             f"{run.timeout:g}: the collective timeout fires first and names the rank that "
+                             "did not arrive; the step timeout catches a rank stuck outside collectives "
+                             "(docs/failures.md)")
         cap = self.data.max_bytes
         _require(self.data, "max_bytes", cap is None or cap >= MIN_CORPUS_BYTES,
                  f"an integer >= {MIN_CORPUS_BYTES} (the smallest corpus the loader accepts)")

@@ -55,6 +55,21 @@ def split_argv(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[s
     return own, argv[i], argv[i + 1:]
 
 
+# How long the launchers wait for every node to (re)join, when --rdzv-conf does not say: longer than
+# plait train's step timeout (3 x --timeout, 900 s by default), so a node still waiting out its own
+# timeouts after a failure is not left behind (torchrun's own default is 600 s). docs/failures.md.
+RENDEZVOUS_TIMEOUT_S = 1200
+
+
+def with_rendezvous_timeout(conf: str, backend: str) -> str:
+    """``--rdzv-conf`` with the rendezvous timeout set, unless the user set it."""
+    key = "timeout" if backend == "static" else "join_timeout"  # the static backend's name for it
+    given = {item.split("=", 1)[0].strip() for item in conf.split(",") if item.strip()}
+    if key in given:
+        return conf
+    return ",".join(filter(None, [conf, f"{key}={RENDEZVOUS_TIMEOUT_S}"]))
+
+
 def cli_main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -71,6 +86,7 @@ def cli_main(argv: list[str]) -> int:
         print(e, file=sys.stderr)
         return 2
     args = parser.parse_args([*own, script])
+    args.rdzv_conf = with_rendezvous_timeout(args.rdzv_conf, args.rdzv_backend)
     args.training_script_args = script_args  # exactly as given, never parsed here
     try:
         record(run)(args)  # torchrun's error files, as its own entry point writes them

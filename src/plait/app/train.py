@@ -31,7 +31,9 @@ from plait.app import runlog, usermodel
 from plait.app.config import TrainConfig, given_flags, parse_args, to_toml
 from plait.app.data import BatchSampler, Corpus, fingerprint, load_corpus
 from plait.app.stop import StopRequest
+from plait.app.watchdog import StepWatchdog
 from plait.clip import clip_grad_norm_
+from plait.env import launch_from_env
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, lm_loss
 from plait.models.moe import MoE, moe_layers, update_balance
@@ -270,14 +272,23 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
     """Run on this rank (inside an initialised job); returns the summary on every rank.
 
     With ``stop`` (the command's), a SIGTERM or SIGINT ends the run after the step every rank
-    agrees on, with a checkpoint of it; ``resume`` is the command that continues it, to say so."""
-    device = plait.init(seed=cfg.run.seed)
+    agrees on, with a checkpoint of it; ``resume`` is the command that continues it, to say so.
+    A rank that makes no progress for ``--step-timeout`` seconds ends itself (app/watchdog.py)."""
+    step_timeout = cfg.run.step_timeout if cfg.run.step_timeout is not None else 3 * cfg.run.timeout
+    with StepWatchdog(step_timeout, launch_from_env().rank) as watchdog:
+        return _train(cfg, stop, resume, watchdog)
+
+
+def _train(cfg: TrainConfig, stop: StopRequest | None, resume: str | None,
+           watchdog: StepWatchdog) -> dict[str, Any]:
+    device = plait.init(seed=cfg.run.seed, timeout_s=cfg.run.timeout)
     log = plait.get_logger("plait.train")
     mesh = cfg.mesh()
     is_main = dist.get_rank() == 0
     name = _run_name(cfg)
     folder = Path(cfg.run.run_dir) / name
     comm.configure(run_dir=str(folder))  # flight records of a failing collective go to the run's folder
+    watchdog.stacks_dir = folder / "flight"  # beside the flight records
     dp_rank, dp_size = mesh.rank(DATA_AXES), mesh.size(DATA_AXES)
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, dtype=cfg.data.data_dtype,
                          eval_path=cfg.data.eval_data, info=getattr(cfg, "_data_info", None),
@@ -343,6 +354,7 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None, resume: str | None 
         log.warning("straggler blame is off: it measures the desync check's waits, and this process runs "
                     "with desync_check='off'")
     for step in range(start, cfg.run.steps):
+        watchdog.beat(f"step {step + 1}")
         t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -558,7 +570,6 @@ def _fit_launcher(cfg: TrainConfig, argv: list[str], world: int) -> TrainConfig:
 def cli_main(argv: list[str]) -> int:
     from plait.app.launch import RanksFailed, spawn
     from plait.app.stop import resume_command
-    from plait.env import launch_from_env
 
     cfg = parse_args(argv)
     launch = launch_from_env()
