@@ -150,3 +150,15 @@ def _asks_for_a_group_not_made() -> str:
 def test_a_group_not_made_is_refused_with_the_way_to_make_it(pools):
     for text in pools[4].run(_asks_for_a_group_not_made):
         assert "groups=[('pp', 'tp')]" in text and "no group for axes ('pp', 'tp')" in text
+
+
+def test_mesh_degrees_are_keywords_in_rank_order():
+    """`Mesh(dp=2, tp=2)`: keywords only (a positional call would mean whatever order the signature had),
+    listed in the order ranks are laid out, tp fastest."""
+    import inspect
+
+    from plait.mesh import AXES, Mesh
+
+    params = inspect.signature(Mesh).parameters
+    assert [p for p in params if p in AXES] == list(AXES)
+    assert all(params[a].kind is inspect.Parameter.KEYWORD_ONLY for a in AXES)

@@ -50,16 +50,15 @@ class Mesh:
     """Named axes ``pp``, ``dp``, ``fsdp``, ``cp``, ``tp`` over the default process group.
 
     One degree may be ``-1``, meaning "whatever is left of the world size". Build it once
-    (after `plait.init()`) and pass it explicitly to each strategy. ``cp`` comes last among the
-    arguments (so positional calls written before it existed keep their meaning) but sits
-    between fsdp and tp in rank order.
+    (after `plait.init()`) and pass it explicitly to each strategy. The degrees are keywords,
+    listed in rank order (``tp`` varies fastest: its ranks are neighbours, on one node).
 
     ``groups`` names further axis combinations to make groups for, beyond `KINDS` (for a
     script's own collectives, e.g. ``groups=[("pp", "tp")]``); every rank must pass the same.
     `destroy` releases the groups when the mesh is done with.
     """
 
-    def __init__(self, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1, cp: int = 1,
+    def __init__(self, *, pp: int = 1, dp: int = 1, fsdp: int = 1, cp: int = 1, tp: int = 1,
                  ep: int = 1, groups: Sequence[Sequence[str]] = ()) -> None:
         if not dist.is_initialized():
             raise RuntimeError("plait.Mesh needs a process group: call plait.init() first")
