@@ -350,3 +350,29 @@ def test_train_fp16_saves_and_restores_the_loss_scale(pools, tmp_path):
     last = [r for r in rows if r.get("step") == 3][-1]
     assert last["loss_scale"] == (256.0 if last["skipped"] else 1024.0), last  # from 512, not 2**16
     assert resumed[0]["loss_scale"] == resumed[1]["loss_scale"] == last["loss_scale"]
+
+
+def test_policy_output_dtype_and_input_casts():
+    """MixedPrecision's output_dtype casts the root's floating outputs; cast_forward_inputs=False
+    leaves its inputs as they come (torch's MixedPrecisionPolicy fields)."""
+    import plait
+    from plait.precision import MixedPrecision
+
+    class Seen(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.seen: list[torch.dtype] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.append(x.dtype)
+            return self.lin(x.to(torch.bfloat16))
+
+    m = plait.mixed_precision(Seen(), MixedPrecision(torch.bfloat16, output_dtype=torch.float32,
+                                                     cast_forward_inputs=False))
+    out = m(torch.randn(2, 4))
+    assert m.seen == [torch.float32] and out.dtype == torch.float32
+    out.sum().backward()
+    assert m.lin.weight.grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="output_dtype"):
+        MixedPrecision(torch.bfloat16, output_dtype=torch.int32)

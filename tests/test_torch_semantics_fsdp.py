@@ -39,13 +39,6 @@ NOT_PORTED = {
     "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionJVP::"
     "test_no_warmup_jvp_reshard_after_forward_false":
         "forward-mode AD through FSDP: plait's hooks are backward-only",
-    "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_float16_on_one_submodule":
-        "a policy per submodule (fully_shard applied twice); plait takes one policy per wrapper",
-    "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::"
-    "test_checkpoint_recompute_casts_outputs":
-        "output_dtype, a MixedPrecisionPolicy field plait does not have",
-    "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_norm_modules_bf16":
-        "NCCL only",
     "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_clamp_reduce_dtype":
         "patches dist.reduce_scatter_single to read the reduction's dtype",
     "test_fully_shard_autograd.py::TestFullyShardAutograd::test_unused_forward_output":
@@ -816,3 +809,243 @@ def test_meta_device_1d_init(pools, stage, offload):
     they failed on freed storage), equal to one process re-initialised with the same seed."""  # noqa: E501
     for out in pools[2].run(_meta_init_reset, stage, offload):
         assert out == {"forward": 0.0, "param": 0.0, "state_dict": True}, out
+
+
+# ------------------------------------------------------------------ a policy per unit, output_dtype
+class SavesInput(nn.Module):
+    """torch's SaveForwardInputsModule: records the dtype of its input under its name."""
+
+    def __init__(self, name: str, seen: dict[str, torch.dtype], cast_itself: bool, dim: int = DIM) -> None:
+        super().__init__()
+        self.name, self.seen, self.cast_itself = name, seen, cast_itself
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen[self.name] = x.dtype
+        return self.lin(x.to(self.lin.weight.dtype) if self.cast_itself else x)
+
+
+class SavesInputs(nn.Module):
+    """torch's SaveForwardInputsModel: c2(c1(x)), each recording its input's dtype."""
+
+    def __init__(self, seen: dict[str, torch.dtype], cast_itself: bool) -> None:
+        super().__init__()
+        self.seen = seen
+        self.c1 = SavesInput("c1", seen, cast_itself)
+        self.c2 = SavesInput("c2", seen, cast_itself)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen["root"] = x.dtype
+        return self.c2(self.c1(x))
+
+
+def _policy_per_unit() -> dict[str, Any]:
+    from plait.precision import MixedPrecision
+
+    f16, f32 = torch.float16, torch.float32
+    cases = {  # torch's three subtests: (policies, whether the modules cast their inputs themselves)
+        "fp16_on_c2": ({"c2": MixedPrecision(f16)}, False),
+        "c2_casts_itself": ({"c2": MixedPrecision(f16, cast_forward_inputs=False)}, True),
+        "c1_output_fp32": ({"c1": MixedPrecision(f16, output_dtype=f32)}, False),
+    }
+    out: dict[str, Any] = {}
+    x = torch.randn(4, DIM)
+    for case, (policies, cast_itself) in cases.items():
+        seen: dict[str, torch.dtype] = {}
+        torch.manual_seed(0)
+        ref = SavesInputs({}, cast_itself)
+        net = _fsdp(copy.deepcopy(ref), 3, units=["c1", "c2"], mixed_precision=policies)
+        net.module.seen = net.module.c1.seen = net.module.c2.seen = seen
+        loss = net(x).sum()
+        loss.backward()
+        # One process, the same casts made by hand: c1 and c2 in their units' dtypes.
+        d1, d2 = (f16, f32) if case == "c1_output_fp32" else (f32, f16)
+        h = ref.c1.lin.to(d1)(x.to(d1)).to(f32 if case == "c1_output_fp32" else d1)
+        want = ref.c2.lin.to(d2)(h.to(d2)).sum()
+        grads = {p.grad.dtype for p in net.parameters()}
+        out[case] = {"seen": dict(seen), "loss": (loss.float() - want.float()).abs().item(), "grads": grads,
+                     "flats": sorted(str(f.compute_dtype) for u in net.units for f in u.flats)}
+    return out
+
+
+def test_float16_on_one_submodule(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_float16_on_one_submodule
+
+    A policy per unit (torch's ``fully_shard(model.c2, mp_policy=...)`` then ``fully_shard(model)``
+    with none): ``mixed_precision={"c2": MixedPrecision(torch.float16)}`` computes c2 in fp16 and the
+    rest in fp32; ``cast_forward_inputs=False`` leaves the cast to the module; ``output_dtype`` casts
+    a unit's outputs (c1 computes in fp16 and hands c2 fp32). The loss equals one process making the
+    same casts by hand, and every gradient is fp32 (the master weights')."""  # noqa: E501
+    f16, f32 = torch.float16, torch.float32
+    for out in pools[2].run(_policy_per_unit):
+        assert out["fp16_on_c2"]["seen"] == {"root": f32, "c1": f32, "c2": f16}, out
+        assert out["c2_casts_itself"]["seen"] == {"root": f32, "c1": f32, "c2": f32}, out
+        assert out["c1_output_fp32"]["seen"] == {"root": f32, "c1": f16, "c2": f32}, out
+        for case, r in out.items():
+            assert r["loss"] == 0.0 and r["grads"] == {f32}, (case, r)
+            assert r["flats"] == ["torch.float16", "torch.float32"], (case, r)
+
+
+class ReadsFirst(nn.Module):
+    """torch's ToyModule: records both inputs, computes with the first."""
+
+    def __init__(self, seen: list[torch.dtype]) -> None:
+        super().__init__()
+        self.lin, self.seen = nn.Linear(DIM, DIM), seen
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen += [x.dtype, y.dtype]
+        return self.lin(x)
+
+
+class ExternalInput(nn.Module):
+    """torch's ToyModel: l1, then l2 given l1's output and a tensor made in forward (fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.dtype] = []
+        self.l1 = nn.Linear(DIM, DIM)
+        self.l2 = ReadsFirst(self.seen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.dtype)
+        return self.l2(self.l1(x), torch.ones(2, DIM))
+
+
+def _external_inputs_without_cast() -> dict[str, Any]:
+    from plait.precision import MixedPrecision
+
+    torch.manual_seed(0)
+    f16 = torch.float16
+    policies = {"": MixedPrecision(f16), "l2": MixedPrecision(f16, cast_forward_inputs=False)}
+    net = _fsdp(ExternalInput(), 3, units=["l2"], mixed_precision=policies)
+    net(torch.zeros(2, DIM)).sum().backward()
+    return {"seen": net.module.seen}
+
+
+def test_submodules_with_external_inputs_not_cast(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_submodules_with_external_inputs
+
+    (enable_submodule_cast=False; the True case is test_submodules_with_external_inputs above.) A
+    unit whose policy says ``cast_forward_inputs=False`` gets the fp32 tensor made between blocks
+    as it is, while the activations from the fp16 block before it arrive in fp16."""  # noqa: E501
+    f16, f32 = torch.float16, torch.float32
+    for out in pools[2].run(_external_inputs_without_cast):
+        assert out["seen"] == [f16, f16, f32], out
+
+
+class RecordingLinear(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(1, 1)
+        self.input_dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.input_dtypes.append(x.dtype)
+        return super().forward(x)
+
+
+class CheckpointsLinear(nn.Module):
+    def __init__(self, input_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear1 = RecordingLinear()
+        self.input_dtype = input_dtype
+        self.output_dtypes: list[torch.dtype] = []
+
+    def _linear1(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear1(x)
+        self.output_dtypes.append(x.dtype)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(self._linear1, x.to(self.input_dtype), use_reentrant=False, early_stop=False)
+        return x.float().sum()
+
+
+def _recompute_casts() -> dict[str, Any]:
+    from plait.precision import MixedPrecision
+
+    bf = torch.bfloat16
+    out: dict[str, Any] = {}
+    for case, dtype, mp in (("input", torch.float32, MixedPrecision(bf)),
+                            ("output", bf, MixedPrecision(bf, output_dtype=torch.float32,
+                                                         cast_forward_inputs=False))):
+        torch.manual_seed(42)
+        net = _fsdp(CheckpointsLinear(dtype), 3, units=["linear1"], mixed_precision=mp)
+        net(torch.randn(8, 1)).backward()
+        out[case] = net.module.linear1.input_dtypes if case == "input" else net.module.output_dtypes
+    return out
+
+
+def test_checkpoint_recompute_casts(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_checkpoint_recompute_casts_forward_inputs
+    torch: test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_checkpoint_recompute_casts_outputs
+
+    A unit inside torch's non-reentrant checkpoint casts its inputs, and its outputs to
+    ``output_dtype``, in the recomputation as in the forward."""  # noqa: E501
+    bf, f32 = torch.bfloat16, torch.float32
+    for out in pools[2].run(_recompute_casts):
+        assert out == {"input": [bf, bf], "output": [f32, f32]}, out
+
+
+class PointwiseConv(nn.Linear):
+    """A 1x1 convolution over (N, C, H, W), as a linear layer on the channels."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.movedim(1, -1)).movedim(-1, 1)
+
+
+def _norm_modules() -> dict[str, Any]:
+    from plait.precision import MixedPrecision
+
+    def lin_norm() -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16))
+
+    def conv_norm() -> nn.Module:  # 1x1 convolutions (CPU's bf16 Conv2d costs a second to set up)
+        return nn.Sequential(PointwiseConv(1, 5), nn.BatchNorm2d(5), PointwiseConv(5, 4))
+
+    out: dict[str, Any] = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        mp = MixedPrecision(dtype)
+        for case, build, shape, policies, low_buffers in (
+            ("layer_norm", lin_norm, (4, 16), mp, False),
+            ("batch_norm_2d", conv_norm, (3, 1, 9, 9), mp, False),
+            ("batch_norm_2d_low_buffers", conv_norm, (3, 1, 9, 9), mp, True),
+            # torch's special policy: the norm computes in fp32 and hands the next unit its dtype
+            ("batch_norm_2d_own_policy", conv_norm, (3, 1, 9, 9),
+             {"": mp, "1": MixedPrecision(torch.float32, output_dtype=dtype)}, False)):
+            torch.manual_seed(0)
+            net = _fsdp(build(), 3, units=["0", "1", "2"], mixed_precision=policies)
+            if low_buffers:
+                bn = net.module[1]
+                bn.running_mean, bn.running_var = bn.running_mean.to(dtype), bn.running_var.to(dtype)
+            try:
+                z = net(torch.randn(shape))
+                z.sum().backward()
+            except RuntimeError as e:
+                out[f"{case} {dtype}"] = str(e).split("\n")[0]
+                continue
+            out[f"{case} {dtype}"] = (z.dtype == dtype and
+                                      all(p.grad is not None and p.grad.dtype == torch.float32
+                                          for p in net.parameters()))
+    return out
+
+
+def test_norm_modules(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_norm_modules_bf16
+    torch: test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_norm_modules_fp16
+
+    LayerNorm between units computing in bf16 or fp16 runs forward and backward, the output in the
+    compute dtype and the gradients fp32 (plait reduces in fp32, so bf16 runs on Gloo too).
+    BatchNorm2d's fp32 running statistics meet low-precision activations: torch's CPU kernel refuses
+    the mix (as its CUDA kernel does, torch's test expects the error there), and both of
+    torch's remedies work: the statistics cast to the compute dtype, or the norm unit given a policy
+    of its own (fp32 compute, ``output_dtype`` the others')."""  # noqa: E501
+    for out in pools[2].run(_norm_modules):
+        assert len(out) == 8, out
+        for key, r in out.items():
+            if key.startswith("batch_norm_2d "):
+                assert isinstance(r, str) and "expected scalar type" in r, (key, r)
+            else:
+                assert r is True, (key, r)

@@ -60,17 +60,27 @@ CASTS_ITSELF = "casts_parameters"  # a wrapper's class attribute: True when it c
 @dataclass(frozen=True)
 class MixedPrecision:
     """Compute in ``param_dtype``; reduce gradients over the data axes in ``reduce_dtype`` (None: in
-    ``param_dtype``); master weights, their gradients and the optimizer state stay fp32."""
+    ``param_dtype``); master weights, their gradients and the optimizer state stay fp32.
+
+    ``output_dtype`` (None: leave them) casts the floating-point outputs of the module's forward, as
+    torch's ``MixedPrecisionPolicy.output_dtype`` does (under FSDP: each unit's outputs);
+    ``cast_forward_inputs=False`` leaves the floating-point inputs as they come (the module casts
+    them itself)."""
 
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype | None = torch.float32
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             dt = getattr(self, name)
             if (dt is not None or name == "param_dtype") and not (isinstance(dt, torch.dtype)
                                                                    and dt.is_floating_point):
                 raise ValueError(f"MixedPrecision.{name} must be a floating dtype, got {dt!r}")
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(f"MixedPrecision.cast_forward_inputs must be True or False, "
+                            f"got {self.cast_forward_inputs!r}")
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -108,7 +118,8 @@ def mixed_precision(module: Any, policy: MixedPrecision | str = "bf16", *, cast_
             match the policy's: wrap after this call and DDP takes it from the policy), or a pipeline
             whose stages are not FSDP.
         policy: `MixedPrecision`, ``"bf16"`` or ``"fp16"`` (with fp32 gradient reduction).
-        cast_inputs: cast floating-point inputs of the root's forward to ``param_dtype``.
+        cast_inputs: cast floating-point inputs of the root's forward to ``param_dtype`` (and the
+            policy's ``cast_forward_inputs``: both must be True for the inputs to be cast).
     """
     mp = parse_mixed_precision(policy, "mixed_precision(policy=...)")
     if mp is None:
@@ -121,7 +132,7 @@ def mixed_precision(module: Any, policy: MixedPrecision | str = "bf16", *, cast_
     for m in targets:  # every check first: nothing is installed on a model that is then refused
         _check_target(m, mp)
     for m in targets:
-        setattr(m, _ATTR, _Caster(m, mp, cast_inputs))
+        setattr(m, _ATTR, _Caster(m, mp, cast_inputs and mp.cast_forward_inputs))
     return module
 
 
@@ -221,13 +232,17 @@ class _Caster:
     def _cast_input(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.dtype) if t.is_floating_point() else t
 
-    def _leave(self, _mod: nn.Module, _args: Any, _out: Any) -> None:
+    def _leave(self, _mod: nn.Module, _args: Any, out: Any) -> Any:
         if self.active == 0:  # an earlier pre-hook raised before ours ran
-            return
+            return None
         self.active -= 1
         if self.active == 0:
             for mod, attr in self.slots:
                 _restore(mod, attr)  # the master weight is the attribute again
+        out_dtype = self.policy.output_dtype
+        if out_dtype is None:
+            return None
+        return map_tensors(lambda t: t.to(out_dtype) if t.is_floating_point() else t, out)
 
     def _own_enter(self, mod: nn.Module, _args: Any) -> None:
         if self.active == 0:  # e.g. recomputed by activation checkpointing during backward

@@ -9,8 +9,9 @@ ancestor unit, which is gathered whenever any of them runs.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,8 +24,11 @@ from plait.materialize import Keep, materialize
 from plait.names import matches
 from plait.placement.pieces import carry_mark
 from plait.placement.records import mark_expert, placement_of
+from plait.precision import MixedPrecision, parse_mixed_precision
 
-__all__ = ["Unit", "build_units", "check_no_optimizer"]
+__all__ = ["Unit", "build_units", "check_no_optimizer", "unit_policies"]
+
+Policies = MixedPrecision | str | None | Mapping[str, MixedPrecision | str | None]
 
 
 @dataclass
@@ -33,6 +37,7 @@ class Unit:
     module: nn.Module
     flats: list[FlatParam] = field(default_factory=list)
     position: int = -1  # index in the current forward's execution order
+    mp: MixedPrecision | None = None  # its mixed-precision policy (torch: one per fully_shard call)
 
     def prefetch(self) -> None:
         for f in self.flats:
@@ -83,11 +88,41 @@ def _referrers(objects: Sequence[object]) -> list[object]:
     return gc.get_referrers(*objects) if objects else []
 
 
-def _unit_names(module: nn.Module, spec: Sequence[type | str] | None) -> list[str]:
+def unit_policies(module: nn.Module, spec: Sequence[type | str] | None,
+                  mixed_precision: Policies) -> dict[str, MixedPrecision | None]:
+    """Each unit's mixed-precision policy, by unit name (the root's is ""). One policy (or a
+    string) applies to every unit; a mapping from module-name patterns to policies gives each unit
+    the policy of the first pattern naming it (the key "" names the root), and a unit no pattern
+    names takes its closest enclosing unit's, as torch's ``fully_shard`` applied to a submodule
+    with a ``mp_policy`` of its own. A pattern that names no unit is refused."""
+    where = "FullyShardedDataParallel(mixed_precision=...)"
+    names = _unit_names(module, spec, warn=False)
+    if not isinstance(mixed_precision, Mapping):
+        one = parse_mixed_precision(mixed_precision, where)
+        return dict.fromkeys(names, one)
+    parsed = {k: parse_mixed_precision(v, f"{where}[{k!r}]") for k, v in mixed_precision.items()}
+    for key in parsed:
+        if not isinstance(key, str):
+            raise TypeError(f"{where}: keys are module-name patterns, got {key!r}")
+        if not any(key == n or (key and matches(key, n)) for n in names):
+            raise ValueError(f"{where}: {key!r} names no sharding unit (units: {names}); a policy belongs "
+                             "to a unit, so add the module to units=[...] as well (\"\" names the root)")
+    out: dict[str, MixedPrecision | None] = {}
+    for n in sorted(names, key=lambda n: -1 if n == "" else n.count(".")):  # enclosing units first
+        named = next((k for k in parsed if k == n or (k and matches(k, n))), None)
+        if named is not None:
+            out[n] = parsed[named]
+        else:
+            outer = max((u for u in out if _contains(u, n) and u != n), key=len, default=None)
+            out[n] = out[outer] if outer is not None else None
+    return out
+
+
+def _unit_names(module: nn.Module, spec: Sequence[type | str] | None, warn: bool = True) -> list[str]:
     names = [""]
     if spec is None:
         names += blocks(module)
-        if len(names) == 1 and any(True for _ in module.children()):
+        if warn and len(names) == 1 and any(True for _ in module.children()):
             get_logger().warning(
                 "FullyShardedDataParallel: %s holds no %s, so the whole model is one sharding unit, "
                 "gathered whole for every forward and backward; name the units with units=[...] (module "
@@ -118,8 +153,12 @@ def _contains(unit: str, mod_name: str) -> bool:
 
 
 def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: ShardCfg, seed: int,
-                ignored: frozenset[int] = frozenset()) -> list[Unit]:
+                ignored: frozenset[int] = frozenset(),
+                policies: Mapping[str, MixedPrecision | None] | None = None) -> list[Unit]:
     """Group ``module``'s parameters into units, shard them, materialize this rank's slices.
+
+    ``policies`` (`unit_policies`) gives each unit its compute and reduction dtypes; without it
+    every unit takes ``cfg``'s.
 
     Parameters whose ids are in ``ignored`` (torch's ``ignored_params``) stay whole, plain and
     unsynchronised, as FSDP2 leaves them. Afterwards the other parameters are gone from the modules
@@ -153,9 +192,15 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
         home = next(u for u in by_depth if all(_contains(u, o) for o in owner_units))
         groups.setdefault((home, p.dtype, p.requires_grad), []).append(slot)
     units = {n: Unit(n, modules[n]) for n in names}
+    cfgs = {n: cfg for n in names}
+    if policies is not None:
+        for n in names:
+            mp = units[n].mp = policies.get(n)
+            cfgs[n] = dataclasses.replace(cfg, param_dtype=mp.param_dtype if mp else None,
+                                          reduce_dtype=mp.reduce_dtype if mp else None)
     where: dict[int, tuple[FlatParam, int]] = {}
     for (home, dtype, req), slots in groups.items():
-        flat = FlatParam(slots, dtype, req, cfg)
+        flat = FlatParam(slots, dtype, req, cfgs[home])
         flat.label = f"unit {home or '(root)'!r} ({dtype}{'' if req else ', frozen'})"
         units[home].flats.append(flat)
         for i, s in enumerate(slots):

@@ -76,13 +76,13 @@ from plait.fsdp.controls import FSDPControls, PlacementFn, check_placements, ign
 from plait.fsdp.conversions import Conversions
 from plait.fsdp.flat import FlatParam, Placing, ShardCfg, Slot
 from plait.fsdp.names import own_names, report_own_names, top_level_names, wrapped_names
-from plait.fsdp.units import Unit, build_units, check_no_optimizer
+from plait.fsdp.units import Policies, Unit, build_units, check_no_optimizer, unit_policies
 from plait.mesh import Mesh
 from plait.placement.grads import reduce_expert_grads
 from plait.placement.pieces import mark_piece, piece_of
 from plait.placement.records import TPInfo, ep_info, placement_of, tp_info
 from plait.placement.tp_params import unplace
-from plait.precision import MixedPrecision, parse_mixed_precision, precision_of
+from plait.precision import MixedPrecision, precision_of
 
 if TYPE_CHECKING:
     from plait.clip import GradParts
@@ -117,7 +117,10 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             at a time; the default); False: wait for each reduction, then gather the next unit
             (lowest peak memory, communication not hidden in backward; on CPU, where the
             collectives share the cores with the compute, it costs only a few percent).
-        mixed_precision: `MixedPrecision`, ``"bf16"``/``"fp16"`` or None (fp32).
+        mixed_precision: `MixedPrecision`, ``"bf16"``/``"fp16"`` or None (fp32), for every unit; or a
+            mapping from unit-name patterns to those, one policy per unit as torch's
+            ``fully_shard(submodule, mp_policy=...)`` (the key ``""`` names the root; a unit no key
+            names takes its closest enclosing unit's policy; see `plait.fsdp.units.unit_policies`).
         offload: keep shards, gradients and optimizer state in CPU memory.
         seed: initialisation seed for a meta-device module.
         ignored_params: parameters left whole, plain and unsynchronised (torch's FSDP2 argument).
@@ -140,7 +143,7 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
         units: Sequence[type | str] | None = None,
         reshard_after_forward: bool = True,
         backward_prefetch: bool = True,
-        mixed_precision: MixedPrecision | str | None = None,
+        mixed_precision: Policies = None,
         offload: bool = False,
         seed: int = 0,
         ignored_params: Iterable[nn.Parameter] | None = None,
@@ -172,7 +175,8 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             raise ValueError("FullyShardedDataParallel: the module was given plait.mixed_precision, whose "
                              "casts FSDP's gathered parameters would bypass; pass "
                              "FullyShardedDataParallel(..., mixed_precision=...) instead")
-        self.mp = parse_mixed_precision(mixed_precision, "FullyShardedDataParallel(mixed_precision=...)")
+        policies = unit_policies(module, units, mixed_precision)
+        self.mp = policies[""]  # the root's policy: the model's inputs and outputs
         self.zero_stage, self.reshard_after_forward, self.mesh = zero_stage, reshard_after_forward, mesh
         dp = mesh.size("dp")
         self.cfg = ShardCfg(
@@ -180,17 +184,18 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             world=mesh.size(SHARD_AXES), rank=mesh.rank(SHARD_AXES), replicas=dp, device=default_device(),
             param_dtype=self.mp.param_dtype if self.mp else None,
             reduce_dtype=self.mp.reduce_dtype if self.mp else None, offload=offload)
+        mixed = any(mp is not None for mp in policies.values())
         self.backward_prefetch = backward_prefetch
         # A tensor-parallel module (plait.tp, applied first): its tp shards are this
         # wrapper's parameters like any other; only the gradient norm needs the tp layout.
         self.tp: TPInfo | None = tp_info(module)
         unplace(module)  # FSDP shards the plain tp shards, into DTensors over (fsdp, tp) of its own
-        if placed_experts(module) and (self.mp is not None or offload):
+        if placed_experts(module) and (mixed or offload):
             raise ValueError("FullyShardedDataParallel: expert-parallel experts stay whole on the device, "
                              "outside FSDP's shards, so FSDP's mixed precision and offloading would not "
                              "reach them; train them in fp32 on the device (drop mixed_precision / offload)")
         self.cfg.placing = self._placing()
-        self.units: list[Unit] = build_units(module, units, self.cfg, seed, self._ignored)
+        self.units: list[Unit] = build_units(module, units, self.cfg, seed, self._ignored, policies)
         # Experts (plait.expert_parallel) stay the module's own parameters, whole: ranks of the
         # shard group hold different ones. Their gradients are summed over edp at backward's end.
         self._experts = [p for p in placed_experts(module) if p.requires_grad]
@@ -319,8 +324,7 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             if not any(m in str(e) for m in _FREED_READ):
                 raise
             raise RuntimeError(self._freed_read(), *e.args[1:]) from e
-        self._end_forward(out)
-        return out
+        return self._end_forward(out)
 
     def _freed_read(self) -> str:
         """Why a forward read a freed parameter, and what to do instead."""
@@ -351,14 +355,13 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
                 for flat in unit.flats:
                     flat.start_gather()
         self._pre_forward(root)
-        if self.mp is not None:
-            args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
-        return args, kwargs
+        return _cast_inputs(root.mp, (args, kwargs))
 
     @eager
-    def _end_forward(self, out: Any) -> None:
-        self._post_forward(self.units[0], out)
+    def _end_forward(self, out: Any) -> Any:
+        out = self._post_forward(self.units[0], out)
         self._prev_order = list(self._order)
+        return out
 
     @eager
     def _pre_forward(self, unit: Unit) -> None:
@@ -372,7 +375,11 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             self._prev_order[nxt].prefetch()  # overlaps the next unit's all-gather with this compute
 
     @eager
-    def _post_forward(self, unit: Unit, out) -> None:
+    def _post_forward(self, unit: Unit, out: Any) -> Any:
+        """Reshard (ZeRO-3), cast the outputs to the unit's ``output_dtype``, and hook the outputs'
+        gradients to gather the unit again before its backward; returns the outputs."""
+        if unit.mp is not None and unit.mp.output_dtype is not None:
+            out = _cast_floats(out, unit.mp.output_dtype)
         grad_on = torch.is_grad_enabled()
         is_root = unit is self.units[0]
         if self.zero_stage == 3 and (not grad_on or (self.reshard_after_forward and not is_root)):
@@ -381,11 +388,12 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             if is_root and self.zero_stage == 3:
                 for u in self.units:
                     u.reshard()
-            return
+            return out
         tensors = [t for t in _tensors(out) if t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _grads, u=unit: self._pre_backward(u), mode="any")
+        return out
 
     @staticmethod
     def _mark_whole_experts(module: nn.Module) -> None:
@@ -405,22 +413,20 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._pre_forward(unit)
-            if self.mp is not None:
-                args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
+            args, kwargs = _cast_inputs(unit.mp, (args, kwargs))
             out = compiled(*args, **kwargs)
-            self._post_forward(unit, out)
-            return out
+            return self._post_forward(unit, out)
 
         unit.module._compiled_call_impl = call
 
     def _make_pre_forward(self, unit: Unit) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict] | None]:
         def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             self._pre_forward(unit)
-            if self.mp is None:
+            if unit.mp is None or not unit.mp.cast_forward_inputs:
                 return None
             # Each unit's inputs, as torch's FSDP2 casts them: an fp32 tensor made between units
             # (a buffer added to the activations) must not reach bf16 weights as it is.
-            return _cast_floats((args, kwargs), self.mp.param_dtype)
+            return _cast_inputs(unit.mp, (args, kwargs))
         return hook
 
     def _make_post_forward(self, unit: Unit):
@@ -679,6 +685,14 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
         elif _is_dataclass(leaf):
             out += [t for f in dataclasses.fields(leaf) for t in _tensors(getattr(leaf, f.name))]
     return out
+
+
+def _cast_inputs(mp: MixedPrecision | None, obj: Any) -> Any:
+    """A unit's forward inputs cast to its policy's ``param_dtype`` (left as they are without a
+    policy, or with ``cast_forward_inputs=False``)."""
+    if mp is None or not mp.cast_forward_inputs:
+        return obj
+    return _cast_floats(obj, mp.param_dtype)
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
