@@ -153,6 +153,15 @@ class ParallelSection:
     keep its matmul and attention outputs too (selective)"""
     ac_every: int = 1
     """with --ac: checkpoint every k-th block only"""
+    heal: bool = False
+    """data-parallel replicas that heal without a restart (--strategy ddp): a replica that dies or hangs
+    is dropped, the survivors redo the step over the live ones with the same global batch, and a new
+    process joins at a step boundary with a peer's state (docs/failures.md)"""
+    heal_timeout: float = 5.0
+    """with --heal: seconds a collective waits for a peer, and the survivors then wait for each other,
+    before a silent replica is dropped (a dead one is dropped at once)"""
+    heal_replace: bool = True
+    """with --heal: start a new process for each replica that dies (at most --nproc in a run)"""
 
 
 @dataclass
@@ -306,6 +315,7 @@ class TrainConfig:
         self._data_info = self._check_data()
         if self.parallel.pp > 1:
             self._check_pipeline()
+        self._check_heal()
         self._check_model_fit()
         self._check_paths()
         if self.model.init_from is not None:
@@ -426,6 +436,38 @@ class TrainConfig:
         if self.checkpoint.resume and not (self.checkpoint.save_dir or self.run.name):
             raise ValueError("--resume needs --name (the run whose checkpoints to continue) or --save-dir "
                              "(where to find the checkpoint)")
+
+    def _check_heal(self) -> None:
+        """--heal: pure data parallelism over DDP replicas, and what the healing loop does not do yet."""
+        par, run, ck = self.parallel, self.run, self.checkpoint
+        _require(par, "heal_timeout", math.isfinite(par.heal_timeout) and par.heal_timeout > 0,
+                 "a finite number of seconds > 0")
+        if not par.heal:
+            given = [flag for flag, on in
+                     (("--heal-timeout", par.heal_timeout != ParallelSection.heal_timeout),
+                      ("--no-heal-replace", not par.heal_replace)) if on]
+            if given:
+                raise ValueError(f"{given[0]} applies to --heal only; without it, it would be ignored")
+            return
+        if par.strategy != "ddp":
+            hsdp = " (HSDP, --strategy fsdp --dp, is not healed yet)" if par.strategy == "fsdp" else ""
+            raise ValueError(f"--heal heals DDP replicas: it needs --strategy ddp, got --strategy "
+                             f"{par.strategy}{hsdp}")
+        layout = [f"--{name.replace('_', '-')} {getattr(par, name)}" for name in ("tp", "pp", "cp", "ep")
+                  if getattr(par, name) > 1]
+        if layout or self.model.experts:
+            what = ", ".join(layout) or f"--experts {self.model.experts}"
+            raise ValueError(f"--heal heals pure data parallelism (every rank a whole replica); {what} "
+                             "splits the model over ranks, which a lost rank would leave incomplete")
+        refused = (("--mixed-precision", par.mixed_precision),
+                   ("--grad-accum", run.grad_accum > 1 and run.grad_accum),
+                   ("--save-dir", ck.save_dir), ("--save-every", ck.save_every), ("--resume", ck.resume),
+                   ("--init-from", self.model.init_from), ("--tensorboard", run.tensorboard),
+                   ("--wandb", run.wandb))
+        for flag, value in refused:
+            if value:
+                raise ValueError(f"{flag} with --heal: not supported yet by the healing loop "
+                                 "(docs/failures.md, \"Healing replicas\"); drop one of them")
 
     def _check_pipeline(self) -> None:
         par = self.parallel

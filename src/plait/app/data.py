@@ -351,6 +351,13 @@ class BatchSampler:
         win = torch.from_numpy(np.asarray(self.tokens[idx]).astype(np.int64))
         return win[:, :-1], win[:, 1:]
 
+    def windows(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets of the samples ``ids`` (any of `global_ids`: healing
+        replicas split a global batch unevenly, `plait.heal.split`)."""
+        idx = ids[:, None] + np.arange(self.seq_len + 1)
+        win = torch.from_numpy(np.asarray(self.tokens[idx]).astype(np.int64))
+        return win[:, :-1], win[:, 1:]
+
     def __iter__(self) -> BatchSampler:
         return self
 

@@ -587,6 +587,14 @@ def cli_main(argv: list[str]) -> int:
         run_id = runlog.new_run_id()
         cfg.run.name = run_id  # set in place: the parent's checks and data scan stay with cfg
         argv = [*argv, "--name", run_id]  # what the resume command must name
+    if cfg.parallel.heal:  # replicas that heal: a supervisor of their own, never under a launcher
+        if under_launcher:
+            print("plait train: error: --heal starts and replaces its own replicas: run it without "
+                  "torchrun, plait run or srun", file=sys.stderr)
+            return 2
+        from plait.app import healing
+
+        return healing.cli_main(cfg)
     resume = resume_command(argv, launch.source if under_launcher else None)
     traces = Path(cfg.run.run_dir) / (cfg.run.name or "") / "traces"
     if under_launcher or cfg.parallel.strategy in ("none", "dp"):

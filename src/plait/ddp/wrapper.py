@@ -348,6 +348,23 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         self._unused_marked = not self._unused
         self._sync_this_backward = True
 
+    def regroup(self, group: Any, size: int, divisor: float | None = None) -> None:
+        """Average gradients over ``group`` (of ``size`` ranks) from the next backward on, instead of
+        the mesh's axis: `plait.heal` rebuilds the group of live replicas after a failure, without
+        a new DDP. ``divisor`` is what this rank's gradient is divided by before the sum (default
+        ``size``, the mean of equal shares); a rank holding k of a global batch of B samples passes
+        B / k, so the sum is the mean over the samples actually used. Call it between steps (or after
+        a backward whose collectives failed: what it left in flight is dropped). Buffers are not
+        broadcast over such a group (its ranks have no global rank to name the source)."""
+        if not size >= 1 or (divisor is not None and not divisor > 0):
+            raise ValueError(f"DistributedDataParallel.regroup: size {size} and divisor {divisor} must be "
+                             "positive")
+        self.group, self.world = group, size
+        self.broadcast_buffers = False
+        self._divisor = float(size if divisor is None else divisor)
+        for b in self._buckets:  # a backward that failed on the old group leaves nothing in flight
+            b.start()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) for forwards run inside."""

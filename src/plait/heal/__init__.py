@@ -1,0 +1,16 @@
+"""Data-parallel replicas that heal without a restart (``plait train --heal``).
+
+* `plait.heal.supervisor`: the parent process; hosts the store, starts and replaces replicas.
+* `plait.heal.quorum`: the replicas agree on who is alive, through that store.
+* `plait.heal.replicas`: a process group per membership epoch; failures, redone steps, joins.
+* `plait.heal.transfer`: the live state sent to a replica that lacks it, tensor by tensor.
+
+docs/failures.md ("Healing replicas") says what it guarantees and what it costs.
+"""
+
+from plait.heal.quorum import Epoch, Quorum
+from plait.heal.replicas import Replicas, split
+from plait.heal.supervisor import Membership, Supervisor
+from plait.heal.transfer import LiveState
+
+__all__ = ["Epoch", "Quorum", "Replicas", "split", "Membership", "Supervisor", "LiveState"]

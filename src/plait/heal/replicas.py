@@ -1,0 +1,195 @@
+"""Data-parallel replicas that heal without a restart: a process group per membership epoch.
+
+Each replica is a torch.distributed world of its own (`plait.init` in one process); what it
+shares with its peers is one Gloo process group per epoch, built on the run's store
+(``ProcessGroupGloo(PrefixStore("heal/group/<e>", store), rank, size, timeout)``). When a peer
+dies its sockets close and the collective fails at once; when it hangs, the collective times out
+after ``timeout_s``. Either way the survivors agree on the next epoch (`plait.heal.quorum`),
+build its group and redo the step over the live replicas, splitting the same global batch among
+them. Replicas that are behind (a joiner, or one that missed the last optimizer step) take the
+state of the first replica that is ahead (`plait.heal.transfer`).
+
+The training loop calls `Replicas.share` before a step, `Replicas.reduce` for the step's small
+statistics (which also carries the join count), `Replicas.recover` when a collective failed and
+`Replicas.boundary` after the optimizer step.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from plait import comm
+from plait.heal.quorum import Dropped, Epoch, Quorum
+from plait.heal.transfer import LiveState, recv_state, send_state
+
+__all__ = ["Replicas", "split", "FAILURES"]
+
+# What a collective on a group whose peer died or hung raises: comm's error, Gloo's own, or the
+# ValueError torch 2.13 raises while naming a group outside its world map.
+FAILURES: tuple[type[BaseException], ...] = (comm.CollectiveError, RuntimeError, ValueError)
+MAX_RETRIES = 4  # failed attempts at one step before the error is taken for a bug, not a peer
+
+log = logging.getLogger("plait.heal")
+
+
+def split(total: int, parts: int, index: int) -> tuple[int, int]:
+    """The ``[lo, hi)`` share of ``total`` samples of part ``index`` out of ``parts``: as even as
+    can be, the first ``total % parts`` parts one larger."""
+    base, extra = divmod(total, parts)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (1 if index < extra else 0)
+
+
+class Replicas:
+    """This replica's membership and process group; see the module's docstring.
+
+    ``events``: called with a dict for each membership change (the app writes them to its log).
+    """
+
+    def __init__(self, store: dist.Store, uid: int, timeout_s: float,
+                 events: Callable[[dict[str, Any]], None] | None = None) -> None:
+        # Survivors wait twice the collective timeout for each other: a member whose collective
+        # only times out (not a neighbour of the dead one in Gloo's ring) still answers in time.
+        self.quorum = Quorum(store, uid, 2 * timeout_s)
+        self.store, self.uid, self.timeout_s = store, uid, timeout_s
+        self.events = events or (lambda e: None)
+        self.epoch: Epoch | None = None
+        self.group: dist.ProcessGroup | None = None
+        self._joins_seen = 0
+
+    # ------------------------------------------------------------------ membership
+    def start(self, state: LiveState, initial: int | None) -> None:
+        """Enter the run: epoch 0 with ``initial`` replicas started together, or (``None``) as a
+        joiner, admitted at a step boundary and given the live state by a peer."""
+        if initial is not None:
+            self._enter(self.quorum.initial(initial), state)
+            return
+        self._join(state)
+
+    def _join(self, state: LiveState) -> None:
+        asked = time.time()
+        self.quorum.request_join()
+        self._enter(self.quorum.wait_admission(), state, joined_at=asked)
+
+    def _enter(self, epoch: Epoch, state: LiveState, joined_at: float | None = None) -> None:
+        """Build ``epoch``'s group and bring every member to the newest state; on a failure meanwhile,
+        recover into the next epoch and try again."""
+        while True:
+            self._close()
+            self.epoch = epoch
+            try:
+                self.group = self._build(epoch)
+                behind = self._synchronise(state)
+                break
+            except FAILURES as e:
+                error = comm_error_line(e)  # not the error itself: its frames would keep the group open
+            log.warning("replica %d: epoch %d could not start (%s); recovering", self.uid, epoch.number,
+                        error)
+            self._close()
+            epoch = self._next_epoch(epoch, state)
+        self.events({"event": "epoch", "epoch": epoch.number, "members": list(epoch.members),
+                     "step": state.step, "received_state": behind,
+                     **({"asked_to_join": joined_at} if joined_at is not None else {})})
+
+    def _build(self, epoch: Epoch) -> dist.ProcessGroup:
+        prefix = dist.PrefixStore(f"heal/group/{epoch.number}", self.store)
+        # A Gloo backend used as the group itself (torch's collectives take it), as torchft does.
+        pg = cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefix, epoch.rank, epoch.size,
+                                                           _dt.timedelta(seconds=self.timeout_s)))
+        # Named for errors and counted; its one global rank is this process's 0 (each replica is a
+        # world of its own), so a failure is reported without asking peers that have no global rank.
+        comm.register_group(pg, f"heal epoch {epoch.number} of replicas {list(epoch.members)}", [0])
+        return pg
+
+    def _synchronise(self, state: LiveState) -> bool:
+        """Each member's completed steps, gathered; those behind receive the state of the first member
+        that is furthest ahead. Returns whether this replica received it."""
+        assert self.epoch is not None and self.group is not None
+        steps = torch.zeros(self.epoch.size, dtype=torch.float64)
+        steps[self.epoch.rank] = state.step + 1  # 0: a joiner that has nothing yet
+        comm.all_reduce(steps, self.group)
+        ahead = int(steps.argmax())
+        behind = [r for r in range(self.epoch.size) if steps[r] < steps[ahead]]
+        if self.epoch.rank == ahead and behind:
+            send_state(self.group, state, behind)
+        elif self.epoch.rank in behind:
+            recv_state(self.group, state, ahead)
+            return True
+        return False
+
+    def _next_epoch(self, epoch: Epoch, state: LiveState) -> Epoch:
+        try:
+            return self.quorum.recover(epoch)
+        except Dropped as e:
+            log.warning("%s; joining again", e)
+            self._close()
+            self.quorum.request_join()
+            return self.quorum.wait_admission()
+
+    def _close(self) -> None:
+        if self.group is not None:
+            comm.destroy_group(self.group)
+            self.group = None
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def size(self) -> int:
+        assert self.epoch is not None
+        return self.epoch.size
+
+    @property
+    def leader(self) -> bool:
+        return self.epoch is not None and self.epoch.leader
+
+    def share(self, global_batch: int) -> tuple[int, int]:
+        """This replica's ``[lo, hi)`` of the global batch in the current epoch."""
+        assert self.epoch is not None
+        if global_batch < self.epoch.size:
+            raise RuntimeError(f"plait.heal: {self.epoch.size} replicas cannot share a global batch of "
+                               f"{global_batch} samples")
+        return split(global_batch, self.epoch.size, self.epoch.rank)
+
+    def reduce(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum ``values`` (float64, 1-D) over the replicas, with one more slot: the join requests the
+        leader saw in the store, so that every replica learns them at the same step."""
+        assert self.group is not None
+        joins = self.quorum.pending_joins() if self.leader else 0
+        out = torch.cat([values.to(torch.float64), torch.tensor([float(joins)], dtype=torch.float64)])
+        comm.all_reduce(out, self.group)
+        self._joins_seen = int(out[-1])
+        return out[:-1]
+
+    def recover(self, state: LiveState, error: str) -> None:
+        """A collective of this step failed (``error``: what it said, `comm_error_line`): agree on the
+        live replicas and carry on with them (the caller redoes the step). The replicas that missed
+        the last optimizer step catch up. Nothing may hold the failed group any more (the caller's
+        DDP regrouped): freeing it closes its connections, so peers still waiting in a collective
+        on it fail at once instead of at their timeout."""
+        assert self.epoch is not None
+        log.warning("replica %d: step %d failed in epoch %d (%s); agreeing on the live replicas",
+                    self.uid, state.step + 1, self.epoch.number, error)
+        self._close()
+        self.events({"event": "failure", "epoch": self.epoch.number, "step": state.step, "error": error})
+        self._enter(self._next_epoch(self.epoch, state), state)
+
+    def boundary(self, state: LiveState) -> None:
+        """After a step: admit the replicas that asked to join (every member saw the same count in
+        `reduce`), and hand them the state."""
+        assert self.epoch is not None
+        if self._joins_seen > self.epoch.joins:
+            self._enter(self.quorum.admit(self.epoch, self._joins_seen), state)
+
+    def close(self) -> None:
+        self._close()
+
+
+def comm_error_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}"

@@ -1,0 +1,147 @@
+"""The process that starts healing replicas, hosts their store and replaces the ones that die.
+
+torchrun's agent (and `plait.app.launch.spawn`) ends every rank when one fails: right for a job
+that restarts from a checkpoint, wrong for replicas that heal. Here the parent process
+
+* hosts the run's `torch.distributed.TCPStore`, which outlives every replica;
+* starts ``nproc`` replica processes (uids ``0 .. nproc-1``, epoch 0);
+* when one ends with a failure (``kill -9`` included) posts ``heal/dead/<uid>`` at once, so the
+  survivors need not wait for the bound, and, with ``replace``, starts a new process (a new uid)
+  that joins the survivors at a step boundary;
+* when one finishes the run posts ``heal/done`` and starts no more;
+* forwards SIGINT and SIGTERM to the replicas (a second signal kills them).
+
+Each replica asks the kernel to stop it when the supervisor dies (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from plait.env import die_with_parent
+
+__all__ = ["Membership", "Supervisor", "ReplicasFailed"]
+
+STORE_TIMEOUT_S = 300.0  # a replica's blocking store reads (the protocol's own waits are bounded)
+
+
+class ReplicasFailed(RuntimeError):
+    """No replica finished the run."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What a replica process is given: where the run's store is, its uid, and ``initial``, the
+    number of replicas started together (None: it joins a running epoch)."""
+
+    host: str
+    port: int
+    uid: int
+    initial: int | None
+
+    def connect(self) -> dist.Store:
+        return dist.TCPStore(self.host, self.port, is_master=False,
+                             timeout=_dt.timedelta(seconds=STORE_TIMEOUT_S))
+
+
+def _entry(fn: Callable[..., Any], member: Membership, args: tuple[Any, ...], threads: int | None,
+           parent: int) -> None:
+    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor only; it forwards the signal
+    die_with_parent(signal.SIGTERM, parent)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    fn(member, *args)
+
+
+@dataclass
+class Supervisor:
+    """Run ``fn(membership, *args)`` in ``nproc`` replica processes and keep the run going.
+
+    ``replacements``: how many new processes may be started for replicas that died (0: none).
+    ``events``: called with a dict for each start and end of a process.
+    """
+
+    fn: Callable[..., Any]
+    nproc: int
+    args: tuple[Any, ...] = ()
+    replacements: int = 0
+    threads: int | None = None
+    events: Callable[[dict[str, Any]], None] = field(default=lambda e: None)
+    codes: dict[int, int] = field(default_factory=dict)  # uid -> exit code, of the ended ones
+
+    def run(self) -> int:
+        """Returns 0 when a replica finished the run (others may have died: they were healed
+        around), or the replicas' common stop code after a signal; raises `ReplicasFailed` when
+        none finished."""
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=_dt.timedelta(seconds=STORE_TIMEOUT_S))
+        self._ctx = multiprocessing.get_context("spawn")
+        self._procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self._signals: list[int] = []
+        self._finished = False
+        old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for uid in range(self.nproc):
+                self._start(uid, self.nproc)
+            self._watch()
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            self._send(signal.SIGKILL)  # only when the supervisor itself fails: none outlives it
+        if self._signals:
+            return 0 if self._finished else 128 + self._signals[0]
+        if not self._finished:
+            raise ReplicasFailed(f"no replica finished the run; exit codes by uid: {self.codes}")
+        return 0
+
+    def _start(self, uid: int, initial: int | None) -> None:
+        member = Membership("127.0.0.1", self._store.port, uid, initial)
+        p = self._ctx.Process(target=_entry, name=f"plait-replica{uid}",
+                              args=(self.fn, member, self.args, self.threads, os.getpid()))
+        p.start()
+        self._procs[uid] = p
+        self.events({"event": "start", "uid": uid, "pid": p.pid, "time": time.time(),
+                     "joining": initial is None})
+
+    def _watch(self) -> None:
+        while any(p.exitcode is None for p in self._procs.values()):
+            multiprocessing.connection.wait([p.sentinel for p in self._procs.values() if p.exitcode is None],
+                                            timeout=0.5)
+            for uid, p in list(self._procs.items()):
+                if p.exitcode is not None and uid not in self.codes:
+                    self._ended(uid, p.exitcode)
+
+    def _ended(self, uid: int, code: int) -> None:
+        self.codes[uid] = code
+        self.events({"event": "exit", "uid": uid, "code": code, "time": time.time()})
+        if code == 0:
+            self._finished = True
+            self._store.set("heal/done", "1")
+            return
+        self._store.set(f"heal/dead/{uid}", str(code))
+        if self.replacements > 0 and not self._finished and not self._signals:
+            self.replacements -= 1
+            self._start(max(self._procs) + 1, None)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals.append(signum)
+        self._send(signum if len(self._signals) == 1 else signal.SIGKILL)
+
+    def _send(self, sig: int) -> None:
+        for p in self._procs.values():
+            if p.exitcode is None and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, sig)
