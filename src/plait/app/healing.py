@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -40,9 +41,11 @@ from plait import comm
 from plait.app import runlog
 from plait.app.config import TrainConfig
 from plait.app.data import BatchSampler, load_corpus
+from plait.app.stop import StopRequest
 from plait.clip import clip_grad_norm_
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.heal import LiveState, Membership, Replicas, Supervisor
+from plait.heal.quorum import RunOver
 from plait.heal.replicas import FAILURES, MAX_RETRIES, comm_error_line
 from plait.heal.supervisor import ReplicasFailed
 from plait.mesh import Mesh
@@ -135,34 +138,41 @@ def _train(member: Membership, cfg: TrainConfig) -> None:
     replicas = Replicas(member.connect(), member.uid, cfg.parallel.heal_timeout, events)
     try:
         replicas.start(state, member.initial)
-    except Exception as e:
-        from plait.heal.quorum import RunOver
+    except RunOver:
+        return
+    with StopRequest() as stop:  # a signal stops every replica after the same step (`_step`)
+        losses = _loop(run, state, replicas, stop)
+    if replicas.leader:
+        run.log.summary({"steps": cfg.run.steps, "steps_done": state.step, "stopped_by": stop.stopped,
+                         "final_loss": losses[-1] if losses else None, "replicas": replicas.size,
+                         "strategy": "ddp", "heal": True})
+    events({"event": "finished", "step": state.step, "params_sha256": params_digest(state.model)})
+    replicas.close()
+    if stop.exit_code:
+        raise SystemExit(stop.exit_code)
 
-        if isinstance(e, RunOver):
-            return
-        raise
-    losses: list[float] = []
+
+def _loop(run: _Run, state: LiveState, replicas: Replicas, stop: StopRequest) -> list[float]:
+    cfg, losses = run.cfg, []
     while state.step < cfg.run.steps:
-        record = _step_with_retries(run, state, replicas)
+        record = _step_with_retries(run, state, replicas, stop)
         losses.append(record["loss"])
         if cfg.run.eval_every and (state.step % cfg.run.eval_every == 0 or state.step == cfg.run.steps):
             record["eval_loss"] = _evaluate(run)  # every replica alike: no one waits for another
         if replicas.leader:
             run.log.step(record)
+        if stop.stopped:
+            break
         if state.step < cfg.run.steps:
             replicas.boundary(state)
-    if replicas.leader:
-        run.log.summary({"steps": cfg.run.steps, "final_loss": losses[-1] if losses else None,
-                         "replicas": replicas.size, "strategy": "ddp", "heal": True})
-    events({"event": "finished", "step": state.step, "params_sha256": params_digest(state.model)})
-    replicas.close()
+    return losses
 
 
-def _step_with_retries(run: _Run, state: LiveState, replicas: Replicas) -> dict[str, Any]:
+def _step_with_retries(run: _Run, state: LiveState, replicas: Replicas, stop: StopRequest) -> dict[str, Any]:
     """One step, redone over the live replicas after each failure of a peer."""
     for attempt in range(MAX_RETRIES + 1):
         try:
-            return _step(run, state, replicas)
+            return _step(run, state, replicas, stop)
         except FAILURES as e:
             if attempt == MAX_RETRIES:
                 raise
@@ -174,7 +184,7 @@ def _step_with_retries(run: _Run, state: LiveState, replicas: Replicas) -> dict[
     raise AssertionError("unreachable")
 
 
-def _step(run: _Run, state: LiveState, replicas: Replicas) -> dict[str, Any]:
+def _step(run: _Run, state: LiveState, replicas: Replicas, stop: StopRequest) -> dict[str, Any]:
     from plait.app.train import lr_at
 
     t0 = time.perf_counter()
@@ -188,10 +198,11 @@ def _step(run: _Run, state: LiveState, replicas: Replicas) -> dict[str, Any]:
     state.optimizer.zero_grad(set_to_none=True)
     loss = run.loss_fn(run.ddp(x), y)
     loss.backward()  # DDP sums the gradients / (B / k) over the epoch's group
-    stats = torch.zeros(2 + (batch if cfg.run.log_samples else 0), dtype=torch.float64)
-    stats[0], stats[1] = float(loss.detach()) * (hi - lo) / batch, hi - lo
+    # The loss weighted as the gradient, the samples read, a stop signal's number, the sample ids.
+    stats = torch.zeros(3 + (batch if cfg.run.log_samples else 0), dtype=torch.float64)
+    stats[0], stats[1], stats[2] = float(loss.detach()) * (hi - lo) / batch, hi - lo, stop.signum
     if cfg.run.log_samples:
-        stats[2 + lo: 2 + hi] = torch.from_numpy(ids.astype("float64"))
+        stats[3 + lo: 3 + hi] = torch.from_numpy(ids.astype("float64"))
     total = replicas.reduce(stats)
     if int(total[1]) != batch:
         raise RuntimeError(f"plait.heal: the replicas read {int(total[1])} samples of a global batch of "
@@ -199,6 +210,7 @@ def _step(run: _Run, state: LiveState, replicas: Replicas) -> dict[str, Any]:
     norm = clip_grad_norm_(run.ddp, cfg.optimizer.grad_clip or math.inf)
     state.optimizer.step()
     state.step += 1
+    stop.stopped = stop.signum or (signal.SIGTERM if total[2] > 0 else 0)  # some replica's signal: stop too
     dt = time.perf_counter() - t0
     assert replicas.epoch is not None
     record: dict[str, Any] = {"step": state.step, "loss": float(total[0]),
@@ -207,7 +219,7 @@ def _step(run: _Run, state: LiveState, replicas: Replicas) -> dict[str, Any]:
                               "step_time_s": dt, "time": time.time(), "replicas": replicas.size,
                               "epoch": replicas.epoch.number}
     if cfg.run.log_samples:
-        record["samples"] = [int(i) for i in total[2:].tolist()]
+        record["samples"] = [int(i) for i in total[3:].tolist()]
     return record
 
 
