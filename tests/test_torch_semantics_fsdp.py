@@ -593,13 +593,10 @@ def _controls() -> dict[str, Any]:
     out["async"] = all(f.gathered for u in net.units for f in u.flats)
     net.reshard()
     refusals = []
-    for call in (lambda: net.set_requires_gradient_sync(False, recurse=False),
-                 lambda: net.set_modules_to_forward_prefetch([net.module[1]]),
-                 lambda: _fsdp(_stack(), 3, shard_placement_fn=lambda p: Shard(p.ndim - 1))):
-        try:
-            call()
-        except (ValueError, NotImplementedError) as e:
-            refusals.append(str(e).split(":")[0])
+    try:
+        _fsdp(_stack(), 3, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    except ValueError as e:
+        refusals.append(str(e).split(":")[0])
     out["refusals"] = refusals
     _fsdp(_stack(), 3, shard_placement_fn=lambda p: Shard(0))  # honoured: the layout plait uses
     return out
@@ -610,48 +607,112 @@ def test_unshard_without_lazy_init(pools):
     torch: test/distributed/_composable/fsdp/test_fully_shard_comm.py::TestFullyShardUnshardMultiThread::test_unshard_no_param_group
 
     unshard() before any forward gathers the parameters (equal to one process's), the async
-    handle's wait() completes the gathers, reshard() frees them; what plait cannot honour
-    (recurse=False, explicit prefetch lists, a placement other than Shard(0)) is refused by name."""  # noqa: E501
+    handle's wait() completes the gathers, reshard() frees them; a placement other than Shard(0),
+    which plait cannot honour, is refused by name before anything moves."""  # noqa: E501
     for out in pools[2].run(_controls):
         assert out == {"unshard": True, "reshard": True, "async": True, "refusals": [
-            "FullyShardedDataParallel.set_requires_gradient_sync(recurse=False)",
-            "FullyShardedDataParallel.set_modules_to_forward_prefetch",
             f"FullyShardedDataParallel(shard_placement_fn=...) asks for {Shard(1)!r} for '0.in_proj.weight'",
         ]}, out
 
 
+def _reshard_after_forward_counts() -> dict[str, Any]:
+    from plait import comm
+
+    out: dict[str, Any] = {}
+    x = _batch(0)[1]
+    for flag, recurse in ((None, True), (True, True), (True, False), (False, True), (False, False)):
+        torch.manual_seed(0)
+        net = _fsdp(WithHead().double(), 3, reshard_after_forward=True if flag is None else not flag)
+        if flag is not None:
+            net.set_reshard_after_forward(flag, recurse=recurse)
+        with comm.counting() as fwd:
+            loss = net(x)
+        with comm.counting() as bwd:
+            loss.sum().backward()
+        counts = (fwd.calls("all_gather"), bwd.calls("all_gather"), bwd.calls("reduce_scatter"))
+        out[f"{flag} {recurse}"] = counts
+    return out
+
+
+def test_set_reshard_after_forward(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_comm.py::TestFullyShardCommunicationCount::test_set_reshard_after_forward
+
+    Three block units and a root unit holding the head, built with the opposite setting: forward
+    gathers each unit once; in backward the units that resharded after forward are gathered again.
+    ``set_reshard_after_forward(flag)`` sets every unit (the root too), ``recurse=False`` the root
+    only; by default the root keeps its parameters for backward, as FSDP2's root. Every unit's
+    gradients are reduce-scattered once."""  # noqa: E501
+    for out in pools[2].run(_reshard_after_forward_counts):
+        assert out == {"None True": (4, 3, 4), "True True": (4, 4, 4), "True False": (4, 1, 4),
+                       "False True": (4, 0, 4), "False False": (4, 3, 4)}, out
+
+
+class WithHead(nn.Module):
+    """Three blocks (units) and a head the root unit holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MLP() for _ in range(3)])
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 def _grad_acc_controls(reshard_after_backward: bool) -> dict[str, Any]:
-    ref = _stack()
-    net = _fsdp(copy.deepcopy(ref), 3)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (net, ref)]
-    worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
-    for step in range(2):
-        x, mine = _batch(step, rows=8)
-        for i, (part, whole) in enumerate(zip(mine.chunk(4), x.chunk(4), strict=True)):
-            last = i == 3
-            net.set_requires_gradient_sync(last)
-            net.set_reshard_after_backward(last or reshard_after_backward)
-            net.set_is_last_backward(last)
-            net(part).square().mean().div(4).backward()
-            ref(whole).square().mean().div(4).backward()
-        r = _compare(net, ref)
-        worst = {"param": max(worst["param"], r["param"]), "grad": max(worst["grad"], r["grad"]),
-                 "none": worst["none"] + r["none"]}
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    return worst
+    from plait import comm
+
+    out: dict[str, Any] = {}
+    for mode in ("all", "root_only", "some_units"):
+        torch.manual_seed(42)
+        ref = WithHead().double()
+        net = _fsdp(copy.deepcopy(ref), 3)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (net, ref)]
+        worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": [], "reductions": set()}
+        for step in range(2):
+            x, mine = _batch(step, rows=8)
+            for i, (part, whole) in enumerate(zip(mine.chunk(4), x.chunk(4), strict=True)):
+                last = i == 3
+                if mode == "all":
+                    net.set_requires_gradient_sync(last)
+                elif mode == "root_only":  # the head's gradients wait, the blocks' are reduced
+                    net.set_requires_gradient_sync(last, recurse=False)
+                else:  # the first block and the head reduce every micro-batch, the others wait
+                    for layer in net.module.layers[1:]:
+                        net.unit(layer).set_requires_gradient_sync(last, recurse=False)
+                net.set_reshard_after_backward(last or reshard_after_backward)
+                net.set_is_last_backward(last)
+                with comm.counting() as c:
+                    net(part).square().mean().div(4).backward()
+                if not last:
+                    worst["reductions"].add(c.calls("reduce_scatter"))
+                ref(whole).square().mean().div(4).backward()
+            r = _compare(net, ref)
+            worst.update(param=max(worst["param"], r["param"]), grad=max(worst["grad"], r["grad"]),
+                         none=worst["none"] + r["none"])
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        out[mode] = worst
+    return out
 
 
 @pytest.mark.parametrize("reshard_after_backward", [True, False])
 def test_gradient_accumulation(pools, reshard_after_backward):
     """torch: test/distributed/_composable/fsdp/test_fully_shard_training.py::TestFullyShardGradientAccumulation::test_gradient_accumulation
 
-    set_requires_gradient_sync(False) accumulates micro-batches without communication and
-    set_reshard_after_backward(False) keeps the units gathered between them; the reduced gradients
-    and the AdamW steps match one process on the global micro-batches."""  # noqa: E501
-    for r in pools[2].run(_grad_acc_controls, reshard_after_backward):
-        assert _ok(r), r
+    (mode all, root_only and some_mlps.) set_requires_gradient_sync(False) accumulates micro-batches
+    without communication, on every unit, on the root unit alone (``recurse=False``) or on chosen
+    units (``model.unit(block).set_requires_gradient_sync(False, recurse=False)``): the units that
+    wait do not reduce, the others reduce every micro-batch. set_reshard_after_backward(False)
+    keeps the units gathered between them; the reduced gradients and the AdamW steps match one
+    process on the global micro-batches."""  # noqa: E501
+    for out in pools[2].run(_grad_acc_controls, reshard_after_backward):
+        for mode, reductions in (("all", {0}), ("root_only", {3}), ("some_units", {2})):
+            r = out[mode]
+            assert _ok(r) and r["reductions"] == reductions, (mode, r)
 
 
 class WithExtra(nn.Module):
@@ -1049,3 +1110,83 @@ def test_norm_modules(pools):
                 assert isinstance(r, str) and "expected scalar type" in r, (key, r)
             else:
                 assert r is True, (key, r)
+
+
+# ------------------------------------------------------------------ explicit prefetching, per-unit controls
+def _record_gathers(net: nn.Module, events: list[str]) -> None:
+    """Record, in order, each all-gather a unit issues, each reshard that frees a gathered unit and
+    each gradient reduction, as "u0", "r0", "g0" for unit "0" (torch's test patches
+    FSDPParamGroup's unshard, reshard and post_backward the same way)."""
+    for unit in net.units:
+        for flat in unit.flats:
+            def start(flat=flat, name=unit.name, orig=flat.start_gather) -> None:
+                if flat.needs_gather():
+                    events.append("u" + name)
+                orig()
+
+            def reshard(flat=flat, name=unit.name, orig=flat.reshard) -> None:
+                if flat.gathered or flat._handle is not None:
+                    events.append("r" + name)
+                orig()
+
+            def reduce(*args: Any, name=unit.name, orig=flat.start_reduce) -> None:
+                events.append("g" + name)
+                orig(*args)
+            flat.start_gather, flat.reshard, flat.start_reduce = start, reshard, reduce
+
+
+def _prefetch_lists() -> dict[str, Any]:
+    ref = _stack(4)
+    net = _fsdp(copy.deepcopy(ref), 3)
+    layers = list(net.module)
+    events: list[str] = []
+    _record_gathers(net, events)
+    out: dict[str, Any] = {}
+    for step, (kind, n) in enumerate((("forward", 1), ("forward", 2), ("backward", 1), ("backward", 2),
+                                      ("forward", 0))):
+        for i, layer in enumerate(layers):  # each block prefetches the next (previous) n blocks
+            j = [i + k for k in range(1, n + 1)] if kind == "forward" else [i - k for k in range(1, n + 1)]
+            chosen = [layers[k] for k in j if 0 <= k < len(layers)]
+            if kind == "forward":
+                net.unit(layer).set_modules_to_forward_prefetch(chosen)
+            else:
+                net.unit(layer).set_modules_to_backward_prefetch(chosen)
+        x, mine = _batch(step)
+        loss = net(mine).square().mean()
+        out[f"{kind}{n} forward"] = " ".join(events)
+        events.clear()
+        loss.backward()
+        out[f"{kind}{n} backward"] = " ".join(events)
+        events.clear()
+        ref(x).square().mean().backward()
+        r = _compare(net, ref)
+        out[f"{kind}{n} parity"] = _ok(r)
+        for m in (net, ref):
+            m.zero_grad()
+        if kind == "forward":  # back to plait's own order before the backward cases
+            for unit in net.units:
+                unit.forward_prefetch = None
+    try:
+        net.unit(layers[0].in_proj)
+    except ValueError as e:
+        out["not_a_unit"] = str(e).split(":")[1].strip()
+    return out
+
+
+def test_set_modules_to_forward_and_backward_prefetch(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_comm.py::TestFullyShardPrefetch::test_set_modules_to_forward_prefetch
+    torch: test/distributed/_composable/fsdp/test_fully_shard_comm.py::TestFullyShardPrefetch::test_set_modules_to_backward_prefetch
+
+    ``model.unit(block).set_modules_to_forward_prefetch([...])`` (torch's
+    ``block.set_modules_to_forward_prefetch``) issues the listed units' all-gathers at the block's
+    pre-forward, so with two listed a block's all-gather starts two blocks ahead (before the block
+    two back is freed); ``[]`` turns forward prefetching off for it. Backward lists do the same at
+    each block's pre-backward. Gradients equal one process's whatever the order."""  # noqa: E501
+    for out in pools[2].run(_prefetch_lists):
+        assert out["forward1 forward"] == "u0 u1 r0 u2 r1 u3 r2 r3", out
+        assert out["forward2 forward"] == "u0 u1 u2 r0 u3 r1 r2 r3", out
+        assert out["forward0 forward"] == "u0 r0 u1 r1 u2 r2 u3 r3", out
+        assert out["backward1 backward"] == "u3 u2 g3 u1 g2 u0 g1 g0", out
+        assert out["backward2 backward"] == "u3 u2 u1 g3 u0 g2 g1 g0", out
+        assert all(v for k, v in out.items() if k.endswith("parity")), out
+        assert out["not_a_unit"].startswith("'Linear' is not a sharding unit"), out

@@ -1,9 +1,14 @@
 """torch's FSDP2 controls (``FSDPModule``'s methods) on plait's FullyShardedDataParallel.
 
 torch's ``fully_shard`` turns each sharded module into an ``FSDPModule`` with methods of its own;
-plait wraps the model once and its sharding units are plain modules, so these controls live on the
-wrapper and act on every unit: FSDP2's ``recurse=True`` (its default). ``recurse=False`` would
-reach the root unit alone, which plait does not single out, so it is refused by name.
+plait wraps the model once and its sharding units are plain modules. The wrapper carries the
+methods for the root unit: ``recurse=True`` (FSDP2's default) acts on every unit, ``recurse=False``
+on the root alone. ``model.unit(module)`` gives the same methods for one unit, as torch's
+``module.set_...`` on a submodule ``fully_shard`` was applied to: with ``recurse=True`` they act on
+that unit and the units inside it. Explicit prefetch lists (``set_modules_to_forward_prefetch``,
+``set_modules_to_backward_prefetch``) replace, for the unit they are set on, the order plait would
+prefetch in otherwise (forward: the unit that ran next in the previous step; backward: the one that
+ran before in forward).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from torch.distributed.tensor import Shard
 
 from plait.fsdp.units import Unit
 
-__all__ = ["FSDPControls", "PlacementFn", "UnshardHandle", "check_placements", "ignored_grads", "ignored_ids"]
+__all__ = ["FSDPControls", "PlacementFn", "UnitControls", "UnshardHandle", "check_placements",
+           "ignored_grads", "ignored_ids"]
 
 
 class UnshardHandle:
@@ -36,71 +42,136 @@ class UnshardHandle:
 class _Wrapper(Protocol):
     units: list[Unit]
     zero_stage: int
-    _sync: bool
     reshard_after_forward: bool
     reshard_after_backward: bool
 
 
-class FSDPControls:
-    """torch's ``FSDPModule`` methods, for `plait.FullyShardedDataParallel` to inherit."""
+def _within(outer: Unit, unit: Unit) -> bool:
+    return outer.name == "" or unit.name == outer.name or unit.name.startswith(outer.name + ".")
 
-    def set_requires_gradient_sync(self: _Wrapper, requires_gradient_sync: bool,
-                                   *, recurse: bool = True) -> None:
-        """Whether the next backwards reduce gradients (False: accumulate unsharded, as ``no_sync()``)."""
-        _whole_model("set_requires_gradient_sync", recurse)
-        self._sync = bool(requires_gradient_sync)
 
-    def set_reshard_after_forward(self: _Wrapper, reshard_after_forward: bool,
-                                  *, recurse: bool = True) -> None:
-        """ZeRO-3: free each unit's gathered parameters after its forward (True) or keep them for backward."""
-        _whole_model("set_reshard_after_forward", recurse)
-        self.reshard_after_forward = bool(reshard_after_forward)
+class _Controls:
+    """The methods torch's ``FSDPModule`` has, acting on ``self._target()`` (one unit) and, with
+    ``recurse=True``, on the units inside it."""
 
-    def set_reshard_after_backward(self: _Wrapper, reshard_after_backward: bool,
-                                   *, recurse: bool = True) -> None:
-        """ZeRO-3: free each unit's gathered parameters after its backward (True) or keep them, e.g.
+    def _fsdp(self) -> _Wrapper:
+        raise NotImplementedError
+
+    def _target(self) -> Unit:
+        raise NotImplementedError
+
+    def _reach(self, recurse: bool) -> list[Unit]:
+        me = self._target()
+        return [u for u in self._fsdp().units if u is me or (recurse and _within(me, u))]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether the next backwards reduce these units' gradients (False: accumulate them
+        unsharded, as ``no_sync()``, until a backward with sync on reduces the sum)."""
+        for u in self._reach(recurse):
+            u.sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """ZeRO-3: free the units' gathered parameters after their forward (True) or keep them for
+        backward (the root too, when set on it; by default the root keeps them, as FSDP2's root)."""
+        for u in self._reach(recurse):
+            u.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """ZeRO-3: free the units' gathered parameters after their backward (True) or keep them, e.g.
         between micro-batches accumulated without sync, so the next forward gathers nothing. A
         backward that reduces gradients reuses the gathered memory for them, so it gathers again."""
-        _whole_model("set_reshard_after_backward", recurse)
-        self.reshard_after_backward = bool(reshard_after_backward)
+        for u in self._reach(recurse):
+            u.reshard_after_backward = bool(reshard_after_backward)
 
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for torch's API: plait waits for every reduction at the end of each backward, so
-        the gradients are complete after any backward, the last one or not."""
+    def set_modules_to_forward_prefetch(self, modules: Iterable[nn.Module | str]) -> None:
+        """ZeRO-3: issue the all-gathers of these units (modules that are units of this wrapper, or
+        their names) at this unit's pre-forward, in this order, instead of the next unit of the
+        previous step's order; ``[]`` prefetches nothing."""
+        self._target().forward_prefetch = self._units_named(modules, "set_modules_to_forward_prefetch")
 
-    def unshard(self: _Wrapper, async_op: bool = False) -> UnshardHandle | None:
-        """Gather every unit's parameters (ZeRO-3), as before a forward; with ``async_op`` the
-        all-gathers are only issued and the returned handle's ``wait()`` completes them."""
-        for unit in self.units:
+    def set_modules_to_backward_prefetch(self, modules: Iterable[nn.Module | str]) -> None:
+        """ZeRO-3: issue the all-gathers of these units at this unit's pre-backward, in this order,
+        instead of the unit that ran before it in forward; ``[]`` prefetches nothing."""
+        self._target().backward_prefetch = self._units_named(modules, "set_modules_to_backward_prefetch")
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather the parameters (ZeRO-3), as before a forward; with ``async_op`` the all-gathers are
+        only issued and the returned handle's ``wait()`` completes them."""
+        units = self._reach(True)
+        for unit in units:
             unit.prefetch()
-        handle = UnshardHandle(list(self.units))
+        handle = UnshardHandle(units)
         if async_op:
             return handle
         handle.wait()
         return None
 
-    def reshard(self: _Wrapper) -> None:
-        """Free every unit's gathered parameters (ZeRO-3; ZeRO-1/2 keep them gathered by design)."""
-        for unit in self.units:
+    def reshard(self) -> None:
+        """Free the gathered parameters (ZeRO-3; ZeRO-1/2 keep them gathered by design)."""
+        for unit in self._reach(True):
             unit.reshard()
 
-    def set_modules_to_forward_prefetch(self, modules: Iterable[nn.Module]) -> None:
-        raise NotImplementedError(
-            "FullyShardedDataParallel.set_modules_to_forward_prefetch: plait prefetches on its own, in "
-            "forward the unit that ran next in the previous step and in backward the one before; "
-            "explicit prefetch lists are not taken (backward_prefetch=False turns backward's off)")
+    def _units_named(self, modules: Iterable[nn.Module | str], what: str) -> list[Unit]:
+        units = self._fsdp().units
+        by_module = {id(u.module): u for u in units}
+        by_name = {u.name: u for u in units}
+        out = []
+        for m in modules:
+            unit = by_name.get(m) if isinstance(m, str) else by_module.get(id(m))
+            if unit is None:
+                raise ValueError(
+                    f"FullyShardedDataParallel.{what}: {m if isinstance(m, str) else type(m).__name__!r} "
+                    f"is not a sharding unit of this model (units: {[u.name for u in units]}); "
+                    "name it in units=[...] when wrapping")
+            out.append(unit)
+        return out
 
-    def set_modules_to_backward_prefetch(self, modules: Iterable[nn.Module]) -> None:
-        raise NotImplementedError(
-            "FullyShardedDataParallel.set_modules_to_backward_prefetch: plait prefetches in backward the "
-            "unit that ran before in forward; explicit prefetch lists are not taken "
-            "(backward_prefetch=False turns it off)")
+
+class UnitControls(_Controls):
+    """torch's ``FSDPModule`` methods for one sharding unit: what ``model.unit(block)`` returns."""
+
+    def __init__(self, fsdp: _Wrapper, unit: Unit) -> None:
+        self._wrapper, self._unit = fsdp, unit
+
+    def _fsdp(self) -> _Wrapper:
+        return self._wrapper
+
+    def _target(self) -> Unit:
+        return self._unit
+
+    def __repr__(self) -> str:
+        return f"UnitControls({self._unit.name or '(root)'!r})"
 
 
-def _whole_model(what: str, recurse: bool) -> None:
-    if not recurse:
-        raise ValueError(f"FullyShardedDataParallel.{what}(recurse=False): plait's sharding units are plain "
-                         "modules under one wrapper, so its controls act on every unit; pass recurse=True")
+class FSDPControls(_Controls):
+    """torch's ``FSDPModule`` methods, for `plait.FullyShardedDataParallel` to inherit: they act on
+    the root unit, and with ``recurse=True`` on every unit."""
+
+    def _fsdp(self) -> _Wrapper:
+        return self  # type: ignore[return-value]
+
+    def _target(self) -> Unit:
+        return self._fsdp().units[0]
+
+    def unit(self, module: nn.Module | str) -> UnitControls:
+        """torch's ``FSDPModule`` methods for the sharding unit ``module`` (a module of the wrapped
+        model, or its name): ``model.unit(model.module.layers[0]).set_modules_to_forward_prefetch(
+        [...])`` is torch's ``model.layers[0].set_modules_to_forward_prefetch([...])``."""
+        return UnitControls(self._fsdp(), self._units_named([module], "unit")[0])
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        super().set_reshard_after_forward(reshard_after_forward, recurse=recurse)
+        if recurse:
+            self._fsdp().reshard_after_forward = bool(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        super().set_reshard_after_backward(reshard_after_backward, recurse=recurse)
+        if recurse:
+            self._fsdp().reshard_after_backward = bool(reshard_after_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for torch's API: plait waits for every reduction at the end of each backward, so
+        the gradients are complete after any backward, the last one or not."""
 
 
 PlacementFn = Callable[[nn.Parameter], Shard | None]

@@ -31,13 +31,19 @@ __all__ = ["Unit", "build_units", "check_no_optimizer", "unit_policies"]
 Policies = MixedPrecision | str | None | Mapping[str, MixedPrecision | str | None]
 
 
-@dataclass
+@dataclass(eq=False)  # units compare by identity (they list each other for prefetching)
 class Unit:
     name: str  # qualified module name; "" for the root
     module: nn.Module
     flats: list[FlatParam] = field(default_factory=list)
     position: int = -1  # index in the current forward's execution order
     mp: MixedPrecision | None = None  # its mixed-precision policy (torch: one per fully_shard call)
+    # torch's per-FSDPModule controls (`plait.fsdp.controls`); None: the wrapper's default.
+    sync: bool = True  # reduce gradients in backward (False: accumulate, as under no_sync)
+    reshard_after_forward: bool | None = None
+    reshard_after_backward: bool = True
+    forward_prefetch: list[Unit] | None = None  # gathered at this unit's pre-forward
+    backward_prefetch: list[Unit] | None = None  # gathered at this unit's pre-backward
 
     def prefetch(self) -> None:
         for f in self.flats:

@@ -129,7 +129,9 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
 
     torch's FSDP2 controls (`plait.fsdp.controls`): ``set_requires_gradient_sync``,
     ``set_reshard_after_forward``, ``set_reshard_after_backward``, ``set_is_last_backward``,
-    ``unshard`` and ``reshard``, acting on every unit.
+    ``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch``, ``unshard`` and
+    ``reshard``, on the root unit (with ``recurse=True`` every unit); ``model.unit(block)`` gives
+    them for one unit.
     """
 
     casts_parameters = True  # its own mixed precision: `plait.mixed_precision` refuses to cast on top
@@ -207,14 +209,15 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             else:
                 unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
                 unit.module.register_forward_hook(self._make_post_forward(unit))
+        self._unit_of: dict[int, Unit] = {id(f): u for u in self.units for f in u.flats}
         for unit in self.units:
             for flat in unit.flats:
                 flat.bind_views()
                 flat.set_grad_hook(functools.partial(self._make_post_backward, flat))
         self._order: list[Unit] = []  # units in this forward's execution order
         self._prev_order: list[Unit] = list(self.units)  # last forward's order: what to prefetch
-        self._sync = True
-        self.reshard_after_backward = True  # ZeRO-3 (`set_reshard_after_backward`)
+        self._sync = True  # False inside no_sync(); each unit has its own flag too (`Unit.sync`)
+        self.reshard_after_backward = True  # ZeRO-3: the default of `set_reshard_after_backward`
         self._backward_queued = False
         self._inflight: list[FlatParam] = []  # reductions issued and not yet awaited
         self._reduced: set[int] = set()  # ids of flats whose reduction this backward has issued
@@ -370,8 +373,14 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
         for flat in unit.flats:  # requires_grad_ set after wrapping, on a parameter or its module
             flat.sync_requires_grad()
         unit.gather()
+        if self.zero_stage < 3:
+            return
+        if unit.forward_prefetch is not None:  # set_modules_to_forward_prefetch
+            for other in unit.forward_prefetch:
+                other.prefetch()
+            return
         nxt = unit.position + 1
-        if self.zero_stage == 3 and nxt < len(self._prev_order):
+        if nxt < len(self._prev_order):
             self._prev_order[nxt].prefetch()  # overlaps the next unit's all-gather with this compute
 
     @eager
@@ -382,7 +391,7 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             out = _cast_floats(out, unit.mp.output_dtype)
         grad_on = torch.is_grad_enabled()
         is_root = unit is self.units[0]
-        if self.zero_stage == 3 and (not grad_on or (self.reshard_after_forward and not is_root)):
+        if self.zero_stage == 3 and (not grad_on or self._reshards_after_forward(unit)):
             unit.reshard()
         if not grad_on:
             if is_root and self.zero_stage == 3:
@@ -394,6 +403,13 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _grads, u=unit: self._pre_backward(u), mode="any")
         return out
+
+    def _reshards_after_forward(self, unit: Unit) -> bool:
+        """A unit's own setting (`set_reshard_after_forward`), else the wrapper's; the root keeps its
+        parameters for backward unless told otherwise, as FSDP2's root."""
+        if unit.reshard_after_forward is not None:
+            return unit.reshard_after_forward
+        return self.reshard_after_forward and unit is not self.units[0]
 
     @staticmethod
     def _mark_whole_experts(module: nn.Module) -> None:
@@ -444,9 +460,16 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             while self._inflight:
                 self._inflight.pop(0).finish_reduce()
         unit.gather()
+        if self.zero_stage < 3:
+            return
         prev = unit.position - 1
-        if self.backward_prefetch and self.zero_stage == 3 and 0 <= prev < len(self._order):
-            nxt = self._order[prev]  # the unit that backward reaches next
+        if unit.backward_prefetch is not None:  # set_modules_to_backward_prefetch
+            nexts = unit.backward_prefetch
+        elif self.backward_prefetch and 0 <= prev < len(self._order):
+            nexts = [self._order[prev]]  # the unit that backward reaches next
+        else:
+            nexts = []
+        for nxt in nexts:
             # Unless its gradients are already reduced (a pipeline's last stage: norm and head, the
             # root's only parameters, finish first): gathering it again would be wasted.
             if not all(id(f) in self._reduced for f in nxt.flats):
@@ -472,14 +495,15 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             # when it ends.
             self._backward_queued = True
             queue_end_of_backward(self._end_backward)
-        if not self._sync:  # no_sync: unsharded gradients accumulate until the next reduction
+        unit = self._unit_holding(flat)
+        if not (self._sync and unit.sync):  # no_sync: unsharded gradients accumulate until a reduction
             flat.hold_unreduced(i)
             return
         if not flat.grad_ready(i):
             return  # the unit's other parameters have not reported yet
         flat.start_reduce()  # overlaps with the rest of backward
         self._reduced.add(id(flat))
-        if self.zero_stage == 3 and self.reshard_after_backward:
+        if self.zero_stage == 3 and unit.reshard_after_backward:
             flat.reshard()
         # Keep one reduction in flight: an issued reduce-scatter holds its full-size input
         # gradient until awaited, so waiting for the older one here bounds memory to about
@@ -488,21 +512,30 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
         while len(self._inflight) > 1:
             self._inflight.pop(0).finish_reduce()
 
+    def _unit_holding(self, flat: FlatParam) -> Unit:
+        """The unit ``flat`` belongs to (the map is rebuilt when a conversion replaced the flats)."""
+        unit = self._unit_of.get(id(flat))
+        if unit is None or not any(f is flat for f in unit.flats):
+            self._unit_of = {id(f): u for u in self.units for f in u.flats}
+            unit = self._unit_of[id(flat)]
+        return unit
+
     def _end_backward(self) -> None:
         self._backward_queued = False
-        if self._sync and self._experts:  # divided as the flat shards' reductions divide
+        syncs = self._sync and any(u.sync for u in self.units)
+        if syncs and self._experts:  # divided as the flat shards' reductions divide
             reduce_expert_grads(self._experts, float(self.cfg.world * self.cfg.replicas))
         self._inflight.clear()
         self._reduced.clear()
-        if self._sync:  # the units some of whose parameters got no gradient on this rank
-            partial = [f for u in self.units for f in u.flats
+        if syncs:  # the units some of whose parameters got no gradient on this rank
+            partial = [f for u in self.units if u.sync for f in u.flats
                        if f.requires_grad and f.pending is None and any(f.used())]
             for flat, unused in zip(partial, self._unused_everywhere(partial), strict=True):
                 flat.start_reduce(unused)
         for unit in self.units:
             for flat in unit.flats:
                 flat.finish_reduce()
-            if self.zero_stage == 3 and self.reshard_after_backward:
+            if self.zero_stage == 3 and unit.reshard_after_backward:
                 unit.reshard()
 
     def _unused_everywhere(self, flats: list[FlatParam]) -> list[set[int]]:
