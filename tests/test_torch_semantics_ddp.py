@@ -54,7 +54,6 @@ NOT_PORTED = {
     f"{SRC}::test_ddp_broadcast_buffer_via_hook": "torch's private _register_buffer_comm_hook",
     f"{SRC}::test_ddp_compile_static_graph": "compiled autograd with DDP: test_compile covers plait's DDP",
     f"{SRC}::test_ddp_device_mesh_initialization": "torch's DeviceMesh argument; plait takes plait.Mesh",
-    f"{SRC}::test_DistributedDataParallel_SyncBatchNorm": "CUDA only (plait's SyncBatchNorm has its tests)",
     f"{GLOO}::test_gloo_backend_1gpu_module_device_ids_integer_list": "CUDA only",
     f"{GLOO}::test_global_local_unused_params_grad": "CUDA half of the test; the CPU half is ported",
     f"{GLOO}::test_ignored_sharded_tensor": "ShardedTensor on CUDA",
@@ -75,6 +74,28 @@ NOT_PORTED = {
     f"{SRC}::test_ddp_forward_backward_hook": "CUDA only; DDP calls the module as is",
     f"{SRC}::test_ddp_sync_module_states": "torch's private _sync_module_states helper",
     f"{SRC}::test_skip_all_reduce_unused_parameters": "torch's reducer option skip_all_reduce_unused_params",
+    f"{SRC}::test_dump_DDP_relevant_env_vars": "prints torch's private _dump_DDP_relevant_env_vars",
+    f"{SRC}::test_DistributedDataParallelCPU_grad_is_view": "gradient_as_bucket_view is not an option",
+    f"{SRC}::test_get_data_parallel_params": "torch's private _get_data_parallel_params, on CUDA",
+    f"{SRC}::test_ddp_apply_optim_in_backward_grad_as_bucket_view_false":
+        "torch's private _apply_optimizer_in_backward, on CUDA",
+    f"{SRC}::test_ddp_apply_optim_in_backward_ignored_params": "torch's private _apply_optimizer_in_backward",
+    f"{SRC}::test_ddp_native_mixed_precision_no_grad_as_bucket_view_no_set_grad_none":
+        "DDP(mixed_precision=) on CUDA; plait's mixed precision is plait.mixed_precision (its own tests)",
+    f"{SRC}::test_ddp_native_mixed_precision_grad_as_bucket_view_set_grad_to_none":
+        "DDP(mixed_precision=) on CUDA; plait's mixed precision is plait.mixed_precision (its own tests)",
+    f"{SRC}::test_ddp_native_mixed_precision_no_grad_as_bucket_view_set_grad_to_none":
+        "DDP(mixed_precision=) on CUDA; plait's mixed precision is plait.mixed_precision (its own tests)",
+    f"{SRC}::test_ddp_buffer_hook_allreduce_return_future": "torch's private _register_buffer_comm_hook",
+    f"{SRC}::test_ddp_broadcast_buffers_deprecation_warning":
+        "a FutureWarning of torch's own DDP argument handling, on CUDA",
+    f"{GLOO}::test_gloo_backend_1gpu_module_device_ids_torch_device_list": "CUDA only",
+    f"{GLOO}::test_gloo_backend_2gpu_module": "a module spread over 2 GPUs (CUDA only)",
+    f"{GLOO}::test_gloo_backend_4gpu_module": "a module spread over 4 GPUs (CUDA only)",
+    f"{GLOO}::test_global_local_unused_params_grad_with_grad_is_view":
+        "gradient_as_bucket_view, on CUDA; the plain CPU case is ported",
+    "test/distributed/test_c10d_gloo.py::ReducerTest::test_forward_backward":
+        "drives torch's internal dist.Reducer by hand (prepare_for_forward/backward)",
     "test/distributed/test_c10d_gloo.py::ReducerTest::test_single_dtype_single_bucket":
         "builds torch's internal dist.Reducer with hand-made buckets",
     "test/distributed/test_c10d_gloo.py::ReducerTest::test_multi_dtype_single_bucket":
@@ -1465,3 +1486,148 @@ def test_torch_only_arguments_are_refused_by_name_before_communication():
         DDP(nn.Linear(2, 2), None, gradient_as_bucket_view=False)
     with pytest.raises(TypeError, match="find_unused_paramters: not an argument"):
         DDP(nn.Linear(2, 2), None, find_unused_paramters=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's DDP + SyncBatchNorm tests (CUDA-only there: torch's nn.SyncBatchNorm refuses CPU
+# tensors), with plait.SyncBatchNorm on Gloo against one process on the global batch.
+
+
+class _BatchNormNet(nn.Module):
+    """torch's BatchNormNet: fc1, a BatchNorm1d over 4 channels of 10, fc2, softmax."""
+
+    def __init__(self, affine: bool = True) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(2, 40, bias=False)
+        self.bn = nn.BatchNorm1d(4, affine=affine)
+        self.fc2 = nn.Linear(40, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.bn(self.fc1(x).reshape(-1, 4, 10)).reshape(-1, 40)
+        return F.softmax(self.fc2(x), dim=1)
+
+
+def _sync_bn_parity(build, shape: tuple[int, ...], sizes: list[int], iters: int, out: tuple[int, ...],
+                    memory_format: torch.memory_format = torch.contiguous_format) -> float:
+    """Train ``build()`` with SyncBatchNorm under DDP (rank r holds ``sizes[r]`` rows of the global
+    batch) and alone on the global batch; the largest difference of parameters and buffers."""
+    from plait.sync_batchnorm import SyncBatchNorm
+
+    mesh, rank = cached_mesh(dp=2), dist.get_rank()
+    torch.manual_seed(0)
+    ref = build().to(D)
+    ddp = DDP(SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref), mesh), mesh)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ddp, ref)]
+    total, at = sum(sizes), sum(sizes[:rank])
+    worst = 0.0
+    for it in range(iters):
+        g = torch.Generator().manual_seed(it)
+        x = torch.randn(total, *shape, generator=g, dtype=D).to(memory_format=memory_format)
+        y = torch.randn(total, *out, generator=g, dtype=D)
+        mine, want = x[at:at + sizes[rank]], y[at:at + sizes[rank]]
+        # The mean over the global batch: DDP averages the ranks' gradients, whatever their shares.
+        ((ddp(mine) - want) ** 2).sum().mul(2 / (total * want[0].numel())).backward()
+        F.mse_loss(ref(x), y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        got, want_state = ddp.module.state_dict(), ref.state_dict()
+        assert list(got) == list(want_state), (list(got), list(want_state))
+        for k, v in want_state.items():
+            worst = max(worst, (got[k].double() - v.double()).abs().max().item())
+    return worst
+
+
+def _sync_bn_cases() -> dict:
+    from plait.sync_batchnorm import SyncBatchNorm
+
+    mesh, rank = cached_mesh(dp=2), dist.get_rank()
+    out = {
+        "affine": _sync_bn_parity(_BatchNormNet, (2,), [2, 2], 5, (4,)),
+        "no_affine": _sync_bn_parity(lambda: _BatchNormNet(affine=False), (2,), [2, 2], 2, (4,)),
+        "2d_input": _sync_bn_parity(lambda: nn.BatchNorm1d(2), (2,), [2, 2], 5, (2,)),
+        "single_input_per_process": _sync_bn_parity(lambda: nn.BatchNorm1d(2), (2,), [1, 1], 5, (2,)),
+        "diff_input_sizes_gradient": _sync_bn_parity(_BatchNormNet, (2,), [2, 3], 5, (4,)),
+        "channels_last": _sync_bn_parity(lambda: nn.BatchNorm2d(2, momentum=0.99), (2, 4, 4), [2, 2], 5,
+                                         (2, 4, 4), torch.channels_last),
+    }
+    # Different input sizes per rank: the running statistics are the global batch's.
+    bn = DDP(SyncBatchNorm(2, momentum=0.99, mesh=mesh).to(D), mesh)
+    inputs = [torch.cat([torch.ones(2, 1, 10 ** (i + 1), dtype=D) * 0.1 ** (i - 1),
+                         torch.ones(2, 1, 10 ** (i + 1), dtype=D) * 0.3 ** (i - 1)], dim=1) for i in range(2)]
+    every = torch.cat([x.permute(1, 0, 2).reshape(2, -1) for x in inputs], dim=1)
+    for _ in range(10):
+        bn(inputs[rank]).mean().backward()
+    out["running_value"] = max((bn.module.running_mean - every.mean(1)).abs().max().item(),
+                               (bn.module.running_var - every.var(1)).abs().max().item())
+    # Half precision: forward and backward in fp16, gradients fp16.
+    torch.manual_seed(0)
+    half = DDP(SyncBatchNorm.convert_sync_batchnorm(_BatchNormNet().half(), mesh), mesh)
+    y = half(torch.randn(2, 2, dtype=torch.float16))
+    y.sum().backward()
+    out["half"] = (y.dtype, {p.grad.dtype for p in half.parameters()})
+    return out
+
+
+def test_sync_batchnorm_under_ddp_matches_one_process(pools):
+    """torch: distributed_test.py::_DistTestBase::test_DistributedDataParallel_SyncBatchNorm
+    torch: distributed_test.py::_DistTestBase::test_DistributedDataParallel_SyncBatchNorm_No_Affine
+    torch: distributed_test.py::_DistTestBase::test_DistributedDataParallel_SyncBatchNorm_2D_Input
+    torch: distributed_test.py::_DistTestBase::test_DistributedDataParallel_SyncBatchNorm_Single_Input_Per_Process
+    torch: distributed_test.py::_DistTestBase::test_DistributedDataParallel_SyncBatchNorm_Diff_Input_Sizes_gradient
+    torch: distributed_test.py::_DistTestBase::test_DistributedDataParallel_SyncBatchNorm_Diff_Input_Sizes_Running_Value
+    torch: distributed_test.py::_DistTestBase::test_DistributedDataParallel_SyncBatchNorm_Channels_Last
+    torch: distributed_test.py::_DistTestBase::test_DistributedDataParallel_SyncBatchNorm_half
+
+    (CUDA-only in torch, whose nn.SyncBatchNorm refuses CPU tensors.) ``convert_sync_batchnorm``
+    under plait's DDP trains as one process on the global batch in float64 (parameters and running
+    statistics to 1e-12): affine or not, 2-D input, one row per rank, 2 and 3 rows on the two ranks,
+    channels-last 4-D input; ranks with inputs of different lengths give the global batch's running
+    mean and (unbiased) variance; fp16 runs forward and backward with fp16 gradients."""  # noqa: E501
+    for out in pools[2].run(_sync_bn_cases):
+        half = out.pop("half")
+        assert half == (torch.float16, {torch.float16}), half
+        assert all(v <= 1e-12 for v in out.values()), out
+
+
+class _Task(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.ones(2, 2))
+
+    def forward(self, x):
+        return self.p + x
+
+
+class _AllUsedOnRank0(nn.Module):
+    """torch's FindUnusedParamModule: rank 0 uses both tasks, rank 1 only t1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t0, self.t1 = _Task(), _Task()
+
+    def forward(self, x, rank: int):
+        return self.t1(self.t0(x)) if rank == 0 else self.t1(x)
+
+
+def _unused_empty_on_one_rank() -> dict:
+    rank = dist.get_rank()
+    out = {}
+    for name, model in zip(("ours", "theirs"), _pair(_AllUsedOnRank0, {"find_unused_parameters": True},
+                                                        {"find_unused_parameters": True}), strict=True):
+        before = [p.grad for p in model.module.parameters()]
+        model(8, rank).mean().backward()
+        out[name] = (before, _grads(model.module))
+    return out
+
+
+def test_find_unused_parameters_when_unused_parameters_empty_matches_torch(pools):
+    """torch: test/distributed/test_c10d_gloo.py::DistributedDataParallelTest::test_find_unused_parameters_when_unused_parameters_empty
+
+    (The CPU half.) With find_unused_parameters=True, a rank that used every parameter (none
+    unused there) still takes part in reducing the one another rank left unused: both parameters
+    get gradients on both ranks, equal to torch's DDP."""  # noqa: E501
+    for out in pools[2].run(_unused_empty_on_one_rank):
+        assert out["ours"][0] == [None, None] == out["theirs"][0]
+        assert all(g is not None for g in out["ours"][1].values()), out
+        _same(out["ours"][1], out["theirs"][1])
