@@ -119,12 +119,12 @@ def main(argv: list[str]) -> int:
                    help="time each phase of the step instead (bench/ddp_profile.py)")
     args = p.parse_args(argv)
 
-    from plait.testing import RankPool
+    from bench.common import rank_pool
 
     if args.profile:
         from bench.ddp_profile import profile, report
 
-        pool = RankPool(args.world, timeout_s=900)
+        pool = rank_pool(args.world, timeout_s=900)
         try:
             prof = pool.run(profile, args.model, args.seq, args.batch, args.warmup, args.iters,
                             args.bucket_mb)[0]
@@ -137,14 +137,14 @@ def main(argv: list[str]) -> int:
         return 0
 
     load0 = os.getloadavg()[0]  # other jobs share the cores: the ratios are only as quiet as this
-    pool = RankPool(args.world, timeout_s=900)
+    pool = rank_pool(args.world, timeout_s=900)
     try:
         out = pool.run(_timing, args.model, args.seq, args.batch, args.warmup, args.iters, args.bucket_mb)[0]
     finally:
         pool.close()
     rss = {}
     for impl in ("plait", "torch"):
-        pool = RankPool(args.world, timeout_s=900)
+        pool = rank_pool(args.world, timeout_s=900)
         try:
             rss[impl] = max(pool.run(_memory, impl, args.model, args.seq, args.batch, args.bucket_mb))
         finally:

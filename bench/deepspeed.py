@@ -183,10 +183,10 @@ def main(argv: list[str]) -> int:
     args = {"model": a.model, "seq_len": a.seq_len, "batch": a.batch, "iters": a.iters, "warmup": a.warmup,
             "world": a.world, "stages": [] if a.stages == "none" else [int(s) for s in a.stages.split(",")],
             "microbatches": a.microbatches}
-    from plait.testing import RankPool
+    from bench.common import rank_pool
 
     t0, load0 = time.time(), os.getloadavg()[0]
-    pool = RankPool(args["world"], timeout_s=1800)
+    pool = rank_pool(args["world"], timeout_s=1800)
     try:
         timing = pool.run(timing_job, args)[0]
         piped = pool.run(pipeline_job, args)[0] if a.pipeline else None
@@ -195,7 +195,7 @@ def main(argv: list[str]) -> int:
     mem: dict[tuple[int, str], int] = {}
     for stage in args["stages"]:
         for impl in _impls(stage):  # fresh processes each: none sees another's tensors
-            pool = RankPool(args["world"], timeout_s=1800)
+            pool = rank_pool(args["world"], timeout_s=1800)
             try:
                 mem[stage, impl] = max(r["peak_live"] for r in pool.run(memory_job, impl, stage, args))
             finally:

@@ -198,17 +198,17 @@ def main(argv: list[str]) -> int:
     args = {k: getattr(a, k) for k in ("model", "seq_len", "batch", "iters", "warmup", "mixed_precision",
                                        "offload", "zero_stage")}
     args["world"] = a.fsdp
-    from plait.testing import RankPool
+    from bench.common import rank_pool
 
     t0, load0 = time.time(), os.getloadavg()[0]
-    pool = RankPool(args["world"], timeout_s=900)
+    pool = rank_pool(args["world"], timeout_s=900)
     try:
         timing = pool.run(timing_job, args)[0]
     finally:
         pool.close()
     mem = {}
     for impl in IMPLS:  # fresh processes each: none sees another's memory
-        pool = RankPool(args["world"], timeout_s=900)
+        pool = rank_pool(args["world"], timeout_s=900)
         try:
             mem[impl] = pool.run(memory_job, impl, args)
         finally:

@@ -109,14 +109,15 @@ def _unpicklable(value: Any) -> str:
 
 
 def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_s: float,
-            run_dir: str, desync_check: str) -> None:
+            run_dir: str, desync_check: str, device_audit: bool = True) -> None:
     set_rank_env(rank, world, port, threads=1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import plait
 
     # Gloo on CPU, pinned: on a CUDA host the default would be NCCL, and CPU models with it fail.
     plait.init(timeout_s=timeout_s, backend="gloo", run_dir=run_dir, desync_check=desync_check)
-    DeviceAudit().__enter__()  # for the worker's life: every task's collectives are audited
+    if device_audit:  # for the worker's life: every task's collectives are audited
+        DeviceAudit().__enter__()
     while True:
         item = tasks.get()
         if item is None:
@@ -194,11 +195,15 @@ class RankPool:
     rank, so the per-call check would have passed, at no round trip per collective.
     `pause` stops an idle pool's ranks (SIGSTOP) until its next `run`: a suite with several pools
     then spends no CPU on the ones waiting (each Gloo group keeps a thread that wakes many times a
+    ``device_audit=False`` leaves out `DeviceAudit`, for benchmarks: a torch-function mode taxes every
+    Python-level torch call (a third of a small GPT's single-process step), which a user's program
+    never pays, and the Python-side work of wrappers more than the C++ side of torch's own.
     second).
     """
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, run_dir: str | None = None,
-                 desync_check: str = "fast") -> None:
+                 desync_check: str = "fast", device_audit: bool = True) -> None:
+        self.device_audit = device_audit
         self.world_size, self.timeout_s, self.desync_check = world_size, timeout_s, desync_check
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="plait-pool-")
         self._procs: list[Any] = []
@@ -212,7 +217,7 @@ class RankPool:
         self._procs = [
             ctx.Process(target=_worker, daemon=True,
                         args=(r, self.world_size, port, self._tasks[r], self._results, self.timeout_s,
-                              self.run_dir, self.desync_check))
+                              self.run_dir, self.desync_check, self.device_audit))
             for r in range(self.world_size)
         ]
         for p in self._procs:
