@@ -101,11 +101,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = p.parse_args(argv)
 
-    from plait.testing import RankPool
+    from bench.common import rank_pool
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="plait-bench-ckpt-"))
     load_before = os.getloadavg()[0]
-    pool = RankPool(args.world, timeout_s=900)
+    pool = rank_pool(args.world, timeout_s=900)
     try:
         per_rank = pool.run(_loop, args.model, args.seq, args.batch, args.saves, args.every, args.rounds,
                             str(root))

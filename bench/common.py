@@ -92,14 +92,21 @@ def gpt_config(a: dict, **overrides: object):
     return GPTConfig(**base)
 
 
+def rank_pool(world: int, timeout_s: float = 900.0):
+    """``world`` Gloo ranks for a benchmark: the test suite's pool without its `DeviceAudit`, whose
+    torch-function mode taxes every Python-level torch call, a wrapper's Python side more than
+    torch's C++ one, and never runs in a user's program."""
+    from plait.testing import RankPool
+
+    return RankPool(world, timeout_s=timeout_s, device_audit=False)
+
+
 def run_on_ranks(world: int, job: Callable[[dict], object], args: dict) -> tuple[list, float]:
     """``job(args)`` on every rank of a fresh ``world``-rank pool: (each rank's result, wall
     seconds). Records the 1-minute load before and after in ``args["load"]``: other jobs share the
     cores, so times are relative."""
-    from plait.testing import RankPool
-
     t0, load0 = time.time(), os.getloadavg()[0]
-    pool = RankPool(world, timeout_s=900)
+    pool = rank_pool(world)
     try:
         res = pool.run(job, args)
     finally:

@@ -153,12 +153,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--iters", type=int, default=8)
     args = p.parse_args(argv)
 
-    from plait.testing import RankPool
+    from bench.common import rank_pool
 
     load0 = os.getloadavg()[0]
     rows = []
     for layout in LAYOUTS:
-        pool = RankPool(args.world, timeout_s=1800)
+        pool = rank_pool(args.world, timeout_s=1800)
         try:
             out = pool.run(_timing, layout, args.model, args.seq, args.batch, args.warmup, args.iters)[0]
         finally:

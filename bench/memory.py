@@ -285,11 +285,11 @@ def main(argv: list[str]) -> int:
         p.error(f"unknown layouts {bad}; choose from {LAYOUTS}")
     a = {k: getattr(ns, k) for k in ("model", "seq_len", "batch", "dropout", "microbatches", "iters",
                                      "warmup", "timing_bf16", "world")}
+    from bench.common import rank_pool
     from bench.memory_report import report
-    from plait.testing import RankPool
 
     t0, load0 = time.time(), os.getloadavg()[0]
-    pool = RankPool(ns.world, timeout_s=1200)
+    pool = rank_pool(ns.world, timeout_s=1200)
     try:
         mem = pool.run(memory_job, a, configs(layouts, precisions))
         t1 = time.time()

@@ -45,11 +45,11 @@ def _layout(extra: dict[str, Any]) -> str:
 
 
 def run_world(world: int, models: list[str], timed: int, batch: int) -> list[dict[str, Any]]:
+    from bench.common import rank_pool
     from plait.app.config import TrainConfig
     from plait.app.plan.calibrate import calibrate, reference_flags
     from plait.app.plan.predict import predict
     from plait.app.plan.rehearse import measured, rehearse_layout
-    from plait.testing import RankPool
 
     cluster = calibrate(world)
     print(f"world {world}: {cluster}", flush=True)
@@ -57,7 +57,7 @@ def run_world(world: int, models: list[str], timed: int, batch: int) -> list[dic
     ref_flags = reference_flags(world)
     ref_cfg = TrainConfig.from_flags(**ref_flags)
     ref_pred = predict(ref_cfg, rehearse_layout(ref_cfg), cluster).step_s
-    pool = RankPool(world, timeout_s=900)
+    pool = rank_pool(world, timeout_s=900)
     try:
         for model in models:
             for extra in LAYOUTS[world]:

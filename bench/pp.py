@@ -240,10 +240,10 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     names = args.schedules.split(",")
 
-    from plait.testing import RankPool
+    from bench.common import rank_pool
 
     load0 = os.getloadavg()[0]  # other jobs share the cores: the figures are only as quiet as this
-    pool = RankPool(args.world, timeout_s=900)
+    pool = rank_pool(args.world, timeout_s=900)
     try:
         per_rank = pool.run(_bench, args.model, args.seq, args.layers, args.batch, args.microbatches,
                             args.warmup, args.iters, names,

@@ -195,9 +195,9 @@ class RankPool:
     rank, so the per-call check would have passed, at no round trip per collective.
     `pause` stops an idle pool's ranks (SIGSTOP) until its next `run`: a suite with several pools
     then spends no CPU on the ones waiting (each Gloo group keeps a thread that wakes many times a
-    ``device_audit=False`` leaves out `DeviceAudit`, for benchmarks: a torch-function mode taxes every
-    Python-level torch call (a third of a small GPT's single-process step), which a user's program
-    never pays, and the Python-side work of wrappers more than the C++ side of torch's own.
+    ``device_audit=False`` leaves out `DeviceAudit`, for benchmarks: its torch-function mode taxes
+    every Python-level torch call, which a user's program never pays, and a wrapper's Python side
+    more than torch's C++ one.
     second).
     """
 

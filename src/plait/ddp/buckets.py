@@ -15,7 +15,8 @@ from torch import nn
 from plait import comm
 from plait._torch_compat import tensors_in
 
-__all__ = ["Bucket", "plan_buckets", "params_reached_by", "output_tensors", "sparse_params"]
+__all__ = ["Bucket", "BufferBroadcast", "plan_buckets", "params_reached_by", "output_tensors",
+           "sparse_params"]
 
 
 @dataclass
@@ -53,6 +54,49 @@ class Bucket:
         """Ready for a reducing backward: nothing filled, nothing in flight."""
         self.pending, self.handle, self.wire, self.future = len(self.params), None, None, None
         self.ready.clear()
+
+
+_Message = tuple[torch.Tensor, list[int], list[torch.Tensor]]  # flat, its tensors' indices, their views
+
+
+class BufferBroadcast:
+    """The buffers' broadcast before a forward (torch's rule), as one flat message per dtype.
+
+    Only the source packs the buffers into the message and only the other ranks unpack it (torch's
+    coalesced broadcast packs and unpacks on every rank), and the messages are kept from one
+    forward to the next. Each is checked for desync before it moves, as any blocking collective.
+    """
+
+    def __init__(self) -> None:
+        self._layout: list[tuple[torch.dtype, torch.device, tuple[int, ...]]] = []
+        self._plan: list[_Message] = []
+
+    def _plan_for(self, tensors: list[torch.Tensor]) -> list[_Message]:
+        layout = [(t.dtype, t.device, tuple(t.shape)) for t in tensors]
+        if layout != self._layout:  # the first forward, or buffers replaced by others (.to(), new shapes)
+            kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+            for i, t in enumerate(tensors):
+                kinds.setdefault((t.dtype, t.device), []).append(i)
+            self._plan = []
+            for (dtype, device), members in kinds.items():
+                sizes = [tensors[i].numel() for i in members]
+                flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+                views = [v.view(tensors[i].shape) for v, i in zip(torch.split(flat, sizes), members)]
+                self._plan.append((flat, members, views))
+            self._layout = layout
+        return self._plan
+
+    @torch.no_grad()
+    def __call__(self, tensors: list[torch.Tensor], src: int, group: Any, rank: int) -> None:
+        """Broadcast ``tensors`` (distinct) from global rank ``src``; ``rank`` is this one's."""
+        for flat, members, views in self._plan_for(tensors):
+            if rank == src:
+                for i, v in zip(members, views):
+                    v.copy_(tensors[i])
+            comm.broadcast(flat, src, group)
+            if rank != src:
+                for i, v in zip(members, views):
+                    tensors[i].copy_(v)
 
 
 def sparse_params(module: nn.Module) -> set[int]:

@@ -54,6 +54,7 @@ class Reducer:
     _static_hooks: list[int]
     _static_left: list[int]
     _sparse_ready: set[int]
+    _spent_grads: list[torch.Tensor]
 
     def _start_step(self) -> None:
         for b in self._buckets:
@@ -249,6 +250,8 @@ class Reducer:
                     continue
                 # The gradient becomes a view of its bucket: no copy back now, and if the user keeps
                 # it (zero_grad(set_to_none=False), no_sync), the next backward accumulates in place.
+                if p.grad is not None and p.grad is not b.grads[i]:
+                    self._spent_grads.append(p.grad)
                 p.grad = b.grads[i]
                 gradient_assigned(p)  # a tp DTensor's gradient, or a piece's mark (`plait.placement.pieces`)
 
