@@ -55,6 +55,72 @@ NOT_PORTED = {
         "GPU only (multi-thread ranks on CUDA); plait.full_state_dict is tested in tests/test_state_dict.py",
     "test_fully_shard_training.py (the rest)":
         "GPU/NCCL-only parity matrices; plait's FSDP parity against one process is tests/test_fsdp.py",
+    "test_fully_shard_compose.py::TestFullyShardCompose::test_replicate_and_fully_shard":
+        "torch's composable replicate() on some submodules and fully_shard on others in one model; plait "
+        "wraps a model once (replicas x shards is HSDP, Mesh(dp=..., fsdp=...))",
+    "test_fully_shard_state.py::TestFullyShardState::test_fully_shard_state":
+        "fully_shard.state(module), FSDP2's per-module state object; plait's units have no such object",
+    "test_fully_shard_state.py::TestFullyShardState::test_fully_shard_cls":
+        "FSDP2 swaps the module's class (FSDPMLP); plait's FSDP is a wrapper around the model",
+    "test_fully_shard_state.py::TestFullyShardState::test_fully_shard_reapply":
+        "fully_shard applied twice to one module; plait wraps a model once",
+    "test_fully_shard_state.py::TestFullyShardState::test_fully_shard_unsupported_module_cls":
+        "fully_shard(ModuleList) refused; plait wraps the model, whose ModuleList children become units",
+    "test_fully_shard_state.py::TestFullyShardState::test_fully_shard_deepcopy":
+        "FSDP2 refuses copy.deepcopy of a sharded module: a limit of its class swap, not a behaviour",
+    "test_fully_shard_debug.py::TestFullyShardDebug::test_fully_shard_module_and_param_fqns":
+        "reads FSDPParamGroup._module_fqn / FSDPParam._param_fqn (internals), CUDA only",
+    "test_fully_shard_clip_grad_norm_.py::TestClipGradNormWorldSize4::test_clip_grad_norm_2d":
+        "4 ranks, torch's parallelize_module under fully_shard; plait's FSDP x TP: tests/test_fsdp_tp.py",
+    "test_fully_shard_init.py (the rest)":
+        "fully_shard's internals (_get_managed_modules, _get_param_module_infos, lazy init, mesh and "
+        "device inference from torch's DeviceMesh, _StridedShard placements under parallelize_module, "
+        "HSDP meshes without names); plait builds its units itself and takes a plait.Mesh",
+    "test_fully_shard_comm.py (the rest)":
+        "FSDP2's internal collectives (foreach_all_gather / foreach_reduce at world 128 on threads, "
+        "chunk_cat kernels, symmetric memory), reduce-scatter buffer caps and divide factors, and event "
+        "orders that patch FSDPParamGroup with activation-checkpoint wrappers and fused groups (CUDA/NCCL)",
+    "test_fully_shard_fuse.py (every test)":
+        "fully_shard([a, b]) fuses several modules into one communication group; plait's unit is one module",
+    "test_fully_shard_block_shard.py (every test)":
+        "BlockShard placements from shard_placement_fn (4 GPUs); plait shards on dim 0 and refuses others",
+    "test_fully_shard_prefix_copy.py (every test)":
+        "FSDP2's all-gather copy-out and reduce-scatter copy-in kernels (torch.ops.fsdp), driven on mocks",
+    "test_fully_shard_chunk_cat.py (every test)": "torch.ops.fsdp.chunk_cat, an internal kernel",
+    "test_fully_shard_collectives.py (every test)": "FSDP2's internal foreach collectives on CUDA streams",
+    "test_fully_shard_grad.py (every test)":
+        "FSDPGrad, FSDP2's internal gradient holding reduced and pending parts",
+    "test_fully_shard_pending_grad.py (every test)":
+        "get_pending_gradients / synchronize_gradients, FSDP2's pending-gradient API (CUDA); plait's "
+        "unreduced gradients under set_requires_gradient_sync(False) stay internal and are reduced at the "
+        "next synced backward",
+    "test_fully_shard_grad_dtype.py (every test)":
+        "MixedPrecisionPolicy.grad_dtype and Parameter.grad_dtype (torch 2.13, CUDA); plait's gradients "
+        "take the master weights' dtype",
+    "test_fully_shard_conversion.py (every test)":
+        "Parameter.grad_dtype policies across .to() (torch 2.13); plait's dtype conversion after wrapping is "
+        "test_to_float64_after_init's",
+    "test_fully_shard_unsharded_views.py (every test)":
+        "FSDPParam's borrowed unsharded views of tensor subclasses and CUDA graph replay (internals)",
+    "test_fully_shard_offload_selector.py (every test)":
+        "cpu_offload_by_budget, a per-parameter offload map; plait offloads a whole wrapper (offload=True)",
+    "test_fully_shard_spmd_types.py (every test)": "the external spmd_types type checker on FSDP2 internals",
+    "test_fully_shard_copy_engine.py (every test)": "CUDA copy engines",
+    "test_fully_shard_stream_utils.py (every test)": "CUDA stream helpers",
+    "test_fully_shard_memory.py (every test)": "CUDA memory statistics of FSDP2",
+    "test_fully_shard_overlap.py (every test)": "CUDA stream overlap timings",
+    "test_fully_shard_logging.py (every test)": "TORCH_LOGS output of FSDP2's internals",
+    "test_fully_shard_extensions.py (every test)":
+        "fsdp_pre_all_gather / fsdp_post_all_gather tensor-subclass extensions (FSDP2's internal protocol)",
+    "test_fully_shard_compile.py (every test)":
+        "FSDP2 traced by torch.compile (graph passes, inductor, CUDA); plait under torch.compile is "
+        "tests/test_compile.py",
+    "test_fully_shard_training_compile.py (every test)": "as test_fully_shard_compile.py",
+    "test_fully_shard_2d.py (every test)":
+        "fully_shard over torch's parallelize_module (4+ GPUs); plait's FSDP x TP is tests/test_fsdp_tp.py",
+    "test_fully_shard_dtensor.py (every test)":
+        "fully_shard of modules whose parameters are already torch DTensors; plait's FSDP over its own TP "
+        "is tests/test_fsdp_tp.py",
 }
 
 
@@ -633,7 +699,8 @@ def _reshard_after_forward_counts() -> dict[str, Any]:
 
 
 def test_set_reshard_after_forward(pools):
-    """torch: test/distributed/_composable/fsdp/test_fully_shard_comm.py::TestFullyShardCommunicationCount::test_set_reshard_after_forward
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_comm.py::TestFullyShardCommunication::test_set_reshard_after_forward
+    torch: test/distributed/_composable/fsdp/test_fully_shard_comm.py::TestFullyShardCommunication::test_fully_shard_communication_count
 
     Three block units and a root unit holding the head, built with the opposite setting: forward
     gathers each unit once; in backward the units that resharded after forward are gathered again.
@@ -700,6 +767,7 @@ def _grad_acc_controls(reshard_after_backward: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("reshard_after_backward", [True, False])
 def test_gradient_accumulation(pools, reshard_after_backward):
     """torch: test/distributed/_composable/fsdp/test_fully_shard_training.py::TestFullyShardGradientAccumulation::test_gradient_accumulation
+    torch: test/distributed/_composable/fsdp/test_fully_shard_grad_acc.py::TestFullyShardGradientAccumulation::test_requires_gradient_sync_
 
     (mode all, root_only and some_mlps.) set_requires_gradient_sync(False) accumulates micro-batches
     without communication, on every unit, on the root unit alone (``recurse=False``) or on chosen
@@ -1371,3 +1439,41 @@ def test_gradient_scaler(pools):
     for out in pools[2].run(_grad_scaler):
         assert out == {"False": {"unscaled": True, "moved": True, "scale": 2.0},
                        "True": {"unscaled": True, "moved": False, "scale": 1.0}}, out
+
+
+def _checkpoint_and_policy() -> dict[str, Any]:
+    import plait
+    from plait.precision import MixedPrecision
+
+    class Log(dict):  # every input a module records, in order (recomputations included)
+        def __init__(self) -> None:
+            super().__init__()
+            self.log: list[tuple[str, torch.dtype]] = []
+
+        def __setitem__(self, key: str, value: torch.dtype) -> None:
+            self.log.append((key, value))
+            super().__setitem__(key, value)
+
+    out: dict[str, Any] = {}
+    for block in ("c2", "c2.lin"):  # torch's checkpoint_strict_submodule False / True
+        seen = Log()
+        torch.manual_seed(0)
+        model = SavesInputs(seen, cast_itself=False)
+        model.c1.seen = model.c2.seen = seen
+        plait.activation_checkpointing(model, "full", blocks=[block])
+        net = _fsdp(model, 3, units=["c1", "c2"], mixed_precision={"c2": MixedPrecision(torch.float16)})
+        net(torch.zeros(2, DIM)).sum().backward()
+        out[block] = seen.log
+    return out
+
+
+def test_checkpoint_and_fully_shard(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_compose.py::TestFullyShardCompose::test_checkpoint_and_fully_shard
+
+    A unit with an fp16 policy of its own (the rest fp32), checkpointed whole or in its inner
+    linear: the forward and, when the unit itself is checkpointed, its recomputation in backward
+    both get the unit's input cast to fp16."""  # noqa: E501
+    f16, f32 = torch.float16, torch.float32
+    for out in pools[2].run(_checkpoint_and_policy):
+        assert out["c2"] == [("root", f32), ("c1", f32), ("c2", f16), ("c2", f16)], out
+        assert out["c2.lin"] == [("root", f32), ("c1", f32), ("c2", f16)], out
