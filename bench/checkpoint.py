@@ -30,7 +30,8 @@ def _training_step(preset: str, seq: int, batch: int):
     import torch.distributed as dist
 
     import plait
-    from plait.app.train import TrainConfig, build_model
+    from plait.app.step import build_model
+    from plait.app.train import TrainConfig
     from plait.tp.apply import loss_fn_for
 
     cfg = TrainConfig.from_flags(model=preset, strategy="ddp", nproc=dist.get_world_size(), seq_len=seq,

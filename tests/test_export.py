@@ -65,7 +65,7 @@ def runs(pools, tmp_path_factory) -> dict[str, dict]:
 
 def _oracle(run: dict, step: int = 2) -> torch.nn.Module:
     """The run's model in one process, loaded from its checkpoint by plait.checkpoint.load."""
-    from plait.app.train import unwrapped_model
+    from plait.app.step import unwrapped_model
 
     cfg = TrainConfig.from_flags(**{**BASE, **run["flags"], "strategy": "none", "nproc": 1, "tp": 1, "pp": 1})
     model = unwrapped_model(cfg, "cpu")
@@ -141,7 +141,7 @@ def _loaded(weights_dir: str, **flags) -> tuple[dict[str, torch.Tensor], dict[st
     """The layout built and given the weights as `plait train --init-from` does: (its full state
     dict, the elements this rank read per file tensor)."""
     from plait.app import weights
-    from plait.app.train import build_model, unwrapped_model
+    from plait.app.step import build_model, unwrapped_model
 
     cfg = TrainConfig.from_flags(**{**BASE, **flags}, init_from=weights_dir)
     model = build_model(cfg, cfg.mesh(), plait.init(seed=cfg.run.seed))

@@ -78,7 +78,7 @@ def reference(tmp_path_factory) -> dict:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("plait.app.train.clip_grad_norm_", torch_clip)
+        mp.setattr("plait.app.step.clip_grad_norm_", torch_clip)
         out = _run(str(tmp_path_factory.mktemp("single")), strategy="none", nproc=1)
     assert calls == [MAX_NORM] * len(out["losses"])  # the loop clipped with torch's function, every step
     return out

@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from plait.app.train import TrainConfig, lr_at
+from plait.app.step import lr_at
+from plait.app.train import TrainConfig
 from plait.env import free_port
 
 

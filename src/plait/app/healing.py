@@ -107,7 +107,7 @@ def replica_main(member: Membership, cfg: TrainConfig) -> None:
 
 
 def _build(cfg: TrainConfig, member: Membership) -> tuple[_Run, LiveState]:
-    from plait.app.train import _factory_loss, unwrapped_model
+    from plait.app.step import factory_loss, unwrapped_model
 
     device = plait.init(seed=cfg.run.seed, timeout_s=max(60.0, cfg.parallel.heal_timeout))  # a world of one
     folder = Path(cfg.run.run_dir) / str(cfg.run.name)
@@ -117,7 +117,7 @@ def _build(cfg: TrainConfig, member: Membership) -> tuple[_Run, LiveState]:
                          tokenizing=cfg.tokenizing())
     # Every replica builds the same model from the seed; a joiner's is overwritten by a peer's state.
     ddp = DistributedDataParallel(unwrapped_model(cfg, device), Mesh(dp=1), broadcast_buffers=False)
-    loss_fn = _factory_loss(cfg) if cfg.model_factory is not None else lm_loss
+    loss_fn = factory_loss(cfg) if cfg.model_factory is not None else lm_loss
     params = [p for p in ddp.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
                             betas=(0.9, 0.95))
@@ -185,7 +185,7 @@ def _step_with_retries(run: _Run, state: LiveState, replicas: Replicas, stop: St
 
 
 def _step(run: _Run, state: LiveState, replicas: Replicas, stop: StopRequest) -> dict[str, Any]:
-    from plait.app.train import lr_at
+    from plait.app.step import lr_at
 
     t0 = time.perf_counter()
     cfg, batch, step = run.cfg, run.cfg.data.batch_size, state.step

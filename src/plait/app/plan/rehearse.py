@@ -144,7 +144,7 @@ def step_once(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: Trai
               device: torch.device) -> None:
     """One `plait train` step on this rank's share of a global batch of token ids."""
     import plait
-    from plait.app.train import moe_layers_of, rank_tokens, train_step
+    from plait.app.step import moe_layers_of, rank_tokens, train_step
     from plait.models.gpt import lm_loss
     from plait.tp.apply import loss_fn_for
 
@@ -293,7 +293,7 @@ def rehearse(cfg: TrainConfig, rank: int = 0, mailbox: dict[tuple[int, int], lis
              ) -> Rehearsal:
     """`plait train`'s step under ``cfg`` as rank ``rank`` would run it, on the meta device. A later
     pipeline stage needs the ``mailbox`` its earlier stages' rehearsals filled (`rehearse_stages`)."""
-    from plait.app.train import build_model
+    from plait.app.step import build_model
 
     with env.dry_run(cfg.parallel.nproc, rank, mailbox) as meta, fused_attention_on_meta():
         mesh = cfg.mesh()
@@ -318,7 +318,7 @@ def build_only(cfg: TrainConfig) -> dict[str, Any]:
     runs, so any world size and any model size take seconds."""
     import time
 
-    from plait.app.train import build_model
+    from plait.app.step import build_model
 
     stages = []
     mailbox: dict[tuple[int, int], list[Any]] = {}
@@ -431,7 +431,7 @@ def measured(args: dict[str, Any]) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from plait.app.train import build_model
+    from plait.app.step import build_model
 
     cfg = TrainConfig.from_flags(**args["flags"])
     device = env.device()

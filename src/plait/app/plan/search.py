@@ -114,7 +114,7 @@ def _try(cfg: Any, flags: dict[str, Any], n_params: int, cluster: Cluster) -> Pr
 
 
 def _parameter_count(train: Any) -> int:
-    from plait.app.train import unwrapped_model
+    from plait.app.step import unwrapped_model
 
     with torch.device("meta"):
         model = unwrapped_model(dataclasses.replace(train), "meta")
