@@ -160,10 +160,10 @@ def _counted(runner: Runner) -> dict[str, dict[str, float]]:
     """One counted forward + backward: {op@axis: {calls, bytes, wire_bytes}} of what moved."""
     from plait import comm
 
-    comm.reset_stats()
-    runner.loss_and_backward()
-    runner.opt.zero_grad(set_to_none=True)
-    return {k: v for k, v in comm.reset_stats().as_dict().items() if v["bytes"]}
+    with comm.counting() as counts:
+        runner.loss_and_backward()
+        runner.opt.zero_grad(set_to_none=True)
+    return {k: v for k, v in counts.as_dict().items() if v["bytes"]}
 
 
 def _memory(runner: Runner, whole_batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:

@@ -80,10 +80,10 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
     steps = {"plait": plait_step, "torch": _step_fn(theirs, opt_b, x, y), "plait_unchecked": unchecked,
              "plait_blamed": blamed, "alone": alone_step}
     times = alternate(steps, warmup, iters)
-    comm.reset_stats()
-    steps["plait"]()
+    with comm.counting() as counts:
+        steps["plait"]()
     n_params = sum(p.numel() for p in ours.parameters())
-    reduced = comm.stats().total("all_reduce", "dp")
+    reduced = counts.total("all_reduce", "dp")
     return {"times": times, "n_params": n_params, "bytes_ratio": reduced / (4 * n_params),
             "buckets": len(ours._buckets)}
 

@@ -100,9 +100,9 @@ def profile(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
         for k, fn in steps.items():
             rows[k].append(fn())
     load1 = os.getloadavg()[0]
-    comm.reset_stats()
-    steps["plait"]()
-    reduced = comm.stats().total("all_reduce", "dp") / (4 * sum(p.numel() for p in ours.parameters()))
+    with comm.counting() as counts:
+        steps["plait"]()
+    reduced = counts.total("all_reduce", "dp") / (4 * sum(p.numel() for p in ours.parameters()))
     restore()
     return {"reduced": reduced, "rows": rows, "load": (load0, load1), "buckets": len(ours._buckets),
             "params": len(list(ours.parameters()))}

@@ -122,14 +122,13 @@ def timing_job(args: dict) -> dict:
     steps = {impl: _step_fn(*models[impl], x, y, losses[impl]) for impl in models}
     times = alternate(steps, warmup=args["warmup"], iters=args["iters"])
     # Communication of one plait step against DDP's one all-reduce of every gradient.
-    comm.reset_stats()
-    steps["plait"]()
-    s = comm.stats()
+    with comm.counting() as s:
+        steps["plait"]()
     zero3 = sum(s.total(op, None, "wire_bytes") for op in ("all_gather", "reduce_scatter", "all_reduce"))
     psi = sum(p.numel() for p in models["torch"][0].parameters())  # DTensor numel is the global size
-    comm.reset_stats()
-    comm.all_reduce(torch.zeros(psi), dist.group.WORLD)
-    ddp = comm.stats().total("all_reduce", None, "wire_bytes")
+    with comm.counting() as counts:
+        comm.all_reduce(torch.zeros(psi), dist.group.WORLD)
+    ddp = counts.total("all_reduce", None, "wire_bytes")
     return {"times": times, "losses": losses, "zero3_wire": zero3, "ddp_wire": ddp, "psi": psi}
 
 

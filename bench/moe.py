@@ -123,10 +123,10 @@ def _counted(runner: Runner) -> dict[str, Any]:
     from plait.ep import ExpertDispatch
     from plait.models.moe import moe_layers
 
-    comm.reset_stats()
-    runner.loss_and_backward()
-    runner.opt.zero_grad(set_to_none=True)
-    moved = {k: v for k, v in comm.reset_stats().as_dict().items() if v["bytes"]}
+    with comm.counting() as counts:
+        runner.loss_and_backward()
+        runner.opt.zero_grad(set_to_none=True)
+    moved = {k: v for k, v in counts.as_dict().items() if v["bytes"]}
     dispatches = [m.experts_forward for m in moe_layers(runner.model)]
     received = [d.last_counts.sum(1).tolist() for d in dispatches
                 if isinstance(d, ExpertDispatch) and d.last_counts is not None]

@@ -179,10 +179,10 @@ def timing_job(args: dict) -> dict:
     act = _act_bytes(args)
     for k, step in steps.items():
         if VARIANTS[k][0] == "plait":
-            comm.reset_stats()
-            step()
+            with comm.counting() as counted:
+                step()
             counts[k] = {op.split("@")[0]: [int(v["calls"]), round(v["bytes"] / act), int(v["bytes"])]
-                         for op, v in comm.reset_stats().as_dict().items() if op.endswith("@tp")}
+                         for op, v in counted.as_dict().items() if op.endswith("@tp")}
         else:
             with _CountFuncol(act) as counter:
                 step()
@@ -329,7 +329,7 @@ becomes an all-gather + a reduce-scatter, 4L+2 of each. Activation-sized: the fu
 b·s·h activation ({_act_bytes(args) / MIB:.2f} MiB; plait's counted as logical bytes / that size).
 The rest are small: the loss's per-token all-reduces (plait 2: max, then sum-exp and target
 logit together; torch's `loss_parallel` its own), and with SP the norm weights' gradient sums
-(2L+1 norms). plait's counts come from `plait.comm.stats()`, torch's from wrapping its
+(2L+1 norms). plait's counts come from `plait.comm.counting()`, torch's from wrapping its
 functional collectives.
 
 {_counts_table(args, res)}

@@ -11,11 +11,12 @@ from plait.testing import cached_mesh
 def _traffic() -> dict:
     mesh = cached_mesh(dp=2)
     g = mesh.group("dp")
-    comm.all_reduce(torch.ones(10), g)
-    out = torch.empty(8)
-    comm.all_gather_into(out, torch.ones(4), g)
-    comm.reduce_scatter_into(torch.empty(4), torch.ones(8), g)
-    return comm.stats().as_dict()
+    with comm.counting() as counts:
+        comm.all_reduce(torch.ones(10), g)
+        out = torch.empty(8)
+        comm.all_gather_into(out, torch.ones(4), g)
+        comm.reduce_scatter_into(torch.empty(4), torch.ones(8), g)
+    return counts.as_dict()
 
 
 def test_bytes_and_wire_bytes_per_axis(pools):

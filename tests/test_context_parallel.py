@@ -204,9 +204,8 @@ def _bytes_per_layer(algorithm: str) -> dict:
     model = plait.context_parallel(plait.init_weights(GPT(cfg), seed=0), mesh, algorithm, check=False)
     idx, tgt = _batch(0)
     x = plait.cp.shard(idx, mesh)
-    comm.reset_stats()
-    loss64(model(x), plait.cp.shard(tgt, mesh)).backward()
-    stats = comm.stats()
+    with comm.counting() as stats:
+        loss64(model(x), plait.cp.shard(tgt, mesh)).backward()
     counted = {op: stats.total(op, "cp") for op in ("send", "all_gather", "reduce_scatter", "all_to_all")}
     b, s, n, d = 4, 8, 2, cfg.head_dim  # this rank's batch and tokens, cp, head size
     # plait's GPT repeats its 2 KV heads to the 4 query heads before calling attention.

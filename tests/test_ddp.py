@@ -22,13 +22,14 @@ def _ddp_train(steps: int, batch: int, **ddp_kw) -> dict:
     world = dist.get_world_size()
     model = DDP(tiny_gpt(seed=0), cached_mesh(dp=world), **ddp_kw)
     opt = make_opt(model.parameters())
-    for b in global_batches(steps, batch):
-        x = _local(b, world)
-        opt.zero_grad()
-        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
-        opt.step()
+    with comm.counting() as counts:
+        for b in global_batches(steps, batch):
+            x = _local(b, world)
+            opt.zero_grad()
+            lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+            opt.step()
     return {"params": {k.removeprefix("module."): v for k, v in model.state_dict().items()},
-            "buckets": len(model._buckets), "stats": comm.stats().total("all_reduce", "dp")}
+            "buckets": len(model._buckets), "stats": counts.total("all_reduce", "dp")}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -73,15 +74,15 @@ def _no_sync_accumulation(micro: int) -> dict:
     (big,) = global_batches(1, 8 * micro)
     mine = _local(big, world)
     chunks = mine.chunk(micro)
-    calls_before = comm.stats().calls("all_reduce", "dp")
-    for i, x in enumerate(chunks):
-        ctx = model.no_sync() if i < micro - 1 else _null()
-        with ctx:
-            (lm_loss(model(x[:, :-1]), x[:, 1:]) / micro).backward()
-        if i == micro - 2:
-            calls_mid = comm.stats().calls("all_reduce", "dp")
+    with comm.counting() as counts:
+        for i, x in enumerate(chunks):
+            ctx = model.no_sync() if i < micro - 1 else _null()
+            with ctx:
+                (lm_loss(model(x[:, :-1]), x[:, 1:]) / micro).backward()
+            if i == micro - 2:
+                calls_mid = counts.calls("all_reduce", "dp")
     return {"grads": {n: p.grad.clone() for n, p in model.module.named_parameters()},
-            "no_sync_calls": calls_mid - calls_before}
+            "no_sync_calls": calls_mid}
 
 
 class _null:
@@ -183,9 +184,10 @@ def _compressed(kind: str) -> dict:
     model = DDP(tiny_gpt(seed=0), cached_mesh(dp=2), gradient_compression=kind)
     (b,) = global_batches(1, 8)
     x = _local(b, 2)
-    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    with comm.counting() as counts:
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
     return {"grads": {n: p.grad for n, p in model.module.named_parameters()},
-            "bytes": comm.stats().total("all_reduce", "dp")}
+            "bytes": counts.total("all_reduce", "dp")}
 
 
 @pytest.mark.parametrize("kind,rtol", [("bf16", 2e-2), ("fp16", 2e-3)])
@@ -216,10 +218,10 @@ def _bytes_per_step() -> float:
     model = DDP(tiny_gpt(seed=0), cached_mesh(dp=2))
     (b,) = global_batches(1, 8)
     x = _local(b, 2)
-    comm.reset_stats()
-    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    with comm.counting() as counts:
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
     n = sum(p.numel() for p in model.parameters())
-    return comm.stats().total("all_reduce", "dp") / (4 * n)
+    return counts.total("all_reduce", "dp") / (4 * n)
 
 
 def test_bytes_all_reduced_equal_parameter_bytes(pools):

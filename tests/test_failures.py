@@ -374,21 +374,22 @@ def _checks_in_a_ddp_backward() -> tuple[int, int]:
     from torch import nn
 
     import plait
+    from plait.comm import guard
 
     mesh = cached_mesh(dp=2)
     model = plait.DDP(nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))), mesh, bucket_cap_mb=0.02)
     model(torch.randn(2, 64)).sum()  # a forward and loss without backward first: nothing checked
-    real, calls = comm._check, []
+    real, calls = guard.check, []
 
     def counting(*args, **kwargs):
         calls.append(args[1].op)
         return real(*args, **kwargs)
 
-    comm._check = counting
+    guard.check = counting
     try:
         model(torch.randn(2, 64)).sum().backward()
     finally:
-        comm._check = real
+        guard.check = real
     return len(model._buckets), len(calls)
 
 

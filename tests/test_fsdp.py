@@ -84,11 +84,9 @@ def train_fsdp(dp: int, fsdp: int, stage: int, steps: int = STEPS, clip: float |
         for i, mb in enumerate(mbs):
             x, y = _local(mb, r, n)
             if i < len(mbs) - 1:
-                before = comm.stats().calls("reduce_scatter") + comm.stats().calls("all_reduce")
-                with model.no_sync():
+                with comm.counting() as counts, model.no_sync():
                     lm_loss(model(x), y).backward()
-                after = comm.stats().calls("reduce_scatter") + comm.stats().calls("all_reduce")
-                calls_in_no_sync += after - before
+                calls_in_no_sync += counts.calls("reduce_scatter") + counts.calls("all_reduce")
             else:
                 lm_loss(model(x), y).backward()
         if clip is not None:
@@ -524,13 +522,11 @@ def comm_bytes(reshard: bool) -> dict:
 
     model, _ = _wrap(1, 2, 3, reshard_after_forward=reshard)
     x, y = _local(batches(1)[0], model.mesh.rank("fsdp"), 2)
-    comm.reset_stats()
     with torch.no_grad():
         model(x)
     eval_freed = all(not f.gathered for u in model.units for f in u.flats)
-    comm.reset_stats()
-    lm_loss(model(x), y).backward()
-    s = comm.stats()
+    with comm.counting() as s:
+        lm_loss(model(x), y).backward()
     flats = [(u.name, f.padded) for u in model.units for f in u.flats]
     # Summed over axis labels: at world 2 the fsdp group is the world group, whose label is
     # whichever mesh registered it last (another test in this pool builds Mesh(dp=2)).

@@ -462,11 +462,10 @@ def _sp_comm() -> dict:
     model = _build("llama")
     plait.tensor_parallel(model, cached_mesh(tp=2), plait.plan_for(model), sequence_parallel=True)
     ids, tgt = _batch(0)
-    comm.reset_stats()
-    loss = _loss(model(ids).logits, tgt)
-    fwd = comm.reset_stats()
-    loss.backward()
-    bwd = comm.reset_stats()
+    with comm.counting() as fwd:
+        loss = _loss(model(ids).logits, tgt)
+    with comm.counting() as bwd:
+        loss.backward()
     return {k: {op: (int(v["calls"]), int(v["bytes"])) for op, v in s.as_dict().items()}
             for k, s in (("fwd", fwd), ("bwd", bwd))}
 
@@ -630,11 +629,11 @@ def _refused_before_any_collective() -> str:
     from plait.testing import cached_mesh
 
     model, plan, _ = _refused("mlp-only-sp")
-    comm.reset_stats()
-    try:
-        plait.tensor_parallel(model, cached_mesh(tp=2), plan, sequence_parallel=True)
-    finally:
-        assert comm.stats().calls() == 0, "a collective ran before the refusal"
+    with comm.counting() as counts:
+        try:
+            plait.tensor_parallel(model, cached_mesh(tp=2), plan, sequence_parallel=True)
+        finally:
+            assert counts.calls() == 0, "a collective ran before the refusal"
     return "no error"
 
 

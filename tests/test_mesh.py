@@ -15,7 +15,8 @@ def _layout(pp: int, dp: int, fsdp: int, tp: int) -> dict:
 
     m = cached_mesh(pp=pp, dp=dp, fsdp=fsdp, tp=tp)
     t = torch.tensor([float(dist.get_rank())])
-    comm.all_reduce(t, m.group("tp"))
+    with comm.counting() as counts:
+        comm.all_reduce(t, m.group("tp"))
     return {
         "coords": m.coords,
         "tp_ranks": m.group_ranks("tp"),
@@ -23,7 +24,7 @@ def _layout(pp: int, dp: int, fsdp: int, tp: int) -> dict:
         "tp_sum": t.item(),
         "dpfsdp_rank": m.rank(("dp", "fsdp")),
         "pp_lines": m.all_group_ranks("pp"),
-        "stats": comm.stats().as_dict(),
+        "stats": counts.as_dict(),
     }
 
 

@@ -299,9 +299,8 @@ def _all_to_all_bytes() -> dict:
     mesh = cached_mesh(dp=2, ep=2)
     net = plait.parallelize(_gpt(), mesh, plait.ParallelPlan())
     x, y = _batch(0)[0].chunk(2)[mesh.rank("dp")], _batch(0)[1].chunk(2)[mesh.rank("dp")]
-    comm.reset_stats()
-    loss64(net(x), y).backward()
-    stats = comm.stats()
+    with comm.counting() as stats:
+        loss64(net(x), y).backward()
     d, k, experts, row = 32, 2, 4, 32 * 8  # d_model, top-k, experts, bytes of one float64 row
     logical = wire = 0
     for moe in moe_layers(net):
@@ -330,9 +329,9 @@ def _one_rank_edp_calls() -> dict:
     mesh = cached_mesh(dp=2, ep=2)
     net = plait.parallelize(_gpt(), mesh, plait.ParallelPlan())
     x, y = (t.chunk(2)[mesh.rank("dp")] for t in _batch(0))
-    comm.reset_stats()
-    loss64(net(x), y).backward()
-    return {"edp": comm.stats().calls(axis="edp"), "dp": comm.stats().calls("all_reduce", "dp")}
+    with comm.counting() as counts:
+        loss64(net(x), y).backward()
+    return {"edp": counts.calls(axis="edp"), "dp": counts.calls("all_reduce", "dp")}
 
 
 def test_a_one_rank_expert_data_group_launches_and_counts_nothing(pools):

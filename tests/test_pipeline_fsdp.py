@@ -92,16 +92,16 @@ def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, accumulate: bool = Fal
     for step in range(steps):
         x, y = _batch(step)
         xs, ys = x.chunk(n)[r], y.chunk(n)[r]  # this pipeline replica's slice
-        comm.reset_stats()
-        if accumulate:
-            with pipe.no_sync():
-                first = pipe.step(xs.chunk(2)[0], ys.chunk(2)[0])
-            loss = (first + pipe.step(xs.chunk(2)[1], ys.chunk(2)[1])) / 2
-            for p in pipe.parameters():
-                p.grad.div_(2)  # two mean-loss backwards
-        else:
-            loss = pipe.step(xs, ys)
-        reductions.append({k: v["calls"] for k, v in comm.stats().as_dict().items()
+        with comm.counting() as counts:
+            if accumulate:
+                with pipe.no_sync():
+                    first = pipe.step(xs.chunk(2)[0], ys.chunk(2)[0])
+                loss = (first + pipe.step(xs.chunk(2)[1], ys.chunk(2)[1])) / 2
+                for p in pipe.parameters():
+                    p.grad.div_(2)  # two mean-loss backwards
+            else:
+                loss = pipe.step(xs, ys)
+        reductions.append({k: v["calls"] for k, v in counts.as_dict().items()
                            if k.split("@")[0] in ("reduce_scatter", "all_reduce")})
         loss64(oracle(x), y).backward()
         with torch.no_grad():

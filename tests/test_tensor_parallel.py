@@ -243,16 +243,15 @@ def _block_comm(tp: int, sp: bool) -> dict:
     tensor_parallel(model, cached_mesh(tp=tp), gpt_plan(cfg), sequence_parallel=sp)
     b, s = 2, cfg.seq_len
     x = torch.randn(b, s // tp if sp else s, cfg.d_model, requires_grad=True)
-    comm.reset_stats()
-    y = model.layers[0](x)
-    fwd = comm.reset_stats()
-    y.backward(torch.ones_like(y))
-    bwd = comm.reset_stats()
+    with comm.counting() as fwd:
+        y = model.layers[0](x)
+    with comm.counting() as bwd:
+        y.backward(torch.ones_like(y))
     idx = torch.randint(0, cfg.vocab_size, (b, s))
-    loss = loss_fn_for(model)(model(idx), idx)
-    whole_fwd = comm.reset_stats()
-    loss.backward()
-    whole_bwd = comm.reset_stats()
+    with comm.counting() as whole_fwd:
+        loss = loss_fn_for(model)(model(idx), idx)
+    with comm.counting() as whole_bwd:
+        loss.backward()
     return {"fwd": _counts(fwd), "bwd": _counts(bwd),
             "whole_fwd": _counts(whole_fwd), "whole_bwd": _counts(whole_bwd)}
 
@@ -338,11 +337,11 @@ def _bad(case: str) -> None:
         plan = {"norm": RowwiseParallel(input_is_parallel=False)}
     elif case == "seq":
         tensor_parallel(model, mesh, plan, sequence_parallel=True)
-        comm.reset_stats()
-        try:
-            model(torch.zeros(1, 10, dtype=torch.long))
-        finally:
-            assert comm.stats().calls() == 0, "a collective ran before the error"
+        with comm.counting() as counts:
+            try:
+                model(torch.zeros(1, 10, dtype=torch.long))
+            finally:
+                assert counts.calls() == 0, "a collective ran before the error"
     tensor_parallel(model, mesh, plan)
     raise AssertionError("no error")
 

@@ -294,13 +294,12 @@ def dry_run(world_size: int, rank: int = 0,
     hook = sys.excepthook  # torch prefixes the rank to tracebacks for each group it starts: not ours
     meta = torch.device("meta")
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
-    comm.enter_dry_run({} if mailbox is None else mailbox)
     _state.clear()
     _state.update(device=meta, timeout_s=DEFAULT_TIMEOUT_S)
     try:
-        yield meta
+        with comm.DryRun(mailbox):
+            yield meta
     finally:
-        comm.leave_dry_run()
         dist.destroy_process_group()
         sys.excepthook = hook
         _state.clear()

@@ -127,7 +127,6 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
 
         mark = len(comm.created_groups())
         try:
-            comm.reset_stats()
             value = fn(*args, **kwargs)
             if desync_check == "off":  # every collective of the task matched on every rank
                 comm.verify_history()

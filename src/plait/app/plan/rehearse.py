@@ -268,13 +268,12 @@ def measure_step(model: nn.Module | Pipeline, opt: torch.optim.Optimizer, cfg: T
     # roots are everything a step starts with: the state, and the wrappers' persistent buffers.
     kept = [*_ddp_buckets(model), *(f.buf for f in flats), *(f.shard for f in flats)]
     roots = None if scan_gc else [*params, *buffers, *state, *kept]
-    comm.reset_stats()
     tracker = StepMeter(device.type, roots=roots, keep_peak_storages=True)
     meter = _BlockMeter(tracker, _blocks(model))
-    with tracker:
+    with tracker, comm.counting() as counts:
         step_once(model, opt, cfg, mesh, device)
     meter.remove()
-    stats = comm.reset_stats().as_dict()
+    stats = counts.as_dict()
     grads = [_local(p.grad) for p in owned if p.grad is not None]
     groups = {"parameters": _keys([*params, *buffers]), "gradients": _keys(grads),
               "optimizer state": _keys(_tensors_of(opt)), "communication buffers": _keys(_ddp_buckets(model)),
