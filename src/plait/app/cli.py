@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 BENCHES = ("ddp", "fsdp", "deepspeed", "tp", "pp", "cp", "moe", "compile", "checkpoint", "memory", "plan",
-           "mesh_groups")
+           "mesh_groups", "heal")
 
 
 def _bench_package_root() -> Path:

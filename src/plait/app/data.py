@@ -347,9 +347,7 @@ class BatchSampler:
         return self.global_ids(step)[lo : lo + self.local_batch]
 
     def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.local_ids(step)[:, None] + np.arange(self.seq_len + 1)
-        win = torch.from_numpy(np.asarray(self.tokens[idx]).astype(np.int64))
-        return win[:, :-1], win[:, 1:]
+        return self.windows(self.local_ids(step))
 
     def windows(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets of the samples ``ids`` (any of `global_ids`: healing

@@ -109,7 +109,8 @@ def replica_main(member: Membership, cfg: TrainConfig) -> None:
 def _build(cfg: TrainConfig, member: Membership) -> tuple[_Run, LiveState]:
     from plait.app.step import factory_loss, unwrapped_model
 
-    device = plait.init(seed=cfg.run.seed, timeout_s=max(60.0, cfg.parallel.heal_timeout))  # a world of one
+    # A world of one, on the CPU: the epochs' groups are Gloo groups (NCCL ones are not healed yet).
+    device = plait.init(seed=cfg.run.seed, timeout_s=max(60.0, cfg.parallel.heal_timeout), backend="gloo")
     folder = Path(cfg.run.run_dir) / str(cfg.run.name)
     comm.configure(run_dir=str(folder / "heal" / f"uid{member.uid}"))  # its flight records
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, dtype=cfg.data.data_dtype,

@@ -1,0 +1,202 @@
+"""Healing replicas (`plait train --heal`): what a killed replica costs, and what healing costs when
+nothing fails.
+
+Recovery: ``plait train --heal --nproc 4``, one replica killed with SIGKILL after step ``--kill-at``,
+the run stopped by SIGTERM once the replacement trained ``--after-join`` steps in step; repeated
+``--repeats`` times. Read from the run's files (`plait.app.healing`): the time from the kill to the
+survivors' failure, to their next epoch and to the next completed step; the steps whose work was
+redone; the time from the replacement's start (and from its join request) to its admission.
+
+Overhead: in the same 2 processes, plait's DDP step as ``plait train`` runs it (gradients all-reduced
+over the mesh's dp group with the desync check, then the loss's all-reduce) and the healing step (the
+same DDP regrouped onto an epoch's Gloo group, the step's one small all-reduce with the leader's read
+of the store's join counter), alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bench.common import alternate, markdown_table, median, preset_gpt, rank_batch, rank_pool, write_section
+
+
+def _overhead(preset: str, seq: int, batch: int, warmup: int, iters: int) -> dict:
+    from plait import comm
+    from plait.clip import clip_grad_norm_
+    from plait.ddp.wrapper import DDP
+    from plait.heal import LiveState, Replicas
+    from plait.models.gpt import lm_loss
+    from plait.testing import cached_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = rank_batch(batch, seq)
+    mesh = cached_mesh(dp=world)
+    plain, healed = DDP(preset_gpt(preset, seq), mesh), DDP(preset_gpt(preset, seq), mesh)
+    opt_a = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    opt_b = torch.optim.AdamW(healed.parameters(), lr=1e-4)
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = comm.all_gather_object(host.port if host is not None else 0)[0]
+    store = host if host is not None else dist.TCPStore("127.0.0.1", port, is_master=False)
+    replicas = Replicas(store, rank, timeout_s=60.0)
+    replicas.start(LiveState(healed, opt_b), initial=world)
+    lo, hi = replicas.share(batch)
+
+    def ddp_step() -> None:  # plait train's step (desync check on, as plait train runs)
+        with comm.desync_check("fast"):
+            opt_a.zero_grad(set_to_none=True)
+            loss = lm_loss(plain(x), y)
+            loss.backward()
+            mean = loss.detach().to(torch.float64).reshape(1)
+            comm.all_reduce(mean, mesh.group("dp"))
+            float(mean[0])
+            clip_grad_norm_(plain, 1.0)
+            opt_a.step()
+
+    def heal_step() -> None:  # plait.app.healing's step
+        healed.regroup(replicas.group, replicas.size, batch / (hi - lo))
+        opt_b.zero_grad(set_to_none=True)
+        loss = lm_loss(healed(x), y)
+        loss.backward()
+        stats = torch.tensor([float(loss.detach()) * (hi - lo) / batch, hi - lo, 0.0], dtype=torch.float64)
+        float(replicas.reduce(stats)[0])
+        clip_grad_norm_(healed, 1.0)
+        opt_b.step()
+
+    times = alternate({"ddp": ddp_step, "heal": heal_step}, warmup, iters)
+    replicas.close()
+    return {"times": times, "n_params": sum(p.numel() for p in plain.parameters())}
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _start_of(heal: Path, uid: int) -> dict:
+    return next(e for e in _rows(heal / "supervisor.jsonl") if e["event"] == "start" and e["uid"] == uid)
+
+
+def _joined(heal: Path) -> dict | None:
+    return next((e for e in _rows(heal / "uid4.jsonl") if e["event"] == "epoch"), None)
+
+
+def _wait(ready, job: subprocess.Popen, timeout: float = 600.0):
+    deadline = time.monotonic() + timeout
+    while not (found := ready()):
+        if job.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the healing run ended or stalled: {job.communicate()[1][-2000:]}")
+        time.sleep(0.005)
+    return found
+
+
+def _recovery(folder: Path, train_args: list[str], kill_at: int, after_join: int) -> dict:
+    """One killed-and-healed run; the figures read from its files."""
+    heal, metrics = folder / "heal", folder / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "plait", "train", "--heal", "--nproc", "4", "--steps", "100000",
+           "--min-lr-ratio", "1", "--warmup", "1", "--eval-every", "0", "--no-progress",
+           "--run-dir", str(folder.parent), "--name", folder.name, *train_args]
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+
+    def steps() -> dict[int, dict]:
+        return {r["step"]: r for r in _rows(metrics) if "step" in r}
+
+    try:
+        _wait(lambda: max(steps(), default=0) >= kill_at, job)
+        victim = _start_of(heal, 2)["pid"]
+        killed = time.time()
+        os.kill(victim, signal.SIGKILL)
+        join = _wait(lambda: _joined(heal), job)
+        _wait(lambda: max(steps(), default=0) >= join["step"] + after_join, job)
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    got = steps()
+    events = [e for uid in (0, 1, 3) for e in _rows(heal / f"uid{uid}.jsonl")]
+    failed = min(e["time"] for e in events if e["event"] == "failure")
+    regrouped = min(e["time"] for e in events if e["event"] == "epoch" and e["epoch"] == 1)
+    first3 = min(s for s, r in got.items() if r["replicas"] == 3)
+    before = [got[s]["step_time_s"] for s in range(max(2, first3 - 10), first3)]
+    redone = {e["step"] for e in events if e["event"] == "failure"}
+    return {"detect": failed - killed, "regroup": regrouped - killed,
+            "next_step": got[first3]["time"] - killed, "redone": len(redone),
+            "rejoin": join["time"] - _start_of(heal, 4)["time"],
+            "asked": join["time"] - join["asked_to_join"], "step_before": median(before),
+            "joined_at": join["step"]}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="plait bench heal")
+    p.add_argument("--model", default="25m", help="the overhead's GPT preset (plait bench ddp's)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="the overhead's global batch (sequences)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3, help="killed-and-healed runs")
+    p.add_argument("--kill-at", type=int, default=20)
+    p.add_argument("--after-join", type=int, default=20)
+    p.add_argument("--train-args", default="--model tiny --batch-size 8 --max-bytes 200000",
+                   help="the healing runs' model and data flags")
+    args = p.parse_args(argv)
+
+    load0 = os.getloadavg()[0]
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            runs.append(_recovery(Path(tmp) / f"healed{i}", args.train_args.split(), args.kill_at,
+                                  args.after_join))
+    pool = rank_pool(2, timeout_s=900)
+    try:
+        out = pool.run(_overhead, args.model, args.seq, args.batch, args.warmup, args.iters)[0]
+    finally:
+        pool.close()
+    load1 = os.getloadavg()[0]
+    body = _report(args, runs, out, load0, load1)
+    print(body)
+    write_section("heal", "Healing replicas: a killed replica's cost, and healing's when nothing fails", body)
+    return 0
+
+
+def _report(args: argparse.Namespace, runs: list[dict], out: dict, load0: float, load1: float) -> str:
+    def cell(key: str, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+        xs = [r[key] * scale for r in runs]
+        return f"{fmt.format(median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+    rows = [["kill -> the survivors' collective fails (s)", cell("detect")],
+            ["kill -> the next epoch agreed and its group built (s)", cell("regroup")],
+            ["kill -> the next completed step, over 3 replicas (s)", cell("next_step")],
+            ["a step before the kill, 4 replicas (s)", cell("step_before")],
+            ["steps redone (the one in flight) / steps lost", f"{cell('redone', fmt='{:.0f}')} / 0"],
+            ["replacement started -> admitted with the state (s)", cell("rejoin")],
+            ["replacement's join request -> admitted (s)", cell("asked")]]
+    paired = [a / b for a, b in zip(out["times"]["heal"], out["times"]["ddp"])]
+    t_ddp, t_heal = median(out["times"]["ddp"]), median(out["times"]["heal"])
+    cost = [["median step time (s)", t_ddp, t_heal, t_heal / t_ddp],
+            ["median of paired step ratios (spread)", "", "",
+             f"{median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})"]]
+    return (f"Recovery: `plait train --heal --nproc 4 {args.train_args}`, replica uid 2 killed with SIGKILL "
+            f"after step {args.kill_at}, {args.repeats} runs (median, min-max), --heal-timeout 5 (a killed "
+            "replica's peers see its sockets close: the timeout is not waited for). The replacement is a "
+            "fresh process (Python, torch and the data loaded) that takes the parameters, optimizer state, "
+            "step and RNG state from a peer.\n\n"
+            + markdown_table(["", "measured"], rows)
+            + f"\n\nPer-step cost when nothing fails: GPT `{args.model}` ({out['n_params'] / 1e6:.1f}M "
+            f"parameters), 2 processes, global batch {args.batch} x {args.seq} tokens, {args.iters} "
+            f"alternating timed steps after {args.warmup} warm-up steps each; plait train's DDP step against "
+            "the healing step in the same processes. 1-minute load average "
+            f"{load0:.1f} before, {load1:.1f} after, on 2 cores.\n\n"
+            + markdown_table(["", "DDP", "DDP --heal", "heal / DDP"], cost))
