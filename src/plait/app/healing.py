@@ -71,7 +71,8 @@ def cli_main(cfg: TrainConfig) -> int:
     threads = max(1, (os.cpu_count() or 1) // cfg.parallel.nproc)
     supervisor = Supervisor(replica_main, cfg.parallel.nproc, (cfg,),
                             replacements=cfg.parallel.nproc if cfg.parallel.heal_replace else 0,
-                            threads=threads, events=_events(folder / "heal" / "supervisor.jsonl"))
+                            threads=threads, grace_s=3 * cfg.parallel.heal_timeout + 10,
+                            events=_events(folder / "heal" / "supervisor.jsonl"))
     try:
         return supervisor.run()
     except ReplicasFailed as e:
@@ -142,7 +143,10 @@ def _train(member: Membership, cfg: TrainConfig) -> None:
     except RunOver:
         return
     with StopRequest() as stop:  # a signal stops every replica after the same step (`_step`)
-        losses = _loop(run, state, replicas, stop)
+        try:
+            losses = _loop(run, state, replicas, stop)
+        except RunOver:  # dropped, and the others finished before it was admitted again
+            return
     if replicas.leader:
         run.log.summary({"steps": cfg.run.steps, "steps_done": state.step, "stopped_by": stop.stopped,
                          "final_loss": losses[-1] if losses else None, "replicas": replicas.size,
@@ -201,7 +205,8 @@ def _step(run: _Run, state: LiveState, replicas: Replicas, stop: StopRequest) ->
     loss.backward()  # DDP sums the gradients / (B / k) over the epoch's group
     # The loss weighted as the gradient, the samples read, a stop signal's number, the sample ids.
     stats = torch.zeros(3 + (batch if cfg.run.log_samples else 0), dtype=torch.float64)
-    stats[0], stats[1], stats[2] = float(loss.detach()) * (hi - lo) / batch, hi - lo, stop.signum
+    signum = stop.signum  # read once: a signal arriving after the all-reduce counts at the next step
+    stats[0], stats[1], stats[2] = float(loss.detach()) * (hi - lo) / batch, hi - lo, signum
     if cfg.run.log_samples:
         stats[3 + lo: 3 + hi] = torch.from_numpy(ids.astype("float64"))
     total = replicas.reduce(stats)
@@ -211,7 +216,7 @@ def _step(run: _Run, state: LiveState, replicas: Replicas, stop: StopRequest) ->
     norm = clip_grad_norm_(run.ddp, cfg.optimizer.grad_clip or math.inf)
     state.optimizer.step()
     state.step += 1
-    stop.stopped = stop.signum or (signal.SIGTERM if total[2] > 0 else 0)  # some replica's signal: stop too
+    stop.stopped = (signum or signal.SIGTERM) if total[2] > 0 else 0  # what every replica summed
     dt = time.perf_counter() - t0
     assert replicas.epoch is not None
     record: dict[str, Any] = {"step": state.step, "loss": float(total[0]),

@@ -63,6 +63,7 @@ class Replicas:
         self.epoch: Epoch | None = None
         self.group: dist.ProcessGroup | None = None
         self._joins_seen = 0
+        self._joining = False  # asked to join: takes a peer's state in the epoch that admits it
 
     # ------------------------------------------------------------------ membership
     def start(self, state: LiveState, initial: int | None) -> None:
@@ -76,6 +77,7 @@ class Replicas:
     def _join(self, state: LiveState) -> None:
         asked = time.time()
         self.quorum.request_join()
+        self._joining = True
         self._enter(self.quorum.wait_admission(), state, joined_at=asked)
 
     def _enter(self, epoch: Epoch, state: LiveState, joined_at: float | None = None) -> None:
@@ -87,6 +89,7 @@ class Replicas:
             try:
                 self.group = self._build(epoch)
                 behind = self._synchronise(state)
+                self._joining = False
                 break
             except FAILURES as e:
                 error = comm_error_line(e)  # not the error itself: its frames would keep the group open
@@ -113,7 +116,9 @@ class Replicas:
         that is furthest ahead. Returns whether this replica received it."""
         assert self.epoch is not None and self.group is not None
         steps = torch.zeros(self.epoch.size, dtype=torch.float64)
-        steps[self.epoch.rank] = state.step + 1  # 0: a joiner that has nothing yet
+        # 0: a joiner. Its state is taken whatever its step: one dropped for being late may have
+        # applied a step its peers then redid without it (the same update, summed in another order).
+        steps[self.epoch.rank] = 0 if self._joining else state.step + 1
         comm.all_reduce(steps, self.group)
         ahead = int(steps.argmax())
         behind = [r for r in range(self.epoch.size) if steps[r] < steps[ahead]]
@@ -131,6 +136,7 @@ class Replicas:
             log.warning("%s; joining again", e)
             self._close()
             self.quorum.request_join()
+            self._joining = True
             return self.quorum.wait_admission()
 
     def _close(self) -> None:

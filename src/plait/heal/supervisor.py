@@ -71,7 +71,9 @@ class Supervisor:
     """Run ``fn(membership, *args)`` in ``nproc`` replica processes and keep the run going.
 
     ``replacements``: how many new processes may be started for replicas that died (0: none).
-    ``events``: called with a dict for each start and end of a process.
+    ``events``: called with a dict for each start and end of a process. ``grace_s``: once a replica
+    finished the run, how long the others get to finish too before they are killed (one that hung
+    and was dropped would otherwise keep the run from ending).
     """
 
     fn: Callable[..., Any]
@@ -79,6 +81,7 @@ class Supervisor:
     args: tuple[Any, ...] = ()
     replacements: int = 0
     threads: int | None = None
+    grace_s: float = 30.0
     events: Callable[[dict[str, Any]], None] = field(default=lambda e: None)
     codes: dict[int, int] = field(default_factory=dict)  # uid -> exit code, of the ended ones
 
@@ -117,12 +120,17 @@ class Supervisor:
                      "joining": initial is None})
 
     def _watch(self) -> None:
+        deadline = None
         while any(p.exitcode is None for p in self._procs.values()):
             multiprocessing.connection.wait([p.sentinel for p in self._procs.values() if p.exitcode is None],
                                             timeout=0.5)
             for uid, p in list(self._procs.items()):
                 if p.exitcode is not None and uid not in self.codes:
                     self._ended(uid, p.exitcode)
+            if self._finished and deadline is None:
+                deadline = time.monotonic() + self.grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                self._send(signal.SIGKILL)
 
     def _ended(self, uid: int, code: int) -> None:
         self.codes[uid] = code
