@@ -7,7 +7,8 @@ trained on the same batch as an unwrapped one; so do these: every rank feeds the
 averaged gradients are one process's and parameters, optimizer states and state dicts agree to
 1e-12. plait's FullyShardedDataParallel stands in for both of torch's FSDPs (FSDP1's
 ``FullyShardedDataParallel`` and FSDP2's ``fully_shard``). The CUDA-only tests, and those that
-exercise DSD on a plain module (nothing of plait's runs there), are listed in NOT_PORTED.
+exercise DSD on a plain module (nothing of plait's runs there), are listed in NOT_PORTED;
+``test_setting_meta_device_model`` is ported in tests/test_torch_semantics_fsdp.py.
 """
 
 from __future__ import annotations
@@ -44,8 +45,6 @@ NOT_PORTED = {
     "test/distributed/checkpoint/test_state_dict.py::TestNoComm::test_no_dist":
         "DSD without torch.distributed initialized, on CUDA; plait's one-process state dicts: "
         "tests/test_state_dict.py",
-    f"{SRC}::test_setting_meta_device_model": "ported in tests/test_torch_semantics_fsdp.py "
-                                              "(test_meta_device_init_then_load_state_dict_assign)",
 }
 
 
@@ -268,6 +267,7 @@ def _names_kept() -> dict[str, Any]:
     for kind in ("ddp", "fsdp3"):
         model = plait.activation_checkpointing(_model(), "full", blocks=[UnitModule])
         out[f"checkpointed {kind}"] = list(_own(get_model_state_dict(_wrap(kind, model)))) == want
+    out["ddp inner names"] = list(get_model_state_dict(_wrap("ddp", _model()).module)) == want
     # Extra state and non-persistent buffers: saved and loaded as nn.Module does.
     UnitModule.get_extra_state = lambda self: "MyState"  # type: ignore[attr-defined]
     UnitModule.set_extra_state = lambda self, state: None  # type: ignore[attr-defined]
@@ -295,6 +295,7 @@ def test_activation_checkpointing_keeps_names_and_extra_state(pools):
     strips for torch's DDP class only). A module's extra state is saved and set back, a
     non-persistent buffer is left out, and the state dict survives the round trip."""  # noqa: E501
     for out in pools[2].run(_names_kept):
+        assert out["ddp inner names"], out
         for kind in ("ddp", "fsdp3"):
             assert out[f"checkpointed {kind}"], out
             assert out[f"extra {kind}"] == ("MyState", False, 0.0), out
