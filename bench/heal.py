@@ -5,7 +5,8 @@ Recovery: ``plait train --heal --nproc 4``, one replica killed with SIGKILL afte
 the run stopped by SIGTERM once the replacement trained ``--after-join`` steps in step; repeated
 ``--repeats`` times. Read from the run's files (`plait.app.healing`): the time from the kill to the
 survivors' failure, to their next epoch and to the next completed step; the steps whose work was
-redone; the time from the replacement's start (and from its join request) to its admission.
+redone; the time from the standby's wake-up (and from its join request) to its admission with the
+state.
 
 Overhead: in the same 2 processes, plait's DDP step as ``plait train`` runs it (gradients all-reduced
 over the mesh's dp group with the desync check, then the loss's all-reduce) and the healing step (the
@@ -84,8 +85,8 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _start_of(heal: Path, uid: int) -> dict:
-    return next(e for e in _rows(heal / "supervisor.jsonl") if e["event"] == "start" and e["uid"] == uid)
+def _event(heal: Path, kind: str, uid: int) -> dict:
+    return next(e for e in _rows(heal / "supervisor.jsonl") if e["event"] == kind and e["uid"] == uid)
 
 
 def _joined(heal: Path) -> dict | None:
@@ -115,7 +116,7 @@ def _recovery(folder: Path, train_args: list[str], kill_at: int, after_join: int
 
     try:
         _wait(lambda: max(steps(), default=0) >= kill_at, job)
-        victim = _start_of(heal, 2)["pid"]
+        victim = _event(heal, "start", 2)["pid"]
         killed = time.time()
         os.kill(victim, signal.SIGKILL)
         join = _wait(lambda: _joined(heal), job)
@@ -134,7 +135,7 @@ def _recovery(folder: Path, train_args: list[str], kill_at: int, after_join: int
     redone = {e["step"] for e in events if e["event"] == "failure"}
     return {"detect": failed - killed, "regroup": regrouped - killed,
             "next_step": got[first3]["time"] - killed, "redone": len(redone),
-            "rejoin": join["time"] - _start_of(heal, 4)["time"],
+            "rejoin": join["time"] - _event(heal, "activate", 4)["time"],
             "asked": join["time"] - join["asked_to_join"], "step_before": median(before),
             "joined_at": join["step"]}
 
@@ -181,7 +182,7 @@ def _report(args: argparse.Namespace, runs: list[dict], out: dict, load0: float,
             ["kill -> the next completed step, over 3 replicas (s)", cell("next_step")],
             ["a step before the kill, 4 replicas (s)", cell("step_before")],
             ["steps redone (the one in flight) / steps lost", f"{cell('redone', fmt='{:.0f}')} / 0"],
-            ["replacement started -> admitted with the state (s)", cell("rejoin")],
+            ["standby woken (at the kill) -> admitted with the state (s)", cell("rejoin")],
             ["replacement's join request -> admitted (s)", cell("asked")]]
     paired = [a / b for a, b in zip(out["times"]["heal"], out["times"]["ddp"])]
     t_ddp, t_heal = median(out["times"]["ddp"]), median(out["times"]["heal"])
@@ -190,9 +191,10 @@ def _report(args: argparse.Namespace, runs: list[dict], out: dict, load0: float,
              f"{median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})"]]
     return (f"Recovery: `plait train --heal --nproc 4 {args.train_args}`, replica uid 2 killed with SIGKILL "
             f"after step {args.kill_at}, {args.repeats} runs (median, min-max), --heal-timeout 5 (a killed "
-            "replica's peers see its sockets close: the timeout is not waited for). The replacement is a "
-            "fresh process (Python, torch and the data loaded) that takes the parameters, optimizer state, "
-            "step and RNG state from a peer.\n\n"
+            "replica's peers see its sockets close: the timeout is not waited for). The replacement is the "
+            "standby process the supervisor started with the others (Python, torch, data and model "
+            "loaded); woken at the death, it takes the parameters, optimizer state, step and RNG state "
+            "from a peer at the next step boundary.\n\n"
             + markdown_table(["", "measured"], rows)
             + f"\n\nPer-step cost when nothing fails: GPT `{args.model}` ({out['n_params'] / 1e6:.1f}M "
             f"parameters), 2 processes, global batch {args.batch} x {args.seq} tokens, {args.iters} "

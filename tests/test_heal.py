@@ -49,8 +49,8 @@ def _wait(what: str, ready, job: subprocess.Popen, timeout: float = 120.0):
 
 def test_a_killed_replica_is_healed_around_and_its_replacement_trains_in_step(tmp_path):
     """dp 4 under ``--heal``: ``kill -9`` of one replica after step 5. The three others finish that step
-    over themselves, the supervisor starts a replacement, which joins at a step boundary with a peer's
-    state; a SIGTERM then stops every replica after the same step. Against one process on the same
+    over themselves, the supervisor wakes its standby process, which joins at a step boundary with a
+    peer's state; a SIGTERM then stops every replica after the same step. Against one process on the same
     global batch: every step read exactly the same samples (none skipped or read twice) and has the
     same loss up to float32 rounding; every replica ends with bit-equal parameters."""
     heal = tmp_path / "healed" / "heal"
@@ -90,6 +90,7 @@ def test_a_killed_replica_is_healed_around_and_its_replacement_trains_in_step(tm
 
     # The replacement received the state, and every replica ended at the same step, bit for bit.
     assert join["received_state"] and join["members"] == [0, 1, 3, 4]
+    assert join["time"] - killed < 5  # the standby, loaded ahead, joins at the next step boundary
     finished = [e for uid in (0, 1, 3, 4) for e in _rows(heal / f"uid{uid}.jsonl")
                 if e["event"] == "finished"]
     assert len(finished) == 4 and len({(e["step"], e["params_sha256"]) for e in finished}) == 1, finished

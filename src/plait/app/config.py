@@ -161,7 +161,8 @@ class ParallelSection:
     """with --heal: seconds a collective waits for a peer, and the survivors then wait for each other,
     before a silent replica is dropped (a dead one is dropped at once)"""
     heal_replace: bool = True
-    """with --heal: start a new process for each replica that dies (at most --nproc in a run)"""
+    """with --heal: replace each replica that dies (at most --nproc in a run) by a standby process started
+    ahead, with the data and model loaded, that joins at the next step boundary"""
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """`plait train --heal`: data-parallel replicas that heal without a restart.
 
 The command's process becomes the supervisor (`plait.heal.supervisor`): it hosts the run's
-store, starts ``--nproc`` replica processes and, with ``--heal-replace``, a new one for each that
-dies. Each replica is a world of its own for torch.distributed; its DDP averages gradients over
-the process group of the current membership epoch (`plait.heal.replicas`). A step is:
+store, starts ``--nproc`` replica processes and, with ``--heal-replace``, a standby that replaces
+the first to die (and another standby behind it). Each replica is a world of its own for
+torch.distributed; its DDP averages gradients over the process group of the current membership
+epoch (`plait.heal.replicas`). A step is:
 
 1. this replica's share of the global batch (`plait.heal.split`: even, the first ones one larger);
 2. forward and backward, DDP dividing this replica's gradient by B / k (its k of B samples), so the
@@ -139,7 +140,7 @@ def _train(member: Membership, cfg: TrainConfig) -> None:
     events = _events(folder / "heal" / f"uid{member.uid}.jsonl")
     replicas = Replicas(member.connect(), member.uid, cfg.parallel.heal_timeout, events)
     try:
-        replicas.start(state, member.initial)
+        replicas.start(state, member.initial, member.standby)
     except RunOver:
         return
     with StopRequest() as stop:  # a signal stops every replica after the same step (`_step`)

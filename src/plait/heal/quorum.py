@@ -20,6 +20,8 @@ A replica has a *uid* that no other process of the run ever has. Members are lis
 ``heal/dead/<uid>``
     posted by the supervisor when a replica's process ended (a ``kill -9`` is known at once, so
     the survivors do not wait for the bound).
+``heal/activate/<uid>``
+    posted by the supervisor to wake its standby process when a replica died.
 ``heal/done``
     posted by the supervisor once a replica finished the run: replicas still waiting to join stop.
 """
@@ -102,13 +104,20 @@ class Quorum:
         n = int(self.store.add("heal/joins", 1))
         self.store.set(f"heal/join/{n}", str(self.uid))
 
+    def wait_activation(self) -> None:
+        """A standby: block until the supervisor wakes it (or the run is over: `RunOver`)."""
+        self._wait_for(f"heal/activate/{self.uid}")
+
+    def _wait_for(self, key: str) -> None:
+        while not self.store.check([key]):
+            if self.store.check(["heal/done"]):
+                raise RunOver("the run finished before this replica was needed")
+            time.sleep(_POLL_S)
+
     def wait_admission(self) -> Epoch:
         """Block until an epoch admits this replica (or the run is over: `RunOver`)."""
         key = f"heal/admit/{self.uid}"
-        while not self.store.check([key]):
-            if self.store.check(["heal/done"]):
-                raise RunOver("the run finished before this replica was admitted")
-            time.sleep(_POLL_S)
+        self._wait_for(key)
         number = int(self.store.get(key))
         return Epoch.parse(number, self.store.get(f"heal/epoch/{number}"), self.uid)
 

@@ -66,12 +66,15 @@ class Replicas:
         self._joining = False  # asked to join: takes a peer's state in the epoch that admits it
 
     # ------------------------------------------------------------------ membership
-    def start(self, state: LiveState, initial: int | None) -> None:
+    def start(self, state: LiveState, initial: int | None, standby: bool = False) -> None:
         """Enter the run: epoch 0 with ``initial`` replicas started together, or (``None``) as a
-        joiner, admitted at a step boundary and given the live state by a peer."""
+        joiner, admitted at a step boundary and given the live state by a peer; a ``standby``
+        joiner first waits until the supervisor wakes it."""
         if initial is not None:
             self._enter(self.quorum.initial(initial), state)
             return
+        if standby:
+            self.quorum.wait_activation()
         self._join(state)
 
     def _join(self, state: LiveState) -> None:

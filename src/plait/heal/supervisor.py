@@ -6,8 +6,10 @@ that restarts from a checkpoint, wrong for replicas that heal. Here the parent p
 * hosts the run's `torch.distributed.TCPStore`, which outlives every replica;
 * starts ``nproc`` replica processes (uids ``0 .. nproc-1``, epoch 0);
 * when one ends with a failure (``kill -9`` included) posts ``heal/dead/<uid>`` at once, so the
-  survivors need not wait for the bound, and, with ``replace``, starts a new process (a new uid)
-  that joins the survivors at a step boundary;
+  survivors need not wait for the bound, and, with ``replacements``, wakes the *standby*: a process
+  started with the others that has loaded Python, torch, the data and the model and waits for
+  ``heal/activate/<uid>``; it joins the survivors at the next step boundary, and a new standby is
+  started behind it (with none left, a fresh process joins instead);
 * when one finishes the run posts ``heal/done`` and starts no more;
 * forwards SIGINT and SIGTERM to the replicas (a second signal kills them).
 
@@ -49,6 +51,7 @@ class Membership:
     port: int
     uid: int
     initial: int | None
+    standby: bool = False  # waits for ``heal/activate/<uid>`` before it asks to join
 
     def connect(self) -> dist.Store:
         return dist.TCPStore(self.host, self.port, is_master=False,
@@ -95,10 +98,12 @@ class Supervisor:
         self._procs: dict[int, multiprocessing.process.BaseProcess] = {}
         self._signals: list[int] = []
         self._finished = False
+        self._standby: int | None = None
         old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             for uid in range(self.nproc):
                 self._start(uid, self.nproc)
+            self._start_standby()
             self._watch()
         finally:
             for sig, handler in old.items():
@@ -110,14 +115,31 @@ class Supervisor:
             raise ReplicasFailed(f"no replica finished the run; exit codes by uid: {self.codes}")
         return 0
 
-    def _start(self, uid: int, initial: int | None) -> None:
-        member = Membership("127.0.0.1", self._store.port, uid, initial)
+    def _start(self, uid: int, initial: int | None, standby: bool = False) -> None:
+        member = Membership("127.0.0.1", self._store.port, uid, initial, standby)
         p = self._ctx.Process(target=_entry, name=f"plait-replica{uid}",
                               args=(self.fn, member, self.args, self.threads, os.getpid()))
         p.start()
         self._procs[uid] = p
         self.events({"event": "start", "uid": uid, "pid": p.pid, "time": time.time(),
-                     "joining": initial is None})
+                     "joining": initial is None, "standby": standby})
+
+    def _start_standby(self) -> None:
+        if self.replacements > 0:
+            self.replacements -= 1
+            self._standby = max(self._procs) + 1
+            self._start(self._standby, None, standby=True)
+
+    def _replace(self) -> None:
+        """Wake the standby (and start the next one), or start a fresh joiner when there is none."""
+        if self._standby is not None:
+            uid, self._standby = self._standby, None
+            self._store.set(f"heal/activate/{uid}", "1")
+            self.events({"event": "activate", "uid": uid, "time": time.time()})
+            self._start_standby()
+        elif self.replacements > 0:
+            self.replacements -= 1
+            self._start(max(self._procs) + 1, None)
 
     def _watch(self) -> None:
         deadline = None
@@ -140,9 +162,10 @@ class Supervisor:
             self._store.set("heal/done", "1")
             return
         self._store.set(f"heal/dead/{uid}", str(code))
-        if self.replacements > 0 and not self._finished and not self._signals:
-            self.replacements -= 1
-            self._start(max(self._procs) + 1, None)
+        if uid == self._standby:  # the standby itself failed: nothing to wake any more
+            self._standby = None
+        elif not self._finished and not self._signals:
+            self._replace()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signals.append(signum)
