@@ -77,8 +77,15 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
     # could reach if its all-reduces cost nothing at all.
     alone = preset_gpt(preset, seq)
     alone_step = _step_fn(alone, torch.optim.AdamW(alone.parameters(), lr=1e-4), x, y)
+    # The same AdamW stepped bucket by bucket at the end of backward, as each all-reduce lands.
+    in_backward = DDP(preset_gpt(preset, seq), cached_mesh(dp=dist.get_world_size()), bucket_cap_mb=bucket_mb,
+                      optimizer_in_backward=(torch.optim.AdamW, {"lr": 1e-4}))
+
+    def in_backward_step() -> None:
+        lm_loss(in_backward(x), y).backward()
+
     steps = {"plait": plait_step, "torch": _step_fn(theirs, opt_b, x, y), "plait_unchecked": unchecked,
-             "plait_blamed": blamed, "alone": alone_step}
+             "plait_blamed": blamed, "alone": alone_step, "plait_in_backward": in_backward_step}
     times = alternate(steps, warmup, iters)
     with comm.counting() as counts:
         steps["plait"]()
@@ -156,6 +163,8 @@ def main(argv: list[str]) -> int:
     unchecked = out["times"]["plait_unchecked"]
     check_cost = [a / b for a, b in zip(out["times"]["plait"], unchecked)]
     alone = [a / b for a, b in zip(out["times"]["alone"], out["times"]["torch"])]
+    in_bw = [a / b for a, b in zip(out["times"]["plait_in_backward"], out["times"]["torch"])]
+    in_bw_plait = [a / b for a, b in zip(out["times"]["plait_in_backward"], out["times"]["plait"])]
     blamed = out["times"]["plait_blamed"]
     blame_cost = [a / b for a, b in zip(blamed, out["times"]["plait"])]
     tokens = args.batch * args.seq
@@ -165,6 +174,10 @@ def main(argv: list[str]) -> int:
          f"{median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})"],
         ["no communication (the model alone on each rank) / torch DDP, paired", "", "",
          f"{median(alone):.3f} ({min(alone):.3f}-{max(alone):.3f})"],
+        ["plait with optimizer_in_backward / torch DDP, paired", "", "",
+         f"{median(in_bw):.3f} ({min(in_bw):.3f}-{max(in_bw):.3f})"],
+        ["plait with optimizer_in_backward / plait, paired", "", "",
+         f"{median(in_bw_plait):.3f} ({min(in_bw_plait):.3f}-{max(in_bw_plait):.3f})"],
         ["tokens/s", tokens / t_plait, tokens / t_torch, t_torch / t_plait],
         ["peak RSS per rank (MiB)", rss["plait"], rss["torch"], rss["plait"] / rss["torch"]],
     ]
@@ -182,6 +195,10 @@ def main(argv: list[str]) -> int:
         f"at most 1 - {median(alone):.3f}, the share of torch's step its all-reduces cost. On two CPU "
         "ranks Gloo's reductions and copies run on the same cores as the backward, so overlapping them "
         "with it saves little.\n"
+        + "\n`optimizer_in_backward=(torch.optim.AdamW, {...})`: the same AdamW stepped bucket by bucket at "
+        "the end of backward, each bucket as soon as its all-reduce lands (the later ones still on the "
+        "wire), with a desync check per bucket; no optimizer step after backward. torch's DDP does not "
+        "do this by default (its `_apply_optimizer_in_backward` does).\n"
         + "\nDesync check (on by default: one 16-byte fingerprint all-reduce on a companion Gloo "
         "group per backward for the buckets, per collective otherwise), plait step with the check / "
         "the same step without it, alternated in "

@@ -395,3 +395,125 @@ def test_each_composition_step_is_called_once_for_both_paths():
     for step in ("context_parallel", "expert_parallel", "checkpoint_blocks", "mixed_precision",
                  "tensor_parallel", "Pipeline"):
         assert called.count(step) == 1, (step, called.count(step))
+
+
+# ------------------------------------------------------------------ internals behind one door
+COMPAT = "plait._torch_compat"
+_PRIVATE_TORCH_PATH = re.compile(r"torch(\.\w+)*\._[A-Za-z0-9]\w*")  # "torch.optim._muon", "torch._C"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _bound_to(tree: ast.Module, top: str) -> set[str]:
+    """The names a module binds to what it imports from ``top`` (modules, classes, functions)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names
+                         if a.name.split(".")[0] == top)
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == top:
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _root(node: ast.expr) -> ast.expr:
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _attribute(node: ast.AST) -> tuple[ast.expr, object] | None:
+    """(object, name) of ``obj.name`` or of ``getattr(obj, "name", ...)`` (setattr, hasattr)."""
+    if isinstance(node, ast.Attribute):
+        return node.value, node.attr
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1
+            and node.func.id in ("getattr", "setattr", "hasattr") and isinstance(node.args[1], ast.Constant)):
+        return node.args[0], node.args[1].value
+    return None
+
+
+def _is_spec(node: ast.expr) -> bool:
+    """``x.__spec__`` or ``getattr(x, "__spec__", ...)``: a module's import spec."""
+    read = _attribute(node)
+    return read is not None and read[1] == "__spec__"
+
+
+def _private_import(node: ast.stmt) -> list[str]:
+    """``import torch._x`` / ``from torch._x import y`` / ``from torch.x import _y``."""
+    if isinstance(node, ast.Import):
+        return [f"import {a.name}" for a in node.names
+                if a.name.split(".")[0] == "torch" and any(map(_private, a.name.split(".")))]
+    if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+        parts = (node.module or "").split(".")
+        return [f"from {node.module} import {a.name}" for a in node.names
+                if any(map(_private, parts)) or _private(a.name)]
+    return []
+
+
+def _private_api_uses(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, what) for each use of a private torch or CPython API in ``tree``: an import of a torch
+    module path with a ``_`` component or of a ``_`` name from torch; a ``_`` attribute (read with a
+    dot or with ``getattr`` and a literal) on a name bound to torch (a module or anything imported
+    from it), on ``sys`` or on a module's ``__spec__``; a string naming a private torch module; and
+    an assignment to an object's ``__class__`` (a tensor's or a module's class swapped)."""
+    owners = _bound_to(tree, "torch") | _bound_to(tree, "sys")
+
+    def private_on(owner: ast.expr, attr: object) -> bool:
+        root = _root(owner)
+        return isinstance(attr, str) and _private(attr) and (
+            (isinstance(root, ast.Name) and root.id in owners) or _is_spec(owner))
+
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found += [(node.lineno, what) for what in _private_import(node)]
+        elif (read := _attribute(node)) is not None and private_on(*read):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _PRIVATE_TORCH_PATH.fullmatch(
+                node.value):
+            found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [(node.lineno, f"{ast.unparse(t)} = ...") for t in targets
+                      if isinstance(t, ast.Attribute) and t.attr == "__class__"]
+    return found
+
+
+PLANTED = """
+import sys
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.utils._pytree import tree_map
+from torch.nn import _reduction
+f = sys._getframe(1)
+n = torch._foreach_norm
+b = nn.modules.batchnorm._BatchNorm
+k = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+c = getattr(torch._C, "x")
+d = getattr(torch, "_dynamo")
+m = "torch.optim._muon"
+i = getattr(getattr(mod, "__spec__", None), "_initializing", False)
+j = mod.__spec__._initializing
+t.__class__ = Sub
+ok = torch.__version__, nn.Linear, self._x, obj._parameters, "torch.optim.adam", sys.argv, "_x", vars(mod)
+"""
+
+
+def test_the_private_api_finder_sees_each_kind_of_use():
+    """Each line of ``PLANTED`` after the plain imports is one use; the last line has none (dunders,
+    public torch names, private names of objects that are not torch's, plain strings)."""
+    found = _private_api_uses(ast.parse(PLANTED))
+    assert sorted({line for line, _ in found}) == [4, *range(6, 18)], found
+
+
+def test_no_private_torch_or_cpython_api_outside_torch_compat():
+    """Every private torch or CPython API plait leans on (`sys._getframe`, `torch._C`, a private torch
+    module, a class swapped on a live object, an import's ``__spec__._initializing``) sits in
+    `plait._torch_compat`, with the torch versions it is tested on and when it can go: a torch
+    release that breaks one breaks it in one file."""
+    bad = [f"{name}:{line}: {what}" for name, (tree, _) in _modules().items()
+           if name.startswith("plait") and name != COMPAT for line, what in _private_api_uses(tree)]
+    assert not bad, "\n".join(bad)

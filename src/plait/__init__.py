@@ -118,8 +118,9 @@ def _mid_import() -> bool:
     """Whether a plait module is being executed right now (importlib marks its spec meanwhile):
     its ``from plait import comm`` must get that module alone, since loading every name from a
     half-run module would import modules that need it whole."""
-    return any(getattr(getattr(m, "__spec__", None), "_initializing", False)
-               for n, m in list(sys.modules.items()) if n.startswith("plait"))
+    from plait._torch_compat import module_initializing
+
+    return any(module_initializing(m) for n, m in list(sys.modules.items()) if n.startswith("plait"))
 
 
 def __getattr__(name: str) -> Any:

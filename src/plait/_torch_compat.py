@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 # Selective activation checkpointing must see each aten op a block runs (which ones are matmuls,
 # what they returned) below autograd, so that its recomputation can be handed the kept outputs;
@@ -220,3 +223,164 @@ def savable_dtensor(dt: Any) -> Any:
         layout=dt.layout, requires_grad=dt.requires_grad)
     out._local_tensor, out._spec = dt._local_tensor, dt._spec
     return out
+
+
+# ------------------------------------------------------------------ plait's own internals at a glance
+# Each use below names the torch versions it is tested on: torch 2.6, the floor (CI's torch 2.6 run
+# covers the strategies' tests), and 2.13, the pinned development torch (the whole suite), and the
+# condition for removing it. Imports from torch stay inside functions where a module is costly.
+
+# Classes torch keeps private but every library subclasses or tests against: the common base of
+# BatchNorm1d/2d/3d (what `SyncBatchNorm.convert_sync_batchnorm` converts, as torch's own does) and
+# of every dropout layer (what `plait.rng` finds to fork the random stream for). Tested on 2.6 and
+# 2.13; can go when torch exports a public base (or each conversion lists the concrete classes).
+BatchNormBase = nn.modules.batchnorm._BatchNorm
+DropoutBase = nn.modules.dropout._DropoutNd
+
+# The fused multi-tensor norm torch's own clip_grad_norm_ calls (one kernel per device and dtype);
+# `plait.placement.pieces` must recognise it among the norms it refuses on pieces. Tested on 2.6 and
+# 2.13; can go when clip_grad_norm_ calls a public function only.
+foreach_norm = torch._foreach_norm
+
+# The CPU flash-attention kernels scaled_dot_product_attention dispatches to on CPU (the forward also
+# returns the log-sum-exp per row that ring attention merges blocks with, and its backward takes it).
+# Context parallelism calls them; `plait plan` gives them a FLOP formula. No public op returns the
+# log-sum-exp. Tested on 2.6 and 2.13; can go when torch offers attention with its log-sum-exp
+# (torch.nn.attention's flex attention returns it, but not on the meta device nor as fast on CPU).
+cpu_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+cpu_flash_attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+# The module torch's Muon optimizer lives in (its public name is torch.optim.Muon, from 2.9): pieces
+# refuse the norms it takes of a tp piece's gradient, found by the calling frame's module name. Absent
+# on 2.6 (nothing to refuse there), tested on 2.13; must follow torch if the module is renamed, and
+# can go with the frame walk (`caller_frame`) once tp pieces are DTensors for every optimizer.
+MUON_MODULE = "torch.optim._muon"
+
+
+def functional_collectives() -> Any:
+    """torch's traceable collectives (``torch.distributed._functional_collectives``), which
+    torch.compile traces into graphs where plait.comm's bookkeeping cannot be traced; tensor
+    parallelism's operators use them. DTensor itself is built on them. Tested on 2.6 and 2.13; can go
+    when torch exports them under a public name."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def caller_frame(depth: int) -> FrameType | None:
+    """The frame ``depth`` calls above the caller of this function (``depth=0``: the caller's own),
+    as ``sys._getframe(depth + 1)``, or None past the outermost.
+
+    plait walks frames to name the user's line a collective came from (desync reports), which library
+    code made a tensor without a device (`plait.testing.DeviceAudit`) and which torch module calls a
+    norm on a tp piece (`plait.placement.pieces`). ``inspect.currentframe`` is the same call and
+    CPython-only too; ``inspect.stack`` reads every frame's source (far too slow per op). Not a torch
+    API: works on CPython 3.10 to 3.13 with torch 2.6 and 2.13; can go where the frame walks go."""
+    try:
+        return sys._getframe(depth + 1)
+    except ValueError:  # fewer frames than asked for
+        return None
+
+
+def set_class(obj: Any, cls: type) -> None:
+    """Swap the class of a live object in place (``obj.__class__ = cls``), keeping its identity and
+    state: every reference already held sees the new class.
+
+    Used where replacing the object would break what holds it: a module object made callable
+    (`plait.callable_module`), an embedding whose lookup tensor parallelism replaces (`plait.tp.styles`,
+    a subclass of its own class made per module), and a DTensor gradient marked as a tp piece (the
+    optimizer and ``.grad`` hold it). CPython allows the swap between classes of the same layout
+    (torch's tensor subclasses share theirs). Tested on torch 2.6 and 2.13; can go when each has a
+    public route (modules: PEP 562 covers attributes but not ``__call__``)."""
+    obj.__class__ = cls
+
+
+def module_initializing(module: Any) -> bool:
+    """Whether ``module`` is being executed right now by an import (importlib sets its spec's
+    ``_initializing`` meanwhile). `plait`'s lazy names must not load every name while one of its
+    modules is half-run. CPython 3.10 to 3.13 (importlib's own check for circular imports); can go
+    when `plait/__init__` imports its names eagerly."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def drop_library(lib: torch.library.Library) -> None:
+    """Remove the kernels ``lib`` registered (torch.library has no public unregister: a Library is
+    dropped only with the process, or by its private ``_destroy``). `plait plan` registers a meta
+    kernel for the length of a rehearsal. Tested on 2.6 and 2.13; can go when torch.library gains a
+    public removal (or a context-managed registration)."""
+    lib._destroy()
+
+
+def storage_id(storage: torch.UntypedStorage) -> int:
+    """What tells storages apart while both live (its C++ address): views of one storage share it.
+    Tested on 2.6 and 2.13; can go when storages expose a public identity."""
+    return int(storage._cdata)
+
+
+def weak_storage_nbytes(ref: Any) -> int:
+    """The current size of the storage a ``torch.multiprocessing.reductions.StorageWeakRef`` holds
+    (alive: check ``ref.expired()`` first), read without making a strong reference last. How torch's
+    own memory tooling reads it; tested on 2.6 and 2.13; can go when StorageWeakRef has a size."""
+    return int(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes())
+
+
+def dtensor_local(t: Any) -> torch.Tensor | None:
+    """The local tensor behind a DTensor (or a subclass that wraps one the same way), else None,
+    without dispatching (``to_local()`` is an op: inside a dispatch mode it would be seen again).
+    Tested on 2.6 and 2.13; can go when DTensor exposes its local tensor as an attribute."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else None
+
+
+def wrap_apply(module: nn.Module, wrapper: Callable[..., nn.Module]) -> None:
+    """Make ``module._apply(fn, recurse)`` (what ``.to()``, ``.double()``, ``.cuda()`` run on each
+    module) call ``wrapper(module, apply, fn, recurse)``, with ``apply`` the class's own, on this
+    module object only; once (a second call keeps the first wrapper).
+
+    Tensor parallelism's DTensor parameters are rebuilt around the converted local tensors there: the
+    conversion has no public hook (``register_module_parameter_registration_hook`` sees assignments,
+    not conversions). Tested on 2.6 and 2.13; can go when parameters are plain DTensors that torch's
+    own ``_apply`` converts in place (torch.__future__ swap_module_params_on_conversion for DTensor)."""
+    if "_apply" not in module.__dict__:
+        module._apply = functools.partial(wrapper, module, type(module)._apply.__get__(module))  # type: ignore[method-assign]
+
+
+def unwrap_apply(module: nn.Module) -> None:
+    """Undo `wrap_apply` on ``module`` (its class's ``_apply`` again)."""
+    module.__dict__.pop("_apply", None)
+
+
+# The child name under which torch.compile's wrapper (OptimizedModule) holds the module it compiled:
+# its state-dict keys and module names carry it (``layers.3._orig_mod.attn``), and torch's own
+# state-dict helpers drop it as `plait.names` does. Tested on 2.6 and 2.13; must follow torch if
+# OptimizedModule renames it, can go when compiled modules keep their original names.
+COMPILED_CHILD = "_orig_mod"
+
+
+def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
+    """The compiled call ``module.compile()`` set on ``module`` (its forward, compiled, that
+    ``module(...)`` runs instead of the plain one), or None when it was not compiled in place.
+    Tested on 2.6 and 2.13; can go when torch exposes the compiled call or hooks around it."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def set_compiled_call(module: nn.Module, call: Callable[..., Any]) -> None:
+    """Replace the call ``module.compile()`` set (see `compiled_call`): FSDP gathers and reshards
+    around it so that the compiled block stays one graph, as torch's FSDP2 does. Tested on 2.6 and
+    2.13; can go with `compiled_call`."""
+    module._compiled_call_impl = call
+
+
+def every_optimizer_step(hook: Callable[..., Any], *, after: bool) -> Any:
+    """Register ``hook(optimizer, args, kwargs)`` to run before (or ``after``) the step of every
+    optimizer in this process, made by plait or not; returns its removable handle.
+
+    Public torch functions (``torch.optim.optimizer.register_optimizer_step_pre_hook`` and ``_post_``),
+    but a registry global to the process, shared by every optimizer and every library: kept here so
+    that what plait installs there is listed in one place. tp pieces use it to meet an optimizer the
+    user made (to give its state dict full tensors); the MoE statistics to learn where a step ends.
+    Tested on 2.6 and 2.13; can go when parameters are DTensors for every optimizer and the MoE
+    statistics are told the step by the training loop."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    return (register_optimizer_step_post_hook if after else register_optimizer_step_pre_hook)(hook)

@@ -18,6 +18,8 @@ import sys
 import types
 from typing import Any
 
+from plait._torch_compat import set_class
+
 __all__ = ["CallableModule", "make_callable"]
 
 
@@ -43,4 +45,4 @@ def make_callable(name: str) -> None:
     module = sys.modules[name]
     if not callable(getattr(module, name.rpartition(".")[2], None)):
         raise TypeError(f"module {name} has no function {name.rpartition('.')[2]} to call")
-    module.__class__ = CallableModule
+    set_class(module, CallableModule)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import sysconfig
 import threading
 import zlib
@@ -38,6 +37,8 @@ from pathlib import Path
 from types import FrameType
 
 import torch
+
+from plait._torch_compat import caller_frame
 
 __all__ = ["CallRecord", "GroupLog", "MODES", "scope", "current_label", "call_site", "first_divergence",
            "write_flight_record", "FLIGHT_LEN"]
@@ -136,7 +137,7 @@ def current_label() -> str:
 def call_site() -> str:
     """file:line of the innermost frame outside plait's library and torch: the user's line that
     led here (plait's own applications, such as `plait train`, count as the user's code)."""
-    frame: FrameType | None = sys._getframe(1)
+    frame: FrameType | None = caller_frame(1)
     while frame is not None:
         path = frame.f_code.co_filename
         library = path.startswith((_TORCH_DIR, _STDLIB_DIR)) or (

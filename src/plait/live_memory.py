@@ -30,14 +30,21 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from plait._torch_compat import TorchDispatchMode, is_fake, tensors_in
+from plait._torch_compat import (
+    TorchDispatchMode,
+    dtensor_local,
+    is_fake,
+    storage_id,
+    tensors_in,
+    weak_storage_nbytes,
+)
 
 __all__ = ["LiveStorageBytes", "storage_key"]
 
 
 def storage_key(t: torch.Tensor) -> int:
     """What tells storages apart (views of one storage share it)."""
-    return int(t.untyped_storage()._cdata)
+    return storage_id(t.untyped_storage())
 
 
 class LiveStorageBytes(TorchDispatchMode):
@@ -77,13 +84,13 @@ class LiveStorageBytes(TorchDispatchMode):
 
     def _add(self, t: Any) -> int:
         """Track ``t``'s storage; return by how many bytes it is new or has grown since last seen."""
-        local = getattr(t, "_local_tensor", None)  # a DTensor: the storage behind it
-        if isinstance(local, torch.Tensor):
+        local = dtensor_local(t)  # a DTensor: the storage behind it
+        if local is not None:
             t = local
         if not isinstance(t, torch.Tensor) or t.device.type != self.device or is_fake(t):
             return 0  # a fake tensor (torch.compile's caches keep them) owns no memory
         st = t.untyped_storage()
-        key, size = st._cdata, st.nbytes()
+        key, size = storage_id(st), st.nbytes()
         seen = self._refs.get(key)
         if seen is not None and not seen[0].expired():
             if size <= seen[1]:
@@ -100,7 +107,7 @@ class LiveStorageBytes(TorchDispatchMode):
             if ref.expired():
                 del self._refs[key]
                 continue
-            size = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+            size = weak_storage_nbytes(ref)
             self._refs[key] = (ref, size)
             total += size
         return total

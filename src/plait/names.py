@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import fnmatch
 
+from plait._torch_compat import COMPILED_CHILD
+
 __all__ = ["COMPILED", "matches", "plain_name"]
 
-COMPILED = "_orig_mod"  # the child under which torch.compile's wrapper holds the compiled module
+COMPILED = COMPILED_CHILD  # the child under which torch.compile's wrapper holds the compiled module
 
 
 def plain_name(name: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait._torch_compat import eager
+from plait._torch_compat import DropoutBase, eager
 
 __all__ = ["RNGFork", "random_rates", "fork_of"]
 
@@ -26,7 +26,7 @@ def random_rates(module: nn.Module) -> list[tuple[nn.Module, str]]:
     named like a dropout or noise rate."""
     found: list[tuple[nn.Module, str]] = []
     for m in module.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd):
+        if isinstance(m, DropoutBase):
             found.append((m, "p"))
         found += [(m, k) for k, v in vars(m).items()
                   if isinstance(v, float) and not k.startswith("_")

@@ -35,6 +35,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from plait import comm
+from plait._torch_compat import BatchNormBase
 
 __all__ = ["SyncBatchNorm", "DATA_AXES"]
 
@@ -203,7 +204,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """BatchNorm whose training statistics are those of the global batch across the data ranks.
 
     As torch's ``nn.SyncBatchNorm`` (same arguments, same buffers and state dict), on Gloo and
@@ -268,14 +269,14 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if isinstance(mesh, dist.ProcessGroup):
             raise TypeError("SyncBatchNorm.convert_sync_batchnorm(module, mesh): plait takes a plait.Mesh "
                             "(the data axes of which make the group), not a process group")
-        if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+        if not any(isinstance(m, BatchNormBase) for m in module.modules()):
             return module
         return _convert(module, make_sync(mesh, axes), tuple(axes))
 
 
 def _convert(module: nn.Module, sync: _Sync | None, axes: tuple[str, ...]) -> nn.Module:
     out = module
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
+    if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
         out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                             module.track_running_stats, axes=axes, device="meta",
                             bias=module.bias is not None, _sync=sync)

@@ -14,7 +14,6 @@ import os
 import pickle
 import queue
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -26,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.overrides import TorchFunctionMode
 
+from plait._torch_compat import caller_frame
 from plait.env import free_port, set_rank_env
 
 __all__ = ["RankPool", "RankFailure", "cached_mesh", "DeviceAudit"]
@@ -75,7 +75,7 @@ def _plait_library_caller() -> str | None:
     import plait
 
     root = os.path.dirname(os.path.abspath(plait.__file__))
-    frame: FrameType | None = sys._getframe(2)
+    frame: FrameType | None = caller_frame(2)
     while frame is not None and frame.f_code.co_filename.startswith(os.path.dirname(torch.__file__)):
         frame = frame.f_back
     if frame is None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from plait._torch_compat import cpu_flash_attention, cpu_flash_attention_backward
 from plait.cp.layout import Span
 
 __all__ = ["block_forward", "block_backward", "merge", "visibility", "FULL", "PARTIAL", "NONE"]
@@ -88,7 +89,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     both in the accumulation dtype. A row that sees no key has lse -inf and output 0."""
     b, h, lq, d = q.shape
     if _fused(q, qs, ks, kind, window):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = cpu_flash_attention(
             q, _heads(k, h), _heads(v, h), 0.0, kind == PARTIAL, scale=scale)
         return out.to(_acc_dtype(q)), lse.to(_acc_dtype(q))
     s = _scores(q, k, scale, qs, ks, kind, window)
@@ -106,7 +107,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     b, h, lq, d = q.shape
     hk, g = k.shape[1], h // k.shape[1]
     if _fused(q, qs, ks, kind, window):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = cpu_flash_attention_backward(
             dout.to(q.dtype).contiguous(), q, _heads(k, h), _heads(v, h), out.to(q.dtype).contiguous(),
             lse.to(torch.promote_types(q.dtype, torch.float32)).contiguous(), 0.0, kind == PARTIAL,
             scale=scale)

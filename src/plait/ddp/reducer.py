@@ -18,6 +18,7 @@ from plait import comm, faults
 from plait._torch_compat import queue_end_of_backward
 from plait.ddp.buckets import Bucket
 from plait.ddp.hooks import CommHook, GradBucket, hook_result
+from plait.ddp.in_backward import BucketOptimizers
 from plait.placement.grads import reduce_expert_grads
 from plait.placement.tp_params import gradient_assigned
 
@@ -55,6 +56,7 @@ class Reducer:
     _static_left: list[int]
     _sparse_ready: set[int]
     _spent_grads: list[torch.Tensor]
+    _in_backward: BucketOptimizers | None
 
     def _start_step(self) -> None:
         for b in self._buckets:
@@ -120,6 +122,9 @@ class Reducer:
             self._contribute_held(k)
             return
         self._fill(b, i, p.grad)
+        if self._in_backward is not None:  # .grad is None after its step; autograd's copy is freed
+            self._spent_grads.append(p.grad)  # before the next forward, as without (no page faults)
+            p.grad = None
         self._mark_ready(b, i)
 
     def _name_of(self, k: int) -> str:
@@ -206,8 +211,9 @@ class Reducer:
     def _checks_desync(self, index: int) -> bool:
         """Whether bucket ``index`` carries the backward's desync check. Only the last one does: its
         fingerprint covers every bucket before it, and `_finish_backward` reads its verdict before
-        any bucket's result. A check per bucket cost about 4% of a step on 2 CPU ranks."""
-        return index == len(self._buckets) - 1
+        any bucket's result. A check per bucket cost about 4% of a step on 2 CPU ranks. With
+        optimizer_in_backward every bucket does: each steps on its own result before the last lands."""
+        return self._in_backward is not None or index == len(self._buckets) - 1
 
     def _bucket_name(self, index: int) -> str:
         """What desync reports call the bucket (a joined rank mirrors it from another line)."""
@@ -239,8 +245,10 @@ class Reducer:
         self._reduce_sparse(used)
         flags = self._expert_flags.tolist() if self._bucketed_experts else []
         no_gradient = {id(p) for (_, p), f in zip(self._bucketed_experts, flags) if f == 0}
-        # The last bucket first: its desync verdict covers them all (`_checks_desync`).
-        for b in self._buckets[-1:] + self._buckets[:-1]:
+        # The last bucket first: its desync verdict covers them all (`_checks_desync`). Stepping in
+        # backward, in launch order: each bucket steps as soon as it lands, the later ones in flight.
+        order = self._buckets if self._in_backward is not None else self._buckets[-1:] + self._buckets[:-1]
+        for b in order:
             self._await(b)
             for i, p in enumerate(b.params):
                 if used is not None and used[b.first + i] == 0:
@@ -254,6 +262,8 @@ class Reducer:
                     self._spent_grads.append(p.grad)
                 p.grad = b.grads[i]
                 gradient_assigned(p)  # a tp DTensor's gradient, or a piece's mark (`plait.placement.pieces`)
+            if self._in_backward is not None:
+                self._in_backward.step(b)
 
     def _fill_missing_experts(self, missing: list[tuple[Bucket, int]]) -> list[tuple[Bucket, int]]:
         if not self._bucketed_experts:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.ddp.in_backward import InBackward
 from plait.mesh import Mesh
 from plait.placement.records import placement_of
 from plait.precision import precision_of
@@ -29,6 +30,7 @@ class DDPOptions:
     axis: str | tuple[str, ...]
     static_graph: bool
     ignored: frozenset[str]
+    in_backward: InBackward | None = None
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:

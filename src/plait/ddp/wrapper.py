@@ -40,6 +40,7 @@ from plait.ddp.buckets import (
     sparse_params,
 )
 from plait.ddp.hooks import CommHook, check_hook
+from plait.ddp.in_backward import BucketOptimizers, InBackward, check_spec, refuse_model
 from plait.ddp.join import DDPJoinHook, common_rank, step_counts
 from plait.ddp.reducer import Reducer
 from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, refuse_torch_only, wire_dtype
@@ -82,6 +83,11 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         params_and_buffers_to_ignore: names (as ``module.named_parameters()`` /
             ``named_buffers()`` give them) DDP neither broadcasts nor reduces; torch's
             ``_set_params_and_buffers_to_ignore_for_model`` adds to them.
+        optimizer_in_backward: ``(optimizer class, keyword arguments)``, e.g.
+            ``(torch.optim.AdamW, {"lr": 1e-3})``: DDP steps one such optimizer per bucket at the
+            end of each reducing backward, as soon as that bucket's all-reduce lands, and drops
+            the gradients (``.grad`` is None afterwards); there is no optimizer step to call.
+            ``in_backward_optimizers`` lists them (state dicts, learning rates). See docs/ddp.md.
 
     torch's other arguments (``device_ids``, ``process_group``, ``mixed_precision``, ...) are
     refused by name with what to write instead, before any collective.
@@ -99,6 +105,7 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         axis: str | tuple[str, ...] = ("dp", "cp"),
         static_graph: bool = False,
         params_and_buffers_to_ignore: Iterable[str] | None = None,
+        optimizer_in_backward: InBackward | None = None,
         **torch_only: Any,
     ) -> None:
         super().__init__()
@@ -107,8 +114,11 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel(module=...) expects an nn.Module, got {type(module)}")
         options = DDPOptions(bucket_cap_mb, find_unused_parameters, broadcast_buffers, gradient_compression,
-                             axis, static_graph, ignored_names(module, params_and_buffers_to_ignore))
+                             axis, static_graph, ignored_names(module, params_and_buffers_to_ignore),
+                             check_spec(optimizer_in_backward))
         _check_module(module, mesh, options.ignored)
+        if options.in_backward is not None:
+            refuse_model(module, options.ignored)
         # Over a tp model, DDP's buckets and hooks are over the plain leaves tp's DTensor parameters
         # stand on; the reduced gradients become the DTensors' (`gradient_assigned`).
         hand_over(module)
@@ -155,6 +165,8 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         # the module tree, as torch's DDP keeps its list of buffers from construction.
         self._buffer_slots = _buffer_slots(self.module, options.ignored)
         self._buffer_broadcast = BufferBroadcast()
+        self._in_backward = (None if options.in_backward is None
+                             else BucketOptimizers(options.in_backward, self._buckets))
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._reset_step_state()
 
@@ -345,9 +357,23 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
             self._queue_finish()
 
     # ------------------------------------------------------------------ user API
+    @property
+    def in_backward_optimizers(self) -> list[torch.optim.Optimizer]:
+        """With ``optimizer_in_backward``: the optimizer of each bucket, in bucket order (each over
+        its bucket's parameters): their state dicts, param groups and learning-rate schedulers."""
+        if self._in_backward is None:
+            raise RuntimeError("DistributedDataParallel.in_backward_optimizers: this DDP was built "
+                                 "without optimizer_in_backward")
+        return self._in_backward.optimizers
+
     def grad_norm_parts(self) -> GradParts:
         """After the all-reduce every replica holds the same gradients: the wrapped module's parts,
         never summed over dp (`plait.clip`)."""
+        if self._in_backward is not None:
+            raise ValueError("DistributedDataParallel(optimizer_in_backward=...): gradients are stepped "
+                             "and dropped bucket by bucket during backward, before the norm of all of them "
+                             "exists, so they cannot be clipped by it; use an optimizer after backward to "
+                             "clip")
         from plait.clip import grad_norm_parts
 
         return grad_norm_parts(self.module)

@@ -69,7 +69,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from plait import comm
-from plait._torch_compat import eager, queue_end_of_backward, tree_flatten, tree_unflatten
+from plait._torch_compat import (
+    compiled_call,
+    eager,
+    queue_end_of_backward,
+    set_compiled_call,
+    tree_flatten,
+    tree_unflatten,
+)
 from plait.dtensors import mesh_over
 from plait.env import device as default_device
 from plait.fsdp.controls import FSDPControls, PlacementFn, check_placements, ignored_grads, ignored_ids
@@ -204,7 +211,7 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
         self._mark_whole_experts(module)
         self.module = module  # its parameters, under their own names, are the DTensor shards
         for unit in self.units[1:]:
-            if getattr(unit.module, "_compiled_call_impl", None) is not None:
+            if compiled_call(unit.module) is not None:
                 self._around_compiled_call(unit)
             else:
                 unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
@@ -425,7 +432,8 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
         compiled call, as eager islands, two graph breaks. Its gather and reshard run around the
         compiled call instead, where nothing is traced: the compiled block is one graph, as under
         torch's FSDP2."""
-        compiled: Callable[..., Any] = unit.module._compiled_call_impl  # type: ignore[assignment]
+        compiled = compiled_call(unit.module)
+        assert compiled is not None
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._pre_forward(unit)
@@ -433,7 +441,7 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             out = compiled(*args, **kwargs)
             return self._post_forward(unit, out)
 
-        unit.module._compiled_call_impl = call
+        set_compiled_call(unit.module, call)
 
     def _make_pre_forward(self, unit: Unit) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict] | None]:
         def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -48,9 +48,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from plait._torch_compat import in_backward
+from plait._torch_compat import every_optimizer_step, in_backward
 
 __all__ = ["MoE", "SwiGLU", "GATINGS", "BALANCE_STATISTICS", "update_balance", "moe_layers",
            "set_aux_loss_scale"]
@@ -94,7 +93,7 @@ class _OptimizerSteps:
     @classmethod
     def watch(cls) -> None:
         if cls._handle is None:
-            cls._handle = register_optimizer_step_post_hook(cls._stepped)
+            cls._handle = every_optimizer_step(cls._stepped, after=True)
 
     @classmethod
     def _stepped(cls, *_: object) -> None:

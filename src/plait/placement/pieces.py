@@ -29,7 +29,6 @@ rather than one rank's under every rank's name; ``load_state_dict`` takes them b
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,7 +39,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait._torch_compat import plain_torch_functions
+from plait._torch_compat import (
+    MUON_MODULE,
+    caller_frame,
+    every_optimizer_step,
+    foreach_norm,
+    plain_torch_functions,
+    set_class,
+)
 
 __all__ = ["TorchToolRefused", "Piece", "mark_piece", "carry_mark", "piece_of", "remark", "remark_all",
            "PIECE_MARK"]
@@ -49,8 +55,7 @@ __all__ = ["TorchToolRefused", "Piece", "mark_piece", "carry_mark", "piece_of", 
 PIECE_MARK = "_plait_piece"
 _WATCHED = "_plait_piece_watched"
 _CLIP_MODULE = "torch.nn.utils.clip_grad"
-_MUON_MODULE = "torch.optim._muon"
-_NORMS = frozenset({torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm,
+_NORMS = frozenset({torch.linalg.vector_norm, foreach_norm, torch.norm, torch.Tensor.norm,
                     torch.linalg.norm})
 # Only these calls look up their caller (a frame walk per call, which an optimizer's per-parameter
 # loop would pay on every op otherwise): the norms, and Muon's first use of a gradient, its
@@ -123,7 +128,7 @@ def remark(p: torch.Tensor) -> None:
     if piece is None or g is None or piece_of(g) == piece:
         return
     if isinstance(g, DTensor):
-        g.__class__ = _PieceDTensorGrad  # a DTensor still: only the class's torch-function check differs
+        set_class(g, _PieceDTensorGrad)  # a DTensor still: only the class's torch-function check differs
     elif not isinstance(g, _PieceGrad):
         g = g.as_subclass(_PieceGrad)
         p.grad = g
@@ -143,9 +148,7 @@ _hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 @functools.cache  # once per process
 def _watch_optimizers() -> None:
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    register_optimizer_step_pre_hook(_on_step)
+    every_optimizer_step(_on_step, after=False)
 
 
 def _on_step(opt: torch.optim.Optimizer, *_: Any) -> None:
@@ -193,12 +196,12 @@ def _per_element(v: Any, p: torch.Tensor) -> bool:
 def _calling_module() -> str | None:
     """The torch module whose code called the torch function being dispatched, when it is one that
     refuses pieces (its frames sit just above the dispatch)."""
-    frame: FrameType | None = sys._getframe(3)
+    frame: FrameType | None = caller_frame(3)
     for _ in range(4):
         if frame is None:
             return None
         name = frame.f_globals.get("__name__")
-        if name in (_CLIP_MODULE, _MUON_MODULE):
+        if name in (_CLIP_MODULE, MUON_MODULE):
             return name
         frame = frame.f_back
     return None
@@ -227,7 +230,7 @@ def _refuse(func: Any, args: Any) -> None:
             "plait.clip_grad_norm_(model, max_norm) on the model (or Pipeline) plait returned: it sums "
             "every rank's pieces, as torch does in one process. Nothing was scaled.")
     split = [p for p in pieces if p.split]
-    if caller == _MUON_MODULE and split:
+    if caller == MUON_MODULE and split:
         raise TorchToolRefused(
             f"torch.optim.Muon was given the gradient of {split[0].what}: it would orthogonalize "
             "this rank's shard, not the whole matrix. Train tensor-parallel matrices with an "

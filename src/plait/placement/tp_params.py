@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from plait._torch_compat import unwrap_apply, wrap_apply
 from plait.dtensors import contiguous_stride, mesh_of
 from plait.placement.pieces import mark_piece, remark
 from plait.placement.records import TP_PARAM_MARK, TPInfo
@@ -134,8 +135,7 @@ def place_tp_parameters(module: nn.Module, info: TPInfo) -> None:
             mod.__dict__[attr] = rec.leaf
             mod.register_state_dict_post_hook(partial(_state_entry, attr=attr, rec=rec))
             mod.register_load_state_dict_pre_hook(partial(_loaded_entry, attr=attr, rec=rec))
-            if "_apply" not in mod.__dict__:
-                mod._apply = partial(_apply_placed, mod, type(mod)._apply.__get__(mod))
+            wrap_apply(mod, _apply_placed)
 
 
 def _place(leaf: nn.Parameter, name: str, spec: ShardSpec | None, info: TPInfo) -> TPParam:
@@ -252,7 +252,7 @@ def unplace(module: nn.Module) -> None:
                 continue
             mod._parameters[attr] = rec.leaf
             mod.__dict__.pop(attr, None)
-            mod.__dict__.pop("_apply", None)
+            unwrap_apply(mod)
             if id(rec) in done:  # a tied parameter's other owner
                 continue
             done.add(id(rec))

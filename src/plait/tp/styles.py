@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait._torch_compat import set_class
 from plait.placement.shards import ShardSpec, make_spec
 from plait.tp.collectives import (
     copy_to_tp,
@@ -380,7 +381,7 @@ class VocabParallelEmbedding(Style):
             return reduce_out(out, ctx, name) if shard else reduce_from_tp(out, ctx.group)
 
         assert isinstance(mod, nn.Embedding)  # validated
-        mod.__class__ = _with_lookup(type(mod), lookup, name)
+        set_class(mod, _with_lookup(type(mod), lookup, name))
 
 
 def _with_lookup(cls: type[nn.Embedding], lookup: Any, name: str) -> type[nn.Embedding]:

@@ -39,6 +39,7 @@ from torch.utils.flop_counter import (
 )
 
 from plait import comm, env
+from plait._torch_compat import cpu_flash_attention, cpu_flash_attention_backward, drop_library
 from plait.app.config import TrainConfig
 from plait.blocks import blocks
 from plait.live_memory import LiveStorageBytes, storage_key
@@ -164,8 +165,8 @@ def make_optimizer(model: nn.Module | Pipeline, cfg: TrainConfig) -> torch.optim
                              betas=(0.9, 0.95))
 
 
-_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_CPU_FLASH = cpu_flash_attention
+_CPU_FLASH_BACKWARD = cpu_flash_attention_backward
 
 
 # torch's FLOP counter knows the CUDA flash kernels but not the CPU one that real CPU steps run:
@@ -194,7 +195,7 @@ def fused_attention_on_meta() -> Iterator[None]:
     try:
         yield
     finally:
-        lib._destroy()
+        drop_library(lib)
 
 
 def _fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
