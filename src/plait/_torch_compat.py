@@ -1,4 +1,10 @@
-"""The one place plait touches private PyTorch APIs; each use says why no public one fits."""
+"""The one place plait touches private PyTorch and CPython APIs; each use says why no public one fits,
+the torch versions it is tested on and the condition for removing it.
+
+"Tested on 2.13": the pinned development torch, by the whole suite. "Tested on 2.6": the floor
+``pyproject.toml`` allows, by the part of the suite CI runs on it (docs/testing.md); an entry reached
+only by other tests says so. `tests/test_structure.py` fails on a private API used anywhere else.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from torch import nn
 # Selective activation checkpointing must see each aten op a block runs (which ones are matmuls,
 # what they returned) below autograd, so that its recomputation can be handed the kept outputs;
 # torch offers that only as a subclass of this mode (its own selective checkpointing uses it too).
+# Imported by every process on 2.6 and 2.13; can go when torch exports the dispatch mode publicly.
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -28,7 +35,8 @@ def eager(fn: _F) -> _F:
     import: the attributes its tracer checks at a call site (so a compiled region breaks there,
     as at a disabled function), and the wrapper's code set to be skipped by Dynamo's frame
     evaluation, with every frame it calls (so ``fn`` runs eagerly, as under the recursive
-    disable). Where this torch lacks that setting, torch.compiler.disable itself."""
+    disable). Where this torch lacks that setting, torch.compiler.disable itself. Tested on 2.6 and
+    2.13; can go when torch.compiler.disable no longer imports torch._dynamo as it decorates."""
     if _skip_frames is None:
         return torch.compiler.disable(fn)
 
@@ -63,7 +71,8 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     DDP needs this to learn that backward is over (to wait for the last bucket and to name
     parameters that never received a gradient). Public hooks fire per tensor or per node;
     only the engine's callback queue fires after the whole graph. Must be called from inside
-    a running backward (e.g. from a gradient hook).
+    a running backward (e.g. from a gradient hook). Tested on 2.6 and 2.13; can go when autograd
+    offers a public hook at the end of a backward.
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
@@ -74,6 +83,8 @@ def default_store() -> torch.distributed.Store:
     When a collective fails, each rank posts where it stopped and reads where the others did,
     to name the ranks that never arrived. The group itself is broken by then; the store (a
     separate TCP connection to rank 0's server) still answers, and torch exposes it only here.
+    Tested on 2.13 (tests/test_failures.py; the 2.6 run does not reach it); can go when torch
+    exposes the default group's store.
     """
     from torch.distributed import distributed_c10d
 
@@ -86,7 +97,8 @@ def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
 
     torch.compile returns an ``OptimizedModule`` whose forward runs the compiled original, bound to
     that module object, and exports no public type or predicate for it. `plait.pipeline` must refuse
-    one whose forward it would replay (the bound original ignores the stages' stand-ins)."""
+    one whose forward it would replay (the bound original ignores the stages' stand-ins). Tested on
+    2.6 and 2.13; can go when torch exports OptimizedModule or a predicate for it."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     return module._orig_mod if isinstance(module, OptimizedModule) else None
@@ -94,8 +106,9 @@ def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
 
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` runs compiled: inside torch.compile's wrapper, or compiled in place by
-    ``module.compile()`` (which keeps the module and sets a private compiled call on it)."""
-    return compiled_original(module) is not None or getattr(module, "_compiled_call_impl", None) is not None
+    ``module.compile()`` (which keeps the module and sets a private compiled call on it). Tested on
+    2.6 and 2.13; can go with `compiled_original` and `compiled_call`."""
+    return compiled_original(module) is not None or compiled_call(module) is not None
 
 
 def dcp_load_in_this_process(state: dict[str, Any], **kwargs: Any) -> None:
@@ -104,7 +117,8 @@ def dcp_load_in_this_process(state: dict[str, Any], **kwargs: Any) -> None:
     torch 2.7 added ``no_dist=True`` for this; torch 2.6 has no such argument and loads in one process
     only when no process group is initialized (its documented fallback) or the group is this process
     alone, so there the call is made without it and refused while a group of several ranks is up
-    (it would wait for ranks that never call)."""
+    (it would wait for ranks that never call). Public API only; tested on 2.13 (tests/test_export.py);
+    can go when the floor is torch 2.7."""
     import inspect
     import warnings
 
@@ -123,7 +137,8 @@ def dcp_load_in_this_process(state: dict[str, Any], **kwargs: Any) -> None:
 
 # ------------------------------------------------------------------ nested inputs and outputs
 # torch's pytree knows lists, tuples, dicts, named tuples and every type a library registers
-# (transformers registers its ModelOutput classes), which a hand-written walker would not.
+# (transformers registers its ModelOutput classes), which a hand-written walker would not. Tested on
+# 2.6 and 2.13; can go when torch's pytree module is public.
 def tree_flatten(obj: Any) -> tuple[list[Any], Any]:
     """(leaves, spec) of a nested structure; `tree_unflatten(leaves, spec)` rebuilds it."""
     from torch.utils import _pytree
@@ -154,7 +169,8 @@ def register_fake_backend() -> None:
     `plait plan --dry-run` stands one process in for any rank of a world of thousands: every
     group is made and every collective returns at once, touching nothing (the tensors live on
     the meta device). torch ships that backend but registers it only when its testing module
-    is imported.
+    is imported. Tested on 2.13 (tests/test_plan.py; the 2.6 run does not reach it); can go when
+    torch registers the backend without its testing module.
     """
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
 
@@ -168,7 +184,7 @@ def fake_tensors() -> Any:
     several packed sequences when there is no cache, as in training); fake tensors are what torch's
     own tracing runs on, and libraries skip such branches for them (transformers'
     ``is_fake_tensor``), as they do under torch.compile. torch exposes them only in
-    ``torch._subclasses``."""
+    ``torch._subclasses``. Tested on 2.6 and 2.13; can go when fake tensors are public."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
@@ -180,13 +196,15 @@ def in_backward() -> bool:
     An activation-checkpointed block's forward runs again inside backward to recompute what it
     saved; a layer that counts its forwards (the MoE balancing statistics) must not count that
     one. torch exposes no public flag for it; the engine's current graph task is -1 outside.
+    Tested on 2.6 and 2.13; can go when autograd exposes whether a backward is running.
     """
     return bool(torch._C._current_graph_task_id() != -1)
 
 
 def is_fake(t: torch.Tensor) -> bool:
     """Whether ``t`` is a fake tensor (shapes only, no storage: what torch.compile traces with and
-    keeps in its caches), or a wrapper of one."""
+    keeps in its caches), or a wrapper of one. Tested on 2.13 (the memory tracker of `plait plan`;
+    the 2.6 run does not reach it); can go with `fake_tensors`."""
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
     return bool(_is_fake(t))
@@ -198,15 +216,17 @@ def replica_of(module: torch.nn.Module) -> torch.nn.Module:
 
     `plait.DataParallel` replicates as torch's ``replicate`` does, but torch's own refuses CPU
     tensors. Modules override this private method where a plain shallow copy is wrong (RNNs copy
-    their flat weight lists, lazy modules refuse), so calling it keeps their behaviour; torch
-    2.6-2.13 all have it."""
+    their flat weight lists, lazy modules refuse), so calling it keeps their behaviour. Tested on
+    2.13 (tests/test_data_parallel.py; the 2.6 run does not reach it, torch 2.6 has the method); can
+    go when torch's ``replicate`` accepts CPU tensors."""
     return module._replicate_for_data_parallel()
 
 
 # A tensor subclass that must behave as a plain tensor (a marked gradient, `plait.placement.pieces`)
 # runs each torch function with subclass dispatch off, so its results are plain tensors: the
 # documented default (``super().__torch_function__``) would turn every result into the subclass,
-# spreading the mark into optimizer states. torch names no public switch for this.
+# spreading the mark into optimizer states. torch names no public switch for this. Tested on 2.6 and
+# 2.13; can go with the marked gradients, once tp pieces are DTensors for every torch tool.
 plain_torch_functions = torch._C.DisableTorchFunctionSubclass
 
 
@@ -217,7 +237,8 @@ def savable_dtensor(dt: Any) -> Any:
     a wrapper whose data pointer is not 0 as one with real storage and fails ("invalid python
     storage"). FSDP's local shards are views into one flat vector at non-zero offsets, so the
     values its ``state_dict()`` returns are rebuilt this way: same memory (a `dcp.load` into them
-    still loads the model), pickled as DTensors. Can go when DTensor ignores the local offset."""
+    still loads the model), pickled as DTensors. Tested on 2.6 and 2.13; can go when DTensor ignores
+    the local offset."""
     out = torch.Tensor._make_wrapper_subclass(
         type(dt), dt.shape, strides=dt.stride(), storage_offset=0, dtype=dt.dtype, device=dt.device,
         layout=dt.layout, requires_grad=dt.requires_grad)
@@ -225,28 +246,27 @@ def savable_dtensor(dt: Any) -> Any:
     return out
 
 
-# ------------------------------------------------------------------ plait's own internals at a glance
-# Each use below names the torch versions it is tested on: torch 2.6, the floor (CI's torch 2.6 run
-# covers the strategies' tests), and 2.13, the pinned development torch (the whole suite), and the
-# condition for removing it. Imports from torch stay inside functions where a module is costly.
+# ------------------------------------------------------------------ private classes, ops and names
 
 # Classes torch keeps private but every library subclasses or tests against: the common base of
 # BatchNorm1d/2d/3d (what `SyncBatchNorm.convert_sync_batchnorm` converts, as torch's own does) and
-# of every dropout layer (what `plait.rng` finds to fork the random stream for). Tested on 2.6 and
-# 2.13; can go when torch exports a public base (or each conversion lists the concrete classes).
+# of every dropout layer (what `plait.rng` finds to fork the random stream for). Both resolved at
+# import on 2.6 and 2.13; dropout's tested on 2.6 and 2.13 (tensor parallelism's random forks),
+# batch norm's on 2.13 (tests/test_sync_batchnorm.py). Can go when torch exports public bases.
 BatchNormBase = nn.modules.batchnorm._BatchNorm
 DropoutBase = nn.modules.dropout._DropoutNd
 
 # The fused multi-tensor norm torch's own clip_grad_norm_ calls (one kernel per device and dtype);
-# `plait.placement.pieces` must recognise it among the norms it refuses on pieces. Tested on 2.6 and
-# 2.13; can go when clip_grad_norm_ calls a public function only.
+# `plait.placement.pieces` must recognise it among the norms it refuses on pieces. Resolved at import
+# on 2.6 and 2.13, the refusal tested on 2.13 (tests/test_torch_tools.py); can go with the refusals,
+# once tp pieces are DTensors for every torch tool.
 foreach_norm = torch._foreach_norm
 
 # The CPU flash-attention kernels scaled_dot_product_attention dispatches to on CPU (the forward also
 # returns the log-sum-exp per row that ring attention merges blocks with, and its backward takes it).
 # Context parallelism calls them; `plait plan` gives them a FLOP formula. No public op returns the
-# log-sum-exp. Tested on 2.6 and 2.13; can go when torch offers attention with its log-sum-exp
-# (torch.nn.attention's flex attention returns it, but not on the meta device nor as fast on CPU).
+# log-sum-exp. Tested on 2.6 and 2.13 (tests/test_context_parallel.py); can go when a public
+# attention op returns its log-sum-exp on CPU.
 cpu_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 cpu_flash_attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -273,9 +293,10 @@ def caller_frame(depth: int) -> FrameType | None:
 
     plait walks frames to name the user's line a collective came from (desync reports), which library
     code made a tensor without a device (`plait.testing.DeviceAudit`) and which torch module calls a
-    norm on a tp piece (`plait.placement.pieces`). ``inspect.currentframe`` is the same call and
-    CPython-only too; ``inspect.stack`` reads every frame's source (far too slow per op). Not a torch
-    API: works on CPython 3.10 to 3.13 with torch 2.6 and 2.13; can go where the frame walks go."""
+    norm on a tp piece (`plait.placement.pieces`). ``sys._getframe(n)`` skips ``n`` frames in C;
+    ``inspect.stack`` reads every frame's source (far too slow per collective). A CPython API, not
+    torch's: tested on 2.6 and 2.13 (every collective names its call site); can go for
+    ``inspect.currentframe()`` and ``f_back`` if a Python without it must be supported."""
     try:
         return sys._getframe(depth + 1)
     except ValueError:  # fewer frames than asked for
@@ -290,44 +311,47 @@ def set_class(obj: Any, cls: type) -> None:
     (`plait.callable_module`), an embedding whose lookup tensor parallelism replaces (`plait.tp.styles`,
     a subclass of its own class made per module), and a DTensor gradient marked as a tp piece (the
     optimizer and ``.grad`` hold it). CPython allows the swap between classes of the same layout
-    (torch's tensor subclasses share theirs). Tested on torch 2.6 and 2.13; can go when each has a
-    public route (modules: PEP 562 covers attributes but not ``__call__``)."""
+    (torch's tensor subclasses share theirs). Tested on 2.6 and 2.13; can go when each has another
+    route (a callable module: PEP 562 covers a module's attributes, not its call; the gradient: a
+    DTensor placement torch's tools read)."""
     obj.__class__ = cls
 
 
 def module_initializing(module: Any) -> bool:
     """Whether ``module`` is being executed right now by an import (importlib sets its spec's
     ``_initializing`` meanwhile). `plait`'s lazy names must not load every name while one of its
-    modules is half-run. CPython 3.10 to 3.13 (importlib's own check for circular imports); can go
-    when `plait/__init__` imports its names eagerly."""
+    modules is half-run. A CPython API (importlib's own check for circular imports), not torch's:
+    tested on 2.6 and 2.13; can go when `plait/__init__` imports its names eagerly."""
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def drop_library(lib: torch.library.Library) -> None:
     """Remove the kernels ``lib`` registered (torch.library has no public unregister: a Library is
     dropped only with the process, or by its private ``_destroy``). `plait plan` registers a meta
-    kernel for the length of a rehearsal. Tested on 2.6 and 2.13; can go when torch.library gains a
-    public removal (or a context-managed registration)."""
+    kernel for the length of a rehearsal. Tested on 2.13 (tests/test_plan.py; the 2.6 run does not
+    reach it); can go when torch.library gains a public removal."""
     lib._destroy()
 
 
 def storage_id(storage: torch.UntypedStorage) -> int:
     """What tells storages apart while both live (its C++ address): views of one storage share it.
-    Tested on 2.6 and 2.13; can go when storages expose a public identity."""
+    Tested on 2.13 (`plait plan`'s memory tracker; the 2.6 run does not reach it); can go when
+    storages expose a public identity."""
     return int(storage._cdata)
 
 
 def weak_storage_nbytes(ref: Any) -> int:
     """The current size of the storage a ``torch.multiprocessing.reductions.StorageWeakRef`` holds
     (alive: check ``ref.expired()`` first), read without making a strong reference last. How torch's
-    own memory tooling reads it; tested on 2.6 and 2.13; can go when StorageWeakRef has a size."""
+    own memory tooling reads it. Tested on 2.13 (as `storage_id`); can go when StorageWeakRef has a
+    size."""
     return int(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes())
 
 
 def dtensor_local(t: Any) -> torch.Tensor | None:
     """The local tensor behind a DTensor (or a subclass that wraps one the same way), else None,
     without dispatching (``to_local()`` is an op: inside a dispatch mode it would be seen again).
-    Tested on 2.6 and 2.13; can go when DTensor exposes its local tensor as an attribute."""
+    Tested on 2.13 (as `storage_id`); can go when DTensor exposes its local tensor without an op."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else None
 
@@ -339,8 +363,8 @@ def wrap_apply(module: nn.Module, wrapper: Callable[..., nn.Module]) -> None:
 
     Tensor parallelism's DTensor parameters are rebuilt around the converted local tensors there: the
     conversion has no public hook (``register_module_parameter_registration_hook`` sees assignments,
-    not conversions). Tested on 2.6 and 2.13; can go when parameters are plain DTensors that torch's
-    own ``_apply`` converts in place (torch.__future__ swap_module_params_on_conversion for DTensor)."""
+    not conversions). Tested on 2.6 and 2.13; can go when torch's own ``_apply`` converts a DTensor
+    parameter in place (keeping the parameter object an optimizer holds)."""
     if "_apply" not in module.__dict__:
         module._apply = functools.partial(wrapper, module, type(module)._apply.__get__(module))  # type: ignore[method-assign]
 
@@ -352,22 +376,24 @@ def unwrap_apply(module: nn.Module) -> None:
 
 # The child name under which torch.compile's wrapper (OptimizedModule) holds the module it compiled:
 # its state-dict keys and module names carry it (``layers.3._orig_mod.attn``), and torch's own
-# state-dict helpers drop it as `plait.names` does. Tested on 2.6 and 2.13; must follow torch if
-# OptimizedModule renames it, can go when compiled modules keep their original names.
+# state-dict helpers drop it as `plait.names` does. Tested on 2.6 and 2.13 (tests/test_state_dict.py
+# compiles blocks); must follow torch if OptimizedModule renames it, can go when compiled modules keep
+# their original names.
 COMPILED_CHILD = "_orig_mod"
 
 
 def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
     """The compiled call ``module.compile()`` set on ``module`` (its forward, compiled, that
     ``module(...)`` runs instead of the plain one), or None when it was not compiled in place.
-    Tested on 2.6 and 2.13; can go when torch exposes the compiled call or hooks around it."""
+    Tested on 2.6 (FSDP asks it of every unit) and 2.13 (tests/test_compile.py); can go when torch
+    exposes the compiled call or hooks around it."""
     return getattr(module, "_compiled_call_impl", None)
 
 
 def set_compiled_call(module: nn.Module, call: Callable[..., Any]) -> None:
     """Replace the call ``module.compile()`` set (see `compiled_call`): FSDP gathers and reshards
-    around it so that the compiled block stays one graph, as torch's FSDP2 does. Tested on 2.6 and
-    2.13; can go with `compiled_call`."""
+    around it so that the compiled block stays one graph, as torch's FSDP2 does. Tested on 2.13
+    (tests/test_compile.py); can go with `compiled_call`."""
     module._compiled_call_impl = call
 
 
@@ -379,8 +405,9 @@ def every_optimizer_step(hook: Callable[..., Any], *, after: bool) -> Any:
     but a registry global to the process, shared by every optimizer and every library: kept here so
     that what plait installs there is listed in one place. tp pieces use it to meet an optimizer the
     user made (to give its state dict full tensors); the MoE statistics to learn where a step ends.
-    Tested on 2.6 and 2.13; can go when parameters are DTensors for every optimizer and the MoE
-    statistics are told the step by the training loop."""
+    Tested on 2.6 and 2.13 (tensor parallelism's optimizer state) and on 2.13 (tests/test_moe.py);
+    can go when tp pieces are DTensors for every optimizer and the MoE statistics are told the step
+    by the training loop."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     return (register_optimizer_step_post_hook if after else register_optimizer_step_pre_hook)(hook)
