@@ -78,8 +78,8 @@ NOT_PORTED = {
         "HSDP meshes without names); plait builds its units itself and takes a plait.Mesh",
     "test_fully_shard_comm.py (the rest)":
         "FSDP2's internal collectives (foreach_all_gather / foreach_reduce at world 128 on threads, "
-        "chunk_cat kernels, symmetric memory), reduce-scatter buffer caps and divide factors, and event "
-        "orders that patch FSDPParamGroup with activation-checkpoint wrappers and fused groups (CUDA/NCCL)",
+        "chunk_cat kernels, symmetric memory), reduce-scatter buffer caps, and event orders that patch "
+        "FSDPParamGroup with activation-checkpoint wrappers and fused groups (CUDA/NCCL)",
     "test_fully_shard_fuse.py (every test)":
         "fully_shard([a, b]) fuses several modules into one communication group; plait's unit is one module",
     "test_fully_shard_block_shard.py (every test)":
@@ -1477,3 +1477,46 @@ def test_checkpoint_and_fully_shard(pools):
     for out in pools[2].run(_checkpoint_and_policy):
         assert out["c2"] == [("root", f32), ("c1", f32), ("c2", f16), ("c2", f16)], out
         assert out["c2.lin"] == [("root", f32), ("c1", f32), ("c2", f16)], out
+
+
+def _divide_factor() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    world = dist.get_world_size()
+    for factor in (2.0 * world, float(world), 1.0):
+        torch.manual_seed(42)
+        ref = WithHead().double()
+        net = _fsdp(copy.deepcopy(ref), 3)
+        net.set_gradient_divide_factor(factor)  # the root unit: the head
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref)]
+        worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+        for step in range(2):
+            x, mine = _batch(step)
+            for opt in opts:
+                opt.zero_grad()
+            net(mine).sum().backward()
+            ref(x).sum().backward()  # the sum of the ranks' gradients
+            for name, p in ref.named_parameters():
+                p.grad /= factor if name.startswith("head.") else world
+            r = _compare(net, ref)
+            worst.update(param=max(worst["param"], r["param"]), grad=max(worst["grad"], r["grad"]),
+                         none=worst["none"] + r["none"])
+            for opt in opts:
+                opt.step()
+        out[str(factor)] = worst
+    try:
+        net.set_gradient_divide_factor(0)
+    except ValueError as e:
+        out["refused"] = str(e).split(":")[0]
+    return out
+
+
+def test_set_gradient_divide_factor(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_comm.py::TestFullyShardCommunication::test_set_reduce_scatter_divide_factor
+
+    ``set_gradient_divide_factor(f)`` on the wrapper divides the root unit's reduced gradients (here
+    the head's) by ``f`` instead of the number of ranks, the blocks' stay averaged; training with
+    SGD matches one process given the same divisions. A factor that is not > 0 is refused."""  # noqa: E501
+    for out in pools[2].run(_divide_factor):
+        assert out.pop("refused") == "FullyShardedDataParallel.set_gradient_divide_factor", out
+        for factor, r in out.items():
+            assert _ok(r), (factor, r)

@@ -83,6 +83,15 @@ class _Controls:
         for u in self._reach(recurse):
             u.reshard_after_backward = bool(reshard_after_backward)
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's reduced gradients by ``factor`` instead of the number of data ranks
+        (the sum over ranks / ``factor``); as FSDP2's, it applies to this unit alone."""
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+            raise ValueError(f"FullyShardedDataParallel.set_gradient_divide_factor: factor must be a number "
+                             f"> 0, got {factor!r}")
+        for flat in self._target().flats:
+            flat.cfg.divide_factor = float(factor)
+
     def set_modules_to_forward_prefetch(self, modules: Iterable[nn.Module | str]) -> None:
         """ZeRO-3: issue the all-gathers of these units (modules that are units of this wrapper, or
         their names) at this unit's pre-forward, in this order, instead of the next unit of the

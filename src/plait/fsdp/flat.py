@@ -130,6 +130,7 @@ class ShardCfg:
     reduce_dtype: torch.dtype | None  # gradient reduction dtype (None: gradient's dtype)
     offload: bool
     placing: Placing | None = None  # set by the wrapper before the flats are built
+    divide_factor: float | None = None  # reduced gradients are divided by this (None: the ranks' count)
 
 
 def _lay_out(slots: list[Slot], world: int) -> int:
@@ -588,7 +589,7 @@ class FlatParam:
         if self.cfg.dp_group is not None:
             with comm.operation(f"FSDP gradient all-reduce over dp of {self.label}"):
                 comm.all_reduce(red, self.cfg.dp_group)  # replicas hold the same slice: plain all-reduce
-        red.div_(self.cfg.world * self.cfg.replicas)
+        red.div_(self.cfg.divide_factor or self.cfg.world * self.cfg.replicas)
         if self.cfg.offload:
             # (On a CPU-only machine offload still makes the copy, so the data path is exercised.)
             self.offload_bytes["to_host"] += red.numel() * self.shard.element_size()
