@@ -123,6 +123,8 @@ class PendingCheck:
     after: bool = False  # compared after the calls ran (`verify_history`), not before
 
     def verify(self) -> None:
+        """Wait for the comparison; raise `CollectiveError` naming the first differing call if the
+        ranks' fingerprints differ."""
         try:
             if self.work is not None:
                 start = time.perf_counter()
@@ -144,6 +146,7 @@ class Handle:
         self._work, self._what, self._on_fail, self._check = work, what, on_fail, check
 
     def wait(self) -> None:
+        """Wait for the desync verdict, then for the data; a failure raises `CollectiveError`."""
         if self._check is not None:  # the desync verdict comes before the result is used
             check, self._check = self._check, None
             check.verify()

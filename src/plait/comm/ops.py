@@ -90,9 +90,10 @@ def all_reduce(
     async_op: bool = False,
     checked: bool = True,
 ) -> Handle | None:
-    """In-place all-reduce of ``t`` across ``group``. A one-rank group neither launches nor counts
-    anything: its all-reduce is the identity, and counting it would make the statistics claim
-    collectives that never happen.
+    """In-place all-reduce of ``t`` across ``group``: every rank ends with the reduction of every
+    rank's ``t``; under the ring algorithm each rank sends 2(n-1)/n of ``t``. A one-rank group
+    neither launches nor counts anything: its all-reduce is the identity, and counting it would
+    make the statistics claim collectives that never happen.
 
     ``checked=False`` records the call without comparing fingerprints now: for a run of
     collectives whose last one is checked, and whose results are used only after that check's
@@ -112,7 +113,8 @@ def all_gather_into(
     out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> Handle | None:
-    """Gather equal ``shard``s from every rank into the flat ``out`` (rank order, dim 0)."""
+    """Gather equal ``shard``s from every rank into the flat ``out`` (rank order, dim 0): each rank
+    receives every other rank's shard, (n-1)/n of ``out``."""
     n = _n(group)
     record("all_gather", group, out.numel() * out.element_size(), (n - 1) / n)
     if n == 1:
@@ -128,7 +130,8 @@ def reduce_scatter_into(
     out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False,
 ) -> Handle | None:
-    """Reduce ``full`` across ranks; rank i keeps chunk i (along dim 0) in ``out``."""
+    """Reduce ``full`` across ranks; rank i keeps chunk i (along dim 0) in ``out``: each rank sends
+    (n-1)/n of ``full``."""
     n = _n(group)
     record("reduce_scatter", group, full.numel() * full.element_size(), (n - 1) / n)
     if n == 1:
@@ -184,7 +187,7 @@ def reduce_scatter_consuming(
 def broadcast(
     t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> Handle | None:
-    """Broadcast ``t`` from global rank ``src`` to every rank of ``group``."""
+    """Broadcast ``t`` from global rank ``src`` to every rank of ``group`` (all of ``t`` moves)."""
     n = _n(group)
     record("broadcast", group, t.numel() * t.element_size(), 1.0 if n > 1 else 0.0)
     if n == 1:
@@ -196,7 +199,8 @@ def broadcast(
 
 @eager
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Gather a picklable object from every rank (used for metadata checks, not tensors)."""
+    """Gather a picklable object from every rank (used for metadata checks, not tensors): each rank's
+    pickled object reaches every rank; counted as a call of no bytes."""
     n = _n(group)
     record("all_gather_object", group, 0, 0.0)
     if n == 1:
@@ -209,6 +213,8 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
 
 @eager
 def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of ``group`` has reached this call (no data moves); checked, not
+    counted."""
     if _n(group) > 1:
         _run("barrier", None, group, lambda: dist.barrier(group=group), False)
 

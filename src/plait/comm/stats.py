@@ -25,6 +25,8 @@ from plait.comm.groups import group_label
 
 @dataclass
 class OpStats:
+    """One collective's counts on one axis."""
+
     calls: int = 0
     bytes: int = 0  # logical payload: the full tensor reduced / gathered / sent
     wire_bytes: float = 0.0  # bytes one rank sends under the ring algorithm
@@ -37,6 +39,8 @@ class CommStats:
     ops: dict[tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
 
     def total(self, op: str | None = None, axis: str | None = None, key: str = "bytes") -> float:
+        """The sum of ``key`` ("bytes", "wire_bytes" or "calls") over the collective ``op`` and the
+        axis ``axis`` (None: every one)."""
         return sum(
             getattr(s, key)
             for (o, a), s in self.ops.items()
@@ -44,9 +48,11 @@ class CommStats:
         )
 
     def calls(self, op: str | None = None, axis: str | None = None) -> int:
+        """How many calls of ``op`` on ``axis`` (None: every one)."""
         return int(self.total(op, axis, key="calls"))
 
     def as_dict(self) -> dict[str, dict[str, float]]:
+        """{"all_reduce@dp": {"calls": ..., "bytes": ..., "wire_bytes": ...}, ...}, sorted."""
         return {f"{o}@{a}": vars(s).copy() for (o, a), s in sorted(self.ops.items())}
 
 
