@@ -7,6 +7,11 @@ For each stage the implementations are built in the same processes and their ste
 after warm-up (plait, DeepSpeed, and at stage 3 torch's FSDP2); peak memory is measured for each in
 fresh processes of its own, with one tracker of live tensor storage applied alike.
 
+With ``--ulysses``: plait's context parallelism with Ulysses all-to-alls (`ParallelPlan(cp="ulysses")`
+on ``Mesh(cp=2)``) against DeepSpeed-Ulysses (`deepspeed.sequence.layer.DistributedAttention` around
+the same GPT's attention, DeepSpeed's engine at ZeRO-0 averaging gradients over the two ranks) on
+the long-sequence setting of `plait bench cp`; if DeepSpeed's side fails, its exact error is reported.
+
 Reports, per stage: the median of the per-step ratios plait / DeepSpeed (and plait / FSDP2 at
 stage 3) with their spread, the peak live memory per rank, and the loss after the first and last
 step on each side (same initial values, same batch). Needs ``pip install deepspeed`` (the
@@ -28,6 +33,7 @@ from bench.common import alternate, gpt_config, markdown_table, median, paired_r
 from bench.live_memory import LiveStorageBytes
 
 MIB = 2**20
+CP_SIZES = {"model": "small", "seq_len": 1024, "batch": 2}  # plait bench cp's defaults
 BUCKET_ELEMENTS = 25 * MIB // 4
 
 
@@ -161,6 +167,98 @@ def pipeline_job(args: dict) -> dict:
     return {"times": times, "losses": losses, "starts": starts}
 
 
+class _UlyssesAttention(torch.nn.Module):
+    """plait GPT's attention computed as DeepSpeed-Ulysses computes it: this rank's contiguous chunk
+    of every sequence is projected, rotated at its global positions, and DeepSpeed's
+    `DistributedAttention` all-to-alls q, k and v to whole sequences over half the heads, runs the
+    causal kernel and all-to-alls the output back."""
+
+    def __init__(self, attn: torch.nn.Module, group: object) -> None:
+        from deepspeed.sequence.layer import DistributedAttention
+
+        super().__init__()
+        self.attn = attn
+        self.dist_attn = DistributedAttention(_causal_sdpa, group, scatter_idx=2, gather_idx=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        a = self.attn
+        b, s, _ = x.shape
+        start = dist.get_rank() * s  # contiguous chunks, in rank order
+        q, k, v = (proj(x).view(b, s, -1, a.head_dim) for proj in (a.q_proj, a.k_proj, a.v_proj))
+        q, k = a.rotary(q, start=start), a.rotary(k, start=start)
+        y = self.dist_attn(q, k, v, 0)  # (b, s, heads, head_dim): batch dim 0
+        return a.o_proj(y.reshape(b, s, -1))
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object,
+                 **kwargs: object) -> torch.Tensor:
+    """DeepSpeed's local attention: (batch, whole sequence, local heads, head_dim) in and out."""
+    import torch.nn.functional as F
+
+    y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+    return y.transpose(1, 2)
+
+
+def _deepspeed_ulysses(a: dict, x: torch.Tensor, y: torch.Tensor):
+    """DeepSpeed-Ulysses' step on this rank's contiguous chunk of every sequence (the batch whole)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    import plait
+    from plait.models.gpt import GPT, Attention, lm_loss
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = plait.init_weights(GPT(gpt_config(a)), 0)  # the values plait's meta-device init gives
+    group = dist.group.WORLD
+    for block in model.layers:
+        assert isinstance(block.attn, Attention)
+        block.attn = _UlyssesAttention(block.attn, group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    config = {"train_micro_batch_size_per_gpu": a["batch"], "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 0}, "zero_force_ds_cpu_optimizer": False,
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    mine = x.chunk(dist.get_world_size(), dim=1)[dist.get_rank()].contiguous()
+    target = y.chunk(dist.get_world_size(), dim=1)[dist.get_rank()].contiguous()
+    losses: list[float] = []
+
+    def step() -> None:
+        loss = lm_loss(engine(mine), target)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return step, losses
+
+
+def ulysses_job(a: dict) -> dict:
+    """plait's Ulysses context parallelism at cp 2 against DeepSpeed-Ulysses, steps alternating; if
+    DeepSpeed's side fails its first step, the error instead (raised alike on every rank)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from bench.cp import _global_batch, _plait
+    from plait.testing import cached_mesh
+
+    x, y = _global_batch(a)
+    runner = _plait(a, cached_mesh(cp=2), "ulysses", x, y)
+    try:
+        ds_step, ds_losses = _deepspeed_ulysses(a, x, y)
+        ds_step()
+    except Exception as e:  # noqa: BLE001 (reported, not hidden: the bench says it does not run)
+        return {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+    runner.step()  # the same number of steps on both sides before timing
+    times = alternate({"plait": runner.step, "deepspeed": ds_step}, warmup=a["warmup"], iters=a["iters"])
+    # Each rank's loss is over its own tokens: the mean over the ranks is the global batch's.
+    import torch.distributed as dist
+
+    means = {}
+    for side, ls in (("plait", runner.losses), ("deepspeed", ds_losses)):
+        t = torch.tensor(ls, dtype=torch.float64)
+        dist.all_reduce(t)
+        means[side] = (t / dist.get_world_size()).tolist()
+    return {"times": times, "losses": means}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="plait bench deepspeed", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="25m", help="GPT preset (default 25m)")
@@ -173,6 +271,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--pipeline", action="store_true",
                    help="also 1F1B at pp 2 against DeepSpeed's pipeline engine")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (default 4)")
+    p.add_argument("--ulysses", action="store_true",
+                   help="also plait's cp=2 with Ulysses against DeepSpeed-Ulysses (plait bench cp's sizes)")
     p.add_argument("--no-write", action="store_true", help="print only; do not update bench/results")
     a = p.parse_args(argv)
     try:
@@ -190,6 +290,8 @@ def main(argv: list[str]) -> int:
     try:
         timing = pool.run(timing_job, args)[0]
         piped = pool.run(pipeline_job, args)[0] if a.pipeline else None
+        uly_args = {**CP_SIZES, "iters": a.iters, "warmup": a.warmup}
+        ulysses = pool.run(ulysses_job, uly_args)[0] if a.ulysses else None
     finally:
         pool.close()
     mem: dict[tuple[int, str], int] = {}
@@ -201,7 +303,9 @@ def main(argv: list[str]) -> int:
             finally:
                 pool.close()
     args["load"] = (load0, os.getloadavg()[0])
-    body = _report(args, timing, mem, time.time() - t0) + (_pipeline_report(args, piped) if piped else "")
+    body = (_report(args, timing, mem, time.time() - t0) if args["stages"] else "")
+    body += _pipeline_report(args, piped) if piped else ""
+    body += _ulysses_report(uly_args, ulysses) if ulysses else ""
     print(body)
     if not a.no_write:
         write_section("deepspeed", "ZeRO 1/2/3: plait against DeepSpeed (and FSDP2)", body,
@@ -246,6 +350,36 @@ rank-0 loss equals one process's on the same rows for two steps, then is lower (
 at step 3), alike at ZeRO stages 0, 1 and 3 and with DeepSpeed's own optimizer entry (torch_adam):
 DeepSpeed does not reproduce one process here, while plait and FSDP2 do. Its step still does the
 same work (forward, backward, the same collectives, an AdamW step), which is what is timed.
+"""
+
+
+def _ulysses_report(a: dict, out: dict) -> str:
+    head = f"""
+### Sequence parallelism: plait's cp with Ulysses against DeepSpeed-Ulysses
+
+GPT preset `{a['model']}`, {a['batch']} sequences of {a['seq_len']} tokens (`plait bench cp`'s setting), world
+2. plait: `ParallelPlan(cp="ulysses")` on `Mesh(cp=2)` (each rank holds the zigzag halves of every
+sequence; all-to-alls of q, k, v and the output in each attention; its DDP over cp). DeepSpeed:
+`deepspeed.sequence.layer.DistributedAttention` around the same attention projections and kernel
+(each rank holds one contiguous half of every sequence), its engine at ZeRO-0 averaging gradients
+over the two ranks. torch's AdamW on both, steps alternating as above.
+"""
+    if "error" in out:
+        return head + f"\nDeepSpeed-Ulysses does not run here: `{out['error']}`\n"
+    t, losses = out["times"], out["losses"]
+    r = spread(paired_ratios(t["plait"], t["deepspeed"]))
+    row = ["Ulysses, cp 2", median(t["plait"]), median(t["deepspeed"]), r.median,
+           f"{r.p25:.3f}-{r.p75:.3f}; {r.p10:.3f}-{r.p90:.3f}",
+           f"{losses['plait'][0]:.4f} / {losses['deepspeed'][0]:.4f}",
+           f"{losses['plait'][-1]:.4f} / {losses['deepspeed'][-1]:.4f}"]
+    table = markdown_table(["sequence parallelism", "plait step (s)", "DeepSpeed step (s)",
+                            "step ratio (median of pairs)", "ratio IQR; p10-p90",
+                            "loss step 1 (plait / DeepSpeed)", "last step"], [row])
+    return head + f"""
+{table}
+
+Losses are the mean over the two ranks of each rank's own tokens' loss: the global batch's, the same
+initial values and tokens on both sides.
 """
 
 
