@@ -411,3 +411,27 @@ def every_optimizer_step(hook: Callable[..., Any], *, after: bool) -> Any:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     return (register_optimizer_step_post_hook if after else register_optimizer_step_pre_hook)(hook)
+
+
+# ------------------------------------------------------------------ tensor and module internals
+def version_of(t: torch.Tensor) -> int:
+    """The in-place version counter of ``t`` (bumped by every in-place op on its storage), as
+    autograd's own saved-tensor check reads it: selective activation checkpointing keeps an output
+    only while nothing has written over it or its inputs. Tested on 2.6 and 2.13 (the checkpointing
+    tests on 2.13); can go when torch exposes the counter publicly."""
+    return int(t._version)
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor (shares its base's storage), as autograd tracks it.
+    Tensor parallelism copies a view before a custom Function returns it in place of its input.
+    Tested on 2.6 and 2.13; can go when torch exposes the view relation publicly (``t._base`` is
+    private too)."""
+    return bool(t._is_view())
+
+
+def forward_pre_hooks(module: nn.Module) -> list[Callable[..., Any]]:
+    """The forward pre-hooks registered on ``module``, in order (torch lists them nowhere publicly):
+    activation checkpointing finds tensor parallelism's random-stream hooks among them. Tested on 2.6
+    and 2.13; can go when the random streams are recorded on the module by the code that adds them."""
+    return list(module._forward_pre_hooks.values())

@@ -67,7 +67,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from plait._torch_compat import TorchDispatchMode, map_tensors, tensors_in
+from plait._torch_compat import TorchDispatchMode, forward_pre_hooks, map_tensors, tensors_in, version_of
 from plait.blocks import DESCRIBED
 from plait.blocks import blocks as repeated_blocks
 from plait.callable_module import make_callable
@@ -215,7 +215,7 @@ def _forks(module: nn.Module, name: str, inside: bool = True) -> list[RNGFork]:
     called on an enclosing module (``inside=False``), or while one of the streams is entered."""
     found: dict[int, RNGFork] = {}
     for m in module.modules() if inside else [module]:
-        for hook in m._forward_pre_hooks.values():
+        for hook in forward_pre_hooks(m):
             if (fork := fork_of(hook)) is not None:
                 found[id(fork)] = fork
     for fork in found.values():
@@ -278,7 +278,7 @@ class _Frame:
                  rng: _RandomState) -> None:
         self.state, self.rng = state, rng
         self.inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = (args, kwargs)
-        self.versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+        self.versions = [version_of(a) if isinstance(a, torch.Tensor) else None for a in args]
         self.holders: list[weakref.ref[_Holder]] = []
         self.shapes: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         # Recomputed tensors, dropped with their placeholders (when autograd frees the graph nodes).
@@ -313,7 +313,7 @@ class _Frame:
         assert self.inputs is not None
         args, kwargs = self.inputs
         for i, (a, v) in enumerate(zip(args, self.versions)):
-            if isinstance(a, torch.Tensor) and a._version != v:
+            if isinstance(a, torch.Tensor) and version_of(a) != v:
                 raise RuntimeError(f"activation checkpointing of {self.state.name!r}: its input #{i} was "
                                    "modified in place since its forward began (by the block or after it), so "
                                    "a recomputation would not start from the same values; keep the input "
@@ -363,7 +363,7 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 def _kept(out: Any) -> tuple[Any, list[tuple[torch.Tensor, int]]]:
     """An op's output as kept (detached aliases) and each tensor's version counter at that moment."""
     out = map_tensors(torch.Tensor.detach, out)
-    return out, [(t, t._version) for t in tensors_in(out)]
+    return out, [(t, version_of(t)) for t in tensors_in(out)]
 
 
 class _Keep(TorchDispatchMode):
@@ -394,7 +394,7 @@ class _Reuse(TorchDispatchMode):
             i = self.calls.get(func, 0)
             self.calls[func] = i + 1
             outs = self.kept.get(func, [])
-            if i < len(outs) and all(t._version == v for t, v in outs[i][1]):
+            if i < len(outs) and all(version_of(t) == v for t, v in outs[i][1]):
                 return map_tensors(torch.Tensor.detach, outs[i][0])
         return func(*args, **(kwargs or {}))
 

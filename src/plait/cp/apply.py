@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from plait._torch_compat import eager
+from plait._torch_compat import eager, version_of
 from plait.cp.gather import allgather_attention, ulysses_attention
 from plait.cp.group import CPGroup
 from plait.cp.layout import Layout
@@ -112,10 +112,10 @@ def _mask_verdict(mask: torch.Tensor, queries: int, keys: int, window: int | Non
     key = (queries, keys, window)
     if _last_mask is not None:
         ref, version, seen_key, verdict = _last_mask
-        if ref() is mask and version == mask._version and seen_key == key:
+        if ref() is mask and version == version_of(mask) and seen_key == key:
             return verdict
     verdict = _plain_causal(mask, queries, keys, window)
-    _last_mask = (weakref.ref(mask), mask._version, key, verdict)
+    _last_mask = (weakref.ref(mask), version_of(mask), key, verdict)
     return verdict
 
 

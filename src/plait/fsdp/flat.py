@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from plait import comm, faults
+from plait._torch_compat import version_of
 from plait.dtensors import contiguous_stride
 
 __all__ = ["Slot", "FlatParam", "GRAD_HOOKS_ATTR"]
@@ -188,7 +189,7 @@ class FlatParam:
         self.sync_requires_grad()
         # The leaves' version counters as FSDP last saw them: a change means a write through the
         # module attributes outside forward (`write_back`).
-        self.leaf_versions = [leaf._version for leaf in self.leaves]
+        self.leaf_versions = [version_of(leaf) for leaf in self.leaves]
         # The flat vector of this rank's reduced gradient chunks and the parameters' DTensor
         # gradients on it, as last installed (weak: the parameters' .grad owns them).
         self._grad_flat: Callable[[], torch.Tensor | None] = lambda: None
@@ -314,7 +315,7 @@ class FlatParam:
         """Changes whenever the shard's values may have: an in-place op on a DTensor parameter
         (the optimizer's step, a load into ``state_dict()``) bumps the DTensor's version, not its
         local tensor's, so both are read."""
-        return self.shard._version + sum(p._version for p in self.params)
+        return version_of(self.shard) + sum(version_of(p) for p in self.params)
 
     def needs_gather(self) -> bool:
         return self._handle is None and not (self.gathered and self.gathered_version == self._version())
@@ -374,13 +375,13 @@ class FlatParam:
         is what the optimizer, the state dicts and the next gather read, so the write would be lost."""
         if not self.gathered or self._handle is not None:
             return
-        changed = [i for i, leaf in enumerate(self.leaves) if leaf._version != self.leaf_versions[i]]
+        changed = [i for i, leaf in enumerate(self.leaves) if version_of(leaf) != self.leaf_versions[i]]
         with torch.no_grad():
             for i in changed:
                 s, leaf = self.slots[i], self.leaves[i]
                 a, b = s.rows_of(self.cfg.rank)
                 self.local(i).copy_(leaf if s.replicated else leaf[a:b])
-        self.leaf_versions = [leaf._version for leaf in self.leaves]
+        self.leaf_versions = [version_of(leaf) for leaf in self.leaves]
 
     def reshard(self) -> None:
         """Free the gathered parameters (ZeRO-3); the shard stays."""

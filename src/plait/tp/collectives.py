@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from plait import faults
-from plait._torch_compat import functional_collectives
+from plait._torch_compat import functional_collectives, is_view
 from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
@@ -71,7 +71,7 @@ def fresh(x: torch.Tensor) -> torch.Tensor:
     autograd, which cannot rewrite a custom Function's backward for a view (a copy of b*s*h/tp)."""
     if _tracing():  # the graph's copy; the compiler drops it where nothing needs it
         return x.clone(memory_format=torch.contiguous_format)
-    return x.clone(memory_format=torch.contiguous_format) if x._is_view() else x.contiguous()
+    return x.clone(memory_format=torch.contiguous_format) if is_view(x) else x.contiguous()
 
 
 def _summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
