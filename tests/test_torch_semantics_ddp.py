@@ -60,8 +60,12 @@ NOT_PORTED = {
     f"{GLOO}::test_save_load_checkpoint": "CUDA only; plait's state_dict round trip is in test_checkpoint",
     f"{GLOO}::test_ddp_comm_hook_future_passing_gpu_gloo": "CUDA half of the CPU test ported",
     f"{GLOO}::test_ddp_comm_hook_sparse_gradients": "plait refuses a comm hook with sparse gradients",
-    f"{GLOO}::test_sparse_gradients_grad_is_view": "no gradient_as_bucket_view: .grad is a view",
-    f"{GLOO}::test_gloo_backend_cpu_module_grad_is_view": "gradient_as_bucket_view is not an option",
+    f"{GLOO}::test_sparse_gradients_grad_is_view":
+        "the argument is refused by name: plait's dense .grad is always a bucket view (torch's True), "
+        "sparse gradients never are; test_sparse_gradients' port covers both",
+    f"{GLOO}::test_gloo_backend_cpu_module_grad_is_view":
+        "the argument is refused by name: plait's .grad is always a bucket view (torch's True), which "
+        "test_gloo_backend_cpu_module's port runs with",
     f"{SRC}::test_detect_ddp_is_actually_static": "reads torch's DDP logger (can_set_static_graph)",
     f"{SRC}::test_sync_bn_logged": "torch's DDP logger",
     f"{SRC}::test_ddp_sync_bn_training_vs_eval": "profiler event names of torch's SyncBatchNorm",
@@ -75,7 +79,8 @@ NOT_PORTED = {
     f"{SRC}::test_ddp_sync_module_states": "torch's private _sync_module_states helper",
     f"{SRC}::test_skip_all_reduce_unused_parameters": "torch's reducer option skip_all_reduce_unused_params",
     f"{SRC}::test_dump_DDP_relevant_env_vars": "prints torch's private _dump_DDP_relevant_env_vars",
-    f"{SRC}::test_DistributedDataParallelCPU_grad_is_view": "gradient_as_bucket_view is not an option",
+    f"{SRC}::test_DistributedDataParallelCPU_grad_is_view":
+        "the argument is refused by name: plait's .grad is always a bucket view (torch's True)",
     f"{SRC}::test_get_data_parallel_params": "torch's private _get_data_parallel_params, on CUDA",
     f"{SRC}::test_ddp_apply_optim_in_backward_grad_as_bucket_view_false":
         "torch's private _apply_optimizer_in_backward, on CUDA",
