@@ -164,3 +164,13 @@ def test_heal_flags_need_heal():
 
     with pytest.raises(ValueError, match="--heal-timeout applies to --heal only"):
         TrainConfig.from_flags(heal_timeout=3.0, max_bytes=200000)
+
+
+def test_a_state_transfer_waits_for_every_member_through_the_store_and_not_for_the_dead():
+    store = dist.HashStore()
+    epoch = Epoch(3, (0, 1), 0, me=0)
+    store.add("heal/settled/3", 1)  # member 1 is done
+    Quorum(store, 0, bound_s=1).settle(epoch, bound_s=5)
+    store.set("heal/dead/1", "-9")
+    with pytest.raises(RuntimeError, match=r"replicas \[1\] died"):
+        Quorum(store, 0, bound_s=1).settle(Epoch(4, (0, 1), 0, me=0), bound_s=5)

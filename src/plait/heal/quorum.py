@@ -152,6 +152,21 @@ class Quorum:
                           f"{list(decided.members)}): it answered after the {self.bound_s:g} s bound")
         return decided
 
+    def settle(self, epoch: Epoch, bound_s: float) -> None:
+        """Wait, through the store, until every member of ``epoch`` is done with the state transfer: the
+        members not in it must not wait in a collective that times out while a large model moves.
+        Raises when a member died meanwhile, or after ``bound_s``."""
+        key = f"heal/settled/{epoch.number}"
+        self.store.add(key, 1)
+        deadline = time.monotonic() + bound_s
+        while int(self.store.add(key, 0)) < epoch.size:
+            dead = [m for m in epoch.members if self.store.check([f"heal/dead/{m}"])]
+            if dead or time.monotonic() > deadline:
+                why = f"replicas {dead} died" if dead else f"not within {bound_s:g} s"
+                raise RuntimeError(f"plait.heal: the state transfer of epoch {epoch.number} did not finish "
+                                   f"on every member ({why})")
+            time.sleep(_POLL_S)
+
     def _answered(self, number: int, member: int) -> bool:
         return bool(self.store.check([f"heal/alive/{number}/{member}"])
                     or self.store.check([f"heal/dead/{member}"]))

@@ -35,6 +35,7 @@ __all__ = ["Replicas", "split", "FAILURES"]
 # ValueError torch 2.13 raises while naming a group outside its world map.
 FAILURES: tuple[type[BaseException], ...] = (comm.CollectiveError, RuntimeError, ValueError)
 MAX_RETRIES = 4  # failed attempts at one step before the error is taken for a bug, not a peer
+SETTLE_S = 120.0  # the longest a state transfer may take (at least 10 x the collective timeout)
 
 log = logging.getLogger("plait.heal")
 
@@ -125,12 +126,14 @@ class Replicas:
         comm.all_reduce(steps, self.group)
         ahead = int(steps.argmax())
         behind = [r for r in range(self.epoch.size) if steps[r] < steps[ahead]]
+        received = self.epoch.rank in behind
         if self.epoch.rank == ahead and behind:
             send_state(self.group, state, behind)
-        elif self.epoch.rank in behind:
+        elif received:
             recv_state(self.group, state, ahead)
-            return True
-        return False
+        if behind:
+            self.quorum.settle(self.epoch, max(SETTLE_S, 10 * self.timeout_s))
+        return received
 
     def _next_epoch(self, epoch: Epoch, state: LiveState) -> Epoch:
         try:
