@@ -402,6 +402,23 @@ COMPAT = "plait._torch_compat"
 _PRIVATE_TORCH_PATH = re.compile(r"torch(\.\w+)*\._[A-Za-z0-9]\w*")  # "torch.optim._muon", "torch._C"
 
 
+# Private members of torch's tensors, modules and helpers, read on objects a name alone does not show
+# to be torch's: flagged on anything but ``self`` / ``cls`` (plait's own classes reuse a few names).
+# nn.Module's ``_parameters``, ``_buffers`` and ``_modules`` dicts are not listed: the library reads and
+# writes them in some 70 places, as torch's own parallel wrappers do.
+TORCH_INTERNALS = frozenset({
+    "_version", "_is_view", "_base", "_local_tensor", "_spec", "_cdata", "_make_wrapper_subclass",
+    "_new_with_weak_ptr", "_execution_engine", "_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+    "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks", "_apply", "_compiled_call_impl",
+    "_orig_mod", "_replicate_for_data_parallel", "_destroy", "_initializing"})
+# What remains outside `plait._torch_compat`, each for a reason; the test fails when one goes (drop it).
+PRIVATE_LEFT = {
+    # FSDP's conversions override nn.Module._apply and call the base one (``.to()`` / ``.double()``
+    # rebuild the flat groups in place); an override cannot move into another module.
+    ("plait.fsdp.conversions", "super()._apply"),
+}
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
@@ -456,14 +473,17 @@ def _private_api_uses(tree: ast.Module) -> list[tuple[int, str]]:
     """(line, what) for each use of a private torch or CPython API in ``tree``: an import of a torch
     module path with a ``_`` component or of a ``_`` name from torch; a ``_`` attribute (read with a
     dot or with ``getattr`` and a literal) on a name bound to torch (a module or anything imported
-    from it), on ``sys`` or on a module's ``__spec__``; a string naming a private torch module; and
+    from it), on ``sys`` or on a module's ``__spec__``; one of `TORCH_INTERNALS` on anything but
+    ``self`` or ``cls``; a string naming a private torch module; and
     an assignment to an object's ``__class__`` (a tensor's or a module's class swapped)."""
     owners = _bound_to(tree, "torch") | _bound_to(tree, "sys")
 
     def private_on(owner: ast.expr, attr: object) -> bool:
         root = _root(owner)
+        own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
         return isinstance(attr, str) and _private(attr) and (
-            (isinstance(root, ast.Name) and root.id in owners) or _is_spec(owner))
+            (isinstance(root, ast.Name) and root.id in owners) or _is_spec(owner)
+            or (attr in TORCH_INTERNALS and not own))
 
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -498,7 +518,8 @@ m = "torch.optim._muon"
 i = getattr(getattr(mod, "__spec__", None), "_initializing", False)
 j = mod.__spec__._initializing
 t.__class__ = Sub
-ok = torch.__version__, nn.Linear, self._x, obj._parameters, "torch.optim.adam", sys.argv, "_x", vars(mod)
+v = (t._version, getattr(m, "_compiled_call_impl", None), super()._apply(fn))
+ok = torch.__version__, nn.Linear, self._x, obj._parameters, "torch.optim.adam", sys.argv, self._version
 """
 
 
@@ -506,7 +527,7 @@ def test_the_private_api_finder_sees_each_kind_of_use():
     """Each line of ``PLANTED`` after the plain imports is one use; the last line has none (dunders,
     public torch names, private names of objects that are not torch's, plain strings)."""
     found = _private_api_uses(ast.parse(PLANTED))
-    assert sorted({line for line, _ in found}) == [4, *range(6, 18)], found
+    assert sorted({line for line, _ in found}) == [4, *range(6, 19)], found
 
 
 def test_no_private_torch_or_cpython_api_outside_torch_compat():
@@ -514,6 +535,9 @@ def test_no_private_torch_or_cpython_api_outside_torch_compat():
     module, a class swapped on a live object, an import's ``__spec__._initializing``) sits in
     `plait._torch_compat`, with the torch versions it is tested on and when it can go: a torch
     release that breaks one breaks it in one file."""
-    bad = [f"{name}:{line}: {what}" for name, (tree, _) in _modules().items()
-           if name.startswith("plait") and name != COMPAT for line, what in _private_api_uses(tree)]
+    found = {(name, line, what) for name, (tree, _) in _modules().items()
+             if name.startswith("plait") and name != COMPAT for line, what in _private_api_uses(tree)}
+    bad = sorted(f"{name}:{line}: {what}" for name, line, what in found if (name, what) not in PRIVATE_LEFT)
     assert not bad, "\n".join(bad)
+    gone = PRIVATE_LEFT - {(name, what) for name, _, what in found}
+    assert not gone, f"no longer used, drop from PRIVATE_LEFT: {sorted(gone)}"
