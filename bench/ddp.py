@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -86,13 +88,24 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
 
     steps = {"plait": plait_step, "torch": _step_fn(theirs, opt_b, x, y), "plait_unchecked": unchecked,
              "plait_blamed": blamed, "alone": alone_step, "plait_in_backward": in_backward_step}
-    times = alternate(steps, warmup, iters)
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    times = alternate({name: _cpu_timed(fn, cpu[name]) for name, fn in steps.items()}, warmup, iters)
     with comm.counting() as counts:
         steps["plait"]()
     n_params = sum(p.numel() for p in ours.parameters())
     reduced = counts.total("all_reduce", "dp")
-    return {"times": times, "n_params": n_params, "bytes_ratio": reduced / (4 * n_params),
-            "buckets": len(ours._buckets)}
+    return {"times": times, "cpu": {name: xs[warmup:] for name, xs in cpu.items()}, "n_params": n_params,
+            "bytes_ratio": reduced / (4 * n_params), "buckets": len(ours._buckets)}
+
+
+def _cpu_timed(step: Callable[[], None], into: list[float]) -> Callable[[], None]:
+    """``step``, appending the CPU seconds this process spent in it (every thread: the training
+    thread and Gloo's) to ``into``. Other jobs on the machine stretch wall time, not this."""
+    def run() -> None:
+        start = time.process_time()
+        step()
+        into.append(time.process_time() - start)
+    return run
 
 
 def _memory(impl: str, preset: str, seq: int, global_batch: int, bucket_mb: float) -> float:
@@ -165,6 +178,10 @@ def main(argv: list[str]) -> int:
     alone = [a / b for a, b in zip(out["times"]["alone"], out["times"]["torch"])]
     in_bw = [a / b for a, b in zip(out["times"]["plait_in_backward"], out["times"]["torch"])]
     in_bw_plait = [a / b for a, b in zip(out["times"]["plait_in_backward"], out["times"]["plait"])]
+    cpu = out["cpu"]
+    cpu_paired = [a / b for a, b in zip(cpu["plait"], cpu["torch"])]
+    cpu_in_bw = [a / b for a, b in zip(cpu["plait_in_backward"], cpu["torch"])]
+    cpu_alone = [a / b for a, b in zip(cpu["alone"], cpu["torch"])]
     blamed = out["times"]["plait_blamed"]
     blame_cost = [a / b for a, b in zip(blamed, out["times"]["plait"])]
     tokens = args.batch * args.seq
@@ -178,6 +195,10 @@ def main(argv: list[str]) -> int:
          f"{median(in_bw):.3f} ({min(in_bw):.3f}-{max(in_bw):.3f})"],
         ["plait with optimizer_in_backward / plait, paired", "", "",
          f"{median(in_bw_plait):.3f} ({min(in_bw_plait):.3f}-{max(in_bw_plait):.3f})"],
+        ["CPU time per step, rank 0, every thread (s); paired ratio (spread)", median(cpu["plait"]),
+         median(cpu["torch"]), f"{median(cpu_paired):.3f} ({min(cpu_paired):.3f}-{max(cpu_paired):.3f})"],
+        ["CPU time: optimizer_in_backward / torch DDP; the model alone / torch DDP, paired", "", "",
+         f"{median(cpu_in_bw):.3f}; {median(cpu_alone):.3f}"],
         ["tokens/s", tokens / t_plait, tokens / t_torch, t_torch / t_plait],
         ["peak RSS per rank (MiB)", rss["plait"], rss["torch"], rss["plait"] / rss["torch"]],
     ]
@@ -190,6 +211,9 @@ def main(argv: list[str]) -> int:
         + markdown_table(["", "plait", "torch DDP", "plait / torch"], rows)
         + f"\n\nBytes all-reduced per step / (parameters x 4 bytes): **{out['bytes_ratio']:.2f}** "
         "(theory 1.00).\n"
+        + "\nCPU time is the seconds rank 0's process spent computing in each step, on every thread (the "
+        "training thread and Gloo's): other jobs on the machine stretch wall time but hardly this, so on a "
+        "busy machine it is the steadier comparison of the work each DDP does.\n"
         + "\nThe step with no communication at all (the bare model and optimizer, each rank on its own "
         "half batch) is the floor of any DDP on this machine: a DDP step can be faster than torch's by "
         f"at most 1 - {median(alone):.3f}, the share of torch's step its all-reduces cost. On two CPU "
