@@ -35,6 +35,28 @@ if TYPE_CHECKING:
 __all__ = ["Pipeline", "pipeline"]
 
 
+def _check_arguments(module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None, loss_fn: Any,
+                     microbatches: int, sequence_parallel: bool) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not (hasattr(mesh, "size") and hasattr(mesh, "group_ranks")):
+        raise TypeError(f"pipeline: mesh must be a plait.Mesh, got {type(mesh).__name__}")
+    check_tp(module, mesh, tp_plan, loss_fn)
+    if sequence_parallel and tp_plan is None:
+        raise ValueError("pipeline: sequence_parallel=True needs a tp_plan (it splits the sequence "
+                         "over the tp axis inside tensor-parallel stages)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"pipeline: loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"pipeline: microbatches must be a positive integer, got {microbatches!r}")
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Pipeline:
     """One rank's part of a pipelined model. Build it with `plait.pipeline`.
 
@@ -72,19 +94,8 @@ class Pipeline:
                  sequence_parallel: bool = False, p2p: str = "auto",
                  stage_wrapper: StageWrapper | None = None,
                  stage_steps: Callable[[nn.Module], None] | None = None) -> None:
-        # Every check below runs before the first collective, so bad input never hangs a rank.
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
-        if not (hasattr(mesh, "size") and hasattr(mesh, "group_ranks")):
-            raise TypeError(f"pipeline: mesh must be a plait.Mesh, got {type(mesh).__name__}")
-        check_tp(module, mesh, tp_plan, loss_fn)
-        if sequence_parallel and tp_plan is None:
-            raise ValueError("pipeline: sequence_parallel=True needs a tp_plan (it splits the sequence "
-                             "over the tp axis inside tensor-parallel stages)")
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"pipeline: loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
-        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-            raise ValueError(f"pipeline: microbatches must be a positive integer, got {microbatches!r}")
+        # Every check runs before the first collective, so bad input never hangs a rank.
+        _check_arguments(module, mesh, tp_plan, loss_fn, microbatches, sequence_parallel)
         p = mesh.size("pp")
         self.sched = resolve_schedule(schedule, p, microbatches, chunks)
         self.microbatches, self.loss_fn = microbatches, loss_fn
@@ -110,10 +121,7 @@ class Pipeline:
         for r in range(p):  # every rank's stages, so that all ranks refuse alike
             check_wrappable(stage_wrapper, r, {s: [p for i in plan[s] for p in segs[i][1].parameters()]
                                                for s in self.sched.rank_stages(r)}, ties)
-        if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                      else torch.device("cpu"))
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else _default_device()
         # Made before tensor parallelism and FSDP change this rank's modules in place: its meta
         # skeleton of the model as given serves the dry runs and the stand-ins of other stages.
         self._replay = Replay(module, segs, plan, self.device)

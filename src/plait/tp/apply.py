@@ -93,19 +93,7 @@ def tensor_parallel(
     first owner's initial values (a pipeline's last stage holding the LM head tied to the first
     stage's embedding), and the modules above ``module``'s their ``init_weights()``.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"tensor_parallel(module=...) expects an nn.Module, got {type(module).__name__}")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"tensor_parallel(mesh=...) expects a plait.Mesh, got {type(mesh).__name__}")
-    if not isinstance(plan, Mapping) or not plan:
-        raise TypeError(f"tensor_parallel(plan=...) expects a non-empty mapping of module-name pattern -> "
-                        f"style, got {plan!r}")
-    for pattern, style in plan.items():
-        if not isinstance(pattern, str) or not isinstance(style, Style):
-            raise TypeError(f"tensor_parallel(plan=...): entry {pattern!r}: {style!r} is not "
-                            "'pattern (str)': Style (e.g. ColwiseParallel())")
-    if attached_tp_info(module) is not None:
-        raise ValueError("tensor_parallel: this module is already tensor-parallel")
+    _check_arguments(module, mesh, plan)
     numeric = _check_mode(check)
 
     n, r = mesh.size("tp"), mesh.rank("tp")
@@ -145,6 +133,22 @@ def tensor_parallel(
         place_state_dict(module, info)  # the plain shards' entries, once DDP or a pipeline unplaces them
         place_tp_parameters(module, info)
     return module
+
+
+def _check_arguments(module: nn.Module, mesh: Mesh, plan: Plan) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"tensor_parallel(module=...) expects an nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"tensor_parallel(mesh=...) expects a plait.Mesh, got {type(mesh).__name__}")
+    if not isinstance(plan, Mapping) or not plan:
+        raise TypeError(f"tensor_parallel(plan=...) expects a non-empty mapping of module-name pattern -> "
+                        f"style, got {plan!r}")
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not isinstance(style, Style):
+            raise TypeError(f"tensor_parallel(plan=...): entry {pattern!r}: {style!r} is not "
+                            "'pattern (str)': Style (e.g. ColwiseParallel())")
+    if attached_tp_info(module) is not None:
+        raise ValueError("tensor_parallel: this module is already tensor-parallel")
 
 
 def _head_vocab(specs: dict[int, ShardSpec], modules: dict[str, nn.Module],
