@@ -1521,3 +1521,69 @@ def test_set_gradient_divide_factor(pools):
         assert out.pop("refused") == "FullyShardedDataParallel.set_gradient_divide_factor", out
         for factor, r in out.items():
             assert _ok(r), (factor, r)
+
+
+class Encoder(nn.Module):
+    """torch's VisionTransformer in small: the parent calls ``forward_features``, not ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch_proj = nn.Linear(DIM, 2 * DIM)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.patch_proj(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_features(x).sum(dim=1)
+
+
+class UsesFeatures(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vit, self.projector = Encoder(), nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.vit.forward_features(x))
+
+
+def _forward_method() -> dict[str, Any]:
+    torch.manual_seed(42)
+    ref = UsesFeatures().double()
+    unregistered = _fsdp(copy.deepcopy(ref), 3, units=["vit", "projector"])
+    out: dict[str, Any] = {}
+    try:
+        unregistered(_batch(0)[1])
+    except RuntimeError as e:
+        out["refused"] = "outside that unit's own forward" in str(e)
+    net = _fsdp(copy.deepcopy(ref), 3, units=["vit", "projector"])
+    net.unit("vit").register_fsdp_forward_method("forward_features")
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
+    worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+    for step in range(2):
+        x, mine = _batch(step)
+        for opt in opts:
+            opt.zero_grad()
+        net(mine).square().mean().backward()
+        ref(x).square().mean().backward()
+        r = _compare(net, ref)
+        worst.update(param=max(worst["param"], r["param"]), grad=max(worst["grad"], r["grad"]),
+                     none=worst["none"] + r["none"])
+        for opt in opts:
+            opt.step()
+    out["worst"] = worst
+    try:
+        net.unit("projector").register_fsdp_forward_method("encode")
+    except ValueError as e:
+        out["no_method"] = "has no method 'encode'" in str(e)
+    return out
+
+
+def test_register_fsdp_forward_method(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_training.py::TestFullyShardCustomForwardMethod::test_register_fsdp_forward_method
+
+    A parent that calls a unit's ``forward_features`` instead of its ``forward`` (ZeRO-3) is refused
+    naming the freed read; after ``model.unit(vit).register_fsdp_forward_method("forward_features")``
+    (torch's ``register_fsdp_forward_method(vit, ...)``) the method gathers and reshards as forward
+    does and Adam training equals one process's. A method the unit lacks is refused by name."""  # noqa: E501
+    for out in pools[2].run(_forward_method):
+        assert out["refused"] and out["no_method"] and _ok(out["worst"]), out

@@ -14,7 +14,7 @@ ran before in forward).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -44,6 +44,8 @@ class _Wrapper(Protocol):
     zero_stage: int
     reshard_after_forward: bool
     reshard_after_backward: bool
+
+    def _forward_method(self, unit: Unit, method: Callable[..., Any]) -> Callable[..., Any]: ...
 
 
 def _within(outer: Unit, unit: Unit) -> bool:
@@ -82,6 +84,19 @@ class _Controls:
         backward that reduces gradients reuses the gathered memory for them, so it gathers again."""
         for u in self._reach(recurse):
             u.reshard_after_backward = bool(reshard_after_backward)
+
+    def register_fsdp_forward_method(self, method_name: str) -> None:
+        """Run the unit's method ``method_name`` (``encode_image``, ``forward_features``,
+        ``generate``...) as its forward: parameters gathered before, inputs cast, resharded after
+        (torch's ``register_fsdp_forward_method(module, method_name)``). Without it a method other
+        than ``forward`` reads parameters FSDP has not gathered."""
+        unit = self._target()
+        method = getattr(unit.module, method_name, None)
+        if not callable(method):
+            raise ValueError(f"FullyShardedDataParallel.register_fsdp_forward_method: the unit "
+                             f"{unit.name or '(root)'!r} ({type(unit.module).__name__}) has no method "
+                             f"{method_name!r}")
+        setattr(unit.module, method_name, self._fsdp()._forward_method(unit, method))
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this unit's reduced gradients by ``factor`` instead of the number of data ranks

@@ -443,6 +443,20 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
 
         set_compiled_call(unit.module, call)
 
+    def _forward_method(self, unit: Unit, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` of ``unit``'s module run as its forward (`register_fsdp_forward_method`): the
+        root's as the wrapper's forward, another unit's between its pre- and post-forward hooks."""
+        if unit is self.units[0]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                args, kwargs = self._begin_forward(args, kwargs)
+                return self._end_forward(method(*args, **kwargs))
+        else:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self._pre_forward(unit)
+                args, kwargs = _cast_inputs(unit.mp, (args, kwargs))
+                return self._post_forward(unit, method(*args, **kwargs))
+        return call
+
     def _make_pre_forward(self, unit: Unit) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict] | None]:
         def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             self._pre_forward(unit)
