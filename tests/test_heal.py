@@ -19,9 +19,11 @@ from plait.heal import Epoch, Quorum, split
 
 # A tiny byte-level run whose learning rate is constant after the first step (--min-lr-ratio 1), so
 # its first K steps are the same whatever --steps says: the healed run is stopped by a signal once
-# the replacement trained in step, and compared with a one-process run of as many steps.
+# the replacement trained in step and K steps are done, and compared with a one-process run of K
+# steps, which trains meanwhile.
 RUN = ["--model", "tiny", "--batch-size", "8", "--max-bytes", "200000", "--eval-every", "0", "--warmup", "1",
        "--min-lr-ratio", "1", "--no-progress", "--log-samples"]
+COMPARED = 24  # steps compared with the one-process run
 LOSS_RTOL = 1e-5  # float32: the same sums over other shares of the batch (measured: 3e-7 over 150 steps)
 STEPS_AFTER_JOIN = 10
 
@@ -47,37 +49,42 @@ def _wait(what: str, ready, job: subprocess.Popen, timeout: float = 120.0):
     return found
 
 
+def _train(tmp_path: Path, name: str, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "plait", "train", *flags, "--run-dir", str(tmp_path), "--name", name, *RUN]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
 def test_a_killed_replica_is_healed_around_and_its_replacement_trains_in_step(tmp_path):
     """dp 4 under ``--heal``: ``kill -9`` of one replica after step 5. The three others finish that step
     over themselves, the supervisor wakes its standby process, which joins at a step boundary with a
     peer's state; a SIGTERM then stops every replica after the same step. Against one process on the same
     global batch: every step read exactly the same samples (none skipped or read twice) and has the
     same loss up to float32 rounding; every replica ends with bit-equal parameters."""
-    heal = tmp_path / "healed" / "heal"
-    cmd = [sys.executable, "-m", "plait", "train", "--heal", "--nproc", "4", "--steps", "100000",
-           "--heal-timeout", "5", "--run-dir", str(tmp_path), "--name", "healed", *RUN]
-    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+    heal, metrics = tmp_path / "healed" / "heal", tmp_path / "healed" / "metrics.jsonl"
+    one = _train(tmp_path, "one", "--strategy", "none", "--nproc", "1", "--steps", str(COMPARED))
+    job = _train(tmp_path, "healed", "--heal", "--nproc", "4", "--steps", "100000", "--heal-timeout", "5")
     try:
-        metrics = tmp_path / "healed" / "metrics.jsonl"
         _wait("step 5", lambda: max(_steps(metrics), default=0) >= 5, job)
         starts = [e for e in _rows(heal / "supervisor.jsonl") if e["event"] == "start"]
-        victim = next(e["pid"] for e in starts if e["uid"] == 2)
-        os.kill(victim, signal.SIGKILL)
+        os.kill(next(e["pid"] for e in starts if e["uid"] == 2), signal.SIGKILL)
         killed = time.time()
 
         def joined() -> dict | None:
             return next((e for e in _rows(heal / "uid4.jsonl") if e["event"] == "epoch"), None)
 
         join = _wait("the replacement to join", joined, job)
-        _wait(f"{STEPS_AFTER_JOIN} steps after the join",
-              lambda: max(_steps(metrics), default=0) >= join["step"] + STEPS_AFTER_JOIN, job)
+        enough = max(join["step"] + STEPS_AFTER_JOIN, COMPARED)
+        _wait(f"step {enough}", lambda: max(_steps(metrics), default=0) >= enough, job)
         job.send_signal(signal.SIGTERM)
         _, err = job.communicate(timeout=60)
+        _, one_err = one.communicate(timeout=300)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        for p in (job, one):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
     assert job.returncode == 128 + signal.SIGTERM, err[-3000:]  # stopped as asked, as plait train reports it
+    assert one.returncode == 0, one_err[-3000:]
 
     got = _steps(metrics)
     last = max(got)
@@ -96,11 +103,8 @@ def test_a_killed_replica_is_healed_around_and_its_replacement_trains_in_step(tm
     assert len(finished) == 4 and len({(e["step"], e["params_sha256"]) for e in finished}) == 1, finished
     assert finished[0]["step"] == last
 
-    ref = subprocess.run([sys.executable, "-m", "plait", "train", "--strategy", "none", "--nproc", "1",
-                          "--steps", str(last), "--run-dir", str(tmp_path), "--name", "one", *RUN],
-                         capture_output=True, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stderr[-3000:]
     want = _steps(tmp_path / "one" / "metrics.jsonl")
+    assert sorted(want) == list(range(1, COMPARED + 1))
     assert all(got[s]["samples"] == want[s]["samples"] for s in want)  # no sample skipped or read twice
     for s in want:
         assert abs(got[s]["loss"] - want[s]["loss"]) <= LOSS_RTOL * abs(want[s]["loss"]), s

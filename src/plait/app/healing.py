@@ -77,7 +77,9 @@ def cli_main(cfg: TrainConfig) -> int:
     try:
         return supervisor.run()
     except ReplicasFailed as e:
-        print(f"plait train: error: {e}; tracebacks in {folder / 'traces'}", file=sys.stderr)
+        traces = folder / "traces"
+        where = f"; tracebacks in {traces}" if traces.is_dir() else ""
+        print(f"plait train: error: {e}{where}", file=sys.stderr)
         return 1
 
 

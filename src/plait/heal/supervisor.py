@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -165,7 +166,19 @@ class Supervisor:
         if uid == self._standby:  # the standby itself failed: nothing to wake any more
             self._standby = None
         elif not self._finished and not self._signals:
+            if all(self.codes.get(m, 0) != 0 for m in self._members()):  # no replica holds the state
+                raise ReplicasFailed(f"every replica of the last epoch died (exit codes by uid: "
+                                     f"{self.codes}); none holds the state a replacement would take")
             self._replace()
+
+    def _members(self) -> list[int]:
+        """The members of the newest epoch the replicas agreed on (epoch 0: the first ``nproc``)."""
+        number = 0
+        while self._store.check([f"heal/epoch/{number + 1}"]):
+            number += 1
+        if number == 0:
+            return list(range(self.nproc))
+        return [int(u) for u in json.loads(self._store.get(f"heal/epoch/{number}"))["members"]]
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signals.append(signum)
