@@ -30,19 +30,14 @@ DIM = 8
 
 # torch's FSDP2 tests read and not ported (file::Class::test -> why).
 NOT_PORTED = {
-    "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining::test_compute_dtype":
-        "NCCL only (bf16 reduce-scatter); plait's bf16 reduction is covered by test_mixed_precision.py",
-    "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining::test_reduce_dtype":
-        "NCCL only (bf16 collectives); patches dist.reduce_scatter_single",
     "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionJVP::"
     "test_no_warmup_jvp_reshard_after_forward_false":
         "forward-mode AD through FSDP: plait's hooks are backward-only",
-    "test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_clamp_reduce_dtype":
-        "patches dist.reduce_scatter_single to read the reduction's dtype",
     "test_fully_shard_autograd.py::TestFullyShardAutograd::test_unused_forward_output":
         "covered by test_unused_forward_module's port below (an output no loss reads leaves the same None)",
     "test_fully_shard_comm.py::TestFullyShardUnshardMultiProcess::test_unshard_async":
-        "unshards FSDP submodules under torch's replicate(); plait's units are not FSDP modules of their own",
+        "the model's own forward unshards its FSDP submodules under torch's replicate(); plait's unit "
+        "controls live on the wrapper (model.unit(block).unshard(async_op=True)), out of the model's reach",
     "test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_dp_state_dict_cpu_offload":
         "loads pieces with assign=True into a model still partly on meta; plait materializes when it wraps",
     "test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::test_2d_state_dict_correctness":
@@ -1587,3 +1582,78 @@ def test_register_fsdp_forward_method(pools):
     does and Adam training equals one process's. A method the unit lacks is refused by name."""  # noqa: E501
     for out in pools[2].run(_forward_method):
         assert out["refused"] and out["no_method"] and _ok(out["worst"]), out
+
+
+def _clamp_reduce_dtype() -> dict[str, Any]:
+    from plait import comm
+    from plait.precision import MixedPrecision
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32, dtype=torch.bfloat16), nn.Linear(32, 32, dtype=torch.bfloat16))
+    net = _fsdp(model, 3, units=["0", "1"], mixed_precision=MixedPrecision(torch.bfloat16, torch.bfloat16))
+    net.to(torch.float32)  # the master shards become fp32; the policy still reduces in bf16
+    with comm.counting() as c:
+        net(torch.randn(4, 32)).sum().backward()
+    numel = sum(p.numel() for p in net.parameters())
+    return {"bytes_per_element": c.total("reduce_scatter") / numel,
+            "grads": {p.grad.dtype for p in net.parameters()}, "params": {p.dtype for p in net.parameters()}}
+
+
+def test_clamp_reduce_dtype(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionCasts::test_clamp_reduce_dtype
+
+    A model built in bf16 with a bf16 compute and bf16 reduce policy, moved to fp32 after wrapping,
+    still reduce-scatters its gradients in bf16 (2 bytes an element, counted by plait.comm, where
+    torch's test patches the collective), and its fp32 parameters get fp32 gradients."""  # noqa: E501
+    f32 = torch.float32
+    for out in pools[2].run(_clamp_reduce_dtype):
+        assert out == {"bytes_per_element": 2.0, "grads": {f32}, "params": {f32}}, out
+
+
+def _reduce_dtypes() -> dict[str, Any]:
+    from plait.precision import MixedPrecision
+
+    world = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for case, mp in (("bf16 compute, fp32 reduce", MixedPrecision(torch.bfloat16, torch.float32)),
+                     ("bf16 compute and reduce", MixedPrecision(torch.bfloat16, None))):
+        torch.manual_seed(42)
+        ref = nn.Sequential(*[MLP(16) for _ in range(3)])
+        net = _fsdp(copy.deepcopy(ref), 3, mixed_precision=mp)
+        compute = copy.deepcopy(ref).to(torch.bfloat16)
+        opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
+        inp = torch.randn(4, 16, generator=torch.Generator().manual_seed(43 + dist.get_rank()))
+        worst = {"loss": 0.0, "param": 0.0}
+        for step in range(3):
+            for opt in opts:
+                opt.zero_grad(set_to_none=step % 2 == 0)
+            loss = net(inp).sum()
+            loss.backward()
+            want = compute(inp.bfloat16()).sum()
+            want.backward()
+            for p, c in zip(ref.parameters(), compute.parameters(), strict=True):
+                g = c.grad if mp.reduce_dtype is None else c.grad.float()  # the policy's reduce dtype
+                dist.all_reduce(g)
+                p.grad = (g / world).float()
+                c.grad = None
+            for opt in opts:
+                opt.step()
+            for p, c in zip(ref.parameters(), compute.parameters(), strict=True):
+                c.detach().copy_(p)
+            worst["loss"] = max(worst["loss"], (loss.float() - want.float()).abs().item())
+            worst["param"] = max(worst["param"], _compare(net, ref)["param"])
+        out[case] = worst
+    return out
+
+
+def test_compute_and_reduce_dtype(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining::test_compute_dtype
+    torch: test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py::TestFullyShardMixedPrecisionTraining::test_reduce_dtype
+
+    (NCCL-only in torch for its bf16 collectives; plait's run on Gloo.) bf16 compute with fp32 or
+    bf16 reduction: each rank's loss equals a bf16 copy of the model's on its input, and after Adam
+    steps on fp32 master weights the parameters equal one process that reduces the bf16 gradients
+    in the policy's dtype and averages them: bitwise (two ranks' sum is exact in either order)."""  # noqa: E501
+    for out in pools[2].run(_reduce_dtypes):
+        for case, r in out.items():
+            assert r == {"loss": 0.0, "param": 0.0}, (case, r)
