@@ -48,6 +48,13 @@ NOT_PORTED = {
         "8 ranks, torch's parallelize_module; plait's HSDP x TP is in tests/test_fsdp_tp.py",
     "test_fully_shard_state_dict.py::TestFullyShardStateDictMultiThread::test_rank0_offload_full_state_dict":
         "GPU only (multi-thread ranks on CUDA); plait.full_state_dict is tested in tests/test_state_dict.py",
+    "test_fully_shard_training.py::TestFullyShardRegisteredParams::test_param_registration_after_forward":
+        "FSDP2 registers the unsharded tensors as the module's parameters between forward and reshard; "
+        "plait's parameters stay the DTensor shards and forward reads the gathered attributes",
+    "test_fully_shard_training.py::TestFullyShardRegisteredParams::test_param_registration_after_backward":
+        "as test_param_registration_after_forward (plait's parameters are DTensors throughout)",
+    "test_fully_shard_training.py::TestFullyShardForwardInputs::test_root_move_forward_input_to_device":
+        "CUDA only: FSDP2 moving CPU inputs to the GPU",
     "test_fully_shard_training.py (the rest)":
         "GPU/NCCL-only parity matrices; plait's FSDP parity against one process is tests/test_fsdp.py",
     "test_fully_shard_compose.py::TestFullyShardCompose::test_replicate_and_fully_shard":
@@ -1657,3 +1664,38 @@ def test_compute_and_reduce_dtype(pools):
     for out in pools[2].run(_reduce_dtypes):
         for case, r in out.items():
             assert r == {"loss": 0.0, "param": 0.0}, (case, r)
+
+
+def _single_group() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for shapes in (((16, 15), (15, 8)), ((7, 15), (15, 3))):  # rows that do not divide by 2: padding
+        torch.manual_seed(42)
+        ref = nn.Sequential(nn.Linear(*shapes[0]), nn.ReLU(), nn.Linear(*shapes[1])).double()
+        net = _fsdp(copy.deepcopy(ref), 3, units=[])  # one unit: the root
+        opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
+        worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            x = torch.randn(4 * dist.get_world_size(), shapes[0][0], generator=g, dtype=torch.float64)
+            mine = x.chunk(dist.get_world_size())[dist.get_rank()]
+            for opt in opts:
+                opt.zero_grad(set_to_none=step % 2 == 0)
+            net(mine).sum().backward()
+            ref(x).sum().div(dist.get_world_size()).backward()
+            r = _compare(net, ref)
+            worst.update(param=max(worst["param"], r["param"]), grad=max(worst["grad"], r["grad"]),
+                         none=worst["none"] + r["none"])
+            for opt in opts:
+                opt.step()
+        out[str(shapes)] = worst
+    return out
+
+
+def test_train_parity_single_group(pools):
+    """torch: test/distributed/_composable/fsdp/test_fully_shard_training.py::TestFullyShard1DTrainingCore::test_train_parity_single_group
+
+    The whole model as one unit, with weights whose rows do not divide by the ranks (padded
+    shards): Adam training equals one process on the global batch."""  # noqa: E501
+    for out in pools[2].run(_single_group):
+        for shapes, r in out.items():
+            assert _ok(r), (shapes, r)
