@@ -14,8 +14,7 @@ from typing import get_args
 import pytest
 
 import plait
-from plait.app import config
-from plait.app.config import TrainConfig, parse_args
+from plait.app.config import TrainConfig, parse_args, sections
 from plait.models.gpt import PRESETS
 from plait.pipeline import SCHEDULES
 
@@ -154,8 +153,8 @@ def test_schedule_choices_on_the_command_line(capsys):
 
 
 def test_command_line_choices_are_the_library_names():
-    assert set(get_args(config.ModelName)) == set(PRESETS)
-    assert get_args(config.ScheduleName) == SCHEDULES
+    assert set(get_args(sections.ModelName)) == set(PRESETS)
+    assert get_args(sections.ScheduleName) == SCHEDULES
 
 
 def test_flat_flags_land_in_their_sections():

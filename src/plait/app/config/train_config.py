@@ -1,285 +1,50 @@
-"""`plait train`'s configuration: typed sections, read from flags and from a TOML file.
-
-The sections are dataclasses (model, parallel, optimizer, data, checkpoint, run); `tyro`
-turns their fields, types and docstrings into the command line, with each flag named after
-its field alone (``--tp``, ``--zero-stage``, ``--lr``), so the flat flags scripts already use
-keep working. ``--config run.toml`` reads the same fields grouped by section::
-
-    [parallel]
-    strategy = "fsdp"
-    nproc = 4
-    tp = 2
-
-    [optimizer]
-    lr = 1e-3
-
-Flags on the command line override the file. Every combination that could not run is refused
-by `TrainConfig` itself, in the parent process, before any rank is spawned.
-"""
+"""`TrainConfig`: the sections together, checked on construction so that a config that exists can
+run; what the parent process checks before any rank is spawned."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import inspect
-import json
 import math
-import os
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_type_hints
+from typing import Any, get_args
 
 import torch
-import tyro
 from torch import nn
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # the same parser, before it joined the standard library
-    import tomli as tomllib
+    pass
 
 from plait.app import data as corpus
 from plait.app import usermodel
-from plait.env import DEFAULT_TIMEOUT_S
+from plait.app.config.refusals import check_writable, in_flags, require
+from plait.app.config.sections import (
+    FLAGS,
+    HF_DEFAULT_SEQ_LEN,
+    MIN_CORPUS_BYTES,
+    MIXED_PRECISIONS,
+    SECTIONS,
+    STRATEGIES,
+    VAL_FRACTION,
+    Checkpointing,
+    CheckpointSection,
+    DataSection,
+    ModelSection,
+    OptimizerSection,
+    ParallelSection,
+    RunSection,
+)
 from plait.mesh import Mesh
 from plait.models.gpt import GPT, PRESETS, GPTConfig
 from plait.parallel_plan import ParallelPlan
 from plait.pipeline import SCHEDULES
 from plait.rules import LayoutError, MeshShape, check_layout
 
-__all__ = ["ModelSection", "ParallelSection", "OptimizerSection", "DataSection", "CheckpointSection",
-           "RunSection", "TrainConfig", "parse_args", "given_flags", "to_toml"]
-
-# The choices the command line offers; tests keep them equal to PRESETS and SCHEDULES.
-ModelName = Literal["tiny", "small", "25m", "50m", "100m", "llama3-8b", "llama3-70b"]
-Strategy = Literal["none", "dp", "ddp", "fsdp"]
-ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"]
-Precision = Literal["bf16", "fp16"]
-TokenDtype = Literal["uint16", "uint32"]  # plait.app.data.TOKEN_DTYPES
-CPAlgorithm = Literal["ring", "allgather", "ulysses"]  # plait.cp.ALGORITHMS
-Checkpointing = Literal["none", "full", "selective"]  # "none", then plait.activation_checkpointing.POLICIES
-ZeroStage = Literal[1, 2, 3]
-BalanceStatistic = Literal["global", "microbatch"]  # plait.models.moe.BALANCE_STATISTICS
-
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
-MIXED_PRECISIONS: tuple[str, ...] = get_args(Precision)
-HF_DEFAULT_SEQ_LEN = 128  # --hf-config without --seq-len
-MIN_CORPUS_BYTES = corpus.MIN_TOKENS  # load_corpus refuses less
-VAL_FRACTION = inspect.signature(corpus.load_corpus).parameters["val_fraction"].default
-
-
-@dataclass
-class ModelSection:
-    """The model: plait's GPT at one of its preset sizes, or the model a function of yours builds."""
-
-    name: Annotated[str, tyro.conf.arg(name="model", metavar="PRESET|FACTORY")] = "tiny"
-    """plait's GPT at a preset: tiny | small | 25m | 50m | 100m | llama3-8b | llama3-70b (Llama 3's
-    shapes); or package.module:function, a FACTORY as plait check takes it (returns the model, or
-    (model, make_batch, loss_fn): loss_fn(output, targets) replaces the next-token loss)"""
-    seq_len: int | None = None
-    """tokens per sequence; None: the preset's (with --hf-config or a FACTORY 128, fewer if the model's
-    positions end sooner)"""
-    layers: int | None = None
-    """blocks of plait's GPT; None: the preset's"""
-    vocab_size: int | None = None
-    """plait's GPT's vocabulary; None: the preset's, or the data's (largest token id + 1) when larger"""
-    hf_config: str | None = None
-    """a transformers causal LM's config.json (or its folder): train that model, randomly initialised,
-    instead of plait's GPT (needs plait[hf])"""
-    experts: int = 0
-    """mixture of experts: routed experts per MoE block of plait's GPT (0: dense MLPs)"""
-    top_k: int = 2
-    """with --experts: experts each token is routed to"""
-    shared_experts: int = 0
-    """with --experts: experts every token goes through as well"""
-    capacity_factor: float | None = None
-    """with --experts: drop assignments past capacity_factor x the even share per expert (None: dropless)"""
-    aux_loss_coef: float = 0.01
-    """with --experts: weight of the load-balancing loss (0: off)"""
-    bias_update_rate: float = 0.0
-    """with --experts: DeepSeek-V3's loss-free balancing, the routing bias step per optimizer step (0: off)"""
-    balance_statistic: BalanceStatistic = "global"
-    """with --experts: the tokens both balancings count: global (the step's whole batch, so every
-    layout trains as one process) or microbatch (each rank's micro-batch on its own; the run depends
-    on the layout)"""
-    init_from: str | None = None
-    """start from the safetensors weights in this folder (as plait export writes them; for --hf-config
-    the transformers names); each rank reads its slices. With --resume a checkpoint found wins"""
-
-
-@dataclass
-class ParallelSection:
-    """How the ranks share the work: the data-parallel strategy and the mesh degrees."""
-
-    strategy: Strategy = "ddp"
-    """on the data axes: none (one process) | dp (threads) | ddp | fsdp"""
-    nproc: int = 2
-    """processes (threads for dp); the data-parallel size is nproc / (pp * cp * tp)"""
-    tp: int = 1
-    """tensor-parallel degree"""
-    sequence_parallel: bool = False
-    """split norms and dropout over the tp ranks along the sequence (needs tp >= 2)"""
-    ep: int = 1
-    """expert-parallel degree: experts split over this many of the data-parallel ranks (needs --experts)"""
-    cp: int = 1
-    """context-parallel degree: each sequence split over this many ranks, attention included"""
-    cp_algorithm: CPAlgorithm = "ring"
-    """with --cp: ring (K/V passed around, overlapped) | allgather (all K/V gathered) | ulysses
-    (all-to-all to a head split)"""
-    pp: int = 1
-    """pipeline stages"""
-    schedule: ScheduleName = "1f1b"
-    """pipeline schedule"""
-    microbatches: int = 4
-    """microbatches per pipeline step"""
-    chunks: int = 1
-    """pipeline stages per rank (interleaved schedules; zbv and dualpipev always hold 2)"""
-    dp: int = 1
-    """with fsdp: replicas of the fsdp shards (hybrid sharding)"""
-    zero_stage: ZeroStage = 3
-    """fsdp only: 1 shards optimizer state, 2 also gradients, 3 also parameters"""
-    mixed_precision: Precision | None = None
-    """compute in this dtype with fp32 master weights, any layout but dp (fp16: with dynamic loss scaling)"""
-    offload: bool = False
-    """fsdp only: parameter shards and optimizer state in CPU memory"""
-    reshard_after_forward: bool = True
-    """fsdp only: free gathered parameters after forward (gather again in backward)"""
-    backward_prefetch: bool = True
-    """fsdp only: gather the next unit during backward (off: lowest memory)"""
-    ac: Checkpointing = "none"
-    """activation checkpointing: keep each block's input only and recompute it in backward (full), or
-    keep its matmul and attention outputs too (selective)"""
-    ac_every: int = 1
-    """with --ac: checkpoint every k-th block only"""
-    heal: bool = False
-    """data-parallel replicas that heal without a restart (--strategy ddp): a replica that dies or hangs
-    is dropped, the survivors redo the step over the live ones with the same global batch, and a new
-    process joins at a step boundary with a peer's state (docs/failures.md)"""
-    heal_timeout: float = 5.0
-    """with --heal: seconds a collective waits for a peer, and the survivors then wait for each other,
-    before a silent replica is dropped (a dead one is dropped at once)"""
-    heal_replace: bool = True
-    """with --heal: replace each replica that dies (at most --nproc in a run) by a standby process started
-    ahead, with the data and model loaded, that joins at the next step boundary"""
-
-
-@dataclass
-class OptimizerSection:
-    """AdamW (betas 0.9, 0.95) with linear warm-up and cosine decay."""
-
-    lr: float = 3e-3
-    """peak learning rate"""
-    min_lr_ratio: float = 0.1
-    """the cosine decays to min_lr_ratio * lr"""
-    warmup: int = 20
-    """warm-up steps"""
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    """clip the global gradient norm to this (0: no clipping; the norm is still logged)"""
-
-
-@dataclass
-class DataSection:
-    """The corpus (text as bytes, a token file, or documents for a tokenizer) and the global batch."""
-
-    path: Annotated[str | None, tyro.conf.arg(name="data")] = None
-    """a token file (.bin, .npy), or a text file or folder (bytes; .git and binary files skipped); with
-    --tokenizer, text, JSON Lines or Parquet file(s); None: the Python standard library's sources"""
-    tokenizer: str | None = None
-    """a folder holding a transformers tokenizer: --data is read through Hugging Face datasets, tokenized
-    once and cached (needs plait[data])"""
-    text_field: str = "text"
-    """with --tokenizer: the field of a JSON Lines record or Parquet row that holds a document's text"""
-    data_cache: str | None = None
-    """with --tokenizer: where tokenized data is cached (DATA_CACHE/tokens/KEY.npy); None: ~/.cache/plait"""
-    data_dtype: TokenDtype | None = None
-    """a raw .bin's token width: uint16 (nanoGPT's) | uint32; None: from the Megatron .idx beside it"""
-    eval_data: str | None = None
-    """held-out data for the validation loss, in any --data format; None: the last 5% of --data"""
-    max_bytes: int | None = None
-    """read at most this many bytes of a text corpus (said in the log when it cuts); None: all of it"""
-    batch_size: int = 16
-    """the global batch, in sequences"""
-
-
-@dataclass
-class CheckpointSection:
-    """Saving, resuming and keeping checkpoints."""
-
-    save_dir: str | None = None
-    """checkpoints go to SAVE_DIR/step_NNNNNN"""
-    save_every: int = 0
-    """steps between checkpoints (0: only at the end, when save_dir is given)"""
-    resume: bool | Literal["auto"] = False
-    """continue from the newest intact checkpoint in save_dir, on any world size (--resume alone: one must
-    exist; --resume auto: the newest if there is one, else step 0, for commands a launcher restarts)"""
-    resume_anyway: bool = False
-    """resume a checkpoint of another run (other seed, lr, data...) with a warning"""
-    keep: int = 3
-    """checkpoints kept: older ones go once a newer one is complete"""
-    async_save: bool = False
-    """write checkpoints in the background: the loop stalls only for the copy to CPU"""
-
-
-@dataclass
-class RunSection:
-    """The loop: steps, accumulation, evaluation, seeds and what it writes."""
-
-    steps: int = 200
-    grad_accum: int = 1
-    """micro-batches per optimizer step (pipelines: that many times the microbatches)"""
-    seed: int = 0
-    eval_every: int = 50
-    """steps between held-out evaluations (0: off)"""
-    eval_batches: int = 4
-    run_dir: str = "runs"
-    """the folder of run folders: each run writes RUN_DIR/NAME/ (config.toml, metrics.jsonl, flight/,
-    checkpoints/)"""
-    name: str | None = None
-    """the run's folder under --run-dir; None: a new timestamped id. An existing run continues only
-    with --resume"""
-    tensorboard: bool = False
-    """also write TensorBoard event files to RUN_DIR/NAME/tensorboard (needs the tensorboard package)"""
-    wandb: bool = False
-    """also log the step records to Weights & Biases (needs the wandb package; WANDB_MODE=offline writes
-    them under RUN_DIR/NAME/wandb without a network)"""
-    log_samples: bool = False
-    """record each step's global batch in metrics.jsonl as "samples": the sample ids (window offsets in
-    the training tokens) the data ranks read, gathered in rank order"""
-    peak_tflops: float | None = None
-    """one device's peak dense TFLOP/s in the training dtype, for MFU; None: known GPUs' (CPUs: no MFU)"""
-    progress: bool = True
-    """a progress bar on rank 0"""
-    straggler_every: int = 10
-    """steps between straggler reports: a rank the others waited for in two reports' windows in a row,
-    per axis and phase, logged and written to metrics.jsonl as "stragglers" (0: off; measured by the
-    desync check)"""
-    timeout: float = DEFAULT_TIMEOUT_S
-    """seconds a collective waits for its peers before failing with an error naming the ranks that did
-    not arrive (the innermost timeout: docs/failures.md)"""
-    step_timeout: float | None = None
-    """seconds a rank may go without finishing a step, evaluation or checkpoint before it writes every
-    thread's stack to its run folder and exits (a rank stuck outside any collective); longer than
-    --timeout. None: 3 x --timeout"""
-
-
-SECTIONS: dict[str, type] = {"model": ModelSection, "parallel": ParallelSection,
-                             "optimizer": OptimizerSection, "data": DataSection,
-                             "checkpoint": CheckpointSection, "run": RunSection}
-
-
-def _flag_of(cls: type, name: str) -> str:
-    """A section field's flag (underscored): its own name, or the one its `tyro.conf.arg` gives."""
-    extras = getattr(get_type_hints(cls, include_extras=True)[name], "__metadata__", ())
-    return next((e.name for e in extras if getattr(e, "name", None)), name)
-
-
-# flag (underscored) -> (section, field), and back; read once from the sections' annotations.
-FLAGS: dict[str, tuple[str, str]] = {_flag_of(cls, f.name): (s, f.name)
-                                     for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-FIELD_FLAGS: dict[tuple[str, str], str] = {where: flag for flag, where in FLAGS.items()}
+__all__ = ["TrainConfig"]
 
 
 @dataclass
@@ -346,19 +111,19 @@ class TrainConfig:
                           (run, "eval_batches"), (par, "tp"), (par, "dp"), (par, "pp"), (par, "cp"),
                           (par, "ep"),
                           (par, "microbatches"), (par, "chunks"), (par, "ac_every")):
-            _require(sec, name, getattr(sec, name) >= 1, "an integer >= 1")
+            require(sec, name, getattr(sec, name) >= 1, "an integer >= 1")
         if self.checkpoint.keep < 1:
             raise ValueError(f"--keep must be >= 1 (the newest checkpoints kept), got {self.checkpoint.keep}")
         for sec, name in ((run, "eval_every"), (run, "straggler_every"), (self.checkpoint, "save_every")):
-            _require(sec, name, getattr(sec, name) >= 0, "an integer >= 0 (0: off)")
+            require(sec, name, getattr(sec, name) >= 0, "an integer >= 0 (0: off)")
         seq_len = self.model.seq_len
-        _require(self.model, "seq_len", seq_len is None or seq_len >= 1, "an integer >= 1")
-        _require(self.model, "layers", self.model.layers is None or self.model.layers >= 1, "an integer >= 1")
+        require(self.model, "seq_len", seq_len is None or seq_len >= 1, "an integer >= 1")
+        require(self.model, "layers", self.model.layers is None or self.model.layers >= 1, "an integer >= 1")
         if self.model.layers is not None and self.model.hf_config is not None:
             raise ValueError("--layers sets the blocks of plait's GPT; --hf-config's model has its own "
                              "(edit num_hidden_layers in its config)")
-        _require(run, "seed", 0 <= run.seed < 2**32, "an integer in [0, 2**32)")
-        _require(run, "timeout", math.isfinite(run.timeout) and run.timeout > 0,
+        require(run, "seed", 0 <= run.seed < 2**32, "an integer in [0, 2**32)")
+        require(run, "timeout", math.isfinite(run.timeout) and run.timeout > 0,
                  "a finite number of seconds > 0")
         step_timeout = run.step_timeout
         if step_timeout is not None and not (math.isfinite(step_timeout) and step_timeout > run.timeout):
@@ -367,22 +132,22 @@ class TrainConfig:
                              "did not arrive; the step timeout catches a rank stuck outside collectives "
                              "(docs/failures.md)")
         cap = self.data.max_bytes
-        _require(self.data, "max_bytes", cap is None or cap >= MIN_CORPUS_BYTES,
+        require(self.data, "max_bytes", cap is None or cap >= MIN_CORPUS_BYTES,
                  f"an integer >= {MIN_CORPUS_BYTES} (the smallest corpus the loader accepts)")
-        _require(self.model, "vocab_size", self.model.vocab_size is None or self.model.vocab_size >= 1,
+        require(self.model, "vocab_size", self.model.vocab_size is None or self.model.vocab_size >= 1,
                  "an integer >= 1")
         peak = run.peak_tflops
-        _require(run, "peak_tflops", peak is None or (math.isfinite(peak) and peak > 0),
+        require(run, "peak_tflops", peak is None or (math.isfinite(peak) and peak > 0),
                  "a finite number > 0")
         run_name = run.name
         if run_name is not None and (Path(run_name).name != run_name or run_name[:1] in ("", ".")):
             raise ValueError(f"--name {run.name!r}: names one folder under --run-dir (no '/', not hidden)")
         # `not x > 0` and friends are also true for NaN, which every comparison rejects.
-        _require(opt, "lr", math.isfinite(opt.lr) and opt.lr > 0, "a finite number > 0")
-        _require(opt, "min_lr_ratio", 0 <= opt.min_lr_ratio <= 1, "a number in [0, 1]")
-        _require(opt, "weight_decay", math.isfinite(opt.weight_decay) and opt.weight_decay >= 0,
+        require(opt, "lr", math.isfinite(opt.lr) and opt.lr > 0, "a finite number > 0")
+        require(opt, "min_lr_ratio", 0 <= opt.min_lr_ratio <= 1, "a number in [0, 1]")
+        require(opt, "weight_decay", math.isfinite(opt.weight_decay) and opt.weight_decay >= 0,
                  "a finite number >= 0")
-        _require(opt, "grad_clip", math.isfinite(opt.grad_clip) and opt.grad_clip >= 0,
+        require(opt, "grad_clip", math.isfinite(opt.grad_clip) and opt.grad_clip >= 0,
                  "a finite number >= 0 (0: no clipping)")
         if not 0 <= opt.warmup < run.steps:
             raise ValueError(f"--warmup must be in [0, --steps); got {opt.warmup} with {run.steps} steps")
@@ -441,7 +206,7 @@ class TrainConfig:
     def _check_heal(self) -> None:
         """--heal: pure data parallelism over DDP replicas, and what the healing loop does not do yet."""
         par, run, ck = self.parallel, self.run, self.checkpoint
-        _require(par, "heal_timeout", math.isfinite(par.heal_timeout) and par.heal_timeout > 0,
+        require(par, "heal_timeout", math.isfinite(par.heal_timeout) and par.heal_timeout > 0,
                  "a finite number of seconds > 0")
         if not par.heal:
             given = [flag for flag, on in
@@ -742,14 +507,14 @@ class TrainConfig:
         if self.run.wandb and importlib.util.find_spec("wandb") is None:
             raise ValueError("--wandb logs to Weights & Biases with the wandb package, which is not "
                              "installed: pip install 'plait[wandb]' (or drop --wandb)")
-        _check_writable("--run-dir", Path(self.run.run_dir), want_dir=True)
+        check_writable("--run-dir", Path(self.run.run_dir), want_dir=True)
         if self.run.name is not None:
             folder = Path(self.run.run_dir) / self.run.name
             if (folder / "metrics.jsonl").exists() and not self.checkpoint.resume:
                 raise ValueError(f"--name {self.run.name}: {folder} holds a run already; add --resume to "
                                  "continue it, or choose another --name (or leave it out for a new id)")
         if self.checkpoint.save_dir is not None:
-            _check_writable("--save-dir", Path(self.checkpoint.save_dir), want_dir=True)
+            check_writable("--save-dir", Path(self.checkpoint.save_dir), want_dir=True)
 
     @property
     def data_parallel_size(self) -> int:
@@ -805,188 +570,3 @@ class TrainConfig:
 
 
 # `plait.rules` names mesh axes and `ParallelPlan` fields; `plait train` says them as its flags.
-_RULE_FLAGS: dict[str, str] = {"pp": "--pp", "dp": "--dp", "cp": "--cp", "tp": "--tp", "ep": "--ep",
-                               "pp_schedule": "--schedule", "pp_microbatches": "--microbatches",
-                               "pp_chunks": "--chunks", "zero_stage": "--zero-stage", "data": "--strategy",
-                               "sequence_parallel": "--sequence-parallel",
-                               "balance_statistic": "--balance-statistic", "ac_every": "--ac-every",
-                               "aux_loss_coef": "--aux-loss-coef",
-                               # the schedule generators' own words
-                               "schedule": "--schedule", "microbatches": "--microbatches",
-                               "chunks": "--chunks"}
-
-
-def in_flags(error: LayoutError, microbatches: int | None = None, grad_accum: int = 1) -> str:
-    """A `plait.rules` refusal as `plait train` says it: ``tp=3`` reads ``--tp 3``, and so on for
-    every field with a flag (``pp_schedule='zbv'``: ``--schedule zbv``; ``fsdp=4``, which no flag
-    sets directly, stays); the nearest valid layouts likewise. ``microbatches`` and ``grad_accum``:
-    a pipeline step runs their product, which the rules see as one number."""
-    def flag(m: re.Match[str]) -> str:
-        name, value = m[1], m[2].strip("'")
-        if name not in _RULE_FLAGS:
-            return m[0]
-        if name in ("pp_microbatches", "microbatches") and grad_accum > 1:  # a step runs mb x accum
-            return f"--microbatches {microbatches} x --grad-accum {grad_accum}"
-        if name == "sequence_parallel":
-            return "--sequence-parallel"
-        return f"{_RULE_FLAGS[name]} {value}"
-
-    return re.sub(r"\b([a-z_]+)=('[^']*'|[\w.]+)", flag, str(error))
-
-
-def _require(section: object, name: str, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"--{name.replace('_', '-')} {getattr(section, name)}: must be {allowed}")
-
-
-def _check_writable(flag: str, path: Path, want_dir: bool) -> None:
-    """A path the run will create or append to: the right kind, under a writable folder."""
-    if path.exists():
-        if want_dir and not path.is_dir():
-            raise ValueError(f"{flag} {path}: is an existing file; the run writes into a folder there")
-        if not want_dir and path.is_dir():
-            raise ValueError(f"{flag} {path}: is a folder; it must name the file to append to")
-        if not os.access(path, os.W_OK):
-            raise ValueError(f"{flag} {path}: is not writable")
-        return
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is a file, so the folders above {path.name} cannot be "
-                         "created; choose a path under a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: the folder {parent} is not writable")
-
-
-# ---- the command line and the config file ----------------------------------------------------
-
-
-class ConfigFileError(ValueError):
-    """A config file that cannot be read, or holds a section or key `plait train` does not know."""
-
-
-def _config_file_args(path: str) -> list[str]:
-    """A TOML config file as the flags it stands for, so one parser checks both the same way."""
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as e:
-        raise ConfigFileError(f"--config {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigFileError(f"--config {path}: not valid TOML: {e}") from None
-    flags = FIELD_FLAGS
-    args: list[str] = []
-    for section, table in doc.items():
-        if section not in SECTIONS:
-            raise ConfigFileError(f"--config {path}: unknown section [{section}]; the sections are "
-                                  f"{', '.join(f'[{s}]' for s in SECTIONS)}")
-        if not isinstance(table, dict):
-            raise ConfigFileError(f"--config {path}: {section} must be a [{section}] table, got "
-                                  f"{type(table).__name__} {table!r}")
-        keys = {f.name for f in dataclasses.fields(SECTIONS[section])}
-        for key, value in table.items():
-            if key not in keys:
-                raise ConfigFileError(f"--config {path}: [{section}] has no option {key!r}; it has "
-                                      f"{', '.join(sorted(keys))}")
-            flag = "--" + flags[(section, key)].replace("_", "-")
-            if isinstance(value, bool):
-                args.append(flag if value else "--no-" + flag[2:])
-            elif isinstance(value, (int, float, str)):
-                args += [flag, str(value)]
-            else:
-                raise ConfigFileError(f"--config {path}: [{section}] {key} = {value!r}: expected a "
-                                      "number, a string or a boolean")
-    return args
-
-
-def _config_path(argv: list[str]) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == "--config":
-            if i + 1 >= len(argv):
-                raise ConfigFileError("--config needs a path: --config run.toml")
-            return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def _command(model: ModelSection, parallel: ParallelSection, optimizer: OptimizerSection,
-             data: DataSection, checkpoint: CheckpointSection, run: RunSection, config: str | None = None,
-             print_config: bool = False) -> tuple[TrainConfig, bool]:
-    """Train plait's GPT on a byte-level corpus under any layout.
-
-    Args:
-        config: a TOML file of these options, one table per section; flags given here override it
-        print_config: print the whole configuration as TOML (what --config reads) and exit
-    """
-    # A function, not the dataclass, is what tyro calls: the ValueError a bad combination raises
-    # reaches parse_args, which reports it as one line naming the flag.
-    return TrainConfig(model, parallel, optimizer, data, checkpoint, run), print_config
-
-
-def parse_args(argv: list[str]) -> TrainConfig:
-    """``plait train``'s flags (and ``--config FILE``) as a checked `TrainConfig`; exits 2 on bad input
-    with one line naming the flag and what it allows. ``--print-config`` prints it and exits 0."""
-    try:
-        path = _config_path(argv)
-        file_args = _config_file_args(path) if path is not None else []
-        # The file's options come first, so the same flag given on the command line wins.
-        cfg, show = tyro.cli(_command, args=_resume_valued([*file_args, *argv]), prog="plait train",
-                             config=(tyro.conf.OmitArgPrefixes,))
-    except ValueError as e:
-        print(f"plait train: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if show:
-        print(to_toml(cfg), end="")
-        raise SystemExit(0)
-    return cfg
-
-
-_RESUME_VALUES = {"auto": "auto", "true": "True", "false": "False"}
-
-
-def _resume_valued(args: list[str]) -> list[str]:
-    """``--resume`` is a switch that may take one value: alone it means True (a checkpoint must
-    exist), ``--resume auto`` resumes if there is one; ``--no-resume`` is False. The parser sees
-    each as ``--resume VALUE``."""
-    out: list[str] = []
-    for i, arg in enumerate(args):
-        if arg == "--no-resume":
-            out += ["--resume", "False"]
-        elif arg.startswith("--resume="):
-            out += ["--resume", _RESUME_VALUES.get(arg.split("=", 1)[1].lower(), arg.split("=", 1)[1])]
-        elif arg == "--resume":
-            following = args[i + 1].lower() if i + 1 < len(args) else ""
-            out.append("--resume")
-            if following not in _RESUME_VALUES:
-                out.append("True")
-        elif i and args[i - 1] == "--resume" and arg.lower() in _RESUME_VALUES:
-            out.append(_RESUME_VALUES[arg.lower()])
-        else:
-            out.append(arg)
-    return out
-
-
-def given_flags(argv: list[str]) -> set[str]:
-    """The options set explicitly, on the command line or in its ``--config`` file (underscored names)."""
-    path = _config_path(argv)
-    words = [*(_config_file_args(path) if path is not None else []), *argv]
-    given = {w[2:].split("=", 1)[0].replace("-", "_") for w in words if w.startswith("--")}
-    return given | {name[3:] for name in given if name.startswith("no_")}
-
-
-def to_toml(cfg: TrainConfig) -> str:
-    """The configuration as a TOML file that ``--config`` reads back to the same config (options
-    left unset, such as the default ``seq_len``, are omitted: TOML has no null)."""
-    lines: list[str] = []
-    for section in SECTIONS:
-        lines.append(f"[{section}]")
-        for f in dataclasses.fields(getattr(cfg, section)):
-            value = getattr(getattr(cfg, section), f.name)
-            if value is None:
-                continue
-            # JSON's strings, numbers and booleans are TOML's too (finite floats: the config refuses others).
-            lines.append(f"{f.name} = {json.dumps(value)}")
-        lines.append("")
-    return "\n".join(lines)

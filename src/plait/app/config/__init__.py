@@ -1,0 +1,39 @@
+"""`plait train`'s configuration: typed sections, read from flags and from a TOML file.
+
+The sections are dataclasses (model, parallel, optimizer, data, checkpoint, run); `tyro`
+turns their fields, types and docstrings into the command line, with each flag named after
+its field alone (``--tp``, ``--zero-stage``, ``--lr``), so the flat flags scripts already use
+keep working. ``--config run.toml`` reads the same fields grouped by section::
+
+    [parallel]
+    strategy = "fsdp"
+    nproc = 4
+    tp = 2
+
+    [optimizer]
+    lr = 1e-3
+
+Flags on the command line override the file. Every combination that could not run is refused
+by `TrainConfig` itself, in the parent process, before any rank is spawned.
+"""
+
+from plait.app.config.arguments import ConfigFileError, given_flags, parse_args, to_toml
+from plait.app.config.refusals import in_flags
+from plait.app.config.sections import (
+    FIELD_FLAGS,
+    FLAGS,
+    MIXED_PRECISIONS,
+    SECTIONS,
+    STRATEGIES,
+    CheckpointSection,
+    DataSection,
+    ModelSection,
+    OptimizerSection,
+    ParallelSection,
+    RunSection,
+)
+from plait.app.config.train_config import TrainConfig
+
+__all__ = ["ModelSection", "ParallelSection", "OptimizerSection", "DataSection", "CheckpointSection",
+           "RunSection", "TrainConfig", "parse_args", "given_flags", "to_toml", "in_flags", "ConfigFileError",
+           "SECTIONS", "FLAGS", "FIELD_FLAGS", "STRATEGIES", "MIXED_PRECISIONS"]
