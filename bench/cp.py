@@ -53,7 +53,7 @@ DEFAULTS: dict[str, Any] = {"model": "small", "seq_len": 1024, "batch": 2, "iter
 ALGORITHMS = ("ring", "allgather", "ulysses")
 
 
-def _global_batch(a: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(a: dict) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     b = torch.randint(0, 256, (a["batch"], a["seq_len"] + 1), generator=g)
     return b[:, :-1].contiguous(), b[:, 1:].contiguous()
@@ -102,7 +102,7 @@ class Runner:
         self.losses.append(float(loss.item()))
 
 
-def _plait(a: dict, mesh: Any, cp: str | None, x: torch.Tensor, y: torch.Tensor) -> Runner:
+def plait_runner(a: dict, mesh: Any, cp: str | None, x: torch.Tensor, y: torch.Tensor) -> Runner:
     import plait
     from plait.models.gpt import GPT
 
@@ -187,17 +187,17 @@ def timing_job(a: dict) -> dict[str, Any]:
     from plait.env import device
     from plait.testing import cached_mesh
 
-    x, y = _global_batch(a)
+    x, y = global_batch(a)
     cp2, dp2 = cached_mesh(cp=WORLD), cached_mesh(dp=WORLD)
     torch_side, torch_error = _torch_or_error(a, x, y)
-    runners = {"cp2": _plait(a, cp2, "ring", x, y), "cp1": _plait(a, dp2, "ring", x, y),
-               "sdpa": _plait(a, dp2, None, x, y)}
+    runners = {"cp2": plait_runner(a, cp2, "ring", x, y), "cp1": plait_runner(a, dp2, "ring", x, y),
+               "sdpa": plait_runner(a, dp2, None, x, y)}
     if torch_side is not None:
         runners["torch"] = torch_side
     times = alternate({k: r.step for k, r in runners.items()}, warmup=a["warmup"], iters=a["iters"])
     counts = {"ring cp=2": _counted(runners["cp2"]), "ring cp=1": _counted(runners["cp1"])}
     for algorithm in ALGORITHMS[1:]:
-        counts[f"{algorithm} cp=2"] = _counted(_plait(a, cp2, algorithm, x, y))
+        counts[f"{algorithm} cp=2"] = _counted(plait_runner(a, cp2, algorithm, x, y))
     dev = device()
     memory = {"cp1": _memory(runners["cp1"]),
               "cp1, whole batch": _memory(runners["cp1"], (x.to(dev), y.to(dev))),

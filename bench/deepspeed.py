@@ -236,11 +236,11 @@ def ulysses_job(a: dict) -> dict:
     """plait's Ulysses context parallelism at cp 2 against DeepSpeed-Ulysses, steps alternating; if
     DeepSpeed's side fails its first step, the error instead (raised alike on every rank)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from bench.cp import _global_batch, _plait
+    from bench.cp import global_batch, plait_runner
     from plait.testing import cached_mesh
 
-    x, y = _global_batch(a)
-    runner = _plait(a, cached_mesh(cp=2), "ulysses", x, y)
+    x, y = global_batch(a)
+    runner = plait_runner(a, cached_mesh(cp=2), "ulysses", x, y)
     try:
         ds_step, ds_losses = _deepspeed_ulysses(a, x, y)
         ds_step()
@@ -305,11 +305,19 @@ def main(argv: list[str]) -> int:
     args["load"] = (load0, os.getloadavg()[0])
     body = (_report(args, timing, mem, time.time() - t0) if args["stages"] else "")
     body += _pipeline_report(args, piped) if piped else ""
-    body += _ulysses_report(uly_args, ulysses) if ulysses else ""
-    print(body)
-    if not a.no_write:
-        write_section("deepspeed", "ZeRO 1/2/3: plait against DeepSpeed (and FSDP2)", body,
-                      command=" ".join(["plait bench deepspeed", *argv]))
+    command = " ".join(["plait bench deepspeed", *argv])
+    if body:
+        print(body)
+        if not a.no_write:
+            write_section("deepspeed", "ZeRO 1/2/3: plait against DeepSpeed (and FSDP2)", body,
+                          command=command)
+    if ulysses:  # a section of its own: a run of the ZeRO stages alone leaves it as it is
+        uly_args["load"] = args["load"]
+        uly_body = _ulysses_report(uly_args, ulysses)
+        print(uly_body)
+        if not a.no_write:
+            write_section("deepspeed_ulysses", "Sequence parallelism: plait's cp with Ulysses against "
+                          "DeepSpeed-Ulysses", uly_body, command=command)
     return 0
 
 
@@ -355,14 +363,14 @@ same work (forward, backward, the same collectives, an AdamW step), which is wha
 
 def _ulysses_report(a: dict, out: dict) -> str:
     head = f"""
-### Sequence parallelism: plait's cp with Ulysses against DeepSpeed-Ulysses
-
-GPT preset `{a['model']}`, {a['batch']} sequences of {a['seq_len']} tokens (`plait bench cp`'s setting), world
-2. plait: `ParallelPlan(cp="ulysses")` on `Mesh(cp=2)` (each rank holds the zigzag halves of every
+GPT preset `{a['model']}`, {a['batch']} sequences of {a['seq_len']} tokens (`plait bench cp`'s setting),
+world 2, {a['iters']} timed steps per side after {a['warmup']} warm-up, strictly alternating; 1-minute
+load average {a['load'][0]:.1f} at the start, {a['load'][1]:.1f} at the end ({os.cpu_count()} cores).
+plait: `ParallelPlan(cp="ulysses")` on `Mesh(cp=2)` (each rank holds the zigzag halves of every
 sequence; all-to-alls of q, k, v and the output in each attention; its DDP over cp). DeepSpeed:
 `deepspeed.sequence.layer.DistributedAttention` around the same attention projections and kernel
 (each rank holds one contiguous half of every sequence), its engine at ZeRO-0 averaging gradients
-over the two ranks. torch's AdamW on both, steps alternating as above.
+over the two ranks. torch's AdamW on both.
 """
     if "error" in out:
         return head + f"\nDeepSpeed-Ulysses does not run here: `{out['error']}`\n"
