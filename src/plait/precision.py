@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from plait._torch_compat import map_tensors
 from plait.materialize import is_meta
-from plait.placement.records import held
+from plait.placement.records import plain_leaf
 
 __all__ = ["MixedPrecision", "mixed_precision", "precision_of", "parse_mixed_precision", "check_castable",
            "DTYPES", "CASTS_ITSELF"]
@@ -211,7 +211,7 @@ class _Caster:
         done = []
         for mod, attr in slots:
             p = mod._parameters.get(attr)
-            p = held(p) if p is not None else None  # a tp DTensor's plain leaf (what forward reads)
+            p = plain_leaf(p) if p is not None else None  # a tp DTensor's plain leaf (what forward reads)
             if p is None or not p.is_floating_point() or p.dtype == self.dtype:
                 continue
             low = copies.get(id(p))
@@ -257,7 +257,7 @@ class _Caster:
 def _restore(mod: nn.Module, attr: str) -> None:
     """Make ``mod.attr`` the master weight again: the parameter, or a tp DTensor's plain leaf."""
     p = mod._parameters.get(attr)
-    if p is not None and held(p) is not p:
-        mod.__dict__[attr] = held(p)
+    if p is not None and plain_leaf(p) is not p:
+        mod.__dict__[attr] = plain_leaf(p)
     else:
         mod.__dict__.pop(attr, None)

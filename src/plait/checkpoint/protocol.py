@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from plait.placement.records import TPInfo, held, tp_info, tp_module
+from plait.placement.records import TPInfo, plain_leaf, tp_info, tp_module
 from plait.placement.state import expert_or_tp_entry, restore_expert_or_tp
 from plait.placement.tp_params import tp_param_of
 
@@ -121,7 +121,7 @@ def module_state(module: nn.Module, optimizer: Any,
         if not _steps(optimizer, p):
             continue
         state = optimizer.state.get(p, {})
-        rec, leaf = tp_param_of(p), held(p)  # a tp DTensor's state: DTensors too, read as the leaf's
+        rec, leaf = tp_param_of(p), plain_leaf(p)  # a tp DTensor's state: DTensors too, read as the leaf's
         for key, kind in layout.items():
             out = f"{renames.get(name, name)}.{key}"
             if kind == "elem":
@@ -131,7 +131,7 @@ def module_state(module: nn.Module, optimizer: Any,
             else:
                 value = torch.as_tensor(state[key]) if key in state else torch.zeros((), dtype=torch.float32)
                 optim[out] = value.detach().clone()
-    model_sd = {k: expert_or_tp_entry(held(v), held(v), specs.get(k), info, k)
+    model_sd = {k: expert_or_tp_entry(plain_leaf(v), plain_leaf(v), specs.get(k), info, k)
                 for k, v in module.state_dict(keep_vars=True).items()}
     return {"model": model_sd, "optim": optim}
 
@@ -144,13 +144,13 @@ def load_module_state(module: nn.Module, optimizer: Any, state: dict[str, Any],
     specs = info.specs if info is not None else {}
     renames = renames or {}
     for key, target in module.state_dict(keep_vars=True).items():
-        restore_expert_or_tp(held(target), state["model"][key], held(target), specs.get(key))
+        restore_expert_or_tp(plain_leaf(target), state["model"][key], plain_leaf(target), specs.get(key))
     layout = state_layout(optimizer)
     for name, p in module.named_parameters():
         if not _steps(optimizer, p):
             continue
         restored = {}
-        rec, leaf = tp_param_of(p), held(p)
+        rec, leaf = tp_param_of(p), plain_leaf(p)
         for key, kind in layout.items():
             value = state["optim"][f"{renames.get(name, name)}.{key}"]
             if kind == "elem":

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from plait.ddp.buckets import Bucket, sparse_params
-from plait.placement.records import held, placement_of
+from plait.placement.records import placement_of, plain_leaf
 from plait.placement.tp_params import gradient_assigned
 
 __all__ = ["InBackward", "check_spec", "refuse_model", "BucketOptimizers"]
@@ -56,7 +56,7 @@ def refuse_model(module: nn.Module, ignored: frozenset[str]) -> None:
         raise ValueError(f"DistributedDataParallel(optimizer_in_backward=...): not with sparse gradients "
                          f"({', '.join(found)}): those are reduced on their own after the buckets; use "
                          "an optimizer after backward")
-    experts = [n for n, p in named if placement_of(held(p)) is not None]
+    experts = [n for n, p in named if placement_of(plain_leaf(p)) is not None]
     if experts:
         raise ValueError("DistributedDataParallel(optimizer_in_backward=...): not with expert parallelism "
                          f"({experts[0]}, ...): experts split over ep are reduced outside the buckets; use "

@@ -46,7 +46,7 @@ from plait.ddp.reducer import Reducer
 from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, refuse_torch_only, wire_dtype
 from plait.materialize import is_meta
 from plait.mesh import Mesh
-from plait.placement.records import held, placement_of
+from plait.placement.records import placement_of, plain_leaf
 from plait.placement.tp_params import hand_over
 from plait.wrapped_state import WrappedModuleState
 
@@ -141,7 +141,7 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         self.static_graph = options.static_graph
         self.broadcast_buffers = options.broadcast_buffers
         self.wire_dtype = wire_dtype(self.module, options.gradient_compression)
-        leaves = ((n, held(p)) for n, p in self.module.named_parameters() if n not in options.ignored)
+        leaves = ((n, plain_leaf(p)) for n, p in self.module.named_parameters() if n not in options.ignored)
         everything = list({id(t): (n, t) for n, t in leaves}.values())
         check_experts_placed(self.module, everything)
         # Expert parameters (plait.expert_parallel) differ across ep ranks: reduced on their own.

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.comm import broadcast_coalesced
-from plait.placement.records import held
+from plait.placement.records import plain_leaf
 
 __all__ = ["ZeroRedundancyOptimizer", "partition"]
 
@@ -61,8 +61,8 @@ class ZeroRedundancyOptimizer:
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        # Sized, and broadcast, as the tensors held: a tp DTensor parameter's plain rows (`held`).
-        self.owner = partition([held(p).numel() for p in self.params], self.world)
+        # Sized, and broadcast, as the tensors held: a tp DTensor parameter's plain rows (`plain_leaf`).
+        self.owner = partition([plain_leaf(p).numel() for p in self.params], self.world)
         # (global rank of the owner, its share), for the broadcasts after each step
         self._shares = [(dist.get_global_rank(group, r) if group is not None else r,
                          [p for p, o in zip(self.params, self.owner) if o == r]) for r in range(self.world)]
@@ -99,7 +99,7 @@ class ZeroRedundancyOptimizer:
             return
         for src, share in self._shares:
             if share:
-                broadcast_coalesced([held(p) for p in share], src, self.group)
+                broadcast_coalesced([plain_leaf(p) for p in share], src, self.group)
 
     def owns(self, p: nn.Parameter) -> bool:
         """Whether this rank steps ``p`` (and keeps, and checkpoints, its optimizer state)."""

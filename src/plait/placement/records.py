@@ -10,7 +10,7 @@ so none of them imports the strategy that placed it.
 
 The records ride on the module or the parameter as attributes. FSDP's parameters and tp's
 (`plait.placement.tp_params`) are DTensors, which carry their placement themselves as well; what
-plait computes with stays plain (`held`).
+plait computes with stays plain (`plain_leaf`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from torch import nn
 from plait._torch_compat import compiled_original
 from plait.placement.shards import ShardSpec
 
-__all__ = ["TPInfo", "TP_PARAM_MARK", "held", "attach_tp_info", "attached_tp_info", "tp_info", "tp_module",
-           "mark_part",
+__all__ = ["TPInfo", "TP_PARAM_MARK", "plain_leaf", "attach_tp_info", "attached_tp_info", "tp_info",
+           "tp_module", "mark_part",
            "ExpertPlacement", "ExpertParallelInfo", "EXPERT_MARK", "mark_expert", "placement_of",
            "StackedRows", "ROWS_MARK", "mark_rows", "rows_of",
            "attach_ep_info", "ep_info"]
@@ -98,7 +98,7 @@ T = TypeVar("T", bound=torch.Tensor)
 TP_PARAM_MARK = "_plait_tp_param"
 
 
-def held(t: T) -> T:
+def plain_leaf(t: T) -> T:
     """The tensor plait computes with: the plain leaf a tp DTensor parameter stands on
     (`plait.placement.tp_params`), else ``t`` itself."""
     rec = getattr(t, TP_PARAM_MARK, None)

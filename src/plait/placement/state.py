@@ -18,7 +18,7 @@ from torch import nn
 
 from plait import comm
 from plait.dtensors import contiguous_stride, local_of, mesh_of
-from plait.placement.records import TPInfo, held, placement_of, rows_of, tp_info, tp_module
+from plait.placement.records import TPInfo, placement_of, plain_leaf, rows_of, tp_info, tp_module
 from plait.placement.shards import ShardSpec
 from plait.tensor_source import FullValue, whole
 
@@ -42,7 +42,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     _check_not_fsdp(model, "full_state_dict")
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():  # the tensors held (not DTensor views)
-        t = held(t)
+        t = plain_leaf(t)
         spec = info.specs.get(name) if info is not None else None
         out[name] = t.detach().clone() if spec is None else gather_full(t, spec, info)
     return out
@@ -87,7 +87,7 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, FullValue]) -> No
         raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
     loaded: set[int] = set()
     for name, target in own.items():
-        target = held(target)
+        target = plain_leaf(target)
         if id(target) in loaded:  # a tied tensor, listed under each of its names, is read once
             continue
         loaded.add(id(target))
@@ -112,7 +112,8 @@ def _check_not_fsdp(model: nn.Module, what: str) -> None:
     info = tp_info(model)
     sd = model.state_dict(keep_vars=True)
     kept = [sd[n] for n in info.specs if n in sd] if info is not None else []
-    if info is not None and info.specs and (not kept or any(isinstance(held(t), DTensor) for t in kept)):
+    if info is not None and info.specs and (
+            not kept or any(isinstance(plain_leaf(t), DTensor) for t in kept)):
         raise ValueError(f"plait.tp.state.{what}: this tensor-parallel model is wrapped by FSDP, which "
                          f"holds its parameters: call plait.{what}(model) on the FSDP wrapper")
 

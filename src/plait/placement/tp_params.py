@@ -206,7 +206,7 @@ def _records(module: nn.Module) -> list[TPParam]:
 
 def hand_over(module: nn.Module) -> None:
     """For a wrapper that reduces the leaves' gradients itself and then assigns them (DDP, over the
-    leaves: `held`): stop moving each fresh gradient onto the DTensor; the wrapper calls
+    leaves: `plain_leaf`): stop moving each fresh gradient onto the DTensor; the wrapper calls
     `gradient_assigned` on the leaf with the finished one, which the DTensor's gradient then
     shares. Before autograd accumulates into a leaf, a published gradient the user dropped from the
     DTensor since (``zero_grad()``) is dropped from the leaf too, so nothing stale is added to."""
