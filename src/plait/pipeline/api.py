@@ -24,7 +24,7 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import above, named_view, plan_stages, segments
 from plait.pipeline.ties import TiedCopy, drop_earlier_sums, find_ties, sync_grads, tie_groups
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
-from plait.placement.pieces import mark_piece, remark_all
+from plait.placement.pieces import mark_grads, mark_piece
 from plait.placement.records import TPInfo, mark_part, tp_info
 from plait.placement.tp_params import unplace
 from plait.tp.apply import check_tied_splits, loss_fn_for, tensor_parallel
@@ -435,7 +435,7 @@ class Pipeline:
         loss_sum, outs = self.exec.run(sched, metas, mb_in, mb_tg if holds_last else None, train)
         if train:
             sync_grads(self._tied)
-            remark_all(self._pieces)  # gradients a wrapper assigned (FSDP's) are marked too
+            mark_grads(self._pieces)  # gradients a wrapper assigned (FSDP's) are marked too
         if targets is None and not train:
             self._measure(self.exec.step_time)
             if not holds_last:

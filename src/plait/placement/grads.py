@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm, faults
-from plait.placement.pieces import remark
+from plait.placement.pieces import mark_grad
 from plait.placement.records import placement_of
 
 __all__ = ["reduce_expert_grads"]
@@ -42,5 +42,5 @@ def reduce_expert_grads(params: list[nn.Parameter], divisor: float) -> None:
     had = flat[-len(params):].tolist()
     for p, g, n in zip(params, grads, had):
         p.grad = (flat[offset: offset + g.numel()].view_as(g) / divisor) if n else None
-        remark(p)
+        mark_grad(p)
         offset += g.numel()

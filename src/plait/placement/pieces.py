@@ -16,7 +16,7 @@ instead: a tensor subclass that is a plain tensor to every operation (optimizers
 use instead. Nothing has been changed when they raise.
 
 A parameter is marked once (`mark_piece`); its gradient is marked whenever autograd accumulates
-into it, and again wherever plait assigns one (`remark`: DDP's bucket views, the experts'
+into it, and again wherever plait assigns one (`mark_grad`: DDP's bucket views, the experts'
 reduction, the end of a pipeline step).
 
 A tp shard's mark also says how its optimizer state is a piece of the full tensor's. An optimizer
@@ -48,7 +48,7 @@ from plait._torch_compat import (
     set_class,
 )
 
-__all__ = ["TorchToolRefused", "Piece", "mark_piece", "carry_mark", "piece_of", "remark", "remark_all",
+__all__ = ["TorchToolRefused", "Piece", "mark_piece", "carry_mark", "piece_of", "mark_grad", "mark_grads",
            "PIECE_MARK"]
 
 # The attribute a marked parameter (and its marked gradient) carries its `Piece` under.
@@ -101,9 +101,9 @@ def mark_piece(p: nn.Parameter | torch.Tensor, what: str, split: bool = False, *
     if new.to_full is not None:
         _watch_optimizers()
     if p.requires_grad and not isinstance(p, DTensor) and not getattr(p, _WATCHED, False):
-        p.register_post_accumulate_grad_hook(remark)
+        p.register_post_accumulate_grad_hook(mark_grad)
         setattr(p, _WATCHED, True)
-    remark(p)
+    mark_grad(p)
 
 
 def carry_mark(old: torch.Tensor, new: torch.Tensor) -> None:
@@ -121,7 +121,7 @@ def piece_of(p: torch.Tensor | object) -> Piece | None:
     return found if isinstance(found, Piece) else None
 
 
-def remark(p: torch.Tensor) -> None:
+def mark_grad(p: torch.Tensor) -> None:
     """Mark ``p``'s gradient if ``p`` is marked and the gradient is not yet (the marked gradient is
     the same memory: nothing is copied)."""
     piece, g = piece_of(p), p.grad
@@ -135,9 +135,10 @@ def remark(p: torch.Tensor) -> None:
     setattr(g, PIECE_MARK, piece)
 
 
-def remark_all(params: Iterable[torch.Tensor]) -> None:
+def mark_grads(params: Iterable[torch.Tensor]) -> None:
+    """`mark_grad` on each of ``params``."""
     for p in params:
-        remark(p)
+        mark_grad(p)
 
 
 # ------------------------------------------------------------------ optimizer state of tp shards

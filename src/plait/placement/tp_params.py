@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from plait._torch_compat import unwrap_apply, wrap_apply
 from plait.dtensors import contiguous_stride, mesh_of
-from plait.placement.pieces import mark_piece, remark
+from plait.placement.pieces import mark_grad, mark_piece
 from plait.placement.records import TP_PARAM_MARK, TPInfo
 from plait.placement.shards import ShardSpec
 from plait.placement.state import chunk_rows, full_as_shard, shard_as_full
@@ -230,10 +230,10 @@ def _drop_stale(rec: TPParam, grad: torch.Tensor) -> None:
 
 def gradient_assigned(leaf: torch.Tensor) -> None:
     """A wrapper assigned ``leaf.grad`` (see `hand_over`): the DTensor's gradient becomes its
-    rows, the same memory; a leaf that is no tp DTensor's keeps its mark (`remark`)."""
+    rows, the same memory; a leaf that is no tp DTensor's keeps its mark (`mark_grad`)."""
     rec = tp_param_of(leaf)
     if rec is None or not rec.handed_over or rec.leaf is not leaf:
-        remark(leaf)
+        mark_grad(leaf)
         return
     g = leaf.grad
     rec.param.grad = None if g is None else rec.as_dtensor(rec.rows(g))
