@@ -47,7 +47,7 @@ from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, ref
 from plait.materialize import is_meta
 from plait.mesh import Mesh
 from plait.placement.records import placement_of, plain_leaf
-from plait.placement.tp_params import hand_over
+from plait.placement.tp_params import let_wrapper_assign_grads
 from plait.wrapped_state import WrappedModuleState
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
             refuse_model(module, options.ignored)
         # Over a tp model, DDP's buckets and hooks are over the plain leaves tp's DTensor parameters
         # stand on; the reduced gradients become the DTensors' (`gradient_assigned`).
-        hand_over(module)
+        let_wrapper_assign_grads(module)
         self.module = module
         self.mesh = mesh if mesh is not None else Mesh(dp=-1)
         self._build(options)

@@ -41,8 +41,8 @@ from plait.placement.records import TP_PARAM_MARK, TPInfo
 from plait.placement.shards import ShardSpec
 from plait.placement.state import chunk_rows, full_as_shard, shard_as_full
 
-__all__ = ["TPParam", "place_tp_parameters", "unplace", "hand_over", "gradient_assigned", "tp_param_of",
-           "describable"]
+__all__ = ["TPParam", "place_tp_parameters", "unplace", "let_wrapper_assign_grads", "gradient_assigned",
+           "tp_param_of", "describable"]
 
 
 @dataclass(eq=False)
@@ -57,8 +57,8 @@ class TPParam:
     spec: ShardSpec | None
     info: TPInfo
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
-    handle: Any = None  # the leaf's hook that moves each fresh gradient (None once handed over)
-    handed_over: bool = False  # a wrapper (DDP) assigns the finished gradient: `gradient_assigned`
+    handle: Any = None  # the leaf's hook that moves each fresh gradient (None once a wrapper assigns it)
+    wrapper_assigns: bool = False  # a wrapper (DDP) assigns the finished gradient: `gradient_assigned`
     published: bool = False  # the DTensor's gradient is the leaf's, as a wrapper last assigned it
 
     @property
@@ -204,19 +204,19 @@ def _records(module: nn.Module) -> list[TPParam]:
     return list(found.values())
 
 
-def hand_over(module: nn.Module) -> None:
+def let_wrapper_assign_grads(module: nn.Module) -> None:
     """For a wrapper that reduces the leaves' gradients itself and then assigns them (DDP, over the
     leaves: `plain_leaf`): stop moving each fresh gradient onto the DTensor; the wrapper calls
     `gradient_assigned` on the leaf with the finished one, which the DTensor's gradient then
     shares. Before autograd accumulates into a leaf, a published gradient the user dropped from the
     DTensor since (``zero_grad()``) is dropped from the leaf too, so nothing stale is added to."""
     for rec in _records(module):
-        if rec.handed_over:
+        if rec.wrapper_assigns:
             continue
         if rec.handle is not None:
             rec.handle.remove()
             rec.handle = None
-        rec.handed_over = True
+        rec.wrapper_assigns = True
         if rec.leaf.requires_grad:
             rec.leaf.register_hook(partial(_drop_stale, rec))
 
@@ -229,10 +229,10 @@ def _drop_stale(rec: TPParam, grad: torch.Tensor) -> None:
 
 
 def gradient_assigned(leaf: torch.Tensor) -> None:
-    """A wrapper assigned ``leaf.grad`` (see `hand_over`): the DTensor's gradient becomes its
+    """A wrapper assigned ``leaf.grad`` (see `let_wrapper_assign_grads`): the DTensor's gradient becomes its
     rows, the same memory; a leaf that is no tp DTensor's keeps its mark (`mark_grad`)."""
     rec = tp_param_of(leaf)
-    if rec is None or not rec.handed_over or rec.leaf is not leaf:
+    if rec is None or not rec.wrapper_assigns or rec.leaf is not leaf:
         mark_grad(leaf)
         return
     g = leaf.grad
@@ -256,7 +256,7 @@ def unplace(module: nn.Module) -> None:
             if id(rec) in done:  # a tied parameter's other owner
                 continue
             done.add(id(rec))
-            if rec.handed_over:
+            if rec.wrapper_assigns:
                 raise ValueError(f"'{rec.name}' is already in a wrapper that reduces its gradient (DDP): "
                                  "apply this strategy before that wrapper")
             if rec.handle is not None:
