@@ -33,7 +33,7 @@ from plait.placement.records import (
     mark_expert,
     placement_of,
 )
-from plait.placement.tp_params import unplace
+from plait.placement.tp_params import to_plain_parameters
 from plait.routing import share_routing
 
 __all__ = ["expert_parallel", "has_experts", "expert_counts", "ExpertPlacement", "ExpertParallelInfo",
@@ -74,7 +74,7 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
     with what came back) and refuses, naming the layer and the expert, rows that went to the
     wrong expert or came back out of order. False skips it."""
     layers, stacked = _moe_layers(model)
-    unplace(model)  # experts over ep are plain pieces; tp's DTensors would mix with them
+    to_plain_parameters(model)  # experts over ep are plain pieces; tp's DTensors would mix with them
     if ep_info(model) is not None:
         raise ValueError("expert_parallel: the model is already expert parallel")
     n, j = mesh.size("ep"), mesh.rank("ep")

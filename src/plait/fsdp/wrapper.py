@@ -88,7 +88,7 @@ from plait.mesh import Mesh
 from plait.placement.grads import reduce_expert_grads
 from plait.placement.pieces import mark_piece, piece_of
 from plait.placement.records import TPInfo, ep_info, placement_of, tp_info
-from plait.placement.tp_params import unplace
+from plait.placement.tp_params import to_plain_parameters
 from plait.precision import MixedPrecision, precision_of
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
         # A tensor-parallel module (plait.tp, applied first): its tp shards are this
         # wrapper's parameters like any other; only the gradient norm needs the tp layout.
         self.tp: TPInfo | None = tp_info(module)
-        unplace(module)  # FSDP shards the plain tp shards, into DTensors over (fsdp, tp) of its own
+        to_plain_parameters(module)  # FSDP shards the plain tp shards into its own DTensors over (fsdp, tp)
         if placed_experts(module) and (mixed or offload):
             raise ValueError("FullyShardedDataParallel: expert-parallel experts stay whole on the device, "
                              "outside FSDP's shards, so FSDP's mixed precision and offloading would not "

@@ -26,7 +26,7 @@ from plait.pipeline.ties import TiedCopy, drop_earlier_sums, find_ties, sync_gra
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
 from plait.placement.pieces import mark_grads, mark_piece
 from plait.placement.records import TPInfo, mark_part, tp_info
-from plait.placement.tp_params import unplace
+from plait.placement.tp_params import to_plain_parameters
 from plait.tp.apply import check_tied_splits, loss_fn_for, tensor_parallel
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ class Pipeline:
             self.tp_module = tensor_parallel(named_view(my_segs), mesh, tp_plan,
                                              sequence_parallel=sequence_parallel, seed=seed, strict=False,
                                              origin=module)
-            unplace(self.tp_module)  # the stages' wrappers, ties and clipping work on plain shards
+            to_plain_parameters(self.tp_module)  # stages' wrappers, ties and clipping work on plain shards
             if loss_fn is None:
                 loss_fn = loss_fn_for(self.tp_module)
         elif is_meta(module) and not (wrapper is not None and wrapper.materializes):

@@ -20,8 +20,8 @@ a DTensor cannot describe (fused q/k/v weights split part by part) stays a plain
 gradient is marked (`plait.placement.pieces`): torch's clip refuses it by name.
 
 plait's other strategies (DDP, FSDP, pipelines, expert parallelism, mixed precision) compute
-their buckets, shards and stages over the plain leaves: each calls `unplace` on the module it
-wraps, which puts the leaves back as the parameters (marked as tp pieces, as before).
+their buckets, shards and stages over the plain leaves: each calls `to_plain_parameters` on the module
+it wraps, which puts the leaves back as the parameters (marked as tp pieces, as before).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from plait.placement.records import TP_PARAM_MARK, TPInfo
 from plait.placement.shards import ShardSpec
 from plait.placement.state import chunk_rows, full_as_shard, shard_as_full
 
-__all__ = ["TPParam", "place_tp_parameters", "unplace", "let_wrapper_assign_grads", "gradient_assigned",
-           "tp_param_of", "describable"]
+__all__ = ["TPParam", "place_tp_parameters", "to_plain_parameters", "let_wrapper_assign_grads",
+           "gradient_assigned", "tp_param_of", "describable"]
 
 
 @dataclass(eq=False)
@@ -240,7 +240,7 @@ def gradient_assigned(leaf: torch.Tensor) -> None:
     rec.published = g is not None
 
 
-def unplace(module: nn.Module) -> None:
+def to_plain_parameters(module: nn.Module) -> None:
     """Put every tp DTensor parameter of ``module`` back as the plain leaf it stands on (its
     gradient with it), marked as a tp piece: for a strategy that shards, buckets or stages plain
     parameters (DDP, FSDP, pipelines, expert parallelism, mixed precision)."""
@@ -294,7 +294,7 @@ def _state_entry(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any,
     tensor, on this rank's storage. ``keep_vars=True`` gives the parameter as held."""
     key = prefix + attr
     t = state.get(key)
-    if mod._parameters.get(attr) is not rec.param:  # unplaced: another strategy's tensor
+    if mod._parameters.get(attr) is not rec.param:  # made plain again: another strategy's tensor
         return
     if rec.spec is None and isinstance(t, DTensor) and not isinstance(t, nn.Parameter):
         state[key] = t.to_local()

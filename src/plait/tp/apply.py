@@ -130,7 +130,7 @@ def tensor_parallel(
                   specs=named_specs, styles=dict(ctx.assigned), vocab_size=vocab_size)
     attach_tp_info(module, info)
     if n > 1:  # torch's tools see DTensors of the full tensors (DCP, clip, Muon): as one process
-        place_state_dict(module, info)  # the plain shards' entries, once DDP or a pipeline unplaces them
+        place_state_dict(module, info)  # the plain shards' entries, once DDP or a pipeline makes them plain
         place_tp_parameters(module, info)
     return module
 
