@@ -425,7 +425,7 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
         `plait.placement.pieces`). Split experts are marked as pieces already."""
         for name, p in module.named_parameters():
             if placement_of(p) is not None and p.requires_grad and piece_of(p) is None:
-                mark_piece(p, f"the whole expert {name!r}", beside=True)
+                mark_piece(p, f"the whole expert {name!r}", kept_whole=True)
 
     def _around_compiled_call(self, unit: Unit) -> None:
         """A unit compiled in place (``block.compile()``): its module's hooks would run inside the

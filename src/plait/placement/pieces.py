@@ -75,28 +75,28 @@ class Piece:
     piece may say how a tensor shaped like it (its optimizer state) stands for the full tensor:
     ``to_full(t)``, a DTensor of the full tensor on ``t``'s storage, and ``to_local(value, base)``,
     this rank's rows of such a value (or of the full tensor) on a copy of ``base``.
-    ``beside``: not a piece but a whole tensor that every rank holds, kept plain beside FSDP's
+    ``kept_whole``: not a piece but a whole tensor that every rank holds, kept plain beside FSDP's
     DTensor shards (experts under FSDP without ep), whose mix torch's clip cannot take."""
 
     what: str
     split: bool
     to_full: Callable[[torch.Tensor], torch.Tensor] | None = None
     to_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    beside: bool = False
+    kept_whole: bool = False
 
 
 def mark_piece(p: nn.Parameter | torch.Tensor, what: str, split: bool = False, *,
                to_full: Callable[[torch.Tensor], torch.Tensor] | None = None,
                to_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-               beside: bool = False) -> None:
+               kept_whole: bool = False) -> None:
     """Record that ``p`` holds one rank's piece of the model (see `Piece`), so that torch's tools
     that would be wrong on its gradient refuse it. A second mark keeps the first words; a piece
-    marked ``beside`` too is refused as a piece."""
+    marked ``kept_whole`` too is refused as a piece."""
     old = piece_of(p)
-    new = Piece(what, split, to_full, to_local, beside)
+    new = Piece(what, split, to_full, to_local, kept_whole)
     if old is not None:
         new = Piece(old.what, old.split or split, old.to_full or to_full, old.to_local or to_local,
-                    old.beside and beside)
+                    old.kept_whole and kept_whole)
     setattr(p, PIECE_MARK, new)
     if new.to_full is not None:
         _watch_optimizers()
@@ -112,7 +112,7 @@ def carry_mark(old: torch.Tensor, new: torch.Tensor) -> None:
     piece = piece_of(old)
     if piece is not None:
         mark_piece(new, piece.what, piece.split, to_full=piece.to_full, to_local=piece.to_local,
-                   beside=piece.beside)
+                   kept_whole=piece.kept_whole)
 
 
 def piece_of(p: torch.Tensor | object) -> Piece | None:
@@ -216,14 +216,14 @@ def _refuse(func: Any, args: Any) -> None:
         return
     tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
     pieces = [p for t in tensors if (p := piece_of(t)) is not None]
-    if caller == _CLIP_MODULE and pieces and all(p.beside for p in pieces):
+    if caller == _CLIP_MODULE and pieces and all(p.kept_whole for p in pieces):
         raise TorchToolRefused(
             f"torch.nn.utils.clip_grad_norm_ was given the gradient of {pieces[0].what}: FSDP keeps "
             "the experts whole, as plain tensors, beside its DTensor shards, and torch's norm cannot "
             "take the two kinds together. Call plait.clip_grad_norm_(model, max_norm) on the model "
             "plait returned: it takes each kind's norm and sums them, as torch does in one process. "
             "Nothing was scaled.")
-    pieces = [p for p in pieces if not p.beside]
+    pieces = [p for p in pieces if not p.kept_whole]
     if caller == _CLIP_MODULE and pieces:
         raise TorchToolRefused(
             f"torch.nn.utils.clip_grad_norm_ was given the gradient of {pieces[0].what}: torch's norm "
