@@ -125,7 +125,7 @@ class Schedule:
                         self.placement)
 
     def simulate(self, costs: Costs | None = None, latency: float = 0.0) -> list[list[Slot]]:
-        """Replay every rank (sends free, receives wait for their send) and place actions in time.
+        """Step every rank through its actions (sends free, receives wait for their send), each in time.
 
         ``costs`` maps kinds to durations (default F = B = W = 1, BW = 2) or is a function of the
         action (e.g. measured durations per stage). Doubles as the validator: any rule broken
@@ -135,7 +135,7 @@ class Schedule:
             table = {**DEFAULT_COSTS, **(costs or {})}
             costs = lambda a: table[a.kind]  # noqa: E731
         _check_shape(self)
-        return _Replay(self, costs, latency).run()
+        return _Simulation(self, costs, latency).run()
 
     def bubble(self, costs: Costs | None = None, latency: float = 0.0) -> float:
         """Planned bubble: mean over ranks of idle time / makespan under ``costs`` (and ``latency``
@@ -227,7 +227,9 @@ def _check_shape(s: Schedule) -> None:
                             f"got {len(s.actions)}")
 
 
-class _Replay:
+class _Simulation:
+    """One run of `Schedule.simulate`: every rank's actions placed in time, each rule checked."""
+
     def __init__(self, s: Schedule, costs: Callable[[Action], float], latency: float) -> None:
         self.s, self.costs, self.latency = s, costs, latency
         self.done: list[set[tuple[Kind, int, int]]] = [set() for _ in range(s.ranks)]
