@@ -140,6 +140,45 @@ def _recovery(folder: Path, train_args: list[str], kill_at: int, after_join: int
             "joined_at": join["step"]}
 
 
+def _hang(folder: Path, train_args: list[str], timeout_s: float, stop_at: int) -> dict:
+    """A replica stopped with SIGSTOP (a hang: its sockets stay open) after step ``stop_at``, continued
+    once the others dropped it: when the others went on, when it was back with the state."""
+    heal, metrics = folder / "heal", folder / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "plait", "train", "--heal", "--nproc", "4", "--steps", "100000",
+           "--min-lr-ratio", "1", "--warmup", "1", "--eval-every", "0", "--no-progress",
+           "--heal-timeout", str(timeout_s), "--run-dir", str(folder.parent), "--name", folder.name,
+           *train_args]
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+
+    def steps() -> dict[int, dict]:
+        return {r["step"]: r for r in _rows(metrics) if "step" in r}
+
+    def back(since: float) -> dict | None:
+        epochs = [e for e in _rows(heal / "uid1.jsonl") if e["event"] == "epoch"]
+        return next((e for e in epochs if e["time"] > since), None)
+
+    try:
+        _wait(lambda: max(steps(), default=0) >= stop_at, job)
+        victim = _event(heal, "start", 1)["pid"]
+        stopped = time.time()
+        os.kill(victim, signal.SIGSTOP)
+        first3 = _wait(lambda: min((s for s, r in steps().items() if r["replicas"] == 3), default=None), job)
+        went_on = steps()[first3]["time"] - stopped
+        os.kill(victim, signal.SIGCONT)
+        resumed = time.time()
+        rejoined = _wait(lambda: back(resumed), job)
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    digests = {e["params_sha256"] for uid in range(4) for e in _rows(heal / f"uid{uid}.jsonl")
+               if e["event"] == "finished"}
+    return {"went_on": went_on, "rejoined": rejoined["time"] - resumed,
+            "received": rejoined["received_state"], "bit_equal": len(digests) == 1}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="plait bench heal")
     p.add_argument("--model", default="25m", help="the overhead's GPT preset (plait bench ddp's)")
@@ -152,6 +191,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--after-join", type=int, default=20)
     p.add_argument("--train-args", default="--model tiny --batch-size 8 --max-bytes 200000",
                    help="the healing runs' model and data flags")
+    p.add_argument("--hang-timeout", type=float, default=2.0, help="--heal-timeout of the hang's run")
     args = p.parse_args(argv)
 
     load0 = os.getloadavg()[0]
@@ -160,19 +200,21 @@ def main(argv: list[str]) -> int:
         for i in range(args.repeats):
             runs.append(_recovery(Path(tmp) / f"healed{i}", args.train_args.split(), args.kill_at,
                                   args.after_join))
+        hang = _hang(Path(tmp) / "hung", args.train_args.split(), args.hang_timeout, args.kill_at)
     pool = rank_pool(2, timeout_s=900)
     try:
         out = pool.run(_overhead, args.model, args.seq, args.batch, args.warmup, args.iters)[0]
     finally:
         pool.close()
     load1 = os.getloadavg()[0]
-    body = _report(args, runs, out, load0, load1)
+    body = _report(args, runs, hang, out, load0, load1)
     print(body)
     write_section("heal", "Healing replicas: a killed replica's cost, and healing's when nothing fails", body)
     return 0
 
 
-def _report(args: argparse.Namespace, runs: list[dict], out: dict, load0: float, load1: float) -> str:
+def _report(args: argparse.Namespace, runs: list[dict], hang: dict, out: dict, load0: float,
+            load1: float) -> str:
     def cell(key: str, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
         xs = [r[key] * scale for r in runs]
         return f"{fmt.format(median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
@@ -196,6 +238,12 @@ def _report(args: argparse.Namespace, runs: list[dict], out: dict, load0: float,
             "loaded); woken at the death, it takes the parameters, optimizer state, step and RNG state "
             "from a peer at the next step boundary.\n\n"
             + markdown_table(["", "measured"], rows)
+            + f"\n\nA hang: replica uid 1 stopped with SIGSTOP after step {args.kill_at} (its sockets "
+            f"stay open), with --heal-timeout {args.hang_timeout:g} (bound: 3 x that, the collective's "
+            f"timeout then twice it for the others' answers). The others' next step completed "
+            f"{hang['went_on']:.2f} s after the SIGSTOP; continued, the stopped replica found itself "
+            f"dropped and was back {hang['rejoined']:.2f} s later (state received: {hang['received']}); "
+            f"every replica ended bit-equal: {hang['bit_equal']}."
             + f"\n\nPer-step cost when nothing fails: GPT `{args.model}` ({out['n_params'] / 1e6:.1f}M "
             f"parameters), 2 processes, global batch {args.batch} x {args.seq} tokens, {args.iters} "
             f"alternating timed steps after {args.warmup} warm-up steps each; plait train's DDP step against "
