@@ -237,5 +237,6 @@ def main(argv: list[str]) -> int:
         f"step with no check at all: **{sum(blamed) / sum(unchecked):.3f}**.\n"
     )
     print(body)
-    write_section("ddp", "DistributedDataParallel: plait vs torch DDP", body)
+    name, title = ("ddp", "") if args.world == 2 else (f"ddp_world{args.world}", f", world {args.world}")
+    write_section(name, f"DistributedDataParallel: plait vs torch DDP{title}", body)
     return 0

@@ -387,7 +387,9 @@ over the two ranks. torch's AdamW on both.
 {table}
 
 Losses are the mean over the two ranks of each rank's own tokens' loss: the global batch's, the same
-initial values and tokens on both sides.
+initial values and tokens on both sides. They agree at the first step; then DeepSpeed's falls faster,
+as at every ZeRO stage above (its losses part from one process's from the third step, where plait's
+and FSDP2's do not; plait's Ulysses is checked against one process by tests/test_context_parallel.py).
 """
 
 

@@ -347,7 +347,7 @@ def test_tp2_gives_each_rank_the_alibi_biases_of_its_heads(pools):
     from plait.tp import check_plan
 
     # Falcon's ALiBi is (batch, heads, 1, seq) and folded into its attention mask: refused by name,
-    # in the dry run, before any collective.
+    # in the layout trace, before any collective.
     falcon = _build("falcon", alibi=True)
     for sp in (False, True):
         with pytest.raises(ValueError, match=r"'alibi' has shape \(1, 4, 1, 4\), not \(batch \* 4 heads, "
@@ -389,7 +389,7 @@ def test_tp2_splits_experts_stacked_in_3d_tensors(pools):
 
 def test_tp2_without_a_kv_cache_is_checked_and_matches_single_process(pools):
     # use_cache=False, as in training: transformers' causal mask then asks whether the position ids
-    # hold packed sequences, a branch on values that the plan check's dry run once failed on.
+    # hold packed sequences, a branch on values that the plan check's layout trace once failed on.
     pools[2].run(_tp2, [("llama-nocache", True), ("gpt2-nocache", False)])
 
 

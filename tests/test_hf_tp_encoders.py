@@ -130,7 +130,7 @@ def test_every_encoder_is_planned_and_checked_without_spawning():
     )
 
     for family in ("bert-mlm", "bert-cls", "roberta-mlm", "vit", "t5", "t5-untied", "t5-gated"):
-        # Training with dropout: the dry run also checks that each dropout draws from the random
+        # Training with dropout: the layout trace also checks that each dropout draws from the random
         # stream matching what it drops (per rank on split heads or sequence shards).
         rates = {"dropout_rate": 0.1} if family.startswith("t5") else {
             "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}

@@ -3,7 +3,7 @@ whole and split (threads of this process, float64, no process group), outputs an
 compared (bound: 1e-8 of each tensor's largest entry; sharding moves float64 results by ~1e-16
 relative per operation, a wrong layout by O(1)).
 
-Each known silent-wrong mistake is re-introduced through a deliberately wrong plan: the dry run
+Each known silent-wrong mistake is re-introduced through a deliberately wrong plan: the layout trace
 on shapes lets it through (asserted, so the test shows what only the numbers catch), the
 numeric check refuses it naming the module and the tensor. Correct plans pass, with and without
 sequence parallelism. Tiny configs (hidden 32, 2 layers), nothing downloaded.
@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import plait  # noqa: E402
 from plait.tp import check_plan  # noqa: E402
-from plait.tp.dryrun import PlanError  # noqa: E402
+from plait.tp.layout_trace import PlanError  # noqa: E402
 from plait.tp.styles import ColwiseParallel, RowwiseParallel, VocabParallelEmbedding  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -62,7 +62,7 @@ def test_a_fused_qkv_read_as_q_k_v_is_refused_naming_the_attention():
     plan = plait.plan_for(model)
     plan["transformer.h.*.attn.qkv_proj"] = ColwiseParallel(input_comm=False, unit=4, parts=(32, 32, 32))
     plan["transformer.h.*.attn.out_proj"] = RowwiseParallel(unit=4)
-    check_plan(model, plan, tp=2, numeric=False)  # the shapes fit: the dry run cannot see it
+    check_plan(model, plan, tp=2, numeric=False)  # the shapes fit: the layout trace cannot see it
     with pytest.raises(PlanError, match=r"module 'transformer\.h\.0\.attn' \(CodeGenAttention\).*output 0"):
         check_plan(model, plan, tp=2)
 
@@ -115,7 +115,7 @@ class _Net(nn.Module):
 
 
 def test_a_model_plait_never_saw_is_checked_by_its_numbers_too():
-    # A plan that declares the fused layer not fused (parts=(48,), as the dry run's own advice
+    # A plan that declares the fused layer not fused (parts=(48,), as the layout trace's own advice
     # allows for a layer that is not) computes wrong attention on every rank.
     model = _Net()
     attn = {"attn": plait.ParallelRegion(), "attn.out": RowwiseParallel(unit=4)}

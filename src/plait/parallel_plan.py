@@ -49,7 +49,7 @@ class ParallelPlan:
     fsdp_units: Sequence[type | str] | None = None
     ddp_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0  # init seed for modules still on the meta device
-    tp_check: bool | str = True  # `tensor_parallel(check=...)`: dry run and numeric check; "shapes"; False
+    tp_check: bool | str = True  # `tensor_parallel(check=...)`: layout trace + numeric check; "shapes"; False
     pp_split: str | Sequence[str] = "auto"  # "auto" or the segment names that start stages 1..
     pp_schedule: str | Schedule | Sequence[Sequence[Any]] = "1f1b"
     pp_microbatches: int = 4

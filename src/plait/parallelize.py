@@ -123,12 +123,12 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
 
 def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
     """`plait.rules.check_layout`, the one rule set ``plait train``, ``plait check`` and ``plait plan``
-    also run. The tensor-parallel plan's dry run is left to `tensor_parallel`, which runs it (with
+    also run. The tensor-parallel plan's layout trace is left to `tensor_parallel`, which runs it (with
     its numeric check) as step 1, still before any collective."""
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"parallelize(plan=...) expects a plait.ParallelPlan, got {type(plan).__name__}")
     try:
-        check_layout(module, mesh, plan, tp_dry_run=False)
+        check_layout(module, mesh, plan, tp_trace=False)
     except LayoutError as e:
         e.message = f"parallelize: {e.message}"
         raise

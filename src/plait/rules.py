@@ -117,12 +117,12 @@ class LayoutError(ValueError):
 
 
 def check_layout(model: nn.Module, mesh: MeshShape | Mesh | Mapping[str, int], plan: ParallelPlan, *,
-                 tp_dry_run: bool = False, numeric: bool = False, suggest: bool = True) -> None:
+                 tp_trace: bool = False, numeric: bool = False, suggest: bool = True) -> None:
     """Raise `LayoutError` if ``plan`` cannot run ``model`` on a mesh of this shape; return None if
     it can. Nothing communicates and ``model`` is not changed.
 
     Each tensor-parallel style is validated against its module (`plait.tp.validate_styles`: no
-    forward runs). ``tp_dry_run``: also run the plan's dry run, a forward on fake tensors
+    forward runs). ``tp_trace``: also run the plan's layout trace, a forward on fake tensors
     (`plait.tp.check_plan`: a second or more for a deep model), which finds what only a forward
     shows (a module that reads a global head count); ``numeric`` adds its numeric check of each
     distinct block (blocks materialized). `plait.parallelize` runs both through
@@ -132,10 +132,10 @@ def check_layout(model: nn.Module, mesh: MeshShape | Mesh | Mapping[str, int], p
     _validated(plan)  # a malformed plan is refused as such, whatever the mesh
     shape = MeshShape.of(mesh)
     try:
-        _check(model, shape, plan, tp_dry_run, numeric)
+        _check(model, shape, plan, tp_trace, numeric)
     except LayoutError as e:
         if suggest and e.axis is not None:
-            e.nearest = _nearest(model, shape, plan, e.axis, tp_dry_run)
+            e.nearest = _nearest(model, shape, plan, e.axis, tp_trace)
         raise
 
 
@@ -145,9 +145,9 @@ def _validated(plan: ParallelPlan) -> None:
     plan.validate()  # again: its fields may have been changed since it was made
 
 
-def _check(model: nn.Module, shape: MeshShape, plan: ParallelPlan, tp_dry_run: bool, numeric: bool) -> None:
+def _check(model: nn.Module, shape: MeshShape, plan: ParallelPlan, tp_trace: bool, numeric: bool) -> None:
     _data_rules(model, shape, plan)
-    _tp_rules(model, shape, plan, tp_dry_run, numeric)
+    _tp_rules(model, shape, plan, tp_trace, numeric)
     if shape.cp > 1:
         _cp_rules(model, shape, plan)
     _expert_rules(model, shape, plan)
@@ -177,7 +177,7 @@ def _data_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> None:
                           "data='fsdp' or put those ranks on dp", ("data", "fsdp"))
 
 
-def _tp_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan, dry_run: bool, numeric: bool) -> None:
+def _tp_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan, trace: bool, numeric: bool) -> None:
     if shape.tp > 1 and plan.tp is None:
         raise LayoutError(f"{shape} has tp={shape.tp} but the plan has no tp styles", ("tp",))
     if plan.sequence_parallel and shape.tp < 2:
@@ -194,7 +194,7 @@ def _tp_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan, dry_run: b
         return
     try:
         validate_styles(model, plan.tp, tp=shape.tp, sequence_parallel=plan.sequence_parallel)
-        if dry_run and plan.tp_check is not False:
+        if trace and plan.tp_check is not False:
             check_plan(model, plan.tp, tp=shape.tp, sequence_parallel=plan.sequence_parallel, strict=False,
                        numeric=numeric and plan.tp_check is True)
     except (ValueError, TypeError) as e:
@@ -339,7 +339,7 @@ def _pipeline_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> N
 
 
 def _nearest(model: nn.Module, shape: MeshShape, plan: ParallelPlan, axis: str,
-             tp_dry_run: bool) -> list[dict[str, int]]:
+             tp_trace: bool) -> list[dict[str, int]]:
     """Degrees of ``axis`` that pass on the same number of ranks, nearest first (at most three):
     the data axis takes up the difference (``ep`` is folded out of the data axes as it is)."""
     data = "fsdp" if plan.data == "fsdp" else "dp"
@@ -356,7 +356,7 @@ def _nearest(model: nn.Module, shape: MeshShape, plan: ParallelPlan, axis: str,
                 if (world // d) % rest:
                     continue
                 trial = replace(shape, **{axis: d, data: world // d // rest})
-            _check(model, trial, plan, tp_dry_run, numeric=False)
+            _check(model, trial, plan, tp_trace, numeric=False)
         except (LayoutError, ValueError, TypeError):
             continue
         found.append({axis: d} if axis == "ep" else {axis: d, data: getattr(trial, data)})

@@ -58,5 +58,5 @@ def build(config: Any, seed: int, device: torch.device | str = "cpu") -> nn.Modu
             raise ValueError(f"--hf-config: {type(config).__name__} has no causal-LM model ({e})") from None
     # use_cache stays as configured: with it off and no attention mask, transformers inspects
     # position ids for packed sequences with a data-dependent test, which the tensor-parallel
-    # plan's dry run on the meta device cannot evaluate. A cache lives for one forward only.
+    # plan's layout trace on the meta device cannot evaluate. A cache lives for one forward only.
     return model

@@ -181,7 +181,7 @@ def _check_rules(spec: Spec) -> None:
     if full["tp"] > 1 and plan.tp is None:
         plan = dataclasses.replace(plan, tp=tp_styles(model, full["tp"], user_loss is None))
     try:
-        check_layout(model, full, plan, tp_dry_run=True)  # the ranks' plan check would fail alike
+        check_layout(model, full, plan, tp_trace=True)  # the ranks' plan check would fail alike
     except LayoutError as e:
         raise CheckInputError(f"check: {e}") from e  # the cause: a CLI names its flags
 

@@ -1,7 +1,7 @@
 """How a tensor-parallel parameter is split: which rows of which dimension each tp rank holds.
 
 Styles answer ``shard_specs`` with these (`plait.tp.styles`); materialization, the checkpoint
-layout (`plait.placement.state`) and the dry run read them.
+layout (`plait.placement.state`) and the layout trace read them.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ from plait.placement.records import TPInfo, tp_info, tp_module
 from plait.tp.apply import assign_styles, check_plan, loss_fn_for, tensor_parallel, validate_styles
 from plait.tp.attention import AttentionParallel, HeadEmbedding, HeadNorm, SplitRMSNorm
 from plait.tp.context import Style
-from plait.tp.dryrun import PlanError
 from plait.tp.experts import MoEParallel, SplitParams
+from plait.tp.layout_trace import PlanError
 from plait.tp.loss import vocab_parallel_cross_entropy
 from plait.tp.sequence import GatherSequence, ScatterSequence
 from plait.tp.styles import (

@@ -46,8 +46,8 @@ from plait.placement.tp_params import place_tp_parameters
 from plait.rng import RNGFork
 from plait.routing import share_routing_over
 from plait.tp.context import SequenceShardGrads, Style, TPContext
-from plait.tp.dryrun import PlanError, dry_run, mark, meta_copy, shard_parameters
 from plait.tp.layers import activation_name
+from plait.tp.layout_trace import PlanError, mark, meta_copy, shard_parameters, trace_layouts
 from plait.tp.loss import vocab_parallel_cross_entropy
 from plait.tp.numeric import verify
 from plait.tp.sequence import ScatterSequence
@@ -57,7 +57,7 @@ __all__ = ["tensor_parallel", "check_plan", "check_tied_splits", "assign_styles"
            "tp_module", "mark_part", "TPInfo"]
 
 Plan = Mapping[str, Style]
-# Names of a forward's first parameter that mean "token ids": the dry run can make such an input.
+# Names of a forward's first parameter that mean "token ids": the layout trace can make such an input.
 TOKEN_INPUTS = ("input_ids", "idx", "ids", "tokens", "token_ids", "input_tokens")
 
 
@@ -75,7 +75,7 @@ def tensor_parallel(
     collective runs; the only collective here is one broadcast that synchronizes the default
     random generator across the tp group (replicated dropout masks must agree).
 
-    The check includes `check_plan`'s dry run on the meta device, which refuses a plan that
+    The check includes `check_plan`'s layout trace on the meta device, which refuses a plan that
     would not reproduce single-process training. It runs here on ``example_inputs`` (see
     `check_plan`), or on token ids it makes itself when ``forward``'s first parameter is named
     like them; otherwise on the first call's own inputs, before that call communicates.
@@ -83,7 +83,7 @@ def tensor_parallel(
     (an attention, an MLP, the embedding...) is built whole on the CPU in float64, run as one
     process and split over ``tp`` ranks on the same random inputs, and a difference in outputs
     or gradients refuses the plan, naming the module and the tensor. ``check="shapes"`` runs
-    the dry run only (it costs no data; the numeric check costs one forward and backward of
+    the layout trace only (it costs no data; the numeric check costs one forward and backward of
     each distinct unit, logged at INFO; skipped on the meta device, where a layout is only
     rehearsed, and for a unit over `plait.tp.numeric.MAX_UNIT_BYTES`, with a warning);
     ``check=False`` skips both (a model whose forward
@@ -172,17 +172,17 @@ def loss_fn_for(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torc
 def _check_mode(check: bool | str) -> bool:
     """Whether ``check`` (True, "shapes" or False) asks for the numeric check."""
     if check not in (True, False, "shapes"):
-        raise ValueError(f"check= must be True (dry run and numeric check), 'shapes' (dry run only) or "
-                         f"False, got {check!r}")
+        raise ValueError(f"check= must be True (layout trace and numeric check), 'shapes' (layout trace "
+                         f"only) or False, got {check!r}")
     return check is True
 
 
 def check_plan(module: nn.Module, plan: Plan, *, tp: int, sequence_parallel: bool = False,
                example_inputs: Any = None, strict: bool = True, numeric: bool = True) -> None:
     """Refuse ``plan`` for ``module`` at tensor-parallel size ``tp`` if it would not reproduce
-    single-process training: raise ``ValueError`` (`plait.tp.dryrun.PlanError` for what the
-    dry run finds) naming the module and the reason. No process group is needed, nothing
-    communicates and ``module`` is not changed (the dry run works on a meta-device copy).
+    single-process training: raise ``ValueError`` (`plait.tp.layout_trace.PlanError` for what the
+    layout trace finds) naming the module and the reason. No process group is needed, nothing
+    communicates and ``module`` is not changed (the layout trace works on a meta-device copy).
 
     ``example_inputs``: the forward's arguments, as a tensor, a tuple of positional arguments
     or a dict of keyword arguments (their values are not used, only shapes and dtypes); by
@@ -199,7 +199,7 @@ def check_plan(module: nn.Module, plan: Plan, *, tp: int, sequence_parallel: boo
     if inputs is None:
         raise TypeError(f"check_plan: {type(module).__name__}.forward does not take token ids as its first "
                         "argument; pass example_inputs=(args...) or {kwargs...}")
-    _dry_run_plan(module, plan, tp, sequence_parallel, strict, inputs, numeric)
+    _trace_plan(module, plan, tp, sequence_parallel, strict, inputs, numeric)
 
 
 def check_tied_splits(module: nn.Module, plan: Plan, *, tp: int) -> None:
@@ -245,10 +245,10 @@ def _example_inputs(module: nn.Module, n: int, given: Any) -> tuple[tuple, dict]
                     f"got {type(given).__name__}")
 
 
-def _dry_run_plan(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool,
+def _trace_plan(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool,
                   inputs: tuple[tuple, dict], numeric: bool = True) -> None:
-    """`check_plan` on ``inputs``: the styles' own checks, `plait.tp.dryrun.dry_run`, then
-    (``numeric``) `plait.tp.numeric.verify` of each distinct unit the dry run called."""
+    """`check_plan` on ``inputs``: the styles' own checks, `plait.tp.layout_trace.trace_layouts`, then
+    (``numeric``) `plait.tp.numeric.verify` of each distinct unit the layout trace called."""
     template = meta_copy(module)
     ctx = TPContext(group=None, size=n, rank=0, sequence_parallel=sp, rng=RNGFork(0, torch.device("cpu")),
                     seq_grads=SequenceShardGrads(None))
@@ -261,7 +261,7 @@ def _dry_run_plan(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool,
     floats = "S" if sp and not splits else "R"
     args, kwargs = _on_meta(inputs[0], floats), _on_meta(inputs[1], floats)
     record: dict[str, Any] | None = dict.fromkeys(ctx.assigned) if numeric else None
-    dry_run(template, ctx, specs, args, kwargs, allow_sequence_output=floats == "S", record=record)
+    trace_layouts(template, ctx, specs, args, kwargs, allow_sequence_output=floats == "S", record=record)
     if record is not None:
         seen = {k: v for k, v in record.items() if v is not None}
         verify(module, ctx.assigned, n, sp, seen, PlanError, _split_for_check)
@@ -277,7 +277,7 @@ def _split_for_check(module: nn.Module, ctx: TPContext) -> dict[str, ShardSpec]:
 
 def _on_meta(obj: Any, float_layout: str) -> Any:
     """``obj`` with every tensor replaced by an empty meta tensor of the same kind; floating
-    tensors get ``float_layout`` (see `plait.tp.dryrun`)."""
+    tensors get ``float_layout`` (see `plait.tp.layout_trace`)."""
     if isinstance(obj, torch.Tensor):
         t = torch.empty_like(obj, device="meta").requires_grad_(obj.requires_grad)
         if t.is_floating_point():
@@ -292,18 +292,18 @@ def _on_meta(obj: Any, float_layout: str) -> Any:
 
 def _check_now_or_later(module: nn.Module, plan: Plan, n: int, sp: bool, strict: bool, given: Any,
                         numeric: bool):
-    """Run `check_plan`'s dry run now when inputs are known; else return a forward pre-hook that
+    """Run `check_plan`'s layout trace now when inputs are known; else return a forward pre-hook that
     runs it on the first call's inputs (None when the module is never called as a whole)."""
     inputs = _example_inputs(module, n, given)
     if inputs is not None:
-        _dry_run_plan(module, plan, n, sp, strict, inputs, numeric)
+        _trace_plan(module, plan, n, sp, strict, inputs, numeric)
         return None
     if type(module).forward is nn.Module.forward:  # a container (a pipeline's view): never called
         return None
     template = meta_copy(module)
 
     def first_call(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        _dry_run_plan(template, plan, n, sp, strict, (args, kwargs), numeric)  # refused: every call is
+        _trace_plan(template, plan, n, sp, strict, (args, kwargs), numeric)  # refused: every call is
         first_call.handle.remove()  # type: ignore[attr-defined]
 
     return first_call

@@ -2,14 +2,14 @@
 sequence parallelism: Korthikanti et al. 2022, sec. 4.2), built on `plait.comm`'s collectives.
 
 Each operator's docstring says what moves in forward and backward; each is the identity when
-the group has one rank. Inside `emulated` (the dry run of `plait.tp.check_plan`) each operator
+the group has one rank. Inside `emulated` (the layout trace of `plait.tp.check_plan`) each operator
 is handed to an emulator that makes a tensor of the right shape on one rank, and nothing moves.
 
 Under torch.compile each operator is traced into the graph, forward and backward, with torch's
 functional collectives (``torch.distributed._functional_collectives``), so tensor parallelism adds
 no graph break: the compiler sees the collectives and may overlap them. Traced collectives skip
 `plait.comm`'s bookkeeping (counts, the per-call desync check), which Dynamo cannot trace; eager
-runs keep it. The dry run's emulator is never traced (plan checks do not compile).
+runs keep it. The layout trace's emulator is never compiled (plan checks do not compile).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ funcol = functional_collectives()
 
 
 class Emulator(Protocol):
-    """Stands in for the tp group in a dry run: ``op`` is the operator's name, ``dim`` the dim
+    """Stands in for the tp group in a layout trace: ``op`` is the operator's name, ``dim`` the dim
     it acts on; returns what this rank would hold afterwards (shape, dtype, device)."""
 
     def collective(self, op: str, x: torch.Tensor, dim: int) -> torch.Tensor: ...
@@ -55,7 +55,7 @@ def emulated(emulator: Emulator) -> Iterator[None]:
 
 
 def shapes_only() -> bool:
-    """Whether this runs inside the dry run (an emulator whose ``shapes_only`` is true: fake
+    """Whether this runs inside the layout trace (an emulator whose ``shapes_only`` is true: fake
     tensors, no values), where a style may stand in for code that branches on values."""
     return not _tracing() and bool(getattr(_EMULATOR.get(), "shapes_only", False))
 

@@ -56,9 +56,9 @@ class SequenceShardGrads:
 @dataclass
 class TPContext:
     """What styles need to know about the call: the group, the layout and the whole plan.
-    ``group`` is None only in `plait.tp.check_plan`'s dry run, where no collective runs."""
+    ``group`` is None only in `plait.tp.check_plan`'s layout trace, where no collective runs."""
 
-    group: Any  # dist.ProcessGroup; None in a dry run
+    group: Any  # dist.ProcessGroup; None in a layout trace
     size: int
     rank: int
     sequence_parallel: bool

@@ -8,8 +8,8 @@ expert outputs over its share of the hidden units (a partial sum) and the block'
 summed over tp by g (under sequence parallelism: all-gather in, reduce-scatter out). The
 router, replicated, routes identically on every rank; its gradient, which each rank computes
 from its partial outputs only, is summed over tp, as is that of any other replicated parameter
-in the block (Qwen2-MoE's ``shared_expert_gate``). The block's own code is trusted by the dry
-run, which cannot run it (routing selects tokens by value: ``nonzero`` on fake tensors) and takes
+in the block (Qwen2-MoE's ``shared_expert_gate``). The block's own code is trusted by the layout
+trace, which cannot run it (routing selects tokens by value: ``nonzero`` on fake tensors) and takes
 its output as its input's shape; the numeric check (`plait.tp.numeric`) runs it whole and split.
 """
 
@@ -83,7 +83,7 @@ class MoEParallel(Style):
         run = mod.forward
 
         def forward(self_: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if shapes_only():  # the dry run: a tensor of the block's output shape, hidden to hidden
+            if shapes_only():  # the layout trace: a tensor of the block's output shape, hidden to hidden
                 x = find_activation(self_, args, kwargs)
                 assert isinstance(x, torch.Tensor)
                 return x.clone()

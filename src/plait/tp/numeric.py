@@ -1,6 +1,6 @@
 """Verify a tensor-parallel plan by its numbers, before training: the check that shapes cannot do.
 
-The dry run (`plait.tp.dryrun`) proves that every operation on a split tensor is one its rules
+The layout trace (`plait.tp.layout_trace`) proves that every operation on a split tensor is one its rules
 know to be exact; it cannot see values. A fused projection read in the wrong order (CodeGen's
 ``qkv_proj`` holds groups of [q v k], not [q|k|v]) or a style that drops what a module does
 around its lookup (Gemma's embedding scales it by sqrt(hidden)) has the right shapes and trains
@@ -8,7 +8,7 @@ wrong. So each *distinct* unit of the plan (a module with a style whose ancestor
 embedding, an attention, an MLP, a norm, the LM head; units of the same class, parameter shapes,
 scalar attributes and styles are checked once) is built whole on the CPU in float64 with random
 values, run once as one process would run it and once split over ``tp`` ranks (threads in this
-process, collectives done in memory), on the same random inputs shaped as in the dry run. The
+process, collectives done in memory), on the same random inputs shaped as in the layout trace. The
 outputs, the gradient of the input activation and the gradients of every parameter (each
 rank's slice of a split one) must agree; a difference refuses the plan, naming the module and
 the tensor.
@@ -22,7 +22,7 @@ at 5%), measured by watching the whole run's outputs. The layout does not depend
 so the check always runs in float64 whatever the model's dtype and device. A wrong layout moves
 results by O(1) of their size (measured: CodeGen misread 30-100%, Gemma's dropped scaling 80%).
 
-The units run in ``eval()`` mode (dropout off: its per-rank streams are the dry run's
+The units run in ``eval()`` mode (dropout off: its per-rank streams are the layout trace's
 concern). Inputs: floating tensors are random normal, token ids random below the embedding's
 size, other integer tensors zeros and boolean ones true; other objects the forward received
 (a KV cache) are passed as None. Cost: one forward and backward of each distinct unit, once
@@ -56,7 +56,7 @@ __all__ = ["Blank", "MAX_UNIT_BYTES", "RTOL", "units", "verify"]
 
 # Replaces the parameters of a module by this rank's shards under ``ctx``'s styles; returns the
 # shards by parameter name (`plait.tp.apply` passes its own: this module imports neither it nor
-# the dry run, which imports this module).
+# the layout trace, which imports this module).
 Split = Callable[[nn.Module, TPContext], dict[str, ShardSpec]]
 # A unit whose float64 parameters exceed this is not checked (a warning names it): the check
 # holds it whole, its gradient, and every rank's shards with theirs (~4x this), on the CPU.
@@ -64,14 +64,14 @@ MAX_UNIT_BYTES = 1 << 30
 _TIMEOUT_S = 120.0  # one rank waiting this long at an exchange means another failed
 _log = logging.getLogger("plait.tp.numeric")
 # Units that passed in this process, by what they compute (`_signature` with the classes' modules,
-# the dry run's inputs, tp and sp): a process that parallelizes several models of one family
+# the layout trace's inputs, tp and sp): a process that parallelizes several models of one family
 # (a pipeline's stages, a test's layouts) checks each kind of unit once. Refusals are not kept.
 _passed: set[tuple] = set()
 
 
 @dataclass(frozen=True)
 class Blank:
-    """A tensor the dry run saw, by shape, dtype and layout (`plait.tp.dryrun` tags)."""
+    """A tensor the layout trace saw, by shape, dtype and layout (`plait.tp.layout_trace` tags)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -105,7 +105,7 @@ def _leaves(obj: Any) -> list[Any]:
 
 
 def describe(obj: Any, layout_of: Callable[[torch.Tensor], str]) -> Any:
-    """``obj`` (the dry run's fake tensors) with every tensor replaced by its `Blank`."""
+    """``obj`` (the layout trace's fake tensors) with every tensor replaced by its `Blank`."""
     return _tree(obj, lambda t: Blank(tuple(t.shape), t.dtype, layout_of(t)))
 
 
@@ -350,7 +350,7 @@ def check_unit(mod: nn.Module, styles: dict[str, Style], n: int, sp: bool, blank
                out_tags: list[str], split: Split, seed: int = 0) -> None:
     """Raise `Mismatch` when ``mod`` split by ``styles`` (names relative to ``mod``) over ``n``
     ranks does not compute what it computes whole, on inputs shaped as ``blanks`` (rank 0's, as
-    the dry run saw them) whose outputs the dry run laid out as ``out_tags``."""
+    the layout trace saw them) whose outputs the layout trace laid out as ``out_tags``."""
     gen = torch.Generator().manual_seed(seed)
     whole = _materialize(mod, gen)
     inputs = _inputs(whole, blanks, n, gen)
@@ -482,7 +482,7 @@ def _whole_inputs(call: tuple[Any, Any, list[str]]) -> bool:
 def verify(module: nn.Module, assigned: dict[str, Style], n: int, sp: bool,
            seen: dict[str, tuple[Any, Any, list[str]]], error: type[Exception], split: Split) -> None:
     """Check each distinct unit of ``assigned`` (module name -> style) in ``module`` whose inputs
-    the dry run saw (``seen``: name -> (args, kwargs) of `Blank`s, output tags); raise ``error``
+    the layout trace saw (``seen``: name -> (args, kwargs) of `Blank`s, output tags); raise ``error``
     naming the module and the tensor that differ. Logs the count and the time taken."""
     start = time.perf_counter()
     modules = dict(module.named_modules())
@@ -506,7 +506,7 @@ def verify(module: nn.Module, assigned: dict[str, Style], n: int, sp: bool,
             found = _mismatch(modules, assigned, name, n, sp, seen, split)
         except Exception as failed:
             raise error(f"plan check: module {name!r} ({type(modules[name]).__name__}) could not be run "
-                        "whole and split on random inputs shaped as in the dry run "
+                        "whole and split on random inputs shaped as in the layout trace "
                         f"({type(failed).__name__}: {failed}); pass check='shapes' to check the plan on "
                         "shapes only (`plait.tp.numeric`)") from failed
         if found is None:

@@ -11,8 +11,8 @@ A style is a small frozen dataclass used as a value in a plan (module-name patte
    sequence-parallel all-gather / reduce-scatter) from `plait.comm` around the computation.
 
 What the styles cannot see from one module (a norm on sequence shards with no style, a
-region around a residual addition) is checked for the whole plan by the dry run in
-`plait.tp.dryrun`. Sequence parallelism (Korthikanti et al. 2022) is a property of the whole
+region around a residual addition) is checked for the whole plan by the layout trace in
+`plait.tp.layout_trace`. Sequence parallelism (Korthikanti et al. 2022) is a property of the whole
 call, not of a style: every style reads ``ctx.sequence_parallel`` so one plan serves both.
 
 Linear styles accept ``nn.Linear`` and transposed Conv1D-like layers (`plait.tp.layers`); a

@@ -391,7 +391,7 @@ class TrainConfig:
     def _check_hf_model(self) -> None:
         """A transformers model against the corpus and the layout, on a meta-device copy: its
         vocabulary holds the bytes, its positions the sequence, and the tensor-parallel plan
-        `plait.plan_for` makes for it passes the dry run the ranks would run."""
+        `plait.plan_for` makes for it passes the layout trace the ranks would run."""
         from plait.app import hf
 
         assert self.model.hf_config is not None
@@ -432,21 +432,21 @@ class TrainConfig:
                                  "transformers families: use --strategy fsdp or ddp without --tp")
 
     def _check_model_layout(self, model: nn.Module, flag: str, advice: str = "",
-                            dry_run: bool = True) -> None:
+                            trace_tp: bool = True) -> None:
         """A meta-device model against the layout: `plait.rules.check_layout`, the rules
         `plait.parallelize` applies on the ranks, with the plan `build_model` will use (its numeric
         check included), its refusal told in flags."""
         if self.parallel.strategy == "dp":  # threads: no mesh, and DataParallel's own checks
             return
         try:
-            plan = self.parallel_plan(model, tp_styles=dry_run)
+            plan = self.parallel_plan(model, tp_styles=trace_tp)
         except ValueError as e:  # plan_for knows no plan for the model
             raise ValueError(f"--tp {self.parallel.tp} with {flag}: {e}{advice}") from None
         try:
             # plait's GPT plan is plait's own (tested); a transformers or FACTORY model's plan is
-            # also dry-run and checked by its numbers, one block of each kind materialized.
-            foreign = dry_run and not (self.model.hf_config is None and self.model_factory is None)
-            check_layout(model, self.mesh_shape(), plan, tp_dry_run=foreign, numeric=foreign)
+            # also traced and checked by its numbers, one block of each kind materialized.
+            foreign = trace_tp and not (self.model.hf_config is None and self.model_factory is None)
+            check_layout(model, self.mesh_shape(), plan, tp_trace=foreign, numeric=foreign)
         except LayoutError as e:
             said = in_flags(e, self.parallel.microbatches, self.run.grad_accum)
             raise ValueError(f"{flag}: {said}{advice if 'tp' in e.fields else ''}") from None

@@ -50,9 +50,9 @@ class FactoryTrainConfig(TrainConfig):
         (head counts against --tp, a plan for the model) is the layout's own to refuse."""
         par = self.parallel
         model = self.make_model()
-        # The layout's rules without the tensor-parallel plan's dry run: a plan search weighs many
+        # The layout's rules without the tensor-parallel plan's layout trace: a plan search weighs many
         # layouts, and a factory's model may have no plan (its --tp layouts are refused when run).
-        self._check_model_layout(model, f"FACTORY {self.factory}", dry_run=False)
+        self._check_model_layout(model, f"FACTORY {self.factory}", trace_tp=False)
         if par.sequence_parallel and self.seq_len % (par.tp * par.cp):
             raise ValueError(f"--sequence-parallel splits the sequence over --tp {par.tp} x --cp {par.cp}: "
                              f"--seq-len {self.seq_len} must be divisible by {par.tp * par.cp}")

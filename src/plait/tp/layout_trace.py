@@ -2,8 +2,8 @@
 
 A style's `validate` sees one module. What only the whole forward shows (a norm running on
 sequence shards without a style, a region that wraps a residual addition, a replicated
-attention fed sequence shards, positions computed from a shard's length) is found by a dry
-run: the model is copied to the meta device (no data, no memory), split as rank 0 would hold
+attention fed sequence shards, positions computed from a shard's length) is found by a layout
+trace: the model is copied to the meta device (no data, no memory), split as rank 0 would hold
 it, its styles installed, and run once on fake tensors (`plait._torch_compat.fake_tensors`:
 shapes only, and code that branches on values, such as transformers' check for packed
 sequences when there is no KV cache, skips the branch as it does under torch.compile) with
@@ -71,7 +71,7 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["PlanError", "dry_run", "meta_copy", "mark", "layout_of", "shard_parameters"]
+__all__ = ["PlanError", "trace_layouts", "meta_copy", "mark", "layout_of", "shard_parameters"]
 
 
 class PlanError(ValueError):
@@ -518,7 +518,7 @@ def _local_counts(ctx: TPContext, failed_at: str) -> str:
     return ""
 
 
-def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args: Args, kwargs: Kwargs,
+def trace_layouts(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args: Args, kwargs: Kwargs,
             allow_sequence_output: bool = False, record: dict[str, Any] | None = None) -> None:
     """Run ``module`` (a meta copy, styles assigned in ``ctx`` but not installed) as rank 0 of
     ``ctx.size`` would, on ``args``/``kwargs`` (meta tensors, tagged); raise `PlanError` on the
@@ -553,7 +553,7 @@ def dry_run(module: nn.Module, ctx: TPContext, specs: dict[int, ShardSpec], args
     except Exception as e:
         layout = f"tp={ctx.size}" + (" with sequence parallelism" if ctx.sequence_parallel else "")
         raise PlanError(
-            f"plan refused: the dry run of the model split over {layout} (rank 0's shards, on fake "
+            f"plan refused: the layout trace of the model split over {layout} (rank 0's shards, on fake "
             f"tensors) failed in {trace.where(trace.failed_at or '')}: {type(e).__name__}: {e}"
             f"{_local_counts(ctx, trace.failed_at or '')}\n(an error "
             "about shapes means the plan does not fit the model; one about data-dependent values or meta "
