@@ -106,6 +106,11 @@ class Replicas:
                      **({"asked_to_join": joined_at} if joined_at is not None else {})})
 
     def _build(self, epoch: Epoch) -> dist.ProcessGroup:
+        # The group's rendezvous waits on the store: for the replicas' start (imports, data) at epoch
+        # 0, for peers that are up and waiting later, so a member that died meanwhile costs 4 x the
+        # timeout, not the store's five minutes.
+        if epoch.number > 0:
+            self.store.set_timeout(_dt.timedelta(seconds=4 * self.timeout_s))
         prefix = dist.PrefixStore(f"heal/group/{epoch.number}", self.store)
         # A Gloo backend used as the group itself (torch's collectives take it), as torchft does.
         pg = cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefix, epoch.rank, epoch.size,
