@@ -213,7 +213,7 @@ def _moe_pipeline() -> str:
 
 
 def test_transformers_moe_in_a_pipeline_is_refused_with_the_layouts_that_train_it(pools):
-    # Mixtral's expert dispatch (torch.nonzero) has no meta-device result for the pipeline's dry run;
+    # Mixtral's expert dispatch (torch.nonzero) has no meta-device result for the pipeline's dataflow trace;
     # the advice names the layouts that train it (tests/test_hf_tp.py: tp, tp + SP, fsdp x tp).
     for msg in pools[2].run(_moe_pipeline):
         assert "MixtralForCausalLM" in msg and "without a pipeline" in msg, msg
@@ -291,7 +291,7 @@ def test_pp2_tp2_gpt2_embedding_tied_across_pp_ranks_matches_one_process(pools):
 
 
 def test_what_crosses_each_cut():
-    """No ranks: the dry run's plan. The residual and the gate's source (the embedding's output) are
+    """No ranks: the dataflow trace's plan. The residual and the gate's source (the embedding's output) are
     relayed through the middle stage; Llama's rotary tables, mask and position ids are not sent."""
     from plait.pipeline.replay import Replay
     from plait.pipeline.split import plan_stages, segments

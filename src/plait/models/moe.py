@@ -194,7 +194,7 @@ class MoE(nn.Module):
             self.expert_bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_meta:  # a shape-only run (a pipeline's dry run): routing needs values
+        if x.is_meta:  # a shape-only run (a pipeline's dataflow trace): routing needs values
             return torch.empty_like(x)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])

@@ -123,7 +123,7 @@ class Pipeline:
                                                for s in self.sched.rank_stages(r)}, ties)
         self.device = torch.device(device) if device is not None else _default_device()
         # Made before tensor parallelism and FSDP change this rank's modules in place: its meta
-        # skeleton of the model as given serves the dry runs and the stand-ins of other stages.
+        # skeleton of the model as given serves the dataflow traces and the stand-ins of other stages.
         self._replay = Replay(module, segs, plan, self.device)
         self.tp_module: nn.Module | None = None
         self._inner = {s: ReplayStage(s, self._replay, [segs[i] for i in plan[s]]) for s in mine}
@@ -425,7 +425,7 @@ class Pipeline:
             raise ValueError("pipeline.step: targets are required on the rank holding the last stage")
         mb_tg = None if targets is None else split_batch(targets, m, "targets")
         mb_in = [tuple(t.to(self.device) for t in x) for x in mb_in]
-        self._replay.prepare(mb_in[0])  # the dataflow of this input signature (a dry run, once)
+        self._replay.prepare(mb_in[0])  # the dataflow of this input signature (a dataflow trace, once)
         key = tuple((tuple(t.shape), t.dtype) for t in mb_in[0])
         metas = self.exec.exchange_meta(key, mb_in[0])
         if mb_tg is not None and holds_last:

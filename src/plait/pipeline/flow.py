@@ -1,10 +1,10 @@
-"""Which segment outputs each part of a model's forward reads: a dry run of the unchanged forward.
+"""Which segment outputs each part of a model's forward reads: a dataflow trace of the unchanged forward.
 
 A pipeline stage runs the model's own ``forward`` with the segments of other stages replaced (see
 `plait.pipeline.replay`), so it must know which values computed on earlier stages it needs. Those
 values can be read anywhere: as a segment's argument, through the model's glue code between
 segments (a residual ``h + x``, a ``ModelOutput``, keyword arguments), or in what the forward
-returns. `Tracer` finds them with one dry run per input signature, on this rank, without any
+returns. `Tracer` finds them with one dataflow trace per input signature, on this rank, without any
 collective:
 
 * every segment that owns parameters (a *producer*) is replaced by a probe that runs the real
@@ -50,7 +50,7 @@ _CONSTANTS = (type(None), bool, int, float, complex, str, torch.dtype, torch.dev
 
 @dataclass(frozen=True)
 class TensorLeaf:
-    """A tensor of a segment's output, as the dry run saw it (stand-ins make zeros of it)."""
+    """A tensor of a segment's output, as the dataflow trace saw it (stand-ins make zeros of it)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -83,7 +83,7 @@ class Flow:
     n_inputs: int
     reads: list[str] = field(default_factory=list)  # glue reading segment outputs' values
     # Output tensors as the real (sharded, wrapped, cast) layers make them, where different from the
-    # dry run's: filled by the stages' first forward and passed along the metadata pass.
+    # dataflow trace's: filled by the stages' first forward and passed along the metadata pass.
     real: dict[Key, TensorLeaf] = field(default_factory=dict)
 
     def plans(self, owner: Sequence[int], names: Sequence[str]) -> list[StagePlan]:
@@ -157,7 +157,7 @@ class _Taint(TorchFunctionMode):
 
 
 class Tracer:
-    """The state of one dry run: the taint mode and the calls each probe saw."""
+    """The state of one dataflow trace: the taint mode and the calls each probe saw."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -196,5 +196,5 @@ class Tracer:
                       if not isinstance(x, (TensorLeaf, *_CONSTANTS))})
         if odd:
             get_logger().warning("pipeline: segments return %s objects; a stage that does not own such a "
-                                 "segment gets the dry run's object, not the real one", ", ".join(odd))
+                                 "segment gets the dataflow trace's object, not the real one", ", ".join(odd))
         return Flow(self.calls, end, len(inputs), self.mode.reads)

@@ -78,7 +78,7 @@ class Replay:
                 self.owner[i] = s
         self.stages = len(plan)
         self.producers = {i for i, m in enumerate(self.modules) if next(m.parameters(), None) is not None}
-        # Taken before any stage is materialized, sharded or wrapped: the probes of the dry run and
+        # Taken before any stage is materialized, sharded or wrapped: the probes of the dataflow trace and
         # the stand-ins run or mimic these modules, never the real ones.
         self.skeleton = meta_copy(module)
         self._cache: dict[Any, tuple[Flow, list[StagePlan]]] = {}
@@ -101,7 +101,7 @@ class Replay:
         return sub
 
     def prepare(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Make the dataflow of ``inputs``' signature current (a dry run the first time it is seen)."""
+        """Make the dataflow of ``inputs``' signature current (a dataflow trace the first time it is seen)."""
         key = tuple((tuple(t.shape), t.dtype) for t in inputs)
         if key not in self._cache:
             self._cache[key] = self._trace(inputs)
@@ -131,8 +131,9 @@ class Replay:
                       "MoE expert dispatch through torch.nonzero) cannot be traced on the meta device, so "
                       "this model cannot be split into stages: train it without a pipeline (data "
                       "parallelism, FSDP or tensor parallelism)") if dependent else ""
-            raise RuntimeError(f"pipeline: the dry run of {type(self.root).__name__}.forward (layers on the "
-                               f"meta device, glue on the inputs) failed: {type(e).__name__}: {e}"
+            raise RuntimeError(f"pipeline: the dataflow trace of {type(self.root).__name__}.forward "
+                               "(layers on the meta device, glue on the inputs) "
+                               f"failed: {type(e).__name__}: {e}"
                                f"{advice}") from e
         log = get_logger()
         unused = [self.names[i] for i in sorted(self.producers) if i not in flow.calls]
@@ -247,7 +248,8 @@ class ReplayStage(nn.Module):
         missing = [rep.names[k[0]] for k in plan.send if k not in ctx.captured and k not in ctx.received]
         if missing:
             raise RuntimeError(f"pipeline: stage {self.stage_index} did not compute the outputs of {missing} "
-                               "that the dry run said it sends (does the forward's path depend on values?)")
+                               "that the dataflow trace said it sends (does the forward's path depend on "
+                               "values?)")
         return tuple(ctx.captured[k] if k in ctx.captured else ctx.received[k] for k in plan.send)
 
     def _stand_in(self, i: int, *args: Any, **kwargs: Any) -> Any:
@@ -260,8 +262,8 @@ class ReplayStage(nn.Module):
         calls = ctx.flow.calls.get(i, [])
         if c >= len(calls):
             raise RuntimeError(f"pipeline: {rep.names[i]!r} is called {c + 1} times, but {len(calls)} in the "
-                               "dry run of this input signature; forwards whose calls depend on values are "
-                               "not supported")
+                               "dataflow trace of this input signature; forwards whose calls depend on "
+                               "values are not supported")
         call, real = calls[c], ctx.flow.real
         leaves = [ctx.received[(i, c, k)] if (i, c, k) in ctx.received
                   else ctx.zeros(real.get((i, c, k), x)) if isinstance(x, TensorLeaf) else x
