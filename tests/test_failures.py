@@ -313,7 +313,7 @@ def test_a_tensor_on_another_device_than_the_groups_is_refused_by_name(pool):
     assert all("the tensor is on meta, but this axis communicates on cpu" in m for m in out), out
 
 
-def _unplaced_bookkeeping() -> str:
+def _bookkeeping_made_without_device() -> str:
     """A tensor made in plait's library without device=, as the loss mean once was."""
     import plait
 
@@ -329,7 +329,7 @@ def _unplaced_bookkeeping() -> str:
 
 def test_the_pool_audit_catches_a_bookkeeping_tensor_made_without_a_device(pool):
     # On CPU it would pass unnoticed; on NCCL the all-reduce of a CPU tensor fails.
-    out = pool.run(_unplaced_bookkeeping)
+    out = pool.run(_bookkeeping_made_without_device)
     assert all("made without device= at somewhere.py:1" in m for m in out), out
 
 

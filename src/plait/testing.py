@@ -48,7 +48,7 @@ class DeviceAudit(TorchFunctionMode):
 
     On a CPU-only machine every tensor is on the CPU, so a bookkeeping tensor made without a
     device (``torch.tensor([loss])``) looks right, and fails only on NCCL, which carries device
-    tensors. Under this mode such tensors carry ``_plait_unplaced`` (where they were made), and
+    tensors. Under this mode such tensors carry where they were made (``_plait_made_without_device``), and
     `plait.comm` refuses them as it would refuse a CPU tensor on a GPU group. Tensors made by
     models, tests or torch itself are left alone: only plait's parallel code is audited.
     """
@@ -66,7 +66,7 @@ class DeviceAudit(TorchFunctionMode):
         if func in self._FACTORIES and kwargs.get("device") is None and isinstance(out, torch.Tensor):
             site = _plait_library_caller()
             if site is not None:
-                out._plait_unplaced = site  # type: ignore[attr-defined]
+                out._plait_made_without_device = site  # type: ignore[attr-defined]
         return out
 
 

@@ -62,10 +62,11 @@ def _run(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None, fn: C
 def _check_device(op: str, t: torch.Tensor, group: dist.ProcessGroup | None, info: GroupInfo) -> None:
     """Refuse a tensor the group cannot carry (NCCL: device tensors only), before any rank waits.
 
-    ``_plait_unplaced`` marks a tensor made without ``device=`` under `plait.testing.DeviceAudit`:
+    Under `plait.testing.DeviceAudit` a tensor made without ``device=`` carries where it was made
+    (``_plait_made_without_device``):
     right on a CPU machine by accident, wrong on a GPU one.
     """
-    made = getattr(t, "_plait_unplaced", None)
+    made = getattr(t, "_plait_made_without_device", None)
     if t.device.type != info.device.type or made is not None:
         where = f" (made without device= at {made})" if made is not None else ""
         raise CollectiveError(
