@@ -16,7 +16,13 @@ from plait.materialize import is_meta, keep_whole, materialize
 from plait.mesh import Mesh
 from plait.names import plain_name
 from plait.pipeline.actions import Kind, Slot
-from plait.pipeline.arguments import CustomSchedule, check_tp, resolve_p2p, resolve_schedule, split_batch
+from plait.pipeline.arguments import (
+    CustomSchedule,
+    resolve_p2p,
+    resolve_schedule,
+    split_batch,
+    validate_tp_arguments,
+)
 from plait.pipeline.directed import direction_groups
 from plait.pipeline.replay import Replay, ReplayStage
 from plait.pipeline.runtime import Executor, busy_fraction
@@ -41,7 +47,7 @@ def _check_arguments(module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] |
         raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
     if not (hasattr(mesh, "size") and hasattr(mesh, "group_ranks")):
         raise TypeError(f"pipeline: mesh must be a plait.Mesh, got {type(mesh).__name__}")
-    check_tp(module, mesh, tp_plan, loss_fn)
+    validate_tp_arguments(module, mesh, tp_plan, loss_fn)
     if sequence_parallel and tp_plan is None:
         raise ValueError("pipeline: sequence_parallel=True needs a tp_plan (it splits the sequence "
                          "over the tp axis inside tensor-parallel stages)")

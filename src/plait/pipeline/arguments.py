@@ -15,13 +15,16 @@ from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
 from plait.tp.apply import assign_styles
 from plait.tp.styles import VocabParallelOutput
 
-__all__ = ["CustomSchedule", "P2P_MODES", "check_tp", "split_batch", "resolve_p2p", "resolve_schedule"]
+__all__ = ["CustomSchedule", "P2P_MODES", "validate_tp_arguments", "split_batch", "resolve_p2p",
+           "resolve_schedule"]
 
 CustomSchedule = Schedule | Sequence[Sequence[Action]]
 
 
-def check_tp(module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None, loss_fn: Any) -> None:
-    """Check the tensor-parallel arguments and the loss against the plan (no collective)."""
+def validate_tp_arguments(module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None,
+                          loss_fn: Any) -> None:
+    """Refuse tensor-parallel arguments that do not fit the mesh, or a loss that does not fit the
+    plan (no collective)."""
     tp = mesh.size("tp")
     if tp_plan is None:
         if tp > 1:
