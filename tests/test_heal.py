@@ -69,6 +69,7 @@ def test_a_killed_replica_is_healed_around_and_its_replacement_trains_in_step(tm
         starts = [e for e in _rows(heal / "supervisor.jsonl") if e["event"] == "start"]
         os.kill(next(e["pid"] for e in starts if e["uid"] == 2), signal.SIGKILL)
         killed = time.time()
+        at_kill = max(_steps(metrics))  # the step in flight is at most the one after the next
 
         def joined() -> dict | None:
             return next((e for e in _rows(heal / "uid4.jsonl") if e["event"] == "epoch"), None)
@@ -90,7 +91,7 @@ def test_a_killed_replica_is_healed_around_and_its_replacement_trains_in_step(tm
     last = max(got)
     assert sorted(got) == list(range(1, last + 1))
     lost = [s for s, r in got.items() if r["replicas"] == 3]
-    assert lost and min(lost) <= 7 and all(got[s]["replicas"] == 4 for s in range(1, min(lost)))
+    assert lost and min(lost) <= at_kill + 2 and all(got[s]["replicas"] == 4 for s in range(1, min(lost)))
     assert got[last]["replicas"] == 4
     recovered = got[min(lost)]["time"] - killed
     assert recovered < 5, f"{recovered:.2f} s from the kill to the next completed step"
