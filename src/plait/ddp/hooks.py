@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradBucket", "CommHook", "check_hook", "hook_result"]
+__all__ = ["GradBucket", "CommHook", "validate_hook", "hook_result"]
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
@@ -53,7 +53,7 @@ class GradBucket:
         return list(self._params)
 
 
-def check_hook(hook: Any) -> None:
+def validate_hook(hook: Any) -> None:
     """torch's checks of a hook at registration: callable, and annotated (if at all) as taking a
     ``GradBucket`` and returning a ``Future``."""
     if not callable(hook):

@@ -39,7 +39,7 @@ from plait.ddp.buckets import (
     plan_buckets,
     sparse_params,
 )
-from plait.ddp.hooks import CommHook, check_hook
+from plait.ddp.hooks import CommHook, validate_hook
 from plait.ddp.in_backward import BucketOptimizers, InBackward, check_spec, refuse_model
 from plait.ddp.join import DDPJoinHook, common_rank, step_counts
 from plait.ddp.reducer import Reducer
@@ -429,7 +429,7 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         if self._comm_hook is not None:
             raise RuntimeError("DistributedDataParallel: register_comm_hook or register_builtin_comm_hook "
                                "can only be called once.")
-        check_hook(hook)
+        validate_hook(hook)
         if self.wire_dtype is not None:
             raise ValueError("DistributedDataParallel.register_comm_hook: this DDP already compresses its "
                              f"buckets to {self.wire_dtype} (gradient_compression or the mixed-precision "
