@@ -47,7 +47,7 @@ def _run(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None, fn: C
     failure: the path of every collective but point-to-point ones."""
     info = info_of(group)
     if t is not None:
-        _check_device(op, t, group, info)
+        _refuse_wrong_device(op, t, group, info)
     rec = info.log.add(op, t, detail)
     what = f"{_what(op, t, group)}, call {rec.describe()}"
     on_fail = lambda e: guard.failure_report(info, rec, e)  # noqa: E731
@@ -59,7 +59,7 @@ def _run(op: str, t: torch.Tensor | None, group: dist.ProcessGroup | None, fn: C
     return Handle(work, what, on_fail, pending) if async_op else None
 
 
-def _check_device(op: str, t: torch.Tensor, group: dist.ProcessGroup | None, info: GroupInfo) -> None:
+def _refuse_wrong_device(op: str, t: torch.Tensor, group: dist.ProcessGroup | None, info: GroupInfo) -> None:
     """Refuse a tensor the group cannot carry (NCCL: device tensors only), before any rank waits.
 
     Under `plait.testing.DeviceAudit` a tensor made without ``device=`` carries where it was made
@@ -276,7 +276,7 @@ def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
     them in the order they are issued, the same on every rank)."""
     info = info_of(group)
     for t in (send, recv):
-        _check_device("exchange", t, group, info)
+        _refuse_wrong_device("exchange", t, group, info)
     record("send", group, send.numel() * send.element_size(), 1.0)
     record("recv", group, recv.numel() * recv.element_size(), 0.0)
     what = (f"exchange on {describe(group)}: send of a {tuple(send.shape)} {send.dtype} tensor to rank "
@@ -316,7 +316,7 @@ def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int]
         return
     info = info_of(group)
     for t in (inp, out):
-        _check_device("all_to_all", t, group, info)
+        _refuse_wrong_device("all_to_all", t, group, info)
     # Logged without a shape: each rank's sizes are its own (the desync check compares records).
     _run("all_to_all", None, group, lambda: dist.all_to_all_single(
         out, inp, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=group), False,
