@@ -195,10 +195,10 @@ def init(
         atexit.register(_shutdown)
     if dist.get_world_size() > 1:  # the default group's companion for desync checks (`comm.new_group`)
         ranks = list(range(dist.get_world_size()))
-        checker = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        desync_group = dist.new_group(ranks, timeout=timeout, backend="gloo")
         world = dist.group.WORLD
         assert world is not None  # set by init_process_group
-        comm.register_group(world, "world", ranks, checker=checker)
+        comm.register_group(world, "world", ranks, desync_group=desync_group)
     seed_everything(seed)
     _configure_logging(log_level)
     if launch.note:

@@ -27,7 +27,7 @@ class GroupInfo:
     label: str
     ranks: tuple[int, ...]
     device: torch.device
-    checker: dist.ProcessGroup | None  # companion Gloo group for fingerprint checks
+    desync_group: dist.ProcessGroup | None  # companion Gloo group the desync check runs on
     log: GroupLog = field(default_factory=GroupLog)
 
 
@@ -99,12 +99,12 @@ def new_group(ranks: Sequence[int], label: str, checked: bool = True) -> dist.Pr
     ranks = sorted(ranks)
     pg = dist.new_group(ranks, timeout=timeout())
     # A dry run's fake groups carry nothing to compare (and a Gloo companion would wait for peers).
-    with_checker = checked and len(ranks) > 1 and settings["device"].type != "meta"
-    checker = dist.new_group(ranks, timeout=timeout(), backend="gloo") if with_checker else None
+    with_desync_group = checked and len(ranks) > 1 and settings["device"].type != "meta"
+    desync_group = dist.new_group(ranks, timeout=timeout(), backend="gloo") if with_desync_group else None
     if dist.get_rank() not in ranks:
         return None
-    _made.extend(g for g in (pg, checker) if g is not None)
-    register_group(pg, label, ranks, checker=checker)
+    _made.extend(g for g in (pg, desync_group) if g is not None)
+    register_group(pg, label, ranks, desync_group=desync_group)
     return pg
 
 
@@ -129,7 +129,7 @@ def destroy_group(pg: dist.ProcessGroup) -> None:
     for forget in _on_destroy:
         forget(pg)
     info = _groups.pop(id(pg), None)
-    for g in (pg, None if info is None else info.checker):
+    for g in (pg, None if info is None else info.desync_group):
         if g is None:
             continue
         if g in _made:
@@ -154,13 +154,13 @@ def registered() -> list[GroupInfo]:
 
 
 def register_group(group: dist.ProcessGroup, label: str, ranks: Sequence[int],
-                   checker: dist.ProcessGroup | None = None) -> None:
+                   desync_group: dist.ProcessGroup | None = None) -> None:
     """Name a process group (its mesh axis) for accounting, checks and error messages.
 
-    Without a ``checker`` (a group made outside `new_group`), the fast desync check runs on the
+    Without a ``desync_group`` (a group made outside `new_group`), the fast desync check runs on the
     group itself when it is a Gloo group, and not at all otherwise.
     """
-    _groups[id(group)] = GroupInfo(label, tuple(ranks), settings["device"], checker)
+    _groups[id(group)] = GroupInfo(label, tuple(ranks), settings["device"], desync_group)
 
 
 def info_of(group: dist.ProcessGroup | None) -> GroupInfo:

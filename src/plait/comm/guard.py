@@ -164,7 +164,7 @@ def _send_fingerprint(info: GroupInfo, async_op: bool) -> tuple[torch.Tensor, An
     """All-reduce (max) this rank's running fingerprint on ``info``'s companion group, with its
     negation: the pair the verdict reads (`PendingCheck`)."""
     fp = torch.tensor([info.log.fingerprint, -info.log.fingerprint], dtype=torch.int64)
-    return fp, dist.all_reduce(fp, op=dist.ReduceOp.MAX, group=info.checker, async_op=async_op)
+    return fp, dist.all_reduce(fp, op=dist.ReduceOp.MAX, group=info.desync_group, async_op=async_op)
 
 
 def check(info: GroupInfo, rec: CallRecord, on_fail: Callable[[Exception], str], what: str,
@@ -177,7 +177,7 @@ def check(info: GroupInfo, rec: CallRecord, on_fail: Callable[[Exception], str],
     at every bucket. Returns the pending check for ``defer``.
     """
     mode = settings["mode"]
-    if mode == "off" or info.checker is None:
+    if mode == "off" or info.desync_group is None:
         return None
     try:
         if mode == "full":
@@ -215,14 +215,14 @@ def verify_history() -> None:
     infos = sorted(registered(), key=lambda i: (i.label, i.ranks))
     pending = [PendingCheck(info, *_send_fingerprint(info, async_op=True), what="the end of its history",
                             on_fail=lambda e: "", after=True)
-               for info in infos if info.checker is not None and len(info.ranks) > 1]
+               for info in infos if info.desync_group is not None and len(info.ranks) > 1]
     for p in pending:
         p.verify()
 
 
 def _gather_records(info: GroupInfo, mine: list[CallRecord]) -> list[CallRecord]:
     out: list[Any] = [None] * len(info.ranks)
-    dist.all_gather_object(out, mine, group=info.checker)
+    dist.all_gather_object(out, mine, group=info.desync_group)
     return [r for recs in out for r in recs]
 
 
@@ -230,7 +230,7 @@ def _gather_records(info: GroupInfo, mine: list[CallRecord]) -> list[CallRecord]
 def _desync_report(info: GroupInfo, after: bool = False) -> str:
     """Gather every rank's recent calls on the group and name the first that differs."""
     out: list[Any] = [None] * len(info.ranks)
-    dist.all_gather_object(out, list(info.log.last), group=info.checker)
+    dist.all_gather_object(out, list(info.log.last), group=info.desync_group)
     seq, recs = first_divergence(out)
     # Every rank of the group is here and nothing was exchanged: start the group's history
     # afresh, so a caller that handles the error can go on using the group.
