@@ -33,7 +33,7 @@ from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrapp
 from plait.placement.pieces import mark_grads, mark_piece
 from plait.placement.records import TPInfo, mark_part, tp_info
 from plait.placement.tp_params import to_plain_parameters
-from plait.tp.apply import check_tied_splits, loss_fn_for, tensor_parallel
+from plait.tp.apply import loss_fn_for, tensor_parallel, validate_tied_splits
 
 if TYPE_CHECKING:
     from plait.clip import GradParts
@@ -122,7 +122,7 @@ class Pipeline:
         if tp_plan is not None and ties:
             # A tied weight's copies are summed per tp coordinate (tie_groups), so every use must
             # split it alike: the same rows on the same tp rank.
-            check_tied_splits(module, tp_plan, tp=mesh.size("tp"))
+            validate_tied_splits(module, tp_plan, tp=mesh.size("tp"))
         mine = self.sched.rank_stages(self.rank)
         for r in range(p):  # every rank's stages, so that all ranks refuse alike
             check_wrappable(stage_wrapper, r, {s: [p for i in plan[s] for p in segs[i][1].parameters()]

@@ -53,7 +53,7 @@ from plait.tp.numeric import verify
 from plait.tp.sequence import ScatterSequence
 from plait.tp.styles import VocabParallelEmbedding, VocabParallelOutput
 
-__all__ = ["tensor_parallel", "check_plan", "check_tied_splits", "assign_styles", "loss_fn_for", "tp_info",
+__all__ = ["tensor_parallel", "check_plan", "validate_tied_splits", "assign_styles", "loss_fn_for", "tp_info",
            "tp_module", "mark_part", "TPInfo"]
 
 Plan = Mapping[str, Style]
@@ -202,7 +202,7 @@ def check_plan(module: nn.Module, plan: Plan, *, tp: int, sequence_parallel: boo
     _trace_plan(module, plan, tp, sequence_parallel, strict, inputs, numeric)
 
 
-def check_tied_splits(module: nn.Module, plan: Plan, *, tp: int) -> None:
+def validate_tied_splits(module: nn.Module, plan: Plan, *, tp: int) -> None:
     """Refuse ``plan`` when it splits a tensor shared by several modules of ``module`` (an
     embedding tied to the LM head) differently at its uses, e.g. the embedding by vocabulary and
     the head not at all. A pipeline keeps such a tensor as one copy per pp rank and sums the
