@@ -64,6 +64,36 @@ def test_optimizer_in_backward_matches_one_process(pools, micro):
         assert_params_close(out[r]["params"], want, **TOL)
 
 
+def _torch_marked() -> dict:
+    """torch's own way: ``_apply_optimizer_in_backward`` marks the parameters before DDP wraps them
+    (AdamW on all but the embedding, which an AdamW after backward steps): DDP steps each marked
+    parameter's optimizer after its bucket's all-reduce."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    world = dist.get_world_size()
+    model = _model()
+    marked = [p for n, p in model.named_parameters() if n != "tok_emb.weight"]
+    _apply_optimizer_in_backward(torch.optim.AdamW, marked, {})
+    ddp = DDP(model, cached_mesh(dp=world), bucket_cap_mb=0.01)
+    after = torch.optim.AdamW([model.tok_emb.weight])
+    for b in global_batches(STEPS, BATCH):
+        x = b.chunk(world)[dist.get_rank()]
+        lm_loss(ddp(x[:, :-1]), x[:, 1:]).backward()
+        assert all(p.grad is None for p in marked) and model.tok_emb.weight.grad is not None
+        after.step()
+        after.zero_grad()
+    return {"params": {k.removeprefix("module."): v for k, v in ddp.state_dict().items()},
+            "optimizers": len(ddp.in_backward_optimizers)}
+
+
+def test_torch_apply_optimizer_in_backward_is_stepped_after_the_all_reduce(pools):
+    want = _single()
+    out = pools[2].run(_torch_marked)
+    assert out[0]["optimizers"] == sum(1 for n, _ in _model().named_parameters() if n != "tok_emb.weight")
+    for r in range(2):
+        assert_params_close(out[r]["params"], want, **TOL)
+
+
 def test_optimizer_in_backward_refusals_before_communication():
     import plait
 
@@ -77,6 +107,12 @@ def test_optimizer_in_backward_refusals_before_communication():
     model = DDP(nn.Linear(2, 2), None, optimizer_in_backward=(torch.optim.SGD, {"lr": 1.0}))
     with pytest.raises(ValueError, match="cannot be clipped"):
         model.grad_norm_parts()
+    marked = nn.Linear(2, 2)
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    _apply_optimizer_in_backward(torch.optim.SGD, marked.parameters(), {"lr": 1.0})
+    with pytest.raises(ValueError, match="one or the other"):
+        DDP(marked, None, optimizer_in_backward=(torch.optim.SGD, {"lr": 1.0}))
     with pytest.raises(RuntimeError, match="without optimizer_in_backward"):
         DDP(nn.Linear(2, 2), None).in_backward_optimizers  # noqa: B018
 

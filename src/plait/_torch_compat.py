@@ -413,6 +413,26 @@ def every_optimizer_step(hook: Callable[..., Any], *, after: bool) -> Any:
     return (register_optimizer_step_post_hook if after else register_optimizer_step_pre_hook)(hook)
 
 
+def in_backward_optimizers(p: torch.Tensor) -> list[torch.optim.Optimizer]:
+    """The optimizers torch's ``torch.distributed.optim._apply_optimizer_in_backward`` attached to
+    ``p`` (kept as ``p._in_backward_optimizers``), [] if none: a user who marks parameters so and
+    then wraps in DDP expects DDP to step them after the all-reduce, as torch's DDP does (its own
+    ``_setup_in_backward_optimizers`` reads the same attribute). Tested on 2.13
+    (tests/test_ddp_in_backward.py); can go when torch makes optimizer-in-backward public."""
+    return list(getattr(p, "_in_backward_optimizers", ()))
+
+
+def take_in_backward_hooks(p: torch.Tensor) -> None:
+    """Remove the hooks ``_apply_optimizer_in_backward`` registered on ``p``, which step with the
+    local, unreduced gradient; DDP steps the optimizers after each bucket's all-reduce instead, as
+    torch's DDP does (through the same module-level map). Tested on 2.13; goes with
+    `in_backward_optimizers`."""
+    from torch.distributed.optim.apply_optimizer_in_backward import param_to_optim_hook_handle_map
+
+    for handle in param_to_optim_hook_handle_map.get(p, []):
+        handle.remove()
+
+
 # ------------------------------------------------------------------ tensor and module internals
 def version_of(t: torch.Tensor) -> int:
     """The in-place version counter of ``t`` (bumped by every in-place op on its storage), as

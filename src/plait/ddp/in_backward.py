@@ -1,5 +1,10 @@
 """``optimizer_in_backward``: DDP steps the optimizer bucket by bucket as the all-reduces land.
 
+Parameters marked by torch's ``torch.distributed.optim._apply_optimizer_in_backward`` before
+wrapping are honoured the same way, as torch's DDP honours them: their optimizers step with their
+bucket, after its all-reduce (the hooks torch registered, which would step with the local gradient,
+are removed).
+
 torch offers the same as ``torch.distributed.optim._apply_optimizer_in_backward`` (an optimizer per
 parameter, stepped by its DDP after each bucket's all-reduce). Here each bucket gets one optimizer
 of the class and keyword arguments given, over the bucket's parameters. At the end of a reducing
@@ -47,8 +52,14 @@ def check_spec(spec: Any) -> InBackward | None:
     return spec
 
 
-def refuse_model(module: nn.Module, ignored: frozenset[str]) -> None:
-    """What optimizer_in_backward cannot step with the buckets, refused before any collective."""
+def refuse_model(module: nn.Module, ignored: frozenset[str], both: bool = False) -> None:
+    """What optimizer_in_backward (or torch's ``_apply_optimizer_in_backward`` marks) cannot step
+    with the buckets, refused before any collective; ``both``: given the option on marked parameters."""
+    from plait._torch_compat import in_backward_optimizers
+
+    if both and any(in_backward_optimizers(p) for p in module.parameters()):
+        raise ValueError("DistributedDataParallel(optimizer_in_backward=...): the parameters already carry "
+                         "optimizers from torch's _apply_optimizer_in_backward; use one or the other")
     sparse = sparse_params(module)
     named = [(n, p) for n, p in module.named_parameters() if n not in ignored and p.requires_grad]
     found = [n for n, p in named if id(p) in sparse]
@@ -64,15 +75,40 @@ def refuse_model(module: nn.Module, ignored: frozenset[str]) -> None:
 
 
 class BucketOptimizers:
-    """One optimizer per bucket (``optimizers[i]`` over bucket i's parameters, in its order)."""
+    """What each bucket steps: ``steps[i]``, the optimizers to step once bucket i has landed, and
+    ``stepped[i]``, the parameters whose gradients are then dropped."""
 
-    def __init__(self, spec: InBackward, buckets: list[Bucket]) -> None:
-        cls, kwargs = spec
-        self.optimizers = [cls(b.params, **kwargs) for b in buckets]
+    def __init__(self, steps: list[list[torch.optim.Optimizer]], stepped: list[list[nn.Parameter]]) -> None:
+        self.steps, self.stepped = steps, stepped
+
+    @classmethod
+    def from_spec(cls, spec: InBackward, buckets: list[Bucket]) -> BucketOptimizers:
+        """``optimizer_in_backward=(class, kwargs)``: one optimizer per bucket, over its parameters."""
+        opt_cls, kwargs = spec
+        return cls([[opt_cls(b.params, **kwargs)] for b in buckets], [list(b.params) for b in buckets])
+
+    @classmethod
+    def from_torch(cls, buckets: list[Bucket],
+                   marks: dict[int, list[torch.optim.Optimizer]]) -> BucketOptimizers:
+        """torch's ``_apply_optimizer_in_backward``: each marked parameter's own optimizers (``marks``,
+        by the id of the tensor in the bucket), stepped with its bucket; unmarked parameters keep
+        their gradients for an optimizer after backward, as under torch's DDP."""
+        steps, stepped = [], []
+        for b in buckets:
+            mine = [p for p in b.params if marks.get(id(p))]
+            steps.append(list({id(o): o for p in mine for o in marks[id(p)]}.values()))
+            stepped.append(mine)
+        return cls(steps, stepped)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer, in the order the buckets step them."""
+        return list({id(o): o for opts in self.steps for o in opts}.values())
 
     def step(self, b: Bucket) -> None:
-        """Step bucket ``b``'s parameters with their reduced gradients, then drop the gradients."""
-        self.optimizers[b.index].step()
-        for p in b.params:
+        """Step bucket ``b``'s optimizers with the reduced gradients, then drop their gradients."""
+        for opt in self.steps[b.index]:
+            opt.step()
+        for p in self.stepped[b.index]:
             p.grad = None
             gradient_assigned(p)  # a tp DTensor's gradient goes with its leaf's

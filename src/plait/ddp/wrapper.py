@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from plait import comm
-from plait._torch_compat import eager
+from plait._torch_compat import eager, in_backward_optimizers, take_in_backward_hooks
 from plait.comm import average_gradients, broadcast_coalesced
 from plait.ddp.buckets import (
     Bucket,
@@ -117,8 +117,8 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
                              axis, static_graph, ignored_names(module, params_and_buffers_to_ignore),
                              check_spec(optimizer_in_backward))
         _check_module(module, mesh, options.ignored)
-        if options.in_backward is not None:
-            refuse_model(module, options.ignored)
+        if options.in_backward is not None or any(in_backward_optimizers(p) for p in module.parameters()):
+            refuse_model(module, options.ignored, both=options.in_backward is not None)
         # Over a tp model, DDP's buckets and hooks are over the plain leaves tp's DTensor parameters
         # stand on; the reduced gradients become the DTensors' (`gradient_assigned`).
         let_wrapper_assign_grads(module)
@@ -165,10 +165,23 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         # the module tree, as torch's DDP keeps its list of buffers from construction.
         self._buffer_slots = _buffer_slots(self.module, options.ignored)
         self._buffer_broadcast = BufferBroadcast()
-        self._in_backward = (None if options.in_backward is None
-                             else BucketOptimizers(options.in_backward, self._buckets))
+        self._in_backward = self._bucket_optimizers(options)
         self._comm_hook: tuple[Any, CommHook] | None = None
         self._reset_step_state()
+
+    def _bucket_optimizers(self, options: DDPOptions) -> BucketOptimizers | None:
+        """``optimizer_in_backward``'s optimizers, or those torch's ``_apply_optimizer_in_backward``
+        attached to the parameters (its hooks removed: they would step with the local gradient)."""
+        if options.in_backward is not None:
+            return BucketOptimizers.from_spec(options.in_backward, self._buckets)
+        marks = {id(plain_leaf(p)): opts for n, p in self.module.named_parameters()
+                 if n not in options.ignored and (opts := in_backward_optimizers(p))}
+        if not marks:
+            return None
+        for p in self.module.parameters():
+            if id(plain_leaf(p)) in marks:
+                take_in_backward_hooks(p)
+        return BucketOptimizers.from_torch(self._buckets, marks)
 
     def _setup_experts(self) -> None:
         # Where every expert is held by exactly this DDP's ranks (ep=1 along its axis), its gradient
@@ -360,7 +373,8 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
     @property
     def in_backward_optimizers(self) -> list[torch.optim.Optimizer]:
         """With ``optimizer_in_backward``: the optimizer of each bucket, in bucket order (each over
-        its bucket's parameters): their state dicts, param groups and learning-rate schedulers."""
+        its bucket's parameters): their state dicts, param groups and learning-rate schedulers.
+        With torch's ``_apply_optimizer_in_backward``: the parameters' own, in the order stepped."""
         if self._in_backward is None:
             raise RuntimeError("DistributedDataParallel.in_backward_optimizers: this DDP was built "
                                  "without optimizer_in_backward")
