@@ -194,16 +194,16 @@ class RankPool:
     rank, so the per-call check would have passed, at no round trip per collective.
     `pause` stops an idle pool's ranks (SIGSTOP) until its next `run`: a suite with several pools
     then spends no CPU on the ones waiting (each Gloo group keeps a thread that wakes many times a
+    second).
     ``device_audit=False`` leaves out `DeviceAudit`, for benchmarks: its torch-function mode taxes
     every Python-level torch call, which a user's program never pays, and a wrapper's Python side
     more than torch's C++ one.
-    second).
     """
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, run_dir: str | None = None,
                  desync_check: str = "fast", device_audit: bool = True) -> None:
-        self.device_audit = device_audit
         self.world_size, self.timeout_s, self.desync_check = world_size, timeout_s, desync_check
+        self.device_audit = device_audit
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="plait-pool-")
         self._procs: list[Any] = []
         self._start()
