@@ -37,19 +37,28 @@ def _phased(model: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Te
         if inner is not None:
             inner.update(hooks=0.0, finish=0.0)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _thread_use()
         loss = lm_loss(model(x), y)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), _thread_use()
         loss.backward()
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), _thread_use()
         opt.step()
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), _thread_use()
         opt.zero_grad(set_to_none=True)
         t4 = time.perf_counter()
         extra = [inner["hooks"], inner["finish"]] if inner is not None else [0.0, 0.0]
-        return _slowest([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, *extra])
+        use = [b[k] - a[k] for k in (0, 1) for a, b in ((c0, c1), (c1, c2), (c2, c3))]
+        return _slowest([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, *extra, *use])
 
     return step
+
+
+def _thread_use() -> tuple[float, float]:
+    """(CPU seconds, minor page faults) of the training thread so far: a page faulted in costs the
+    kernel's zeroing of it, which wall time alone cannot tell from computing."""
+    import resource
+
+    return time.thread_time(), float(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
 
 
 def _instrument(inner: dict[str, float]) -> Callable[[], None]:
@@ -130,4 +139,18 @@ def report(out: dict, args: Any) -> str:
         + f"\n\nInside plait's backward: gradient hooks (copy into the bucket, pre-divided, and launch) "
         f"{hooks:.4f} s, end of backward (wait for the buckets, gradients pointed at them) {finish:.4f} s "
         f"(medians per step). All-reduced bytes / (4 x parameters): {out['reduced']:.2f}.\n"
+        + "\nThe training thread in each phase, the most of any rank (medians per step): CPU milliseconds "
+        "and minor page faults (pages the kernel zeroed and mapped in). Other jobs on the machine "
+        "stretch wall time but hardly these.\n\n"
+        + markdown_table(["phase", "plait CPU ms", "torch CPU ms", "plait page faults", "torch page faults"],
+                         _thread_rows(col)) + "\n"
     )
+
+
+def _thread_rows(col: dict[str, list[tuple[float, ...]]]) -> list[list[object]]:
+    """Per phase: each side's median training-thread CPU (ms) and page faults (columns 7-12)."""
+    def med(side: str, k: int) -> float:
+        return median(list(col[side][k]))
+
+    return [[name, 1000 * med("plait", 7 + i), 1000 * med("torch", 7 + i), f"{med('plait', 10 + i):.0f}",
+             f"{med('torch', 10 + i):.0f}"] for i, name in enumerate(PHASES[:3])]
