@@ -19,21 +19,32 @@ by `TrainConfig` itself, in the parent process, before any rank is spawned.
 
 from plait.app.config.arguments import ConfigFileError, given_flags, parse_args, to_toml
 from plait.app.config.refusals import in_flags
-from plait.app.config.sections import (
+from plait.app.config.sections import (  # the choices' types too, as the one module exported them
     FIELD_FLAGS,
     FLAGS,
     MIXED_PRECISIONS,
     SECTIONS,
     STRATEGIES,
+    BalanceStatistic,
+    Checkpointing,
     CheckpointSection,
+    CPAlgorithm,
     DataSection,
+    ModelName,
     ModelSection,
     OptimizerSection,
     ParallelSection,
+    Precision,
     RunSection,
+    ScheduleName,
+    Strategy,
+    TokenDtype,
+    ZeroStage,
 )
 from plait.app.config.train_config import TrainConfig
 
 __all__ = ["ModelSection", "ParallelSection", "OptimizerSection", "DataSection", "CheckpointSection",
            "RunSection", "TrainConfig", "parse_args", "given_flags", "to_toml", "in_flags", "ConfigFileError",
-           "SECTIONS", "FLAGS", "FIELD_FLAGS", "STRATEGIES", "MIXED_PRECISIONS"]
+           "SECTIONS", "FLAGS", "FIELD_FLAGS", "STRATEGIES", "MIXED_PRECISIONS", "ModelName", "Strategy",
+           "ScheduleName", "Precision", "TokenDtype", "CPAlgorithm", "Checkpointing", "ZeroStage",
+           "BalanceStatistic"]
