@@ -374,15 +374,7 @@ over the two ranks. torch's AdamW on both.
 """
     if "error" in out:
         return head + f"\nDeepSpeed-Ulysses does not run here: `{out['error']}`\n"
-    t, losses = out["times"], out["losses"]
-    r = spread(paired_ratios(t["plait"], t["deepspeed"]))
-    row = ["Ulysses, cp 2", median(t["plait"]), median(t["deepspeed"]), r.median,
-           f"{r.p25:.3f}-{r.p75:.3f}; {r.p10:.3f}-{r.p90:.3f}",
-           f"{losses['plait'][0]:.4f} / {losses['deepspeed'][0]:.4f}",
-           f"{losses['plait'][-1]:.4f} / {losses['deepspeed'][-1]:.4f}"]
-    table = markdown_table(["sequence parallelism", "plait step (s)", "DeepSpeed step (s)",
-                            "step ratio (median of pairs)", "ratio IQR; p10-p90",
-                            "loss step 1 (plait / DeepSpeed)", "last step"], [row])
+    table = _paired_table("sequence parallelism", "Ulysses, cp 2", out, last="last step")
     return head + f"""
 {table}
 
@@ -393,16 +385,21 @@ and FSDP2's do not; plait's Ulysses is checked against one process by tests/test
 """
 
 
-def _pipeline_report(args: dict, piped: dict) -> str:
-    t, losses = piped["times"], piped["losses"]
+def _paired_table(kind: str, label: str, out: dict, last: str = "loss last step") -> str:
+    """One row: plait's and DeepSpeed's median steps, their paired ratio and its spread, and the first
+    and last losses of each side."""
+    t, losses = out["times"], out["losses"]
     r = spread(paired_ratios(t["plait"], t["deepspeed"]))
-    row = ["1F1B, pp 2", median(t["plait"]), median(t["deepspeed"]), r.median,
+    row = [label, median(t["plait"]), median(t["deepspeed"]), r.median,
            f"{r.p25:.3f}-{r.p75:.3f}; {r.p10:.3f}-{r.p90:.3f}",
            f"{losses['plait'][0]:.4f} / {losses['deepspeed'][0]:.4f}",
            f"{losses['plait'][-1]:.4f} / {losses['deepspeed'][-1]:.4f}"]
-    table = markdown_table(["schedule", "plait step (s)", "DeepSpeed step (s)",
-                            "step ratio (median of pairs)", "ratio IQR; p10-p90",
-                            "loss step 1 (plait / DeepSpeed)", "loss last step"], [row])
+    return markdown_table([kind, "plait step (s)", "DeepSpeed step (s)", "step ratio (median of pairs)",
+                           "ratio IQR; p10-p90", "loss step 1 (plait / DeepSpeed)", last], [row])
+
+
+def _pipeline_report(args: dict, piped: dict) -> str:
+    table = _paired_table("schedule", "1F1B, pp 2", piped)
     return f"""
 ### Pipelines: plait's 1F1B against DeepSpeed's pipeline engine
 
