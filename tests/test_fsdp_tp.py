@@ -139,8 +139,8 @@ def _hook_carried_over() -> bool:
     ref(x).sum().backward()
     rank, got = torch.distributed.get_rank(), dict(net.named_parameters())
     rows = slice(2 * rank, 2 * rank + 2)  # this rank's Shard(0) rows
-    return (torch.equal(got["module.weight"].grad.to_local(), (ref.weight.grad * 2)[rows])
-            and torch.equal(got["module.bias"].grad.to_local(), ref.bias.grad[rows]))
+    return (torch.equal(got["weight"].grad.to_local(), (ref.weight.grad * 2)[rows])
+            and torch.equal(got["bias"].grad.to_local(), ref.bias.grad[rows]))
 
 
 def test_fsdp_carries_listed_grad_hooks_to_its_leaves(pools):

@@ -59,7 +59,6 @@ NOT_PORTED = {
     f"{GLOO}::test_ignored_sharded_tensor": "ShardedTensor on CUDA",
     f"{GLOO}::test_save_load_checkpoint": "CUDA only; plait's state_dict round trip is in test_checkpoint",
     f"{GLOO}::test_ddp_comm_hook_future_passing_gpu_gloo": "CUDA half of the CPU test ported",
-    f"{GLOO}::test_ddp_comm_hook_sparse_gradients": "plait refuses a comm hook with sparse gradients",
     f"{GLOO}::test_sparse_gradients_grad_is_view":
         "the argument is refused by name: plait's dense .grad is always a bucket view (torch's True), "
         "sparse gradients never are; test_sparse_gradients' port covers both",
@@ -446,11 +445,23 @@ class _Sparse(nn.Module):
         return self.fc(self.bag(ids) + self.emb(ids).sum(1))
 
 
-def _sparse(find_unused: bool) -> dict:
+def _allreduce_hook_gloo(state, bucket):  # noqa: ANN001, ANN202 (torch's DDP reads string annotations as wrong)
+    """torch's test hook: the bucket all-reduced as it comes (sparse too), then divided; ``state`` is
+    (the group, a list that records which buckets were sparse)."""
+    group, seen = state
+    seen.append(bucket.buffer().is_sparse)
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.wait()[0] / dist.get_world_size(group))
+
+
+def _sparse(find_unused: bool, hook: bool = False) -> dict:
     rank = dist.get_rank()
     kw = {"find_unused_parameters": find_unused}
     res = {}
     for name, model in zip(("ours", "theirs"), _pair(_Sparse, kw, kw)):
+        seen: list[bool] = []
+        if hook:
+            model.register_comm_hook((cached_mesh(dp=2).group("dp"), seen), _allreduce_hook_gloo)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         snaps = []
         for it in range(3):
@@ -461,18 +472,23 @@ def _sparse(find_unused: bool) -> dict:
             snaps.append(_grads(model.module))
             opt.step()
         res[name] = snaps + [_state(model.module)]
+        res[f"{name} sparse buckets"] = sum(seen)
     return res
 
 
-@pytest.mark.parametrize("find_unused", [False, True])
-def test_sparse_gradients_match_torch(pools, find_unused):
-    """torch: test/distributed/test_c10d_gloo.py::DistributedDataParallelTest::test_sparse_gradients.
+@pytest.mark.parametrize(("find_unused", "hook"), [(False, False), (True, False), (False, True)])
+def test_sparse_gradients_match_torch(pools, find_unused, hook):
+    """torch: test/distributed/test_c10d_gloo.py::DistributedDataParallelTest::test_sparse_gradients
+    torch: test/distributed/test_c10d_gloo.py::DistributedDataParallelTest::test_ddp_comm_hook_sparse_gradients
 
     ``nn.EmbeddingBag(sparse=True)`` and ``nn.Embedding(sparse=True)``: sparse gradients are averaged
     as sparse tensors, equal to torch's DDP's, and SGD steps on them alike (before: ``Cannot access
-    data pointer of Tensor that doesn't have storage``)."""
-    out = pools[2].run(_sparse, find_unused)
+    data pointer of Tensor that doesn't have storage``); a comm hook gets each sparse gradient as a
+    bucket of its own, as torch's does."""  # noqa: E501
+    out = pools[2].run(_sparse, find_unused, hook)
     for r in range(2):
+        # Each hooked step hands both sparse gradients to the hook, as torch's DDP does.
+        assert out[r].pop("ours sparse buckets") == out[r].pop("theirs sparse buckets") == 6 * hook
         for i, (a, b) in enumerate(zip(out[r]["ours"], out[r]["theirs"], strict=True)):
             _same(a, b, f"rank {r} snapshot {i}")
         assert out[r]["ours"][0]["bag.weight"].is_sparse

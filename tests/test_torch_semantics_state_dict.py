@@ -152,13 +152,8 @@ def _save_load(kind: str, opt_cls: type[torch.optim.Optimizer], flatten: bool) -
     other_optim = opt_cls(other.parameters(), lr=1e-2)
     set_model_state_dict(other, msd, options=options)
     out["reloaded_model"] = _diff(msd, get_state_dict(other, other_optim, options=options)[0])
-    if kind.startswith("fsdp"):  # the optimizer's state through the wrapped model (docs/fsdp.md)
-        osd = get_state_dict(net.module, net_optim, options=options)[1]
-        set_optimizer_state_dict(other.module, other_optim, osd, options=options)
-        out["reloaded_optim"] = _diff(osd, get_state_dict(other.module, other_optim, options=options)[1])
-    else:
-        set_optimizer_state_dict(other, other_optim, osd, options=options)
-        out["reloaded_optim"] = _diff(osd, get_state_dict(other, other_optim, options=options)[1])
+    set_optimizer_state_dict(other, other_optim, osd, options=options)
+    out["reloaded_optim"] = _diff(osd, get_state_dict(other, other_optim, options=options)[1])
     # ... and trains on as the original: one more step each.
     for m, o in ((orig, optim), (other, other_optim)):
         m(_batch(9)).sum().backward()
@@ -184,9 +179,8 @@ def test_save_load_through_dsd(pools):
     under DDP after ``module.``, which DSD strips for torch's own DDP class only);
     ``set_model_state_dict`` / ``set_optimizer_state_dict`` load them into a new wrapped model and
     optimizer, which give the same state dicts back and train on as the original. Under FSDP the
-    optimizer's state goes through the wrapped model (``get_state_dict(model.module, optim)``), as
-    docs/fsdp.md says: through the wrapper DSD would name it after ``named_parameters()``
-    (``module.``-prefixed) and the model's state without, and could not load it back."""
+    model's and the optimizer's state carry the model's own names (``named_parameters()`` drops the
+    wrapper's ``module.``, as torch's FSDP1 does), so both load back through the wrapper."""
     for out in pools[2].run(_save_load_cases):
         for case, r in out.items():
             assert all(v <= TOL for v in r.values()), (case, r)
@@ -338,16 +332,16 @@ def _full_and_rank0() -> dict[str, Any]:
     want_m = get_model_state_dict(orig, options=full)
     want_o = get_optimizer_state_dict(orig, optim, options=full)
     out["full_equal"] = max(_diff(want_m, get_model_state_dict(net, options=full)),
-                            _diff(want_o, get_optimizer_state_dict(net.module, opt, options=full)))
+                            _diff(want_o, get_optimizer_state_dict(net, opt, options=full)))
     net(_batch(1)).sum().backward()
     opt.step()  # now different
     out["moved"] = _diff(want_m, get_model_state_dict(net, options=full)) > 0
     mine = copy.deepcopy(want_m) if dist.get_rank() == 0 else {}
     set_model_state_dict(net, mine, options=rank0)
-    set_optimizer_state_dict(net.module, opt, copy.deepcopy(want_o) if dist.get_rank() == 0 else {},
+    set_optimizer_state_dict(net, opt, copy.deepcopy(want_o) if dist.get_rank() == 0 else {},
                              options=rank0)
     out["rank0_loaded"] = max(_diff(want_m, get_model_state_dict(net, options=full)),
-                              _diff(want_o, get_optimizer_state_dict(net.module, opt, options=full)))
+                              _diff(want_o, get_optimizer_state_dict(net, opt, options=full)))
     partial = copy.deepcopy(want_m)
     partial.pop(next(iter(partial)))
     try:
@@ -388,10 +382,10 @@ def _optimizer_state_dicts() -> dict[str, Any]:
     optim = torch.optim.Adam(net.parameters(), lr=1e-2)
     torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda=[lambda epoch: 0.95 ** epoch])
     full_cpu = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    osd = get_optimizer_state_dict(net.module, optim, options=full_cpu)
+    osd = get_optimizer_state_dict(net, optim, options=full_cpu)
     out["saved_initial_lr"] = "initial_lr" in osd["param_groups"][0] if dist.get_rank() == 0 else True
     optim = torch.optim.Adam(net.parameters(), lr=1e-2)
-    set_optimizer_state_dict(net.module, optim, osd,
+    set_optimizer_state_dict(net, optim, osd,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     out["loaded_initial_lr"] = "initial_lr" in optim.param_groups[0] if dist.get_rank() == 0 else True
     # A flattened optimizer state dict loads as the nested one does.
@@ -400,18 +394,18 @@ def _optimizer_state_dicts() -> dict[str, Any]:
     net(_batch(0)).sum().backward()
     optim.step()
     optim.zero_grad()
-    nested = get_optimizer_state_dict(net.module, optim)
+    nested = get_optimizer_state_dict(net, optim)
     flattened = StateDictOptions(flatten_optimizer_state_dict=True)
-    flat = get_optimizer_state_dict(net.module, optim, options=flattened)
+    flat = get_optimizer_state_dict(net, optim, options=flattened)
     other = torch.optim.AdamW(net.parameters())
-    set_optimizer_state_dict(net.module, other, flat, options=flattened)
+    set_optimizer_state_dict(net, other, flat, options=flattened)
     out["flattened"] = _diff(optim.state_dict(), other.state_dict())
-    set_optimizer_state_dict(net.module, other, nested)
+    set_optimizer_state_dict(net, other, nested)
     out["nested"] = _diff(optim.state_dict(), other.state_dict())
     # Several parameter groups (an empty one too) survive the round trip.
     # (By name from named_parameters(): under FSDP the module attributes are the gathered tensors
     # forward reads, not the DTensor parameters an optimizer steps; docs/fsdp.md.)
-    params = dict(net.module.named_parameters())
+    params = dict(net.named_parameters())
     a, b = params["u1.l1.weight"], params["u2.l1.weight"]
     for name, groups in (("groups", lambda: [{"params": [a]}, {"params": [b], "lr": 0.2}]),
                          ("empty_group", lambda: [{"params": [a, b]}, {"params": [], "lr": 0.2}])):
@@ -421,9 +415,9 @@ def _optimizer_state_dicts() -> dict[str, Any]:
             net(_batch(1)).sum().backward()
             optim.step()
             optim.zero_grad()
-            osd = get_optimizer_state_dict(net.module, optim, options=options)
+            osd = get_optimizer_state_dict(net, optim, options=options)
             again = torch.optim.AdamW(groups(), lr=0.1)
-            set_optimizer_state_dict(net.module, again, osd, options=options)
+            set_optimizer_state_dict(net, again, osd, options=options)
             key = f"{name} full={options.full_state_dict} rank0={options.broadcast_from_rank0}"
             same_groups = _hyper(optim) == _hyper(again)
             out[key] = (same_groups, _diff(optim.state_dict()["state"], again.state_dict()["state"]))
@@ -440,16 +434,14 @@ def _optimizer_state_dicts() -> dict[str, Any]:
             m(tokens).sum().backward()
             o.step()
             o.zero_grad()
-        msd = get_state_dict(net, net_optim, options=options)[0]
-        osd = get_state_dict(net.module, net_optim, options=options)[1]
+        msd, osd = get_state_dict(net, net_optim, options=options)
         r = {"model": _diff(orig.state_dict(), msd)}
         torch.manual_seed(1)
         other = _wrap("fsdp3", TiedEmbedding().double())
         other_optim = torch.optim.AdamW(other.parameters(), lr=1e-2)
         set_model_state_dict(other, msd, options=options)
-        set_optimizer_state_dict(other.module, other_optim, osd, options=options)
-        msd2 = get_state_dict(other, other_optim, options=options)[0]
-        osd2 = get_state_dict(other.module, other_optim, options=options)[1]
+        set_optimizer_state_dict(other, other_optim, osd, options=options)
+        msd2, osd2 = get_state_dict(other, other_optim, options=options)
         r["reloaded"] = max(_diff(msd, msd2), _diff(osd, osd2))
         out[f"tied flatten={flatten}"] = r
     return out

@@ -47,6 +47,8 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
+        if self._buffer.is_sparse:  # a sparse gradient is a bucket of its own (as torch's)
+            return [self._buffer]
         return [self._buffer[o : o + p.numel()].view(p.shape) for o, p in zip(self._offsets, self._params)]
 
     def parameters(self) -> list[nn.Parameter]:

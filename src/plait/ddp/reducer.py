@@ -202,7 +202,8 @@ class Reducer:
         b = self._buckets[index]
         if self._comm_hook is not None:
             state, hook = self._comm_hook
-            b.future = hook(state, GradBucket(index, len(self._buckets), b.buffer, b.params, b.offsets))
+            count = len(self._buckets) + len(self._sparse)
+            b.future = hook(state, GradBucket(index, count, b.buffer, b.params, b.offsets))
             return
         b.wire = b.buffer if self.wire_dtype is None else b.buffer.to(self.wire_dtype)
         with comm.operation(self._bucket_name(index)):
@@ -330,17 +331,28 @@ class Reducer:
     @torch.no_grad()
     def _reduce_sparse(self, used: list[float] | None) -> None:
         """Sparse gradients (nn.Embedding(sparse=True)) are all-reduced on their own, as sparse
-        tensors, after the buckets (torch gives each its own bucket)."""
-        for name, p in self._sparse:
+        tensors, after the buckets (torch gives each its own bucket; a comm hook gets each as one
+        bucket, numbered after the dense ones)."""
+        for j, (name, p) in enumerate(self._sparse):
             if used is not None and used[self._flag_of[id(p)]] == 0:
                 continue
             grad = p.grad
             if grad is None or not grad.is_sparse:
                 grad = _empty_sparse(p) if grad is None else grad.to_sparse(1)
-            grad = grad.coalesce() / self._divisor
-            with comm.operation(f"DDP sparse gradient {name}"):
-                comm.all_reduce(grad, self.group)
-            p.grad = grad
+            p.grad = self._reduce_one_sparse(name, p, j, grad.coalesce())
+
+    def _reduce_one_sparse(self, name: str, p: nn.Parameter, j: int, grad: torch.Tensor) -> torch.Tensor:
+        """The averaged sparse gradient: the comm hook's result (undivided in, as torch's), or an
+        all-reduce of the gradient divided by the divisor."""
+        if self._comm_hook is not None:
+            state, hook = self._comm_hook
+            index = len(self._buckets) + j
+            bucket = GradBucket(index, len(self._buckets) + len(self._sparse), grad, [p], [0])
+            return hook_result(hook(state, bucket), grad, index)
+        grad = grad / self._divisor
+        with comm.operation(f"DDP sparse gradient {name}"):
+            comm.all_reduce(grad, self.group)
+        return grad
 
     def _await(self, b: Bucket) -> None:
         if b.future is not None:
@@ -362,8 +374,8 @@ class Reducer:
             zeros = torch.zeros_like(b.buffer)  # not the buffer: this rank's gradients view it
             if self._comm_hook is not None:
                 state, hook = self._comm_hook
-                hook_result(hook(state, GradBucket(index, len(self._buckets), zeros, b.params, b.offsets)),
-                            zeros, index)
+                count = len(self._buckets) + len(self._sparse)
+                hook_result(hook(state, GradBucket(index, count, zeros, b.params, b.offsets)), zeros, index)
                 continue
             wire = zeros if self.wire_dtype is None else zeros.to(self.wire_dtype)
             with comm.operation(self._bucket_name(index)):
@@ -377,10 +389,9 @@ class Reducer:
             with comm.operation("DDP unused-parameter flags"):
                 comm.all_reduce(reduced, self.group)
         used = None if reduced is None else reduced.tolist()
-        for name, p in self._sparse:
+        for j, (name, p) in enumerate(self._sparse):
             if used is None or used[self._flag_of[id(p)]] > 0:
-                with comm.operation(f"DDP sparse gradient {name}"):
-                    comm.all_reduce(_empty_sparse(p), self.group)
+                self._reduce_one_sparse(name, p, j, _empty_sparse(p))
 
 
 def _empty_sparse(p: torch.Tensor) -> torch.Tensor:

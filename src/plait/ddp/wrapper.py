@@ -449,9 +449,6 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
                              f"buckets to {self.wire_dtype} (gradient_compression or the mixed-precision "
                              "reduce dtype); use torch's fp16/bf16 compress hook instead of that option, "
                              "not both")
-        if self._sparse:
-            raise ValueError("DistributedDataParallel.register_comm_hook: not with sparse gradients ("
-                             f"{', '.join(n for n, _ in self._sparse)}): plait reduces those on their own")
         self._comm_hook = (state, hook)
 
     # torch's Join protocol (torch.distributed.algorithms.Join): DDP is a Joinable.

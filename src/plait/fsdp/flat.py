@@ -61,6 +61,7 @@ from torch.distributed.tensor.placement_types import Placement
 from plait import comm, faults
 from plait._torch_compat import version_of
 from plait.dtensors import contiguous_stride
+from plait.fsdp.stepped_leaves import watch_leaves
 
 __all__ = ["Slot", "FlatParam", "GRAD_HOOKS_ATTR"]
 
@@ -425,6 +426,7 @@ class FlatParam:
             for mod, attr in slot.owners:
                 mod._parameters[attr] = param  # a DTensor parameter (torch's FSDP2 registers them alike)
                 mod.__dict__[attr] = leaf
+        watch_leaves((slot.fqn, leaf) for slot, leaf in zip(self.slots, self.leaves, strict=True))
 
     # ------------------------------------------------------------- gradients
     def grad_ready(self, i: int) -> bool:

@@ -306,6 +306,18 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
             for flat in unit.flats:
                 flat.write_back()
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The DTensor shards under the model's own names, without the wrapper's ``module.`` (as
+        torch's FSDP1 and FSDP2 name them), so param groups, `get_optimizer_state_dict` and the
+        state dict agree on one name per parameter."""
+        yield from self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's buffers under its own names (as `named_parameters`)."""
+        yield from self.module.named_buffers(prefix, recurse, remove_duplicate)
+
     def _fqn_modifiers(self) -> dict[str, str]:
         """torch.distributed.checkpoint.state_dict's contract for a module whose state-dict keys
         skip a level: the model's top-level names stand for ``module.<name>``."""
