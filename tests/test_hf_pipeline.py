@@ -221,7 +221,6 @@ def test_transformers_moe_in_a_pipeline_is_refused_with_the_layouts_that_train_i
 
 def _pp_tp(kind: str, runs: list[tuple[str, bool]]) -> dict:
     import plait
-    from plait.pipeline import pipeline
 
     mesh = cached_mesh(pp=2, tp=2)
     base, named = _model(kind)
@@ -229,8 +228,9 @@ def _pp_tp(kind: str, runs: list[tuple[str, bool]]) -> dict:
     tied: dict[str, torch.Tensor] = {}
     for schedule, sp in runs:
         oracle, model = copy.deepcopy(base), copy.deepcopy(base)
-        pipe = pipeline(model, mesh, split=named, schedule=schedule, microbatches=M, loss_fn=_loss,
-                        tp_plan=plait.plan_for(model), sequence_parallel=sp)
+        pipe = plait.parallelize(model, mesh, plait.ParallelPlan(
+            tp=plait.plan_for(model), sequence_parallel=sp, data="none", pp_split=named,
+            pp_schedule=schedule, pp_microbatches=M, loss_fn=_loss))
         assert pipe.tp_info is not None
         specs = pipe.tp_info.specs
         mine = dict(pipe.named_parameters())

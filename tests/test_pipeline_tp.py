@@ -14,6 +14,8 @@ sequence parallelism).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from oracle import loss64
@@ -35,16 +37,15 @@ def _pp_tp_parity(schedule: str, steps: int = 3, sp: bool = False, p2p: str = "a
                   tied: bool = False, pp: int = 2) -> dict:
     import plait
     from plait.models.gpt import GPT, GPTConfig
-    from plait.pipeline import pipeline
 
     mesh = cached_mesh(pp=pp, tp=2)
     cfg = GPTConfig(n_layers=2 if pp == 2 else 6, tie_embeddings=tied, **CFG)
     oracle = plait.init_weights(GPT(cfg).to(torch.float64), seed=3)
     with torch.device("meta"):
         model = GPT(cfg).to(torch.float64)
-    pipe = pipeline(model, mesh, schedule=schedule, microbatches=4 if pp == 2 else 8, seed=3,
-                    tp_plan=plait.gpt_plan(cfg),
-                    sequence_parallel=sp, p2p=p2p)
+    pipe = plait.parallelize(model, mesh, plait.ParallelPlan(
+        tp=plait.gpt_plan(cfg), sequence_parallel=sp, data="none", pp_schedule=schedule,
+        pp_microbatches=4 if pp == 2 else 8, seed=3, p2p=p2p))
     specs = pipe.tp_info.specs
     mine = dict(pipe.named_parameters())
     ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
@@ -148,24 +149,30 @@ def test_pp2_tp2_v_schedules_match_single_process(pools, schedule, sp, tied):
 def _bad(case: str) -> None:
     import plait
     from plait.models.gpt import GPT, GPTConfig, lm_loss
-    from plait.pipeline import pipeline
 
     mesh = cached_mesh(pp=2, tp=2)
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layers=2, tie_embeddings=case == "tied head not split", **CFG))
     plan = plait.gpt_plan(model)
-    if case == "no plan":
-        pipeline(model, mesh, loss_fn=lm_loss)
+
+    def pipeline(tp_plan: dict | None = None, loss_fn: Any = None) -> None:
+        plait.parallelize(model, mesh, plait.ParallelPlan(tp=tp_plan, data="none", loss_fn=loss_fn))
+
+    if case == "plait.pipeline":  # the pipeline package only splits: tp is composed by parallelize
+        plait.pipeline(model, mesh, tp_plan=plan)
+    elif case == "no plan":
+        pipeline(loss_fn=lm_loss)
     elif case == "full-vocab loss":
-        pipeline(model, mesh, loss_fn=lm_loss, tp_plan=plan)
+        pipeline(plan, loss_fn=lm_loss)
     elif case == "typo":
-        pipeline(model, mesh, tp_plan={**plan, "layers.*.atn.q_proj": plan["layers.*.attn.q_proj"]})
+        pipeline({**plan, "layers.*.atn.q_proj": plan["layers.*.attn.q_proj"]})
     else:  # the embedding split by vocabulary, the head tied to it whole: its copies cannot be summed
-        pipeline(model, mesh, loss_fn=lm_loss, tp_plan={k: s for k, s in plan.items() if k != "lm_head"})
+        pipeline({k: s for k, s in plan.items() if k != "lm_head"}, loss_fn=lm_loss)
 
 
 def test_bad_pp_tp_arguments_fail_before_any_collective(pools):
-    expect = {"no plan": "no tp_plan", "full-vocab loss": "vocab-parallel cross-entropy",
+    expect = {"plait.pipeline": "plait.parallelize(model, mesh, plait.ParallelPlan(tp=",
+              "no plan": "tp=2", "full-vocab loss": "vocab-parallel cross-entropy",
               "typo": "layers.*.atn.q_proj", "tied head not split": "splits them differently"}
     for case, text in expect.items():
         errors = pools[4].errors(_bad, case)

@@ -52,8 +52,9 @@ def _build(layout: str, cfg, mesh, data_parallel: str, zero_stage: int):
         model.layers[1].compile(backend="eager")
     tp_plan = plait.gpt_plan(cfg) if mesh.size("tp") > 1 else None
     if mesh.size("pp") > 1:
-        pipe = plait.pipeline(model, mesh, schedule="1f1b", microbatches=2, seed=3, tp_plan=tp_plan,
-                              loss_fn=None if tp_plan else loss64)
+        pipe = plait.parallelize(model, mesh, plait.ParallelPlan(
+            tp=tp_plan, data="none", pp_schedule="1f1b", pp_microbatches=2, seed=3,
+            loss_fn=None if tp_plan else loss64))
         return pipe, pipe.step
     plan = plait.ParallelPlan(tp=tp_plan, data=data_parallel, seed=3,
                               **({"zero_stage": zero_stage} if data_parallel == "fsdp" else {}))

@@ -120,9 +120,6 @@ PLACEMENT_READERS = ("plait.ddp", "plait.fsdp", "plait.clip", "plait.state_dict"
                      "plait.activation_checkpointing", "plait.materialize", "plait.placement")
 # The composition edges that remain, each for a reason that is about composing, not placement:
 COMPOSITION_EDGES = {
-    # `Pipeline(tp_plan=...)` applies tensor parallelism to each stage it builds, and checks the
-    # plan's styles against the stage boundaries, before the stages are wrapped.
-    ("plait.pipeline", "plait.tp"),
     # `context_parallel` refuses a block that is checkpointed already (its position hooks must be
     # inside the recomputation): it reads activation checkpointing's mark, so the order is checked.
     ("plait.cp", "plait.activation_checkpointing"),

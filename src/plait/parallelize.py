@@ -74,10 +74,14 @@ from plait.models.moe import moe_layers
 from plait.names import matches
 from plait.parallel_plan import ParallelPlan
 from plait.pipeline.api import Pipeline
+from plait.pipeline.parts import split as split_stages
 from plait.pipeline.wrapping import StageWrapper
+from plait.placement.records import tp_info
+from plait.placement.tp_params import to_plain_parameters
 from plait.precision import mixed_precision
 from plait.rules import ZERO3_SPLIT_BACKWARD, LayoutError, check_layout
-from plait.tp.apply import tensor_parallel
+from plait.tp.apply import assign_styles, loss_fn_for, tensor_parallel, validate_tied_splits
+from plait.tp.styles import VocabParallelOutput
 
 __all__ = ["ParallelPlan", "parallelize", "ORDER"]
 
@@ -98,15 +102,10 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     # Steps 1b to 2b, one function for both paths: applied to the whole model, or by the pipeline
     # to each of this rank's stages (materialized and tensor parallel, as below).
     steps = _steps_after_tensor_parallel(module, mesh, plan, pipelined)
-    if pipelined:  # 0. split; the pipeline applies 1 to 3 to each of this rank's stages
-        return Pipeline(module, mesh, split=plan.pp_split, schedule=plan.pp_schedule,
-                        microbatches=plan.pp_microbatches, loss_fn=plan.loss_fn, chunks=plan.pp_chunks,
-                        seed=plan.seed, device=device(), tp_plan=plan.tp,
-                        sequence_parallel=plan.sequence_parallel, p2p=plan.p2p,
-                        stage_wrapper=_stage_wrapper(module, mesh, plan), stage_steps=steps)
+    if pipelined:  # 0. split, then 1 to 3 on each of this rank's parts
+        return _pipeline(module, mesh, plan, steps)
     if plan.tp is not None:  # 1. tensor parallel
-        module = tensor_parallel(module, mesh, plan.tp, sequence_parallel=plan.sequence_parallel,
-                                 seed=plan.seed, strict=False, check=plan.tp_check)
+        module = _tensor_parallel(module, mesh, plan)
     if is_meta(module) and plan.data != "fsdp":
         # Full replicas: materialized where a pipeline materializes its stages (FSDP materializes
         # only its shards itself). Not to_empty() + init_weights: to_empty makes a new tensor per
@@ -119,6 +118,72 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:
         return DistributedDataParallel(module, mesh, **plan.ddp_options)
     return module
+
+
+def _pipeline(module: nn.Module, mesh: Mesh, plan: ParallelPlan,
+              steps: Callable[[nn.Module], None] | None) -> Pipeline:
+    """Step 0, then steps 1 to 3 on this rank's parts: tensor parallelism over all of them at once
+    (one TPInfo; ties inside the rank stay ties), or materialization of all of them at once; then
+    each part's steps 1b to 2b and its DDP or FSDP; the pipeline schedules what was built."""
+    _check_pipeline_tp(module, mesh, plan)
+    wrapper = _stage_wrapper(module, mesh, plan)
+    parts = split_stages(module, mesh, split=plan.pp_split, schedule=plan.pp_schedule,
+                         microbatches=plan.pp_microbatches, chunks=plan.pp_chunks, device=device(),
+                         wrapper=wrapper)
+    loss_fn, tp_module = plan.loss_fn, None
+    if plan.tp is not None:  # 1.
+        if parts.ties:  # copies of a tied weight are summed per tp coordinate: each use split alike
+            validate_tied_splits(module, plan.tp, tp=mesh.size("tp"))
+        # Under the original names: plan patterns match, and a meta module gets its init values
+        # from the model under its own name, one module at a time, keeping its shard.
+        tp_module = _tensor_parallel(parts.view(), mesh, plan, origin=module)
+        to_plain_parameters(tp_module)  # stages' wrappers, ties and clipping work on plain shards
+        loss_fn = loss_fn if loss_fn is not None else loss_fn_for(tp_module)
+    elif is_meta(module) and not (wrapper is not None and wrapper.materializes):
+        parts.materialize(plan.seed)
+    parts.place(plan.seed, tp_info(tp_module) if tp_module is not None else None)
+    if steps is not None:  # 1b to 2b
+        for st in parts.stages.values():
+            steps(st)
+    stages = {s: wrapper.wrap(st) for s, st in sorted(parts.stages.items())} if wrapper else None  # 3.
+    # A weight-gradient pass communicates under sequence parallelism (norms' gradients summed over
+    # tp) and when it recomputes a checkpointed tensor-parallel block.
+    w_communicates = plan.sequence_parallel or (plan.tp is not None and steps is not None)
+    return Pipeline(parts, mesh, stages, microbatches=plan.pp_microbatches, loss_fn=cast(Any, loss_fn),
+                    p2p=plan.p2p, wrapper=wrapper, tp_module=tp_module, w_communicates=w_communicates)
+
+
+def _tensor_parallel(target: nn.Module, mesh: Mesh, plan: ParallelPlan,
+                     origin: nn.Module | None = None) -> nn.Module:
+    """Step 1 on the whole model, or on a view of all of a pipeline rank's parts (``origin``: the
+    whole model, whose names and init values the parts keep)."""
+    assert plan.tp is not None
+    return tensor_parallel(target, mesh, plan.tp, sequence_parallel=plan.sequence_parallel, seed=plan.seed,
+                           strict=False, check=plan.tp_check, origin=origin)
+
+
+def _check_pipeline_tp(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
+    """Refuse tensor-parallel arguments that do not fit a pipeline's mesh, or a loss that does not
+    fit the plan (no collective)."""
+    tp = mesh.size("tp")
+    if plan.tp is None:
+        if tp > 1:
+            raise ValueError(f"parallelize: the mesh has tp={tp} but no ParallelPlan(tp=...) was given; "
+                             "pass tp=plait.gpt_plan(cfg) (or a plan for your model) to shard the stages")
+        if plan.loss_fn is None:
+            raise TypeError("parallelize: a pipeline needs ParallelPlan(loss_fn=...): a callable "
+                            "(last stage output, targets) -> scalar")
+        return
+    # Against the whole model, so a typo in a pattern is still an error although each rank's
+    # stages hold only some of the matched modules.
+    assigned = assign_styles(module, plan.tp, strict=True)
+    sharded = any(isinstance(s, VocabParallelOutput) and not s.gather_output for s in assigned.values())
+    if sharded and plan.loss_fn is not None:
+        raise ValueError("parallelize: the tp plan leaves the logits split by vocabulary ("
+                         "VocabParallelOutput(gather_output=False)), so the loss must be the vocab-parallel "
+                         "cross-entropy: leave loss_fn unset (the pipeline then uses it), or gather the "
+                         "logits; got "
+                         f"loss_fn={plan.loss_fn!r}")
 
 
 def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:

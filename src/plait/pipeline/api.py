@@ -11,56 +11,27 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait._torch_compat import is_compiled, map_tensors
-from plait.materialize import is_meta, keep_whole, materialize
+from plait._torch_compat import map_tensors
+from plait.materialize import is_meta
 from plait.mesh import Mesh
 from plait.names import plain_name
-from plait.pipeline.actions import Kind, Slot
-from plait.pipeline.arguments import (
-    CustomSchedule,
-    resolve_p2p,
-    resolve_schedule,
-    split_batch,
-    validate_tp_arguments,
-)
+from plait.pipeline.actions import Slot
+from plait.pipeline.arguments import CustomSchedule, resolve_p2p, split_batch
 from plait.pipeline.directed import direction_groups
-from plait.pipeline.replay import Replay, ReplayStage
+from plait.pipeline.parts import PipelineParts
+from plait.pipeline.parts import split as split_stages
 from plait.pipeline.runtime import Executor, busy_fraction
 from plait.pipeline.schedules import Schedule
-from plait.pipeline.split import above, named_view, plan_stages, segments
-from plait.pipeline.ties import TiedCopy, drop_earlier_sums, find_ties, sync_grads, tie_groups
-from plait.pipeline.wrapping import StageWrapper, StateHoldingStage, check_wrappable
+from plait.pipeline.split import named_view
+from plait.pipeline.ties import TiedCopy, drop_earlier_sums, sync_grads, tie_groups
+from plait.pipeline.wrapping import StageWrapper, StateHoldingStage
 from plait.placement.pieces import mark_grads, mark_piece
-from plait.placement.records import TPInfo, mark_part, tp_info
-from plait.placement.tp_params import to_plain_parameters
-from plait.tp.apply import loss_fn_for, tensor_parallel, validate_tied_splits
+from plait.placement.records import TPInfo, tp_info
 
 if TYPE_CHECKING:
     from plait.clip import GradParts
 
 __all__ = ["Pipeline", "pipeline"]
-
-
-def _check_arguments(module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None, loss_fn: Any,
-                     microbatches: int, sequence_parallel: bool) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"pipeline: module must be a torch.nn.Module, got {type(module).__name__}")
-    if not (hasattr(mesh, "size") and hasattr(mesh, "group_ranks")):
-        raise TypeError(f"pipeline: mesh must be a plait.Mesh, got {type(mesh).__name__}")
-    validate_tp_arguments(module, mesh, tp_plan, loss_fn)
-    if sequence_parallel and tp_plan is None:
-        raise ValueError("pipeline: sequence_parallel=True needs a tp_plan (it splits the sequence "
-                         "over the tp axis inside tensor-parallel stages)")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"pipeline: loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(f"pipeline: microbatches must be a positive integer, got {microbatches!r}")
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class Pipeline:
@@ -76,74 +47,41 @@ class Pipeline:
 
     A weight shared by stages on different pp ranks (a tied embedding and LM head) is kept as one
     copy per rank, initialised from its first owner; `step` sums the copies' gradients (each step's
-    once, also when several steps accumulate before an optimizer step). With a
-    ``tp_plan`` each copy is this rank's tp shard, and the sum runs between the pp ranks of the same
+    once, also when several steps accumulate before an optimizer step). Under tensor
+    parallelism each copy is this rank's tp shard, and the sum runs between the pp ranks of the same
     tp coordinate (the plan must split every use alike, as vocabulary-parallel embedding and head do).
 
-    With ``tp_plan`` (pp x tp), this rank's stages are tensor-parallel over ``mesh.group('tp')``:
-    see `pipeline`. ``tp_module`` is then the `plait.tp` module holding this rank's
-    stage modules under their original names (``tp_info``/``loss_fn_for``/`plait.tp.state` accept
-    it), else None.
-
-    With ``stage_wrapper`` (handed in by `plait.parallelize`), each stage is then wrapped for data
-    parallelism (DDP or FSDP): the stages' gradients accumulate over the microbatches and each
-    stage's last backward of the step reduces them, overlapping with it. ``stages`` holds the
-    wrapped modules. ``stage_steps`` (also from `plait.parallelize`) is called on each
-    materialized, tensor-parallel stage before it is wrapped: context and expert parallelism,
-    activation checkpointing and mixed precision, in `plait.parallelize`'s order.
+    `plait.pipeline` builds it from a model, `plait.parallelize` from a plan (it applies tensor,
+    context and expert parallelism, checkpointing, mixed precision and DDP or FSDP to each part
+    `split` gave this rank, then hands them here): ``stages`` are the built parts (wrapped by
+    ``wrapper``, whose stages' gradients accumulate over the microbatches and are reduced in each
+    stage's last backward of the step), ``tp_module`` this rank's tensor-parallel parts under their
+    original names (``tp_info`` reads it), ``w_communicates`` whether a weight-gradient pass runs
+    collectives (then W's run exactly where the schedule lists them).
     """
 
-    def __init__(self, module: nn.Module, mesh: Mesh, *, split: str | Sequence[str] = "auto",
-                 schedule: str | CustomSchedule = "1f1b", microbatches: int,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, chunks: int = 1, seed: int = 0,
-                 device: torch.device | str | None = None, tp_plan: Mapping[str, Any] | None = None,
-                 sequence_parallel: bool = False, p2p: str = "auto",
-                 stage_wrapper: StageWrapper | None = None,
-                 stage_steps: Callable[[nn.Module], None] | None = None) -> None:
-        # Every check runs before the first collective, so bad input never hangs a rank.
-        _check_arguments(module, mesh, tp_plan, loss_fn, microbatches, sequence_parallel)
-        p = mesh.size("pp")
-        self.sched = resolve_schedule(schedule, p, microbatches, chunks)
-        self.microbatches, self.loss_fn = microbatches, loss_fn
-        backend = torch.distributed.get_backend()
-        directed = resolve_p2p(p2p, backend)
-        refusal = stage_wrapper.split_backward_refusal if stage_wrapper is not None else None
-        if refusal and any(a.kind is Kind.W for row in self.sched.actions for a in row):
-            raise ValueError(f"pipeline: schedule {self.sched.name!r} splits backward into B and W; "
-                             f"{refusal}")
-        self.rank = mesh.rank("pp")
-        self.group = mesh.group("pp")
-        self.pp_ranks = mesh.group_ranks("pp")
-        segs = segments(module)
-        plan = plan_stages(segs, self.sched.stages, split)
-        _refuse_split_backward_of_compiled(self.sched, segs)
-        self.stage_names = [[segs[i][0] for i in idx] for idx in plan]
-        ties = find_ties(segs, plan, self.sched)
-        if tp_plan is not None and ties:
-            # A tied weight's copies are summed per tp coordinate (tie_groups), so every use must
-            # split it alike: the same rows on the same tp rank.
-            validate_tied_splits(module, tp_plan, tp=mesh.size("tp"))
-        mine = self.sched.rank_stages(self.rank)
-        for r in range(p):  # every rank's stages, so that all ranks refuse alike
-            check_wrappable(stage_wrapper, r, {s: [p for i in plan[s] for p in segs[i][1].parameters()]
-                                               for s in self.sched.rank_stages(r)}, ties)
-        self.device = torch.device(device) if device is not None else _default_device()
-        # Made before tensor parallelism and FSDP change this rank's modules in place: its meta
-        # skeleton of the model as given serves the dataflow traces and the stand-ins of other stages.
-        self._replay = Replay(module, segs, plan, self.device)
-        self.tp_module: nn.Module | None = None
-        self._inner = {s: ReplayStage(s, self._replay, [segs[i] for i in plan[s]]) for s in mine}
-        self._stage_steps = stage_steps
-        self.loss_fn = loss_fn = self._parallelize_stages(module, mesh, tp_plan, sequence_parallel, seed,
-                                                          loss_fn, stage_wrapper)
+    def __init__(self, parts: PipelineParts, mesh: Mesh, stages: Mapping[int, nn.Module] | None = None, *,
+                 microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor], p2p: str = "auto",
+                 wrapper: StageWrapper | None = None, tp_module: nn.Module | None = None,
+                 w_communicates: bool = False) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"pipeline: loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
+        self.parts, self.sched, self.microbatches, self.loss_fn = parts, parts.schedule, microbatches, loss_fn
+        self.rank, self.group, self.pp_ranks = parts.rank, parts.group, parts.pp_ranks
+        self.stage_names, self.device, self._replay = parts.stage_names, parts.device, parts.replay
+        self.tp_module, self._wrapper, self._inner = tp_module, wrapper, parts.stages
+        self.stages: dict[int, nn.Module] = dict(stages if stages is not None else parts.stages)
+        # Each stage's state-dict keys, under the original names (a wrapper that holds the state in
+        # its own form answers for these).
+        self._state_keys = {s: set(st.state_dict(keep_vars=True)) for s, st in self._inner.items()}
         # Copies of weights shared with another pp rank, with the group that sums their gradients.
-        groups = tie_groups(ties, mesh)
+        ties = parts.ties
         held = {n: p for s in self._inner.values() for n, p in s.qualified_parameters()}
         self._tied = [TiedCopy(next(held[n] for n in tie.names if n in held), g, self.rank == tie.ranks[0])
-                      for tie, g in zip(ties, groups) if g is not None]
+                      for tie, g in zip(ties, tie_groups(ties, mesh)) if g is not None]
         # Each name of a weight tied across pp ranks -> its first owner's (one optimizer state).
         self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
-        self._my_segs = [seg for s in mine for seg in self._inner[s].segments]
+        self._my_segs = parts.my_segments()
         # A module that adds a loss of its own in each forward (an MoE layer's balancing loss,
         # `aux_loss_scale`) weighs it as the step weighs that forward's microbatch loss: 1/m of the
         # batch's mean. Left at 1, its gradient would be m times the one-process run's.
@@ -151,72 +89,27 @@ class Pipeline:
             for sub in seg.modules():
                 if hasattr(sub, "aux_loss_scale"):
                     sub.aux_loss_scale = 1 / microbatches  # type: ignore[assignment]
-        self._wrapper = stage_wrapper
+        backend = torch.distributed.get_backend()
         # W's pulled into waits (a helper thread watches the receives): on Gloo only, where a
         # receive's wait() returns when the data is there (NCCL's returns at once, ordering streams),
-        # and not when W communicates (sequence parallelism; data parallelism, whose collectives
-        # would then come in another order on each replica; a checkpointed tensor-parallel block
-        # that W recomputes, as on the first stage, whose B computes nothing), which would
-        # desynchronize ranks.
-        quiet_w = not sequence_parallel and not (tp_plan is not None and stage_steps)
+        # and not when W communicates (``w_communicates``: sequence parallelism, or a checkpointed
+        # tensor-parallel block that W recomputes, as on the first stage, whose B computes nothing;
+        # data parallelism, whose collectives would then come in another order on each replica),
+        # which would desynchronize ranks.
+        fill_w = not w_communicates and backend == "gloo" and wrapper is None
+        links = direction_groups(self.sched, mesh) if resolve_p2p(p2p, backend) else None
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
-                             self.device, links=direction_groups(self.sched, mesh) if directed else None,
-                             fill_w=quiet_w and backend == "gloo" and stage_wrapper is None,
-                             carry=self._replay, **self._wrapped_stage_hooks())
+                             self.device, links=links, fill_w=fill_w, carry=self._replay,
+                             **self._wrapped_stage_hooks())
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
         # Each rank holds some stages' parameters: torch's clip would take them for the whole model's.
+        p = mesh.size("pp")
         named = list(self.named_parameters()) if p > 1 else []
         for name, prm in named:
-            mark_piece(prm, f"'{name}' of pipeline stage(s) {sorted(mine)} (pp={p})")
+            mark_piece(prm, f"'{name}' of pipeline stage(s) {sorted(self._inner)} (pp={p})")
         self._pieces = [prm for _, prm in named]  # `step` marks their new gradients
-
-    def _parallelize_stages(self, module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None,
-                            sequence_parallel: bool, seed: int, loss_fn: Any,
-                            wrapper: StageWrapper | None) -> Any:
-        """This rank's stages, in order: tensor parallelism, materialization, activation
-        checkpointing, data parallelism (`plait.parallelize` documents the order); returns the loss
-        function to use."""
-        my_segs = [seg for s in sorted(self._inner) for seg in self._inner[s].segments]
-        if tp_plan is not None:
-            # All of this rank's stages in one tensor_parallel call (one TPInfo, ties inside the rank
-            # kept), under the original names: plan patterns match and a meta module gets its init
-            # values from full_values under its own name, one module at a time, keeping its shard.
-            # A weight tied to another rank's module takes its first owner's values, as below.
-            self.tp_module = tensor_parallel(named_view(my_segs), mesh, tp_plan,
-                                             sequence_parallel=sequence_parallel, seed=seed, strict=False,
-                                             origin=module)
-            to_plain_parameters(self.tp_module)  # stages' wrappers, ties and clipping work on plain shards
-            if loss_fn is None:
-                loss_fn = loss_fn_for(self.tp_module)
-        elif is_meta(module) and not (wrapper is not None and wrapper.materializes):
-            # All of this rank's stages at once, so ties between them stay ties.
-            materialize(my_segs, seed, keep_whole(self.device), module)
-        # Parameter-free segments of other ranks' stages (rotary tables, dropout) run here too.
-        mine = {n for n, _ in my_segs}
-        glue = [g for g in self._replay.glue() if g[0] not in mine]
-        if any(is_meta(m) for _, m in glue):
-            materialize(glue, seed, keep_whole(self.device), module)
-        for _, m in glue:
-            m.to(self.device)
-        # The buffers of the modules above the segments (a root's rotary table): on every stage too.
-        materialize(above(module), seed, keep_whole(self.device), module, shallow=True)
-        info = self.tp_info
-        for st in self._inner.values():
-            if info is not None:
-                mark_part(st, info)  # so that a wrapper of the stage sees its tp shards
-            if not is_meta(st):  # a wrapper that materializes places the stage itself
-                st.to(self.device)
-        self.stages: dict[int, nn.Module] = dict(self._inner)
-        if self._stage_steps is not None:  # after tensor parallelism, before the wrapper
-            for st in self._inner.values():
-                self._stage_steps(st)
-        # Each stage's state-dict keys (original names) before a wrapper may replace its tensors.
-        self._state_keys = {s: set(st.state_dict(keep_vars=True)) for s, st in self._inner.items()}
-        if wrapper is not None:  # data parallelism last, on each stage's final parameters
-            self.stages = {s: wrapper.wrap(st) for s, st in sorted(self._inner.items())}
-        return loss_fn
 
     def _wrapped_stage_hooks(self) -> dict[str, Any]:
         """The executor's view of the stage wrapper: each stage's autograd leaves, and the context
@@ -280,7 +173,7 @@ class Pipeline:
     # Full state and the checkpoint protocol (`plait.state_dict`, `plait.checkpoint.protocol`).
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state on every rank (a collective over tp and pp): this rank's stages
-        at full size (gathered over tp with a ``tp_plan``), then every pp rank's."""
+        at full size (gathered over tp under tensor parallelism), then every pp rank's."""
         from plait.state_dict import full_state_dict, union_over, with_other_experts
 
         own = self._stages_holding_state()
@@ -380,7 +273,7 @@ class Pipeline:
 
     @property
     def tp_info(self) -> TPInfo | None:
-        """The `plait.tp.TPInfo` of this rank's stages (None without ``tp_plan``)."""
+        """The `plait.tp.TPInfo` of this rank's stages (None without tensor parallelism)."""
         return None if self.tp_module is None else tp_info(self.tp_module)
 
     @property
@@ -465,22 +358,6 @@ class Pipeline:
         self.bubble_fraction = 1.0 - busy_fraction(self.exec.timeline, step_time)
 
 
-def _refuse_split_backward_of_compiled(sched: Schedule, segs: Sequence[tuple[str, nn.Module]]) -> None:
-    """A schedule that splits backward into B (input gradients) and W (weight gradients) cuts
-    the autograd graph between them; a compiled block's backward is one node computing both (AOT
-    autograd), so its W could not be deferred. Measured: zb-h1 over blocks compiled with
-    aot_eager hung at pp=2."""
-    if not any(a.kind is Kind.W for row in sched.actions for a in row):
-        return
-    compiled = [f"{n}.{k}" if k else n for n, seg in segs for k, m in seg.named_modules() if is_compiled(m)]
-    if compiled:
-        raise ValueError(
-            f"pipeline: schedule {sched.name!r} splits backward into input- and weight-gradient passes, "
-            f"which a torch.compile'd module's backward cannot be cut into (one graph computes both): "
-            f"{', '.join(compiled[:4])}{' ...' if len(compiled) > 4 else ''}. Use a schedule without "
-            "split backward ('1f1b', 'gpipe', 'interleaved') or leave the blocks uncompiled")
-
-
 def pipeline(module: nn.Module, mesh: Mesh, split: str | Sequence[str] = "auto",
              schedule: str | CustomSchedule = "1f1b", microbatches: int = 4,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, chunks: int = 1,
@@ -500,23 +377,10 @@ def pipeline(module: nn.Module, mesh: Mesh, split: str | Sequence[str] = "auto",
     `Schedule` or per-rank action lists; ``chunks``: stages per rank; ``seed``:
     the `plait.init_weights` seed used to materialize a meta-device model.
 
-    ``tp_plan`` (pp x tp, Megatron's layout): a `plait.tp` plan, e.g.
-    ``plait.gpt_plan(cfg)``. The model is split into stages first, then each rank's stages are
-    tensor-parallel over ``mesh.group('tp')``, with the plan's patterns matched against the
-    original names (``layers.*.attn.q_proj``). A meta-device model is materialized by tensor
-    parallelism one module at a time, each rank keeping its shards (only one module's full
-    tensors exist at once). Stage outputs are replicated over tp, so each rank exchanges
-    activations with the rank of the same tp coordinate in the next stage (its pp group).
-    When the plan leaves the logits split by vocabulary, leave ``loss_fn`` unset: the last
-    stage then computes the vocab-parallel cross-entropy, the same value on each of its tp
-    ranks (without a vocab-split head, ``loss_fn`` defaults to `plait.loss_fn_for`'s choice).
-    ``sequence_parallel`` (with ``tp_plan``): Megatron's sequence parallelism inside the stages;
-    the activations between stages are then split by sequence over tp, each rank exchanging
-    its part with its own pp group. Weight gradients of sequence-split norms are summed over tp
-    inside W, so W's run exactly where the list puts them (not pulled into waits), keeping the
-    tp ranks' collectives in the same order. A weight tied across pp ranks (an embedding and
-    LM head both split by vocabulary) is summed shard by shard between the pp ranks of the same
-    tp coordinate; a plan that splits its uses differently is refused.
+    Tensor parallelism inside the stages (pp x tp), and data parallelism across pipelines, are
+    composed by `plait.parallelize`: ``plait.parallelize(model, mesh, plait.ParallelPlan(tp=plan,
+    data="none", pp_microbatches=4))`` builds the same pipeline with each rank's stages
+    tensor-parallel; ``tp_plan`` and ``sequence_parallel`` here are refused with that advice.
 
     ``p2p``: how stages exchange data. Either way every receive of a step is posted when it
     starts. ``"tagged"``: all messages on the default group, matched by tag (Gloo).
@@ -528,6 +392,17 @@ def pipeline(module: nn.Module, mesh: Mesh, split: str | Sequence[str] = "auto",
     Data parallelism across pipelines (each stage its own DDP or FSDP module, reducing in its
     last backward of the step): build the pipeline with `plait.parallelize` instead.
     """
-    return Pipeline(module, mesh, split=split, schedule=schedule, microbatches=microbatches,
-                    loss_fn=loss_fn, chunks=chunks, seed=seed, device=device, tp_plan=tp_plan,
-                    sequence_parallel=sequence_parallel, p2p=p2p)
+    if tp_plan is not None or sequence_parallel or mesh.size("tp") > 1:
+        raise ValueError(
+            "pipeline: tensor parallelism inside the stages is composed by plait.parallelize, which "
+            "splits the model and then builds each rank's stages: plait.parallelize(model, mesh, "
+            "plait.ParallelPlan(tp=tp_plan, sequence_parallel=..., data='none', pp_schedule=..., "
+            "pp_microbatches=..., loss_fn=..., seed=...))")
+    if loss_fn is None:
+        raise TypeError("pipeline: loss_fn is required: a callable (last stage output, targets) -> scalar")
+    parts = split_stages(module, mesh, split=split, schedule=schedule, microbatches=microbatches,
+                         chunks=chunks, device=device)
+    if is_meta(module):
+        parts.materialize(seed)
+    parts.place(seed, None)
+    return Pipeline(parts, mesh, microbatches=microbatches, loss_fn=loss_fn, p2p=p2p)

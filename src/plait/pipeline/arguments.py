@@ -2,47 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
-
-from plait.mesh import Mesh
 from plait.pipeline.actions import COMM, Action
 from plait.pipeline.generators import make_schedule
 from plait.pipeline.runtime import as_tuple
 from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
-from plait.tp.apply import assign_styles
-from plait.tp.styles import VocabParallelOutput
 
-__all__ = ["CustomSchedule", "P2P_MODES", "validate_tp_arguments", "split_batch", "resolve_p2p",
+__all__ = ["CustomSchedule", "P2P_MODES", "split_batch", "resolve_p2p",
            "resolve_schedule"]
 
 CustomSchedule = Schedule | Sequence[Sequence[Action]]
-
-
-def validate_tp_arguments(module: nn.Module, mesh: Mesh, tp_plan: Mapping[str, Any] | None,
-                          loss_fn: Any) -> None:
-    """Refuse tensor-parallel arguments that do not fit the mesh, or a loss that does not fit the
-    plan (no collective)."""
-    tp = mesh.size("tp")
-    if tp_plan is None:
-        if tp > 1:
-            raise ValueError(f"pipeline: the mesh has tp={tp} but no tp_plan was given; pass "
-                             "tp_plan=plait.gpt_plan(cfg) (or a plan for your model) to shard the stages")
-        if loss_fn is None:
-            raise TypeError("pipeline: loss_fn is required: a callable (last stage output, targets) "
-                            "-> scalar")
-        return
-    # Against the whole model, so a typo in a pattern is still an error although each rank's
-    # stages hold only some of the matched modules.
-    assigned = assign_styles(module, tp_plan, strict=True)
-    sharded = any(isinstance(s, VocabParallelOutput) and not s.gather_output for s in assigned.values())
-    if sharded and loss_fn is not None:
-        raise ValueError("pipeline: tp_plan leaves the logits split by vocabulary (VocabParallelOutput("
-                         "gather_output=False)), so the loss must be the vocab-parallel cross-entropy: leave "
-                         "loss_fn unset (the pipeline then uses it), or gather the logits; got "
-                         f"loss_fn={loss_fn!r}")
 
 
 def split_batch(x: Any, m: int, what: str) -> list:
