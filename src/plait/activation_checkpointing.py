@@ -59,8 +59,7 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -68,7 +67,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from plait._torch_compat import TorchDispatchMode, forward_pre_hooks, map_tensors, tensors_in, version_of
-from plait.blocks import DESCRIBED
+from plait.blocks import DESCRIBED, Checkpointed, checkpoint_record, checkpointed, mark_checkpointed
 from plait.blocks import blocks as repeated_blocks
 from plait.callable_module import make_callable
 from plait.names import matches
@@ -78,7 +77,6 @@ __all__ = ["activation_checkpointing", "select_blocks", "checkpoint_blocks", "ch
            "POLICIES", "KEPT_OPS"]
 
 POLICIES = ("full", "selective")
-_ATTR = "_plait_checkpointed"  # on a checkpointed module: its `_Checkpointed`
 
 
 def _aten(*names: str) -> frozenset[Any]:
@@ -175,31 +173,15 @@ def checkpoint_blocks(model: nn.Module, names: Sequence[str], policy: str) -> No
         for k in range(1, len(parts)):
             _forks(model.get_submodule(".".join(parts[:k])), name, inside=False)  # within a region?
         mod = model.get_submodule(name)
-        if _ATTR in mod.__dict__:
-            raise ValueError(f"activation_checkpointing: {name!r} is checkpointed already "
-                             f"({mod.__dict__[_ATTR].policy!r})")
-        mod.__dict__[_ATTR] = _Checkpointed(name, policy, mod.forward)
+        if (already := checkpointed(mod)) is not None:
+            raise ValueError(f"activation_checkpointing: {name!r} is checkpointed already ({already!r})")
+        mark_checkpointed(mod, Checkpointed(name, policy, mod.forward))
         mod.forward = types.MethodType(_checkpointed_forward, mod)
 
 
-def checkpointed(module: nn.Module) -> str | None:
-    """The policy ``module`` was checkpointed with, else None."""
-    state = module.__dict__.get(_ATTR)
-    return None if state is None else state.policy
-
-
-@dataclass
-class _Checkpointed:
-    """What a checkpointed module carries: its name (for errors), the policy and its own forward
-    (a bound method: copies of the module, e.g. a pipeline's meta skeleton, rebind it)."""
-
-    name: str
-    policy: str
-    forward: Callable[..., Any]
-
-
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    state: _Checkpointed = self.__dict__[_ATTR]
+    state = checkpoint_record(self)
+    assert state is not None
     if not torch.is_grad_enabled():  # nothing is saved for backward: nothing to recompute
         return state.forward(*args, **kwargs)
     frame = _Frame(state, args, kwargs, _RandomState(_forks(self, state.name), args))
@@ -274,7 +256,7 @@ class _Recomputed(Exception):
 class _Frame:
     """One checkpointed forward: its placeholders, how to run it again, and what that run saved."""
 
-    def __init__(self, state: _Checkpointed, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def __init__(self, state: Checkpointed, args: tuple[Any, ...], kwargs: dict[str, Any],
                  rng: _RandomState) -> None:
         self.state, self.rng = state, rng
         self.inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = (args, kwargs)

@@ -10,9 +10,14 @@ no container of blocks. The container's children are the *blocks*: FSDP's defaul
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 from torch import nn
 
-__all__ = ["DESCRIBED", "blocks", "is_container"]
+__all__ = ["DESCRIBED", "blocks", "is_container", "Checkpointed", "checkpointed", "checkpoint_record",
+           "mark_checkpointed"]
 
 DESCRIBED = "nn.ModuleList of blocks (nor an nn.ModuleDict or nn.Sequential of blocks of one class)"
 
@@ -39,3 +44,34 @@ def blocks(module: nn.Module, outermost: bool = False) -> list[str]:
 
 def _inside(name: str, outer: str) -> bool:
     return name != outer and (outer == "" or name.startswith(outer + "."))
+
+
+# A block's record of its activation checkpointing, kept here (not in `plait.activation_checkpointing`)
+# so that strategies whose hooks must sit inside or outside the recomputation (context parallelism)
+# read it without importing the strategy that wrote it.
+_CHECKPOINTED = "_plait_checkpointed"  # on a checkpointed module: its `Checkpointed`
+
+
+@dataclass
+class Checkpointed:
+    """What a checkpointed module carries: its name (for errors), the policy and its own forward
+    (a bound method: copies of the module, e.g. a pipeline's meta skeleton, rebind it)."""
+
+    name: str
+    policy: str
+    forward: Callable[..., Any]
+
+
+def mark_checkpointed(module: nn.Module, record: Checkpointed) -> None:
+    module.__dict__[_CHECKPOINTED] = record
+
+
+def checkpoint_record(module: nn.Module) -> Checkpointed | None:
+    """``module``'s checkpointing record, None if it is not checkpointed."""
+    return module.__dict__.get(_CHECKPOINTED)
+
+
+def checkpointed(module: nn.Module) -> str | None:
+    """The policy ``module`` was checkpointed with, else None."""
+    record = checkpoint_record(module)
+    return None if record is None else record.policy

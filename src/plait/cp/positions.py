@@ -30,8 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from plait.activation_checkpointing import checkpointed
-from plait.blocks import blocks
+from plait.blocks import blocks, checkpointed
 from plait.cp.group import CPGroup
 
 __all__ = ["POSITIONS", "Watcher", "install", "positions_mode"]
