@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["DESCRIBED", "blocks", "is_container"]
-
 DESCRIBED = "nn.ModuleList of blocks (nor an nn.ModuleDict or nn.Sequential of blocks of one class)"
 
 

@@ -34,8 +34,6 @@ from plait.activation_checkpointing import checkpointed
 from plait.blocks import blocks
 from plait.cp.group import CPGroup
 
-__all__ = ["POSITIONS", "Watcher", "install", "positions_mode"]
-
 POSITIONS = ("auto", "rotary", "position_ids", "counted", "none")
 
 
