@@ -1,5 +1,6 @@
 """The layout keeps its promises: no import cycles, no private names across modules, names that
-import (no package attribute hides its own submodule, every name the README shows resolves)."""
+import (no package attribute hides its own submodule, every name the README shows resolves), and
+a public face that docs/api.md lists whole (only public modules define `__all__`)."""
 
 from __future__ import annotations
 
@@ -553,3 +554,110 @@ def test_no_module_over_600_lines_and_no_function_over_80():
     assert not found - OVERSIZED, f"over {MODULE_LINES} lines (modules) or {FUNCTION_LINES} (functions): " \
                                   f"{sorted(found - OVERSIZED)}"
     assert not OVERSIZED - found, f"within bounds now, drop from OVERSIZED: {sorted(OVERSIZED - found)}"
+
+
+# The public face. A module defines `__all__` if and only if it is public, and it is public if and
+# only if docs/api.md has a section for it (a ``## `plait.x` `` heading) listing every name of its
+# `__all__`; every other module is internal: importable by its full path, advertising nothing.
+API_PAGE = README.parent / "docs" / "api.md"
+MAX_EXPORTS = 250
+# Internal modules that still define `__all__` because their files are being rewritten elsewhere;
+# each leaves this list when its `__all__` goes (the test fails on an entry that has none).
+PENDING_ALL = frozenset({
+    "plait.app.config", "plait.app.config.arguments", "plait.app.config.refusals",
+    "plait.app.config.sections", "plait.app.config.train_config", "plait.parallel_plan",
+})
+_SECTION = re.compile(r"^## `(plait[\w.]*)`\s*$")
+_ROW_HEAD = re.compile(r"^\|([^|]*)\|")
+
+
+def _exports() -> dict[str, list[str]]:
+    """plait module -> the names of its `__all__`, for every plait module that defines one."""
+    out: dict[str, list[str]] = {}
+    for name, (tree, _) in _modules().items():
+        for node in tree.body if name.startswith("plait") else []:
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                assert isinstance(node, ast.Assign), f"{name}: __all__ is written once, as a literal list"
+                out[name] = list(ast.literal_eval(node.value))
+    return out
+
+
+def _listed(page: str) -> dict[str, list[str]]:
+    """module -> the names docs/api.md lists for it: under a ``## `plait.x` `` heading, the names in
+    backticks in the first cell of each table row, as written (``plait.init(seed=0)`` in the
+    `plait` section is ``init``; ``plait.SyncBatchNorm.convert_sync_batchnorm`` is ``SyncBatchNorm``;
+    ``.step()``, a method, is none)."""
+    out: dict[str, list[str]] = {}
+    module = None
+    for line in page.splitlines():
+        if line.startswith("## ") or line.startswith("# "):
+            heading = _SECTION.match(line)
+            module = heading.group(1) if heading else None
+            if module is not None:
+                assert module not in out, f"docs/api.md has two sections for `{module}`"
+                out[module] = []
+        elif module is not None and (row := _ROW_HEAD.match(line)):
+            for span in re.findall(r"`([^`]+)`", row.group(1)):
+                dotted = re.match(r"[A-Za-z_][\w.]*", span)
+                if dotted:
+                    name = dotted.group(0).removeprefix(f"{module}.").removeprefix("plait.")
+                    out[module].append(name.split(".")[0])
+    return out
+
+
+def test_the_api_page_reader_sees_each_kind_of_row():
+    page = """# Title
+## `plait`
+| name | what it does |
+|---|---|
+| `plait.init(seed=0)`, `plait.comm` | a, `not_a_name` |
+| `plait.SyncBatchNorm.convert_sync_batchnorm(model, mesh)` / `plait.SyncBatchNorm(n)` | |
+## `plait.straggler`
+| `StragglerTracker()`, `.step()`, `Blame` | in `plait.straggler` |
+## Building on the meta device
+| `not_listed` | |
+"""
+    assert _listed(page) == {"plait": ["init", "comm", "SyncBatchNorm", "SyncBatchNorm"],
+                             "plait.straggler": ["StragglerTracker", "Blame"]}
+
+
+def test_internal_modules_define_no_all_and_public_ones_have_a_section_in_the_api_page():
+    exports, listed = _exports(), _listed(API_PAGE.read_text())
+    unlisted = sorted(set(exports) - set(listed) - PENDING_ALL)
+    assert not unlisted, (f"{unlisted} define __all__ but docs/api.md has no section for them: internal "
+                          "modules define no __all__ (their names stay importable by their full path); "
+                          "a module meant to be public gets a `## `plait.x`` section listing its names")
+    assert not set(listed) - set(exports), \
+        f"docs/api.md has sections for modules without __all__: {sorted(set(listed) - set(exports))}"
+    public_pending = sorted(PENDING_ALL & set(listed))
+    assert not public_pending, f"public, drop from PENDING_ALL: {public_pending}"
+    gone = sorted(PENDING_ALL - set(exports))
+    assert not gone, f"no __all__ any more, drop from PENDING_ALL: {gone}"
+
+
+def test_the_api_page_lists_every_exported_name_and_no_other():
+    exports, listed = _exports(), _listed(API_PAGE.read_text())
+    bad = []
+    for module in sorted(set(listed) & set(exports)):
+        names = exports[module]
+        if len(set(names)) != len(names):
+            bad.append(f"{module}.__all__ names a name twice")
+        if missing := sorted(set(names) - set(listed[module])):
+            bad.append(f"{module} exports {missing}, which its section in docs/api.md does not list: add a "
+                       "row for each (a line, or a link to its page), or take it out of __all__")
+        if extra := sorted(set(listed[module]) - set(names)):
+            bad.append(f"docs/api.md lists {extra} under `{module}`, which are not in its __all__")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_public_face_has_at_most_250_names_and_each_resolves():
+    import importlib
+
+    public = {m: names for m, names in _exports().items() if m not in PENDING_ALL}
+    count = sum(len(names) for names in public.values())
+    assert count <= MAX_EXPORTS, f"{count} exported names, over {MAX_EXPORTS}: export what the docs teach"
+    missing = [f"{m}.{n}" for m, names in public.items() for n in names
+               if not hasattr(importlib.import_module(m), n)]
+    assert not missing, f"exported but not there: {missing}"

@@ -73,8 +73,7 @@ from plait.callable_module import make_callable
 from plait.names import matches
 from plait.rng import RNGFork, fork_of
 
-__all__ = ["activation_checkpointing", "select_blocks", "checkpoint_blocks", "checkpointed", "check_options",
-           "POLICIES", "KEPT_OPS"]
+__all__ = ["activation_checkpointing", "POLICIES"]
 
 POLICIES = ("full", "selective")
 

@@ -16,9 +16,6 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["DESCRIBED", "blocks", "is_container", "Checkpointed", "checkpointed", "checkpoint_record",
-           "mark_checkpointed"]
-
 DESCRIBED = "nn.ModuleList of blocks (nor an nn.ModuleDict or nn.Sequential of blocks of one class)"
 
 

@@ -20,8 +20,6 @@ from typing import Any
 
 from plait._torch_compat import set_class
 
-__all__ = ["CallableModule", "make_callable"]
-
 
 class CallableModule(types.ModuleType):
     """A module whose call is a call of its namesake function (``plait.check`` -> ``plait.check.check``)."""

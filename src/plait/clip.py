@@ -28,8 +28,6 @@ from torch import nn
 from plait import comm
 from plait.dtensors import local_of
 
-__all__ = ["clip_grad_norm_", "clip_parts_", "GradParts"]
-
 GradParts = dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]
 
 

@@ -39,8 +39,7 @@ from plait._torch_compat import replica_of
 from plait.precision import precision_of
 from plait.wrapped_state import WrappedModuleState
 
-__all__ = ["DataParallel", "data_parallel", "scatter", "scatter_kwargs", "gather", "replicate",
-           "parallel_apply"]
+__all__ = ["DataParallel", "data_parallel", "scatter", "gather", "replicate", "parallel_apply"]
 
 DeviceLike = torch.device | str | int
 

@@ -40,9 +40,6 @@ import torch
 
 from plait._torch_compat import caller_frame
 
-__all__ = ["CallRecord", "GroupLog", "MODES", "scope", "current_label", "call_site", "first_divergence",
-           "write_flight_record", "FLIGHT_LEN"]
-
 MODES = ("off", "fast", "full")
 FLIGHT_LEN = 64
 

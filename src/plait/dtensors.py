@@ -13,8 +13,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait import comm
 
-__all__ = ["mesh_of", "mesh_over", "contiguous_stride", "local_of"]
-
 _meshes: dict[tuple[tuple[int, str], str], DeviceMesh] = {}
 
 

@@ -35,9 +35,6 @@ import torch.distributed as dist
 from plait import comm
 from plait._torch_compat import register_fake_backend
 
-__all__ = ["init", "get_logger", "seed_everything", "Launch", "launch_from_env", "device", "free_port",
-           "set_rank_env", "dry_run", "is_dry_run"]
-
 DEFAULT_TIMEOUT_S = 300.0
 _THREAD_JOIN_S = 2.0  # at exit, for each plait thread still running (daemon threads may be blocked)
 _state: dict[str, object] = {}

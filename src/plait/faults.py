@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["FAULTS", "active", "inject", "injected"]
-
 FAULTS = {
     "ddp-divisor": "DDP divides the summed gradients by world size + 1 (an off-by-one divisor)",
     "tp-backward-all-reduce": "a column-parallel input's backward skips its all-reduce over the tp ranks",

@@ -39,8 +39,6 @@ from plait._torch_compat import (
     weak_storage_nbytes,
 )
 
-__all__ = ["LiveStorageBytes", "storage_key"]
-
 
 def storage_key(t: torch.Tensor) -> int:
     """What tells storages apart (views of one storage share it)."""

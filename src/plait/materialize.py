@@ -41,9 +41,6 @@ from plait.names import plain_name
 from plait.placement.pieces import carry_mark
 from plait.placement.records import EXPERT_MARK, ROWS_MARK
 
-__all__ = ["init_weights", "owner_modules", "first_owners", "full_values", "is_meta", "module_seed",
-           "materialize", "keep_whole", "Keep"]
-
 # What a strategy keeps of one tensor: (owner's qualified name, attribute, full value, the
 # current tensor) -> the tensor to put in its place, or None to leave the module untouched.
 Keep = Callable[[str, str, torch.Tensor, torch.Tensor], "torch.Tensor | None"]

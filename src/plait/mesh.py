@@ -30,8 +30,6 @@ import torch.distributed as dist
 
 from plait import comm
 
-__all__ = ["Mesh", "AXES"]
-
 AXES: tuple[str, ...] = ("pp", "dp", "fsdp", "cp", "tp")
 # Groups folded out of the data axes for expert parallelism (not axes of their own: the ranks of
 # one ep group are data-parallel ranks that hold different experts).
@@ -262,4 +260,3 @@ def _resolve_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:
             f"{world}; pp*dp*fsdp*cp*tp must equal the number of processes"
         )
     return degrees
-

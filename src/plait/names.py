@@ -19,8 +19,6 @@ import fnmatch
 
 from plait._torch_compat import COMPILED_CHILD
 
-__all__ = ["COMPILED", "matches", "plain_name"]
-
 COMPILED = COMPILED_CHILD  # the child under which torch.compile's wrapper holds the compiled module
 
 

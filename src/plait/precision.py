@@ -48,9 +48,6 @@ from plait._torch_compat import map_tensors
 from plait.materialize import is_meta
 from plait.placement.records import plain_leaf
 
-__all__ = ["MixedPrecision", "mixed_precision", "precision_of", "parse_mixed_precision", "check_castable",
-           "DTYPES", "CASTS_ITSELF"]
-
 # The names a mixed-precision option accepts, and what they mean.
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _ATTR = "_plait_mixed_precision"  # the policy a module was given (see precision_of)

@@ -12,8 +12,6 @@ from torch import nn
 
 from plait._torch_compat import DropoutBase, eager
 
-__all__ = ["RNGFork", "random_rates", "fork_of"]
-
 # Attribute names of the rates that make a module draw random numbers in training: dropout
 # layers' ``p``; HF attention's ``attention_dropout`` (a float it passes to sdpa), GPT-2's
 # ``attn_pdrop``; Mixtral's router ``jitter_noise``.

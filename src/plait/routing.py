@@ -19,8 +19,6 @@ from torch import nn
 from plait import comm
 from plait._torch_compat import eager
 
-__all__ = ["summed_over", "used_over", "routing_layers", "share_routing", "share_routing_over"]
-
 
 def routing_layers(model: nn.Module) -> list[nn.Module]:
     """The layers of ``model`` that offer the seams (plait's MoE), by what they offer."""

@@ -32,8 +32,6 @@ from plait import comm
 from plait._torch_compat import map_tensors
 from plait.mesh import Mesh
 
-__all__ = ["GradScaler"]
-
 _STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 

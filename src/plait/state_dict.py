@@ -37,9 +37,6 @@ from plait.tensor_source import FullValue, whole
 
 _DATA_AXES = ("dp", "fsdp")  # the ranks that see different samples, whose buffers may differ
 
-__all__ = ["full_state_dict", "load_full_state_dict", "buffers_of_first_data_rank", "union_over",
-           "with_other_experts", "without_others_experts"]
-
 
 def full_state_dict(model: nn.Module | Any) -> dict[str, torch.Tensor]:
     """The full state of ``model`` in any layout, on CPU, identical on every rank (a collective)."""

@@ -37,8 +37,6 @@ from torch.autograd.function import once_differentiable
 from plait import comm
 from plait._torch_compat import BatchNormBase
 
-__all__ = ["SyncBatchNorm", "DATA_AXES"]
-
 DATA_AXES: tuple[str, ...] = ("dp", "fsdp")  # the axes along which ranks hold different samples
 _MAX_LOG = 4096  # collectives kept of the current step (see `_Sync.record`)
 

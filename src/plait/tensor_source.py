@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["TensorSource", "FullValue", "whole", "flat_range"]
+__all__ = ["TensorSource"]
 
 
 class TensorSource(Protocol):

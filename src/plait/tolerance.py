@@ -17,8 +17,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["RTOL", "LowestPrecision", "rtol_for"]
-
 RTOL = 1e-8
 _CAP = 0.05
 

@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["WrappedModuleState"]
-
 
 class WrappedModuleState:
     """Full state dicts and checkpoints of such a wrapper are its ``module``'s, under the module's

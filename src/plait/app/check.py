@@ -25,9 +25,6 @@ from plait.app.config import STRATEGIES, ParallelSection, given_flags, in_flags
 from plait.parallel_plan import ParallelPlan
 from plait.rules import LayoutError
 
-__all__ = ["CheckSection", "BatchSection", "CheckConfig", "parse_args", "layout_of", "layout_from_flags",
-           "cli_main"]
-
 
 @dataclass
 class CheckSection:

@@ -41,10 +41,6 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["load_corpus", "load_tokens", "scan", "Corpus", "Tokenizing", "DataInfo", "BatchSampler",
-           "default_corpus_path",
-           "TOKEN_DTYPES", "EOD_BYTE", "MIN_TOKENS", "fingerprint"]
-
 VOCAB_SIZE = 256  # text is byte-level
 EOD_BYTE = 0  # ends each text document: binary files (those holding NUL) are skipped, so text has none
 TOKEN_DTYPES = ("uint16", "uint32")  # --data-dtype's choices for a raw .bin

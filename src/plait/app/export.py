@@ -34,8 +34,6 @@ from plait.app import weights
 from plait.checkpoint.files import step_folders
 from plait.checkpoint.integrity import DCP_METADATA, CorruptCheckpoint, read_dcp_metadata
 
-__all__ = ["export", "find_checkpoint", "parse_size", "plan_shards", "cli_main"]
-
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

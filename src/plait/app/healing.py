@@ -52,8 +52,6 @@ from plait.heal.supervisor import ReplicasFailed
 from plait.mesh import Mesh
 from plait.models.gpt import lm_loss
 
-__all__ = ["cli_main", "replica_main"]
-
 
 def _events(path: Path) -> Callable[[dict[str, Any]], None]:
     path.parent.mkdir(parents=True, exist_ok=True)

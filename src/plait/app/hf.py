@@ -13,8 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["load_config", "build", "max_positions", "BYTE_VOCAB"]
-
 BYTE_VOCAB = 256  # the built-in corpus is byte-level: token ids 0..255
 
 

@@ -31,8 +31,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BUILDERS", "Tokenized", "tokenized", "cache_root", "data_files"]
-
 FORMAT_VERSION = 1  # bump when the cached layout changes: old caches are then not read
 # file suffix -> the `datasets` builder that reads it
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

@@ -31,8 +31,6 @@ from typing import Any
 
 from plait.env import die_with_parent, free_port, set_rank_env
 
-__all__ = ["spawn", "RanksFailed", "record_failure", "one_line"]
-
 FAIL_GRACE_S = 5.0  # after a rank failed, how long its peers get to end on their own
 
 

@@ -36,8 +36,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["new_run_id", "RunLog", "strict", "flops_per_token", "peak_memory", "peak_tflops"]
-
 # Dense bf16/fp16 tensor-core peaks per device, in TFLOP/s (the vendors' data sheets, without sparsity).
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 

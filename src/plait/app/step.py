@@ -27,9 +27,6 @@ from plait.models.gpt import GPT, lm_loss
 from plait.models.moe import MoE, moe_layers, update_balance
 from plait.pipeline import Pipeline
 
-__all__ = ["DATA_AXES", "LOSS_AXES", "lr_at", "unwrapped_model", "build_model", "factory_loss", "train_step",
-           "evaluate", "moe_layers_of", "gathered_ids", "rank_tokens"]
-
 DATA_AXES = ("dp", "fsdp")  # ranks along these axes see different data
 # ... and along these different tokens: each rank's loss is the mean over its own tokens.
 LOSS_AXES = ("dp", "fsdp", "cp")

@@ -22,8 +22,6 @@ import torch.distributed as dist
 
 from plait import comm
 
-__all__ = ["StopRequest", "resume_command", "STOP_SIGNALS"]
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 

@@ -47,8 +47,6 @@ from plait.pipeline import Pipeline
 from plait.straggler import StragglerTracker
 from plait.tp.apply import loss_fn_for
 
-__all__ = ["TrainConfig", "TrainingRun", "parse_args", "train", "cli_main"]
-
 
 def _run_name(cfg: TrainConfig) -> str:
     """--name, or a new id chosen by rank 0 and agreed by all (under torchrun each rank parsed the

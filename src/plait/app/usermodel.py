@@ -21,8 +21,6 @@ from torch import nn
 from plait.check.common import CheckInputError, LossFn, load_factory
 from plait.env import seed_everything
 
-__all__ = ["is_factory", "build", "loss_of", "vocab_size_of", "max_positions"]
-
 
 def is_factory(name: str) -> bool:
     """``--model`` names a function (``package.module:function``) rather than a preset."""

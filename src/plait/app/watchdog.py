@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["STEP_TIMEOUT_EXIT", "StepWatchdog"]
-
 # The exit status of a rank ended by its step timeout (distinct from a crash's 1 and a signal's).
 STEP_TIMEOUT_EXIT = 75
 

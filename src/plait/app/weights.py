@@ -21,10 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["WEIGHTS", "INDEX", "HF_CONFIG", "GPT_CONFIG", "FileTensor", "ModelTensors", "model_tensors",
-           "weight_files", "open_weights", "match", "check_config", "check_init_from", "init_sources",
-           "ARCHITECTURE_NEUTRAL"]
-
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 HF_CONFIG = "config.json"

@@ -44,12 +44,12 @@ precision runs in both processes and is held to its compute dtype's budget.
 """
 
 from plait.callable_module import make_callable
-from plait.check import oracle  # the reference process's entry point, named in the notes above
-from plait.check.common import CheckInputError, load_factory, next_token_loss
+from plait.check import oracle  # noqa: F401 (the reference process's entry point, named in the notes above)
+from plait.check.common import CheckInputError, load_factory, next_token_loss  # noqa: F401 (for the CLI)
 from plait.check.report import ActivationDiff, CheckReport, Divergence, StepDiff, TensorDiff
-from plait.check.run import DEFAULT_TOLERANCE, check, shared_reference
+from plait.check.run import DEFAULT_TOLERANCE, check, shared_reference  # noqa: F401
 
 __all__ = ["check", "shared_reference", "CheckReport", "CheckInputError", "StepDiff", "TensorDiff",
-           "ActivationDiff", "Divergence", "load_factory", "next_token_loss", "DEFAULT_TOLERANCE", "oracle"]
+           "ActivationDiff", "Divergence"]
 
 make_callable(__name__)

@@ -37,8 +37,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Budget", "SAFETY", "ACCUMULATES_IN", "unit_roundoff", "longest_sum", "tolerance_of"]
-
 SAFETY = 8.0
 # Where a dtype's sums accumulate: matmuls and reductions of the half types run in float32 on
 # CPUs and in GPU tensor cores, then round once to the half type.

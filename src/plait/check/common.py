@@ -20,9 +20,6 @@ from torch import nn
 from plait.env import seed_everything
 from plait.parallel_plan import ParallelPlan
 
-__all__ = ["Spec", "CheckInputError", "load_factory", "build", "next_token_loss", "logits_of", "Exchange",
-           "as_args", "chunk", "LossFn", "BatchFn", "refuse_routing_in_half"]
-
 LossFn = Callable[[Any, Any], torch.Tensor]
 BatchFn = Callable[[int], Any]
 

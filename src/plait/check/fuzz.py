@@ -28,8 +28,6 @@ from plait.check.common import CheckInputError
 from plait.check.report import CheckReport
 from plait.pipeline.generators import SCHEDULES
 
-__all__ = ["Layout", "Outcome", "layouts", "sample", "run_layouts", "format_table"]
-
 Flags = tuple[tuple[str, Any], ...]  # (ParallelSection field, value), in flag order
 
 

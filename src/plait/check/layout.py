@@ -47,8 +47,6 @@ from plait.pipeline import Pipeline
 from plait.state_dict import full_state_dict
 from plait.tp import VocabParallelOutput, loss_fn_for, tp_info
 
-__all__ = ["LayoutRun", "DATA_AXES", "LOSS_AXES"]
-
 DATA_AXES = ("dp", "fsdp")  # ranks along these see different slices of the batch
 LOSS_AXES = ("dp", "fsdp", "cp")  # and along these, different tokens: their losses average to the batch's
 State = dict[str, torch.Tensor]

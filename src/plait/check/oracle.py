@@ -36,8 +36,6 @@ from plait.env import die_with_parent, init
 from plait.materialize import is_meta, keep_whole, materialize
 from plait.precision import mixed_precision
 
-__all__ = ["main", "run_oracle"]
-
 
 def main() -> None:
     """Entry point of the process (``python -c "from plait.check.oracle import main; main()"``): runs

@@ -29,8 +29,6 @@ from plait._torch_compat import in_backward, tensors_in
 from plait.check.report import ActivationDiff, TensorDiff, tensor_diff
 from plait.cp.layout import Layout
 
-__all__ = ["Recorder", "Comparer", "Reference", "module_order"]
-
 # What a Recorder hands over: (module name, call, position in the forward, output tensors).
 Reference = Sequence[tuple[str, int, int, Sequence[torch.Tensor]]]
 

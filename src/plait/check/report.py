@@ -15,9 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["TensorDiff", "ActivationDiff", "StepDiff", "Divergence", "CheckReport", "tensor_diff",
-           "update_rounding", "first_divergence", "Tolerance", "per_rank_batchnorms", "batchnorm_note"]
-
 Tolerance = Callable[[int], float]  # the step (0: the initial values) -> the largest relative difference
 
 

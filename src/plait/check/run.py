@@ -37,8 +37,6 @@ from plait.mesh import AXES, Mesh
 from plait.parallel_plan import ParallelPlan
 from plait.rules import LayoutError, check_layout
 
-__all__ = ["check", "shared_reference", "DEFAULT_TOLERANCE"]
-
 # Relative tolerances by dtype. float64 leaves room for reduction-order rounding (~1e-15) grown over
 # a few steps and for float32 islands inside models (norms that cast to float32); layout bugs are
 # far above. Other dtypes get their error budget (`plait.check.budget`).

@@ -24,8 +24,9 @@ Modules: `protocol` (what each layout saves and loads), `integrity` (checksums, 
 the safe metadata reader), `files` (save, load, prune), `resume` (choose).
 """
 
+# `check_resumable`, `META` and the integrity helpers are imported for the library and the app, not exported.
 from plait.checkpoint.files import SaveHandle, latest, load, prune, save
-from plait.checkpoint.integrity import (
+from plait.checkpoint.integrity import (  # noqa: F401
     FORMAT,
     META,
     CorruptCheckpoint,
@@ -40,10 +41,8 @@ from plait.checkpoint.integrity import (
     verify,
 )
 from plait.checkpoint.protocol import load_state_dict, state_dict
-from plait.checkpoint.resume import NoCheckpoint, check_resumable, choose
+from plait.checkpoint.resume import NoCheckpoint, check_resumable, choose  # noqa: F401
 
-__all__ = ["save", "load", "latest", "verify", "choose", "check_resumable", "NoCheckpoint", "prune",
-           "state_dict", "load_state_dict",
-           "SaveHandle", "SafeReader", "CorruptCheckpoint", "UnfinishedCheckpoint", "UnsafeCheckpoint",
-           "ForeignCheckpoint", "identity_differences", "digest", "file_record", "read_dcp_metadata",
-           "META", "FORMAT"]
+__all__ = ["save", "load", "latest", "prune", "verify", "choose", "NoCheckpoint", "state_dict",
+           "load_state_dict", "SaveHandle", "SafeReader", "CorruptCheckpoint", "UnfinishedCheckpoint",
+           "UnsafeCheckpoint", "ForeignCheckpoint"]

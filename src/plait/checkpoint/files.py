@@ -46,9 +46,6 @@ from plait.checkpoint.protocol import Checkpointable, load_state_dict, state_dic
 from plait.env import get_logger
 from plait.state_dict import buffers_of_first_data_rank
 
-__all__ = ["save", "load", "latest", "prune", "SaveHandle", "NoSpaceLeft", "step_folders", "distributed",
-           "rank", "version"]
-
 
 class NoSpaceLeft(OSError):
     """A checkpoint could not be written for want of disk space."""

@@ -20,10 +20,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-__all__ = ["META", "FORMAT", "DCP_METADATA", "CorruptCheckpoint", "UnfinishedCheckpoint", "UnsafeCheckpoint",
-           "ForeignCheckpoint", "read_dcp_metadata", "plain_name", "SafeReader", "sha256", "file_record",
-           "digest", "read_meta", "verify", "identity_differences"]
-
 META = "plait.json"
 FORMAT = 1  # version of plait.json's layout
 DCP_METADATA = ".metadata"

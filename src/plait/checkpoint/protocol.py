@@ -38,9 +38,6 @@ from plait.placement.records import TPInfo, plain_leaf, tp_info, tp_module
 from plait.placement.state import expert_or_tp_entry, restore_expert_or_tp
 from plait.placement.tp_params import tp_param_of
 
-__all__ = ["Checkpointable", "state_dict", "load_state_dict", "module_state", "load_module_state",
-           "state_layout"]
-
 
 class Checkpointable(Protocol):
     """A layout that supplies its own checkpoint entries (FSDP, a pipeline, DDP, DataParallel)."""

@@ -16,8 +16,6 @@ from plait.checkpoint.integrity import (
 )
 from plait.env import get_logger
 
-__all__ = ["choose", "check_resumable", "NoCheckpoint"]
-
 
 class NoCheckpoint(FileNotFoundError):
     """A resume from a folder that does not exist or holds no ``step_*`` folder at all: most

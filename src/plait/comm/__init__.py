@@ -24,8 +24,10 @@ The autograd-aware tensor-parallel operators (Megatron's f and g and their seque
 variants) belong to tensor parallelism: `plait.tp.collectives`.
 """
 
-from plait.comm.dryrun import DryRun, MailNotSent
-from plait.comm.groups import (
+# The library reaches every name below as `comm.<name>`; `__all__` is the part a user's own loop
+# needs (docs/api.md). The rest stays importable here and from its module, unadvertised.
+from plait.comm.dryrun import DryRun, MailNotSent  # noqa: F401
+from plait.comm.groups import (  # noqa: F401
     configure,
     created_groups,
     describe,
@@ -39,7 +41,7 @@ from plait.comm.groups import (
     register_group,
     timeout,
 )
-from plait.comm.guard import (
+from plait.comm.guard import (  # noqa: F401
     CollectiveError,
     Handle,
     debug,
@@ -51,7 +53,7 @@ from plait.comm.guard import (
     verify_history,
     waited,
 )
-from plait.comm.ops import (
+from plait.comm.ops import (  # noqa: F401
     ReduceOp,
     all_gather_into,
     all_gather_object,
@@ -71,22 +73,14 @@ from plait.comm.ops import (
     reduces_in_place,
     send_object,
 )
-from plait.comm.stats import CommStats, counting
+from plait.comm.stats import CommStats, counting  # noqa: F401
 
 __all__ = [
     # collectives (plait.comm.ops)
-    "ReduceOp", "Handle", "all_reduce", "all_gather_into", "reduce_scatter_into", "reduce_scatter_consuming",
-    "reduces_in_place", "broadcast", "all_gather_object", "barrier", "isend", "irecv", "exchange",
-    "all_to_all_into", "all_to_all_v", "send_object", "recv_object", "average_gradients",
-    "broadcast_coalesced",
-    # groups and settings (plait.comm.groups)
-    "configure", "timeout", "new_group", "new_local_group", "register_group", "destroy_group", "on_destroy",
-    "is_registered", "created_groups", "group_label", "device_of", "describe",
-    # statistics (plait.comm.stats)
-    "counting", "CommStats",
-    # the desync guard (plait.comm.guard)
-    "CollectiveError", "desync_mode", "desync_check", "debug", "scope", "operation", "phase", "waited",
-    "verify_history",
-    # dry runs (plait.comm.dryrun)
-    "DryRun", "MailNotSent",
+    "ReduceOp", "all_reduce", "all_gather_into", "reduce_scatter_into", "broadcast", "all_to_all_into",
+    "all_gather_object", "barrier", "average_gradients",
+    # groups (plait.comm.groups)
+    "new_group", "device_of",
+    # counting and the desync guard (plait.comm.stats, plait.comm.guard)
+    "counting", "CommStats", "debug", "desync_check", "scope", "verify_history", "CollectiveError",
 ]

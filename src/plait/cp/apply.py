@@ -44,9 +44,6 @@ from plait.cp.ring import ring_attention
 from plait.mesh import Mesh
 from plait.names import matches
 
-__all__ = ["context_parallel", "ALGORITHMS", "POSITIONS", "shard", "unshard", "cp_info",
-           "ContextParallelInfo", "has_attention", "verified"]
-
 ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 _ATTR = "_plait_cp"

@@ -23,8 +23,6 @@ from plait.cp.group import CPGroup
 from plait.cp.kernel import FULL, PARTIAL, block_forward
 from plait.cp.layout import Layout, Span
 
-__all__ = ["allgather_attention", "ulysses_attention"]
-
 
 def _longest(layout: Layout) -> int:
     return max(layout.local_len(r) for r in range(layout.size))

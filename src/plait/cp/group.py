@@ -13,8 +13,6 @@ from plait import comm
 from plait.cp.layout import Layout
 from plait.mesh import Mesh
 
-__all__ = ["CPGroup", "Whole"]
-
 
 class Whole:
     """Whether a context-parallel model runs on whole sequences just now: the numeric check's

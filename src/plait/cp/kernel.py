@@ -31,8 +31,6 @@ import torch
 from plait._torch_compat import cpu_flash_attention, cpu_flash_attention_backward
 from plait.cp.layout import Span
 
-__all__ = ["block_forward", "block_backward", "merge", "visibility", "FULL", "PARTIAL", "NONE"]
-
 FULL, PARTIAL, NONE = "full", "partial", "none"
 
 

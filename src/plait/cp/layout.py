@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "Span"]
-
 
 @dataclass(frozen=True)
 class Span:

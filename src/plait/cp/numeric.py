@@ -42,8 +42,6 @@ from plait.cp.group import CPGroup
 from plait.cp.layout import Layout
 from plait.tolerance import LowestPrecision
 
-__all__ = ["HALF_BOUND", "TOKENS", "Verified", "bound", "install_check"]
-
 HALF_BOUND = 0.25  # the least bound in bfloat16 and float16 (`bound`)
 TOKENS = 256  # the longest sequence the check runs: its cost stays one short forward at any length
 _log = logging.getLogger("plait.cp.numeric")

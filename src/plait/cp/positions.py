@@ -33,8 +33,6 @@ from torch.overrides import TorchFunctionMode
 from plait.blocks import blocks, checkpointed
 from plait.cp.group import CPGroup
 
-__all__ = ["POSITIONS", "Watcher", "install", "positions_mode"]
-
 POSITIONS = ("auto", "rotary", "position_ids", "counted", "none")
 
 

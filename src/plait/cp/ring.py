@@ -23,8 +23,6 @@ from plait.cp.group import CPGroup
 from plait.cp.kernel import NONE, block_backward, block_forward, merge, visibility
 from plait.cp.layout import Layout
 
-__all__ = ["ring_attention"]
-
 _KV, _GRAD = 0, 1  # exchange tags: the key/value blocks and their gradients travel together
 
 

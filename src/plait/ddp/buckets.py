@@ -15,9 +15,6 @@ from torch import nn
 from plait import comm
 from plait._torch_compat import tensors_in
 
-__all__ = ["Bucket", "BufferBroadcast", "plan_buckets", "params_reached_by", "output_tensors",
-           "sparse_params"]
-
 
 @dataclass
 class Bucket:

@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradBucket", "CommHook", "validate_hook", "hook_result"]
-
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
 

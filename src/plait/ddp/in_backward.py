@@ -32,8 +32,6 @@ from plait.ddp.buckets import Bucket, sparse_params
 from plait.placement.records import placement_of, plain_leaf
 from plait.placement.tp_params import gradient_assigned
 
-__all__ = ["InBackward", "check_spec", "refuse_model", "BucketOptimizers"]
-
 InBackward = tuple[type[torch.optim.Optimizer], dict[str, Any]]
 
 

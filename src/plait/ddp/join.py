@@ -18,8 +18,6 @@ from plait import comm
 from plait.comm import broadcast_coalesced
 from plait.mesh import Mesh
 
-__all__ = ["DDPJoinHook", "common_rank", "step_counts"]
-
 
 class Joining(Protocol):
     """What the join hook needs of `plait.ddp.DistributedDataParallel` (which imports this module)."""

@@ -22,8 +22,6 @@ from plait.ddp.in_backward import BucketOptimizers
 from plait.placement.grads import reduce_expert_grads
 from plait.placement.tp_params import gradient_assigned
 
-__all__ = ["Reducer"]
-
 
 class Reducer:
     """Gradient hooks and the end of a reducing backward, over the buckets of a DDP."""

@@ -15,9 +15,6 @@ from plait.mesh import Mesh
 from plait.placement.records import placement_of
 from plait.precision import precision_of
 
-__all__ = ["DDPOptions", "ignored_names", "refuse_torch_only", "wire_dtype", "check_experts_placed",
-           "mesh_key", "mesh_for"]
-
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

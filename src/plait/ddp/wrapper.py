@@ -30,7 +30,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from plait import comm
 from plait._torch_compat import eager, in_backward_optimizers, take_in_backward_hooks
-from plait.comm import average_gradients, broadcast_coalesced
+from plait.comm import broadcast_coalesced
 from plait.ddp.buckets import (
     Bucket,
     BufferBroadcast,
@@ -52,8 +52,6 @@ from plait.wrapped_state import WrappedModuleState
 
 if TYPE_CHECKING:
     from plait.clip import GradParts
-
-__all__ = ["DistributedDataParallel", "DDP", "average_gradients", "plan_buckets"]
 
 
 class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):

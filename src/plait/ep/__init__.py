@@ -1,9 +1,7 @@
 """Expert parallelism: an MoE model's experts split over ep groups folded out of the data axes
 (`expert_parallel`), tokens exchanged with all-to-alls of variable sizes (`ExpertDispatch`)."""
 
-from plait.ep.apply import expert_parallel
-from plait.ep.dispatch import ExpertDispatch
-from plait.placement.records import ExpertParallelInfo, ExpertPlacement, ep_info, placement_of
-
-__all__ = ["expert_parallel", "ExpertDispatch", "ExpertPlacement", "ExpertParallelInfo", "ep_info",
-           "placement_of"]
+# An internal package (no __all__): `plait.expert_parallel`'s home, and the names beside it.
+from plait.ep.apply import expert_parallel  # noqa: F401
+from plait.ep.dispatch import ExpertDispatch  # noqa: F401
+from plait.placement.records import ExpertParallelInfo, ExpertPlacement, ep_info, placement_of  # noqa: F401

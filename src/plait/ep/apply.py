@@ -23,7 +23,6 @@ from plait.ep.dispatch import ExpertDispatch
 from plait.ep.stacked import expert_count, split_stacked, stacked_expert_modules
 from plait.mesh import Mesh
 from plait.models.moe import MoE, moe_layers
-from plait.placement.grads import reduce_expert_grads
 from plait.placement.pieces import mark_piece
 from plait.placement.records import (
     ExpertParallelInfo,
@@ -31,13 +30,9 @@ from plait.placement.records import (
     attach_ep_info,
     ep_info,
     mark_expert,
-    placement_of,
 )
 from plait.placement.tp_params import to_plain_parameters
 from plait.routing import share_routing
-
-__all__ = ["expert_parallel", "has_experts", "expert_counts", "ExpertPlacement", "ExpertParallelInfo",
-           "ep_info", "placement_of", "reduce_expert_grads"]
 
 _DATA = ("dp", "fsdp", "cp")  # the ranks that see different tokens of the step (ep folded in)
 

@@ -31,8 +31,6 @@ from plait import comm
 from plait._torch_compat import eager
 from plait.ep import numeric
 
-__all__ = ["ExpertDispatch"]
-
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod

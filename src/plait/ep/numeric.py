@@ -40,8 +40,6 @@ import torch.distributed as dist
 from plait import comm
 from plait.tolerance import rtol_for
 
-__all__ = ["ROWS", "Dispatch", "sample", "verify"]
-
 ROWS = 256  # rows a rank picks per dispatch, at most (at least one per expert)
 _log = logging.getLogger("plait.ep.numeric")
 

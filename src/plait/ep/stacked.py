@@ -28,8 +28,6 @@ from plait.placement.pieces import mark_piece
 from plait.placement.records import ExpertPlacement, StackedRows, mark_expert, mark_rows
 from plait.placement.state import local_rows, rows_entry
 
-__all__ = ["stacked_expert_modules", "expert_count", "split_stacked", "StackedDispatch"]
-
 _CALL = ("hidden_states", "top_k_index", "top_k_weights")
 
 

@@ -22,9 +22,6 @@ from torch.distributed.tensor import Shard
 
 from plait.fsdp.units import Unit
 
-__all__ = ["FSDPControls", "PlacementFn", "UnitControls", "UnshardHandle", "check_placements",
-           "ignored_grads", "ignored_ids"]
-
 
 class UnshardHandle:
     """What ``unshard(async_op=True)`` returns: ``wait()`` blocks until every unit is gathered."""

@@ -17,8 +17,6 @@ from torch import nn
 from plait.fsdp.flat import FlatParam
 from plait.fsdp.units import Unit
 
-__all__ = ["Conversions"]
-
 Convert = Callable[[torch.Tensor], torch.Tensor]  # what nn.Module._apply maps over tensors
 
 

@@ -63,8 +63,6 @@ from plait._torch_compat import version_of
 from plait.dtensors import contiguous_stride
 from plait.fsdp.stepped_leaves import watch_leaves
 
-__all__ = ["Slot", "FlatParam", "GRAD_HOOKS_ATTR"]
-
 # Attribute of a parameter: gradient hooks (tensor -> tensor | None) that must survive FSDP
 # replacing the parameter by its alias leaf. Whoever calls ``p.register_hook(h)`` on a
 # parameter that FSDP may wrap later appends ``h`` here too.

@@ -17,8 +17,6 @@ from torch.distributed.tensor import DTensor
 
 from plait._torch_compat import savable_dtensor
 
-__all__ = ["own_names", "wrapped_names", "report_own_names", "top_level_names"]
-
 WRAPPED = "module"  # the wrapper's attribute holding the model
 
 

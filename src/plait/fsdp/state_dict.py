@@ -36,9 +36,6 @@ from plait.placement.state import checkpoint_entry, gather_full, restore_entry, 
 from plait.state_dict import with_other_experts, without_others_experts
 from plait.tensor_source import FullValue, flat_range, whole
 
-__all__ = ["ShardedModel", "full_state_dict", "load_full_state_dict", "sharded_state_dict",
-           "load_sharded_state_dict"]
-
 
 class ShardedModel(Protocol):
     """What these functions read of a `plait.FullyShardedDataParallel`, which calls them with

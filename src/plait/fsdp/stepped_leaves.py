@@ -18,8 +18,6 @@ import torch
 
 from plait._torch_compat import every_optimizer_step
 
-__all__ = ["watch_leaves"]
-
 # id(leaf) -> (weak reference to the leaf, its parameter's name): ids are compared with the live
 # object, so a reused id never matches a different tensor.
 _leaves: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}

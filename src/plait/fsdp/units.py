@@ -26,8 +26,6 @@ from plait.placement.pieces import carry_mark
 from plait.placement.records import mark_expert, placement_of
 from plait.precision import MixedPrecision, parse_mixed_precision
 
-__all__ = ["Unit", "build_units", "check_no_optimizer", "unit_policies"]
-
 Policies = MixedPrecision | str | None | Mapping[str, MixedPrecision | str | None]
 
 

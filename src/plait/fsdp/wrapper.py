@@ -94,8 +94,6 @@ from plait.precision import MixedPrecision, precision_of
 if TYPE_CHECKING:
     from plait.clip import GradParts
 
-__all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecision", "model_state_bytes", "SHARD_AXES"]
-
 # Parameters are sharded over fsdp and cp together: context-parallel ranks hold the same
 # replicas and see different tokens of the same batch, like data-parallel ones (torchtitan's
 # layout), so they may as well hold different shards. With cp=1 this is the fsdp group.

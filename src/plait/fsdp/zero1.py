@@ -27,8 +27,6 @@ from torch import nn
 from plait.comm import broadcast_coalesced
 from plait.placement.records import plain_leaf
 
-__all__ = ["ZeroRedundancyOptimizer", "partition"]
-
 
 def partition(sizes: list[int], world: int) -> list[int]:
     """Owner rank of each parameter: largest first to the least-loaded rank (ties: lowest rank,

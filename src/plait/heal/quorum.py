@@ -34,8 +34,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["Epoch", "Quorum", "Dropped", "RunOver"]
-
 _POLL_S = 0.01  # between two looks at the store while waiting for peers
 
 

@@ -29,8 +29,6 @@ from plait import comm
 from plait.heal.quorum import Dropped, Epoch, Quorum
 from plait.heal.transfer import LiveState, recv_state, send_state
 
-__all__ = ["Replicas", "split", "FAILURES"]
-
 # What a collective on a group whose peer died or hung raises: comm's error, Gloo's own, or the
 # ValueError torch 2.13 raises while naming a group outside its world map.
 FAILURES: tuple[type[BaseException], ...] = (comm.CollectiveError, RuntimeError, ValueError)

@@ -34,8 +34,6 @@ import torch.distributed as dist
 
 from plait.env import die_with_parent
 
-__all__ = ["Membership", "Supervisor", "ReplicasFailed"]
-
 STORE_TIMEOUT_S = 300.0  # a replica's blocking store reads (the protocol's own waits are bounded)
 
 

@@ -22,8 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["LiveState", "send_state", "recv_state"]
-
 _TAG = 48
 
 

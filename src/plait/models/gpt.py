@@ -26,7 +26,7 @@ from plait.losses import lm_loss
 from plait.models.moe import MoE, SwiGLU
 
 # lm_loss is the library's (`plait.losses`), named here too as the loss GPT trains with.
-__all__ = ["GPTConfig", "GPT", "PRESETS", "lm_loss"]
+__all__ = ["GPTConfig", "GPT", "Block", "PRESETS", "lm_loss"]
 
 
 @dataclass

@@ -51,8 +51,7 @@ from torch import nn
 
 from plait._torch_compat import every_optimizer_step, in_backward
 
-__all__ = ["MoE", "SwiGLU", "GATINGS", "BALANCE_STATISTICS", "update_balance", "moe_layers",
-           "set_aux_loss_scale"]
+__all__ = ["MoE", "SwiGLU", "update_balance", "moe_layers", "set_aux_loss_scale"]
 
 GATINGS = ("softmax", "sigmoid")
 BALANCE_STATISTICS = ("global", "microbatch")

@@ -10,8 +10,6 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Kind", "Action", "Slot", "Costs", "BACKWARD", "COMM", "PLACEMENTS", "stage_rank", "rank_stages"]
-
 
 class Kind(enum.Enum):
     F = "F"

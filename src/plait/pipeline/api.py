@@ -31,8 +31,6 @@ from plait.placement.records import TPInfo, tp_info
 if TYPE_CHECKING:
     from plait.clip import GradParts
 
-__all__ = ["Pipeline", "pipeline"]
-
 
 class Pipeline:
     """One rank's part of a pipelined model. Build it with `plait.pipeline`.

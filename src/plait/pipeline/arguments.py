@@ -10,9 +10,6 @@ from plait.pipeline.generators import make_schedule
 from plait.pipeline.runtime import as_tuple
 from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
 
-__all__ = ["CustomSchedule", "P2P_MODES", "split_batch", "resolve_p2p",
-           "resolve_schedule"]
-
 CustomSchedule = Schedule | Sequence[Sequence[Action]]
 
 

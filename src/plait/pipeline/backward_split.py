@@ -28,9 +28,6 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["backward_input", "WeightGrad"]
-
-
 IN, PARAM = 1, 2  # node flags: an input / a parameter is reachable from the node
 
 

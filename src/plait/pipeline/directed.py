@@ -24,8 +24,6 @@ from plait.mesh import Mesh
 from plait.pipeline.actions import Kind
 from plait.pipeline.schedules import Schedule
 
-__all__ = ["directions", "direction_groups"]
-
 
 def directions(sched: Schedule) -> list[tuple[int, int]]:
     """(sending pp rank, receiving pp rank) of every message the schedule sends, sorted."""

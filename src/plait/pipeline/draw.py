@@ -11,8 +11,6 @@ from typing import Protocol
 
 from plait.pipeline.actions import Action, Costs, Kind, Slot
 
-__all__ = ["Drawable", "render_text", "draw_png"]
-
 
 class Drawable(Protocol):
     """What the pictures read of a `plait.pipeline.Schedule`."""

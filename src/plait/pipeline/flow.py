@@ -38,8 +38,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from plait._torch_compat import map_tensors, tensors_in, tree_flatten, tree_unflatten
 from plait.env import get_logger
 
-__all__ = ["Key", "TensorLeaf", "Call", "Flow", "StagePlan", "Tracer"]
-
 Key = tuple[int, int, int]  # (segment index, call number, output leaf index)
 _NONE: frozenset[Key] = frozenset()
 # Tensor methods that hand a tensor's values to Python (glue that branches on them).

@@ -7,9 +7,6 @@ from plait.pipeline.actions import Action, Kind
 from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
 from plait.pipeline.vshape import dualpipev, zbv
 
-__all__ = ["SCHEDULES", "V_SCHEDULES", "SPLIT_BACKWARD", "stages_per_rank", "make_schedule", "gpipe",
-           "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"]
-
 
 def gpipe(p: int, m: int, v: int = 1) -> Schedule:
     """GPipe (Huang et al. 2019): every forward, then every backward."""

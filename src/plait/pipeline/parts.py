@@ -31,8 +31,6 @@ from plait.pipeline.ties import Tie, find_ties
 from plait.pipeline.wrapping import StageWrapper, check_wrappable
 from plait.placement.records import TPInfo, mark_part
 
-__all__ = ["PipelineParts", "split"]
-
 
 @dataclass
 class PipelineParts:

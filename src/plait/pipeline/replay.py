@@ -39,8 +39,6 @@ from plait.env import get_logger
 from plait.pipeline.flow import Flow, Key, StagePlan, TensorLeaf, Tracer
 from plait.pipeline.split import Segment, meta_copy, place
 
-__all__ = ["Replay", "ReplayStage"]
-
 
 class _Stop(BaseException):
     """Raised by a stand-in to end a non-last stage's forward; caught in `ReplayStage.forward`."""

@@ -37,8 +37,6 @@ from plait.pipeline.actions import Action, Kind, Slot
 from plait.pipeline.backward_split import WeightGrad, backward_input
 from plait.pipeline.schedules import Schedule
 
-__all__ = ["Executor", "MetaCarry", "as_tuple", "describe", "busy_fraction"]
-
 Meta = list[tuple[tuple[int, ...], torch.dtype, bool]]  # per carried tensor: shape, dtype, needs grad
 Key = tuple[int, int]  # (stage, microbatch)
 # (stage, reduce) -> the context a stage's action runs in: reduce=True for the stage's last

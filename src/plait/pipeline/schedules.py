@@ -40,8 +40,6 @@ from dataclasses import dataclass
 from plait.pipeline.actions import BACKWARD, PLACEMENTS, Action, Costs, Kind, Slot, rank_stages, stage_rank
 from plait.pipeline.draw import draw_png, render_text
 
-__all__ = ["Schedule", "ScheduleError", "DEFAULT_COSTS", "with_comms"]
-
 
 class ScheduleError(ValueError):
     """A schedule that cannot run correctly; the message names the first bad action."""

@@ -24,8 +24,6 @@ from torch import nn
 from plait._torch_compat import compiled_original
 from plait.names import COMPILED
 
-__all__ = ["Segment", "segments", "above", "plan_stages", "named_view", "meta_copy", "place", "Stage"]
-
 Segment = tuple[str, nn.Module]
 _LISTS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)  # flattened into their elements
 

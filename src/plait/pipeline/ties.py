@@ -28,8 +28,6 @@ from plait import comm, faults
 from plait.mesh import Mesh
 from plait.pipeline.schedules import Schedule
 
-__all__ = ["Tie", "TiedCopy", "find_ties", "tie_groups", "drop_earlier_sums", "sync_grads"]
-
 
 @dataclass(frozen=True)
 class Tie:

@@ -26,8 +26,6 @@ from math import inf, isfinite
 from plait.pipeline.actions import Action, Costs, Kind, rank_stages, stage_rank
 from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
 
-__all__ = ["zbv", "dualpipev"]
-
 Key = tuple[int, int]  # (stage, microbatch)
 Choice = tuple[Kind, Key, bool]  # what to run, and whether it is a W that only fills a wait
 

@@ -18,8 +18,6 @@ from torch import nn
 
 from plait.pipeline.ties import Tie
 
-__all__ = ["StageWrapper", "StateHoldingStage", "check_wrappable"]
-
 
 class StageWrapper(Protocol):
     """How `plait.parallelize` applies data parallelism to one pipeline stage."""

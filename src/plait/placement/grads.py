@@ -11,8 +11,6 @@ from plait import comm, faults
 from plait.placement.pieces import mark_grad
 from plait.placement.records import placement_of
 
-__all__ = ["reduce_expert_grads"]
-
 
 @torch.no_grad()
 def reduce_expert_grads(params: list[nn.Parameter], divisor: float) -> None:

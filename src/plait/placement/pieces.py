@@ -48,9 +48,6 @@ from plait._torch_compat import (
     set_class,
 )
 
-__all__ = ["TorchToolRefused", "Piece", "mark_piece", "carry_mark", "piece_of", "mark_grad", "mark_grads",
-           "PIECE_MARK"]
-
 # The attribute a marked parameter (and its marked gradient) carries its `Piece` under.
 PIECE_MARK = "_plait_piece"
 _WATCHED = "_plait_piece_watched"

@@ -26,13 +26,6 @@ from torch import nn
 from plait._torch_compat import compiled_original
 from plait.placement.shards import ShardSpec
 
-__all__ = ["TPInfo", "TP_PARAM_MARK", "plain_leaf", "attach_tp_info", "attached_tp_info", "tp_info",
-           "tp_module", "mark_part",
-           "ExpertPlacement", "ExpertParallelInfo", "EXPERT_MARK", "mark_expert", "placement_of",
-           "StackedRows", "ROWS_MARK", "mark_rows", "rows_of",
-           "attach_ep_info", "ep_info"]
-
-
 # ------------------------------------------------------------------ tensor parallelism
 
 @dataclass

@@ -13,8 +13,6 @@ import torch
 
 from plait.tensor_source import FullValue
 
-__all__ = ["ShardSpec", "make_spec"]
-
 
 @dataclass(frozen=True)
 class ShardSpec:

@@ -22,10 +22,6 @@ from plait.placement.records import TPInfo, placement_of, plain_leaf, rows_of, t
 from plait.placement.shards import ShardSpec
 from plait.tensor_source import FullValue, whole
 
-__all__ = ["full_state_dict", "load_full_state_dict", "gather_full",
-           "checkpoint_entry", "restore_entry", "rows_entry", "local_rows", "expert_or_tp_entry",
-           "restore_expert_or_tp", "place_state_dict", "shard_as_full", "full_as_shard", "chunk_rows"]
-
 
 @torch.no_grad()
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -41,9 +41,6 @@ from plait.placement.records import TP_PARAM_MARK, TPInfo
 from plait.placement.shards import ShardSpec
 from plait.placement.state import chunk_rows, full_as_shard, shard_as_full
 
-__all__ = ["TPParam", "place_tp_parameters", "to_plain_parameters", "let_wrapper_assign_grads",
-           "gradient_assigned", "tp_param_of", "describable"]
-
 
 @dataclass(eq=False)
 class TPParam:

@@ -17,8 +17,6 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["gpt_plan", "plan_for", "splits_logits_by_default"]
-
 
 def plan_for(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, Style]:
     """A tensor-parallel plan for ``model``: `gpt_plan` for plait's GPT, else the plan of a

@@ -61,9 +61,6 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["attention_kind", "attention_plan", "causal_lm_plan", "final_norm", "layers_plan", "mlp_kind",
-           "mlp_plan"]
-
 SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("wq", "wk", "wv"),
                 ("q", "k", "v"))
 ATTN_OUT = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o")

@@ -50,8 +50,6 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["bert_layers", "bert_plan", "encoder_decoder", "is_vision", "vision_plan"]
-
 
 def _one_linear(mod: nn.Module) -> str | None:
     """The name of ``mod``'s only linear child, if it has exactly one."""

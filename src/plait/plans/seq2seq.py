@@ -27,8 +27,6 @@ from plait.tp.layers import linear_layout
 from plait.tp.sequence import GatherSequence, ScatterSequence
 from plait.tp.styles import SequenceParallel, Style, VocabParallelEmbedding, VocabParallelOutput
 
-__all__ = ["seq2seq_plan"]
-
 
 def _blocks(stack: nn.Module, where: str) -> str:
     """The name of ``stack``'s list of blocks: its one non-empty ``nn.ModuleList`` child, each of

@@ -10,9 +10,6 @@ from torch import nn
 
 from plait.tp.layers import linear_layout
 
-__all__ = ["NotPlaced", "fail", "linears", "sizes", "is_norm", "has_params", "count", "geometry",
-           "head_attrs", "only_known_params", "same_blocks", "HEAD_ATTRS", "CONFIG_ATTRS"]
-
 # Attention attributes some families read in forward, and the count each holds.
 HEAD_ATTRS = {"num_heads": "heads", "num_attention_heads": "heads", "n_head": "heads",
               "num_key_value_heads": "kv_heads", "num_kv_heads": "kv_heads", "num_key_value_groups": "groups",

@@ -1,7 +1,13 @@
 """Tensor and sequence parallelism (Megatron-LM), applied to unmodified models by a plan."""
 
-from plait.placement.records import TPInfo, tp_info, tp_module
-from plait.tp.apply import assign_styles, check_plan, loss_fn_for, tensor_parallel, validate_styles
+from plait.placement.records import TPInfo, tp_info, tp_module  # noqa: F401 (tp_module: the library's)
+from plait.tp.apply import (  # noqa: F401 (assign_styles, validate_styles: the library's)
+    assign_styles,
+    check_plan,
+    loss_fn_for,
+    tensor_parallel,
+    validate_styles,
+)
 from plait.tp.attention import AttentionParallel, HeadEmbedding, HeadNorm, SplitRMSNorm
 from plait.tp.context import Style
 from plait.tp.experts import MoEParallel, SplitParams
@@ -18,8 +24,8 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["tensor_parallel", "check_plan", "validate_styles", "PlanError", "assign_styles", "loss_fn_for",
-           "tp_info", "tp_module", "TPInfo", "vocab_parallel_cross_entropy", "Style", "ColwiseParallel",
-           "RowwiseParallel", "VocabParallelEmbedding", "VocabParallelOutput", "SequenceParallel",
-           "ParallelRegion", "InlineMLP", "AttentionParallel", "HeadEmbedding", "HeadNorm", "SplitRMSNorm",
-           "MoEParallel", "SplitParams", "ScatterSequence", "GatherSequence"]
+__all__ = ["tensor_parallel", "check_plan", "PlanError", "loss_fn_for", "tp_info", "TPInfo",
+           "vocab_parallel_cross_entropy", "Style", "ColwiseParallel", "RowwiseParallel",
+           "VocabParallelEmbedding", "VocabParallelOutput", "SequenceParallel", "ParallelRegion", "InlineMLP",
+           "AttentionParallel", "HeadEmbedding", "HeadNorm", "SplitRMSNorm", "MoEParallel", "SplitParams",
+           "ScatterSequence", "GatherSequence"]

@@ -39,7 +39,7 @@ from plait.losses import lm_loss
 from plait.materialize import Keep, materialize, module_seed
 from plait.mesh import Mesh
 from plait.names import matches
-from plait.placement.records import TPInfo, attach_tp_info, attached_tp_info, mark_part, tp_info, tp_module
+from plait.placement.records import TPInfo, attach_tp_info, attached_tp_info, tp_info
 from plait.placement.shards import ShardSpec
 from plait.placement.state import place_state_dict
 from plait.placement.tp_params import place_tp_parameters
@@ -52,9 +52,6 @@ from plait.tp.loss import vocab_parallel_cross_entropy
 from plait.tp.numeric import verify
 from plait.tp.sequence import ScatterSequence
 from plait.tp.styles import VocabParallelEmbedding, VocabParallelOutput
-
-__all__ = ["tensor_parallel", "check_plan", "validate_tied_splits", "assign_styles", "loss_fn_for", "tp_info",
-           "tp_module", "mark_part", "TPInfo"]
 
 Plan = Mapping[str, Style]
 # Names of a forward's first parameter that mean "token ids": the layout trace can make such an input.

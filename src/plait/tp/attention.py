@@ -17,8 +17,6 @@ from plait.tp.collectives import copy_to_tp, gather_from_tp, scatter_to_tp, sum_
 from plait.tp.context import Style, TPContext
 from plait.tp.styles import ParallelRegion
 
-__all__ = ["AttentionParallel", "HEAD_COUNTS", "HeadEmbedding", "HeadNorm", "SplitRMSNorm"]
-
 EPS_ATTRS = ("variance_epsilon", "eps", "epsilon")
 
 HEAD_COUNTS = ("heads", "kv_heads", "groups", "width", "kv_width")

@@ -26,11 +26,6 @@ from plait import faults
 from plait._torch_compat import functional_collectives, is_view
 from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_from_sp",
-           "reduce_scatter_to_sp", "scatter_to_sp", "replicate_from_sp", "sum_over_tp", "sum_grad_on_first",
-           "Emulator",
-           "emulated", "shapes_only", "fresh"]
-
 funcol = functional_collectives()
 
 

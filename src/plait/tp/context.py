@@ -15,8 +15,6 @@ from plait import comm
 from plait.placement.shards import ShardSpec
 from plait.rng import RNGFork
 
-__all__ = ["SequenceShardGrads", "Style", "TPContext"]
-
 
 class SequenceShardGrads:
     """Sums, across the tp group, the gradients of replicated parameters that each rank applied

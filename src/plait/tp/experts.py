@@ -28,8 +28,6 @@ from plait.tp.context import Style, TPContext
 from plait.tp.layers import find_activation, input_pre_hook
 from plait.tp.styles import enter_parallel, reduce_out
 
-__all__ = ["MoEParallel", "SplitParams"]
-
 
 @dataclass(frozen=True)
 class SplitParams(Style):

@@ -18,9 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["activation_name", "find_activation", "replace_activation", "input_pre_hook", "LinearLayout",
-           "linear_layout"]
-
 
 def activation_name(mod: nn.Module) -> str | None:
     """The name of the first parameter of ``mod.forward`` (None for ``*args`` only)."""

@@ -71,8 +71,6 @@ from plait.tp.styles import (
     VocabParallelOutput,
 )
 
-__all__ = ["PlanError", "trace_layouts", "meta_copy", "mark", "layout_of", "shard_parameters"]
-
 
 class PlanError(ValueError):
     """A tensor-parallel plan that would not reproduce single-process training."""

@@ -16,8 +16,6 @@ import torch.distributed as dist
 
 from plait import comm, faults
 
-__all__ = ["vocab_parallel_cross_entropy"]
-
 
 class _VocabParallelCE(torch.autograd.Function):
     """Forward: all-reduce(MAX) of a per-token scalar, then one all-reduce(SUM) of two per-token

@@ -52,8 +52,6 @@ from plait.tp.collectives import emulated, fresh
 from plait.tp.context import SequenceShardGrads, Style, TPContext
 from plait.tp.layers import find_activation
 
-__all__ = ["Blank", "MAX_UNIT_BYTES", "RTOL", "units", "verify"]
-
 # Replaces the parameters of a module by this rank's shards under ``ctx``'s styles; returns the
 # shards by parameter name (`plait.tp.apply` passes its own: this module imports neither it nor
 # the layout trace, which imports this module).

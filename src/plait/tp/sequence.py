@@ -16,8 +16,6 @@ from plait.tp.context import Style, TPContext
 from plait.tp.layers import input_pre_hook
 from plait.tp.styles import check_sequence
 
-__all__ = ["ScatterSequence", "GatherSequence"]
-
 
 @dataclass(frozen=True)
 class ScatterSequence(Style):

@@ -45,12 +45,6 @@ from plait.tp.collectives import (
 from plait.tp.context import Style, TPContext
 from plait.tp.layers import LinearLayout, input_pre_hook, linear_layout
 
-__all__ = [
-    "ColwiseParallel", "RowwiseParallel", "VocabParallelEmbedding",
-    "VocabParallelOutput", "ParallelRegion", "InlineMLP", "SequenceParallel", "check_sequence", "FUSED_NAMES",
-    "enter_parallel", "reduce_out",
-]
-
 
 # ------------------------------------------------------------------ helpers
 def _size(mod: nn.Module, attr: str) -> int:

@@ -17,8 +17,6 @@ import torch
 
 from plait.app.plan.cluster import Cluster
 
-__all__ = ["calibrate", "reference_flags", "REFERENCE_STEP"]
-
 
 def _lockstep(fn: Any, repeat: int) -> float:
     """Seconds per ``fn()``, the mean over ``repeat`` back-to-back calls that every rank starts at

@@ -25,8 +25,6 @@ import tyro
 from plait.app.config import DataSection, ModelSection, ParallelSection, TrainConfig
 from plait.app.plan.cluster import Cluster, load_cluster
 
-__all__ = ["PlanSection", "ClusterSection", "PlanConfig", "parse_args", "cli_main"]
-
 
 @dataclass
 class ClusterSection:
@@ -187,5 +185,3 @@ def cli_main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"plait plan: error: {e}", file=sys.stderr)
         return 2
-
-

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Cluster", "PRESETS", "load_cluster"]
-
 GIB = 2**30
 
 

@@ -17,8 +17,6 @@ from torch import nn
 from plait.app.config import TrainConfig
 from plait.check.common import load_factory
 
-__all__ = ["FactoryTrainConfig", "DEFAULT_SEQ_LEN"]
-
 DEFAULT_SEQ_LEN = 128
 
 

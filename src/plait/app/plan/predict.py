@@ -28,8 +28,6 @@ from plait.app.plan.cluster import Cluster
 from plait.app.plan.rehearse import CATEGORIES, Rehearsal
 from plait.mesh import AXES
 
-__all__ = ["Prediction", "predict", "axis_time"]
-
 DATA_PARALLEL = ("dp", "fsdp", "edp")
 # Backward's share of a block's compute (forward = 1): 2 without recomputation, 3 with full
 # recomputation (the forward runs again), in between for selective.

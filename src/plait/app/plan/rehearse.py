@@ -46,9 +46,6 @@ from plait.live_memory import LiveStorageBytes, storage_key
 from plait.mesh import Mesh
 from plait.pipeline import Pipeline
 
-__all__ = ["Rehearsal", "rehearse", "step_once", "CATEGORIES", "stage_ranks", "rehearse_stages",
-           "rehearse_layout", "measured", "build_only"]
-
 # What the peak is made of, in the order reports show them.
 CATEGORIES = ("parameters", "gradients", "optimizer state", "communication buffers", "fsdp gathered units",
               "activations")

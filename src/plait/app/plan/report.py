@@ -9,8 +9,6 @@ from plait.app.plan.cluster import Cluster
 from plait.app.plan.predict import Prediction, breakdown_rows, size
 from plait.app.plan.rehearse import CATEGORIES
 
-__all__ = ["format_prediction", "format_search", "format_dry_run", "write_picture", "layout_text"]
-
 GIB, MIB = 2**30, 2**20
 
 

@@ -22,8 +22,6 @@ from plait.app.plan.cluster import Cluster
 from plait.app.plan.predict import Prediction, layout_flags, predict, size
 from plait.app.plan.rehearse import rehearse_layout
 
-__all__ = ["SearchResult", "search", "candidates", "model_states_bound"]
-
 
 @dataclass
 class SearchResult:
