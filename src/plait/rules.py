@@ -29,6 +29,7 @@ from plait.cp.apply import ALGORITHMS
 from plait.cp.positions import rotaries
 from plait.ep.apply import expert_counts, no_moe_reason
 from plait.ep.stacked import stacked_expert_modules
+from plait.layout_error import LayoutError
 from plait.models.moe import moe_layers
 from plait.names import matches
 from plait.parallel_plan import ParallelPlan
@@ -97,23 +98,6 @@ class MeshShape:
     def __str__(self) -> str:
         shown = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if getattr(self, f.name) > 1]
         return "mesh " + (" x ".join(shown) or "of one rank")
-
-
-class LayoutError(ValueError):
-    """A layout that cannot run. ``fields`` names the mesh axes and `ParallelPlan` fields the
-    refusal is about (a CLI maps them to its flags); ``nearest`` lists valid alternatives for
-    ``axis`` as ``{axis: degree, data axis: degree}``, nearest first."""
-
-    def __init__(self, message: str, fields: tuple[str, ...] = (), axis: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.fields, self.axis = message, fields, axis
-        self.nearest: list[dict[str, int]] = []
-
-    def __str__(self) -> str:
-        if not self.nearest:
-            return self.message
-        shown = ", ".join(" ".join(f"{a}={d}" for a, d in n.items()) for n in self.nearest)
-        return f"{self.message}; nearest valid: {shown}"
 
 
 def check_layout(model: nn.Module, mesh: MeshShape | Mesh | Mapping[str, int], plan: ParallelPlan, *,
