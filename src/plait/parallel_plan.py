@@ -79,9 +79,9 @@ class ParallelPlan:
         if self.data != "fsdp" and given:
             listed = ", ".join(f"{k}={getattr(self, k)!r}" for k in given)
             verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
-            raise LayoutError(f"ParallelPlan({listed}) {verb} to data='fsdp' only (FSDP options, read by "
-                              f"FSDP / HSDP); data={self.data!r} would ignore {them}: use data='fsdp' or "
-                              f"leave {them} unset", (*given, "data"))
+            raise LayoutError(f"ParallelPlan({listed}) {verb} to data='fsdp' only (FSDP and HSDP read "
+                              f"{them}); data={self.data!r} would ignore {them}: use data='fsdp' or leave "
+                              f"{them} unset", (*given, "data"))
         if self.data != "ddp" and self.ddp_options:
             raise LayoutError(f"ParallelPlan(ddp_options={self.ddp_options!r}) applies to data='ddp'; "
                               f"got data={self.data!r}", ("ddp_options", "data"))

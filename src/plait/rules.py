@@ -149,8 +149,10 @@ def _check(model: nn.Module, shape: MeshShape, plan: ParallelPlan, tp_trace: boo
         given = plan.pipeline_options()
         if given:
             listed = ", ".join(f"{k}={v!r}" for k, v in given.items())
-            raise LayoutError(f"ParallelPlan({listed}): pipeline options, read only when the mesh has "
-                              f"pp > 1; {shape} has pp=1: leave them unset or add a pp axis", tuple(given))
+            one = len(given) == 1
+            what, them = ("is a pipeline option", "it") if one else ("are pipeline options", "them")
+            raise LayoutError(f"ParallelPlan({listed}) {what}, read only when the mesh has pp > 1; {shape} "
+                              f"has pp=1: leave {them} unset or add a pp axis", tuple(given))
     else:
         _pipeline_rules(model, shape, plan)
 
