@@ -304,6 +304,8 @@ PLAN_RULES = [  # rules plait.rules and ParallelPlan decide, said in the flags t
      "--ac full or --ac selective", "ac_every"),
     (["--chunks", "2"], "--chunks 2 is a pipeline option, read only when the mesh has pp > 1", "pp_chunks"),
     (["--nproc", "2", "--ep", "2"], "has --ep 2, but GPT has no plait MoE layers", "ep="),
+    (["--nproc", "2", "--strategy", "fsdp", "--experts", "4", "--offload"],
+     "with --strategy fsdp and --offload: the experts stay whole outside FSDP's shards", "offload="),
 ]
 
 

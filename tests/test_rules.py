@@ -119,6 +119,19 @@ def test_a_value_of_the_wrong_type_is_a_type_error_naming_its_field(plan_kw, fie
     assert isinstance(e.value, LayoutError) and e.value.fields == (field,)
 
 
+def test_experts_under_fsdp_refuse_what_fsdp_would_not_cast_or_offload():
+    _, model = _meta_gpt(n_experts=4, top_k=2)
+    with pytest.raises(LayoutError, match=r"experts \('layers\.0\.mlp'\) with data='fsdp' and "
+                       r"ParallelPlan\(mixed_precision='bf16'\): the experts stay whole") as e:
+        check_layout(model, dict(fsdp=2), plait.ParallelPlan(data="fsdp", mixed_precision="bf16"))
+    assert e.value.fields == ("data", "mixed_precision")
+    with pytest.raises(LayoutError) as e:
+        check_layout(model, dict(fsdp=2, ep=2), plait.ParallelPlan(data="fsdp", offload=True))
+    assert e.value.fields == ("data", "offload")
+    check_layout(model, dict(dp=2), plait.ParallelPlan(mixed_precision="bf16"))  # DDP casts them
+    check_layout(model, dict(fsdp=2), plait.ParallelPlan(data="fsdp", mixed_precision="fp32"))  # no cast
+
+
 def test_train_config_refuses_in_its_flags_what_parallelize_refuses_in_fields():
     """The same rule (ep against the experts) through both: the library's words, and the CLI's."""
     cfg = GPTConfig(n_experts=6, top_k=2)

@@ -30,7 +30,7 @@ from plait.cp.positions import rotaries
 from plait.ep.apply import expert_counts, no_moe_reason
 from plait.ep.stacked import stacked_expert_modules
 from plait.layout_error import LayoutError
-from plait.models.moe import moe_layers
+from plait.models.moe import MoE, moe_layers
 from plait.names import matches
 from plait.parallel_plan import ParallelPlan
 from plait.pipeline.actions import Kind
@@ -244,6 +244,17 @@ def _expert_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> Non
             raise LayoutError(f"ep={shape.ep} splits the {count} experts evenly: it must divide "
                               "them", ("ep",), axis="ep")
     stacked = [n for n, _ in stacked_expert_modules(model)]
+    # plait's MoE experts are placed at any ep (marked at ep=1), stacked ones when ep splits them.
+    placed = [n for n, m in model.named_modules() if isinstance(m, MoE)] or (stacked if shape.ep > 1 else [])
+    lowered = {k: v for k, v, on in (("mixed_precision", plan.mixed_precision, plan.precision is not None),
+                                     ("offload", plan.offload, plan.offload)) if on}
+    if plan.data == "fsdp" and placed and lowered:
+        listed = ", ".join(f"{k}={v!r}" for k, v in lowered.items())
+        them = "it" if len(lowered) == 1 else "them"
+        raise LayoutError(f"experts ({placed[0]!r}) with data='fsdp' and ParallelPlan({listed}): the experts "
+                          "stay whole outside FSDP's shards, where FSDP's mixed precision and offloading "
+                          f"would not reach them; train them in fp32 on the device (leave {them} unset) or "
+                          "use data='ddp'", ("data", *lowered))
     split = [p for p, st in (plan.tp or {}).items() if any(matches(p, n) for n in stacked)]
     if shape.ep > 1 and shape.tp > 1 and split and plan.data == "fsdp":
         raise LayoutError(f"ep={shape.ep} and tp={shape.tp} both splitting the stacked experts {split[0]!r} "

@@ -349,9 +349,6 @@ class TrainConfig:
             raise ValueError(f"--capacity-factor {m.capacity_factor}: must be > 0 (leave it unset: dropless)")
         if par.strategy == "dp":
             raise ValueError("--experts with --strategy dp: use ddp, fsdp or none")
-        if par.strategy == "fsdp" and (par.mixed_precision or par.offload):
-            raise ValueError("--experts with --strategy fsdp: the experts stay whole outside FSDP's shards, "
-                             "where --mixed-precision and --offload would not reach them")
         if m.balance_statistic == "global" and m.aux_loss_coef:
             self._check_global_balance()
 
