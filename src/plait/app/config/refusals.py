@@ -1,5 +1,5 @@
-"""How `plait train` words a refusal: a value and the flag that set it, and `plait.rules`' field
-names as the flags that set them."""
+"""How `plait train` words a refusal: a value and the flag that set it, and the field names of
+`plait.rules` and `ParallelPlan` as the flags that set them."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def in_flags(error: LayoutError, microbatches: int | None = None, grad_accum: in
     ``offload=True``: ``--offload``; ``fsdp=4``, which no flag sets directly, stays); a plan's fields
     (``ParallelPlan(zero_stage=2)``) read as the flags alone when each has one; the nearest valid
     layouts likewise. ``microbatches`` and ``grad_accum``: a pipeline step runs their product, which
-    the rules see as one number. ``strategy``: the --strategy given, said where the refusal names
-    the plan's own ``data`` (several strategies may make the same one)."""
+    the rules see as one number. ``strategy`` and ``data``: the --strategy given and the plan's
+    ``data`` it made; where a refusal names that value it reads as the strategy typed (--strategy
+    none makes data='ddp' as ddp does), any other value (advice: ``use data='fsdp'``) as itself."""
     def flag(m: re.Match[str]) -> str:
         name, value = m[1], m[2].strip("'")
         if name == "cp" and m[2].startswith("'"):  # the plan's algorithm, not the mesh's degree

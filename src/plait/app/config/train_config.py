@@ -429,7 +429,8 @@ class TrainConfig:
         try:
             # plait's GPT plan is plait's own (tested); a transformers or FACTORY model's plan is
             # also traced and checked by its numbers, one block of each kind materialized.
-            # DataParallel (--strategy dp) runs threads in one process: no tp, cp or pp to check.
+            # --strategy dp (threads in one process) is checked too: its plan's data is 'none', and
+            # its tp, cp and pp were refused above, which leaves the plan's and the experts' rules.
             foreign = trace_tp and not (self.model.hf_config is None and self.model_factory is None)
             check_layout(model, self.mesh_shape(), plan, tp_trace=foreign, numeric=foreign)
         except LayoutError as e:
