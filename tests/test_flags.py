@@ -309,7 +309,9 @@ PLAN_RULES = [  # rules plait.rules and ParallelPlan decide, said in the flags t
 ]
 
 
-@pytest.mark.parametrize("args,message,field", PLAN_RULES, ids=[a[-2] for a, _, _ in PLAN_RULES])
+@pytest.mark.parametrize("args,message,field", PLAN_RULES,
+                         ids=["fsdp-option", "fsdp-options-dp", "fsdp-option-none", "ac-every", "chunks",
+                              "ep", "experts-fsdp-offload"])
 def test_plan_rules_are_refused_by_flag_before_spawning(monkeypatch, capsys, args, message, field):
     """The rules the CLI no longer restates: the library's refusal, in the flags, before any rank
     starts, and never in the plan's field names."""
