@@ -351,7 +351,7 @@ def test_refusals_name_what_and_why():
         activation_checkpointing(nn.Sequential(nn.Linear(2, 2)), "full")
     with pytest.raises(ValueError, match=r"'layers\.0\.attn' lies inside 'layers\.0'"):
         activation_checkpointing(model, "full", blocks=["layers.*", "layers.*.attn"])
-    with pytest.raises(ValueError, match="every=2 / blocks=None choose the blocks.*no policy"):
+    with pytest.raises(ValueError, match=r"\(every=2\) chooses the blocks.*policy=None would ignore it"):
         activation_checkpointing(model, None, 2)
     with pytest.raises(ValueError, match=r"every=3 checkpoints no block: GPT has 2 \(layers\.0, layers\.1\)"):
         activation_checkpointing(model, "full", 3)
@@ -399,9 +399,10 @@ def _parallelize_unmatched_blocks(pp: int) -> None:
 def test_plan_refusals_come_before_any_collective(pools):
     with pytest.raises(ValueError, match=r"ParallelPlan\(ac=\.\.\.\): policy must be one of"):
         plait.ParallelPlan(ac="everything")
-    with pytest.raises(ValueError, match=r"ParallelPlan\(ac=\.\.\.\): every must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"ParallelPlan\(ac_every=\.\.\.\): every must be an integer >= 1"):
         plait.ParallelPlan(ac="full", ac_every=0)
-    with pytest.raises(ValueError, match=r"every=3 / blocks=None .* no policy is given"):
+    without_policy = r"ParallelPlan\(ac_every=3\) chooses the blocks to checkpoint; ac=None would ignore it"
+    with pytest.raises(ValueError, match=without_policy):
         plait.ParallelPlan(ac_every=3)
     for pp in (1, 2):  # refused on every rank, before anything communicates
         errors = pools[2].errors(_parallelize_unmatched_blocks, pp)

@@ -183,6 +183,8 @@ def test_bad_input_exits_2_before_anything_starts(capsys):
     assert "--nproc 3 is not divisible" in capsys.readouterr().err
     # Flags plait train reads but the comparison does not build are refused, not dropped.
     for flags, says in ((["--ac-every", "2"], "--ac none would ignore it"),
+                        (["--offload"], "--offload applies to --strategy fsdp only"),
+                        (["--chunks", "2"], "--chunks 2 is a pipeline option, read only when"),
                         (["--cp-algorithm", "ulysses"], "--cp 1 would ignore it"),
                         (["--cp", "2", "--strategy", "none"], "--cp 2 ranks hold the same parameters"),
                         (["--cp", "2", "--seq", "6"], "--seq 6 does not divide by 4"),

@@ -72,7 +72,9 @@ BAD = [
     (dict(strategy="ddp", nproc=4, pp=4, schedule="interleaved", microbatches=2, batch_size=8),
      "--schedule interleaved .*at least as many microbatches"),
     (dict(schedule="round-robin"), "--schedule must be one of"),
-    (dict(chunks=2), "--chunks 2 sets pipeline stages per rank: it needs --pp 2"),
+    # The plan's rules (plait.rules, ParallelPlan), said in flags.
+    (dict(chunks=2), "--chunks 2 is a pipeline option, read only when the mesh has pp > 1; .* has --pp 1"),
+    (dict(strategy="dp", nproc=2, chunks=3), "--chunks 3 is a pipeline option, read only when"),
     (dict(seq_len=10**7), "--seq-len 10000000: .*held-out 5%"),
     (dict(max_bytes=2000, seq_len=200), "--seq-len 200"),
     (dict(timeout=10, step_timeout=5), "--step-timeout 5 must be longer than --timeout 10"),
@@ -130,7 +132,8 @@ def test_good_layouts_pass(kwargs):
 
 
 def test_parallel_plan_refuses_fsdp_options_without_fsdp():
-    with pytest.raises(ValueError, match=r"ParallelPlan\(zero_stage=2\): FSDP options.*data='ddp'"):
+    only_fsdp = r"ParallelPlan\(zero_stage=2\) applies to data='fsdp' only.*data='ddp' would ignore it"
+    with pytest.raises(ValueError, match=only_fsdp):
         plait.ParallelPlan(data="ddp", zero_stage=2)
     plait.ParallelPlan(data="ddp", mixed_precision="bf16")  # mixed precision: every strategy
     with pytest.raises(ValueError, match="mixed_precision.*'int8'"):
@@ -141,7 +144,7 @@ def test_parallel_plan_refuses_fsdp_options_without_fsdp():
         plait.ParallelPlan(data="fsdp", ddp_options={"bucket_cap_mb": 1})
     plan = plait.ParallelPlan(data="fsdp", mixed_precision="bf16", offload=True)
     plan.data = "ddp"  # changed after construction: parallelize checks again, before any collective
-    with pytest.raises(ValueError, match="FSDP options"):
+    with pytest.raises(ValueError, match=r"ParallelPlan\(offload=True\) applies to data='fsdp' only"):
         plait.parallelize(None, None, plan)  # type: ignore[arg-type]
 
 
@@ -287,3 +290,62 @@ def test_cli_refuses_in_the_parent_before_spawning(tmp_path, monkeypatch, capsys
             main(["train", *args])
         assert exit_.value.code == 2, args
         assert message in capsys.readouterr().err, args
+
+
+PLAN_RULES = [  # rules plait.rules and ParallelPlan decide, said in the flags that were typed
+    (["--strategy", "ddp", "--nproc", "2", "--zero-stage", "2"],
+     "--zero-stage 2 applies to --strategy fsdp only", "zero_stage"),
+    (["--strategy", "dp", "--nproc", "2", "--offload", "--no-backward-prefetch"],
+     "--offload --no-backward-prefetch apply to --strategy fsdp only (FSDP and HSDP read them); "
+     "--strategy dp would ignore them: use --strategy fsdp", "data="),
+    (["--strategy", "none", "--nproc", "1", "--no-reshard-after-forward"],
+     "--no-reshard-after-forward applies to --strategy fsdp only", "reshard_after_forward"),
+    (["--ac-every", "2"], "--ac-every 2 chooses the blocks to checkpoint; --ac none would ignore it: give "
+     "--ac full or --ac selective", "ac_every"),
+    (["--chunks", "2"], "--chunks 2 is a pipeline option, read only when the mesh has pp > 1", "pp_chunks"),
+    (["--nproc", "2", "--ep", "2"], "has --ep 2, but GPT has no plait MoE layers", "ep="),
+    (["--nproc", "2", "--strategy", "fsdp", "--experts", "4", "--offload"],
+     "with --strategy fsdp and --offload: the experts stay whole outside FSDP's shards", "offload="),
+]
+
+
+@pytest.mark.parametrize("args,message,field", PLAN_RULES,
+                         ids=["fsdp-option", "fsdp-options-dp", "fsdp-option-none", "ac-every", "chunks",
+                              "ep", "experts-fsdp-offload"])
+def test_plan_rules_are_refused_by_flag_before_spawning(monkeypatch, capsys, args, message, field):
+    """The rules the CLI no longer restates: the library's refusal, in the flags, before any rank
+    starts, and never in the plan's field names."""
+    from plait.app import launch, train
+    from plait.app.cli import main
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("plait train started ranks for a run it should have refused")
+
+    monkeypatch.setattr(launch, "spawn", no_ranks)
+    monkeypatch.setattr(train, "train", no_ranks)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err
+    assert field not in err and "ParallelPlan" not in err, err
+
+
+def test_in_flags_says_a_plan_refusal_in_flags():
+    from plait.app.config import in_flags
+    from plait.rules import LayoutError
+
+    with pytest.raises(LayoutError) as e:
+        plait.ParallelPlan(data="ddp", zero_stage=1, reshard_after_forward=False)
+    assert e.value.fields == ("zero_stage", "reshard_after_forward", "data")
+    said = in_flags(e.value, strategy="ddp", data="ddp")
+    assert said.startswith("--zero-stage 1 --no-reshard-after-forward apply to --strategy fsdp only"), said
+    assert "--strategy ddp would ignore them" in said
+    # A strategy that makes the same data value is said as typed: --strategy none runs one process
+    # with data='ddp'; the advice (data='fsdp') stays what it says.
+    said = in_flags(e.value, strategy="none", data="ddp")
+    assert "--strategy none would ignore them: use --strategy fsdp" in said
+    # A field no flag sets stays as the library says it.
+    with pytest.raises(LayoutError) as e:
+        plait.ParallelPlan(data="ddp", fsdp_units=["blocks.*"])
+    assert in_flags(e.value).startswith("ParallelPlan(fsdp_units=['blocks.*']) applies to --strategy fsdp")
+

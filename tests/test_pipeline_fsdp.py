@@ -258,7 +258,7 @@ REFUSED = {  # case: (mesh, plan, what the error says)
     "tied V": (dict(pp=2, dp=2), dict(data="ddp", pp_schedule="dualpipev"),
                "stages 0 and 3 of pp rank 0 share a parameter (e.g. a tied embedding and LM head, which a V"),
     "pp options without pp": (dict(fsdp=4), dict(data="fsdp", pp_microbatches=8),
-                              "pipeline options, read only when the mesh has pp > 1"),
+                              "is a pipeline option, read only when the mesh has pp > 1"),
     "unused": (dict(pp=2, dp=2), dict(data="ddp", ddp_options={"find_unused_parameters": True}),
                "find_unused_parameters"),
 }

@@ -73,6 +73,65 @@ def test_each_rule_names_its_fields(shape, plan_kw, fields, says):
     assert e.value.fields == fields
 
 
+@pytest.mark.parametrize("plan_kw,fields,says", [
+    (dict(data="zero"), ("data",), r"data=\.\.\.\) must be one of"),
+    (dict(data="ddp", zero_stage=2), ("zero_stage", "data"), "applies to data='fsdp' only"),
+    (dict(data="none", offload=True, backward_prefetch=False), ("offload", "backward_prefetch", "data"),
+     "apply to data='fsdp' only"),
+    (dict(data="ddp", reshard_after_forward=False, fsdp_units=["blocks.*"]),
+     ("reshard_after_forward", "fsdp_units", "data"), "data='ddp' would ignore them"),
+    (dict(data="fsdp", ddp_options={"bucket_cap_mb": 1}), ("ddp_options", "data"), "applies to data='ddp'"),
+    (dict(cp="rings"), ("cp",), r"cp=\.\.\.\) must be one of"),
+    (dict(mixed_precision="int8"), ("mixed_precision",), "'int8'"),
+    (dict(mixed_precision=plait.MixedPrecision(reduce_dtype=torch.float64)), ("mixed_precision", "data"),
+     "DDP reduces the fp32 master gradients"),
+    (dict(mixed_precision="bf16", ddp_options={"gradient_compression": "fp16"}),
+     ("ddp_options", "mixed_precision"), "disagrees with"),
+    (dict(pp_microbatches=0), ("pp_microbatches",), "must be an integer >= 1"),
+    (dict(pp_chunks=True), ("pp_chunks",), "must be an integer >= 1"),
+    (dict(p2p="carrier pigeon"), ("p2p",), r"p2p=\.\.\.\) must be one of"),
+    (dict(pp_split="layers.4"), ("pp_split",), "'auto' or a list of segment names"),
+    (dict(pp_schedule="zb"), ("pp_schedule",), r"pp_schedule=\.\.\.\) must be one of"),
+    (dict(ac="most"), ("ac",), "policy must be one of"),
+    (dict(ac="full", ac_every=0), ("ac_every",), "every must be an integer >= 1"),
+    (dict(ac_every=2), ("ac_every", "ac"), r"ParallelPlan\(ac_every=2\) chooses the blocks"),
+    (dict(ac_blocks=["blocks.*"]), ("ac_blocks", "ac"), "ac=None would ignore it"),
+])
+def test_each_plan_refusal_names_its_fields(plan_kw, fields, says):
+    """`ParallelPlan`'s own refusals are `LayoutError`s as `check_layout`'s are: the fields they name
+    are the ones a CLI says as its flags."""
+    with pytest.raises(LayoutError, match=says) as e:
+        plait.ParallelPlan(**plan_kw)
+    assert e.value.fields == fields
+    plan = plait.ParallelPlan()  # the same refusal when fields change after construction
+    for name, value in plan_kw.items():
+        setattr(plan, name, value)
+    with pytest.raises(LayoutError) as again:
+        plan.validate()
+    assert again.value.fields == fields
+
+
+@pytest.mark.parametrize("plan_kw,field", [(dict(loss_fn=3), "loss_fn"),
+                                           (dict(ac="full", ac_blocks="blocks"), "ac_blocks")])
+def test_a_value_of_the_wrong_type_is_a_type_error_naming_its_field(plan_kw, field):
+    with pytest.raises(TypeError, match=field) as e:
+        plait.ParallelPlan(**plan_kw)
+    assert isinstance(e.value, LayoutError) and e.value.fields == (field,)
+
+
+def test_experts_under_fsdp_refuse_what_fsdp_would_not_cast_or_offload():
+    _, model = _meta_gpt(n_experts=4, top_k=2)
+    with pytest.raises(LayoutError, match=r"experts \('layers\.0\.mlp'\) with data='fsdp' and "
+                       r"ParallelPlan\(mixed_precision='bf16'\): the experts stay whole") as e:
+        check_layout(model, dict(fsdp=2), plait.ParallelPlan(data="fsdp", mixed_precision="bf16"))
+    assert e.value.fields == ("data", "mixed_precision")
+    with pytest.raises(LayoutError) as e:
+        check_layout(model, dict(fsdp=2, ep=2), plait.ParallelPlan(data="fsdp", offload=True))
+    assert e.value.fields == ("data", "offload")
+    check_layout(model, dict(dp=2), plait.ParallelPlan(mixed_precision="bf16"))  # DDP casts them
+    check_layout(model, dict(fsdp=2), plait.ParallelPlan(data="fsdp", mixed_precision="fp32"))  # no cast
+
+
 def test_train_config_refuses_in_its_flags_what_parallelize_refuses_in_fields():
     """The same rule (ep against the experts) through both: the library's words, and the CLI's."""
     cfg = GPTConfig(n_experts=6, top_k=2)

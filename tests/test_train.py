@@ -130,7 +130,7 @@ def test_grad_clip_zero_means_no_clipping(pools, tmp_path):
     (dict(strategy="dp", nproc=2, cp=2), "--cp 2 needs one process per rank"),
     (dict(strategy="ddp", nproc=8, cp=2, tp=4, sequence_parallel=True, seq_len=36), "divisible by 8"),
     (dict(top_k=1), "--top-k 1 configures mixture-of-experts blocks"),
-    (dict(ep=2), "--ep 2 splits experts over ranks: it needs --experts"),
+    (dict(ep=2, nproc=2), "has --ep 2, but GPT has no plait MoE layers"),
     (dict(experts=6, ep=4, nproc=4), "--ep 4 splits the 6 experts evenly"),
     (dict(experts=4, ep=4, nproc=2),
      "--ep 4: expert parallelism folds its groups out of the data axes, dp x fsdp = 2 ranks"),

@@ -70,6 +70,7 @@ from plait._torch_compat import TorchDispatchMode, forward_pre_hooks, map_tensor
 from plait.blocks import DESCRIBED, Checkpointed, checkpoint_record, checkpointed, mark_checkpointed
 from plait.blocks import blocks as repeated_blocks
 from plait.callable_module import make_callable
+from plait.layout_error import LayoutError, LayoutTypeError
 from plait.names import matches
 from plait.rng import RNGFork, fork_of
 
@@ -99,21 +100,30 @@ KEPT_OPS = _aten("mm.default", "addmm.default", "_scaled_mm.default", "_grouped_
 
 
 def check_options(policy: str | None, every: int = 1, blocks: Sequence[type | str] | None = None,
-                  where: str = "activation_checkpointing") -> None:
-    """Raise ``ValueError`` for an unknown policy, ``every`` < 1, or options given without a policy."""
+                  where: str = "activation_checkpointing",
+                  names: tuple[str, str, str] = ("policy", "every", "blocks")) -> None:
+    """Raise `LayoutError` for an unknown policy, ``every`` < 1, or options given without a policy
+    (`LayoutTypeError` for ``blocks`` that are not a list). ``where`` is the call and ``names`` its
+    names for the three options (``ParallelPlan``'s ``ac``, ``ac_every``, ``ac_blocks``): the
+    message and the error's ``fields`` use them."""
+    pol, ev, bl = names
     if policy is not None and policy not in POLICIES:
-        raise ValueError(f"{where}: policy must be one of {POLICIES} or None (no checkpointing), "
-                         f"got {policy!r}")
+        raise LayoutError(f"{where}({pol}=...): policy must be one of {POLICIES} or None (no checkpointing), "
+                          f"got {policy!r}", (pol,))
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise ValueError(f"{where}: every must be an integer >= 1 (checkpoint every k-th block), "
-                         f"got {every!r}")
+        raise LayoutError(f"{where}({ev}=...): every must be an integer >= 1 (checkpoint every k-th block), "
+                          f"got {every!r}", (ev,))
     if blocks is not None and (isinstance(blocks, str) or not isinstance(blocks, Sequence)
                                or not all(isinstance(b, (str, type)) for b in blocks)):
-        raise TypeError(f"{where}: blocks must be a list of module classes or module-name patterns, "
-                        f"got {blocks!r}")
-    if policy is None and (every != 1 or blocks is not None):
-        raise ValueError(f"{where}: every={every!r} / blocks={blocks!r} choose the blocks to checkpoint, but "
-                         "no policy is given: they would be ignored; give 'full' or 'selective'")
+        raise LayoutTypeError(f"{where}({bl}=...): blocks must be a list of module classes or module-name "
+                              f"patterns, got {blocks!r}", (bl,))
+    given = [(n, v) for n, v, on in ((ev, every, every != 1), (bl, blocks, blocks is not None)) if on]
+    if policy is None and given:
+        one = len(given) == 1
+        raise LayoutError(f"{where}({', '.join(f'{n}={v!r}' for n, v in given)}) "
+                          f"{'chooses' if one else 'choose'} the blocks to checkpoint; {pol}=None would "
+                          f"ignore {'it' if one else 'them'}: give {pol}='full' or {pol}='selective'",
+                          (*(n for n, _ in given), pol))
 
 
 def activation_checkpointing(model: nn.Module, policy: str | None = "full", every: int = 1, *,

@@ -1,6 +1,7 @@
 """The plan `plait.parallelize` applies: what each mesh axis gets (`ParallelPlan`), checked on its
-own when made (options its data strategy would ignore, malformed pipeline options). Whether a
-plan fits a model and a mesh is `plait.rules`'."""
+own when made (options its data strategy would ignore, malformed pipeline options), each refusal a
+`LayoutError` naming its fields, as `plait.rules`' are. Whether a plan fits a model and a mesh is
+`plait.rules`'."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from plait.activation_checkpointing import check_options
 from plait.cp.apply import ALGORITHMS
+from plait.layout_error import LayoutError, LayoutTypeError
 from plait.pipeline.arguments import P2P_MODES
 from plait.pipeline.generators import SCHEDULES
 from plait.pipeline.schedules import Schedule
@@ -61,30 +63,35 @@ class ParallelPlan:
         self.validate()
 
     def validate(self) -> ParallelPlan:
-        """Raise on a plan that names an option its data strategy would ignore, or a malformed
-        pipeline option; return ``self``."""
+        """Raise `LayoutError` on a plan that names an option its data strategy would ignore, or a
+        malformed option (`LayoutTypeError`, also a TypeError, on a value of the wrong type); its
+        ``fields`` name the fields the refusal is about. Return ``self``."""
         if self.data not in DATA_STRATEGIES:
-            raise ValueError(f"ParallelPlan(data=...) must be one of {DATA_STRATEGIES}, got {self.data!r}")
+            raise LayoutError(f"ParallelPlan(data=...) must be one of {DATA_STRATEGIES}, got {self.data!r}",
+                              ("data",))
         # Options only FSDP reads: under DDP or no data parallelism they would change nothing,
         # so a run asked for bf16 or offloading would silently train in fp32 on the device.
         fsdp_only = {"zero_stage": self.zero_stage != 3, "offload": self.offload,
                      "reshard_after_forward": not self.reshard_after_forward,
                      "backward_prefetch": not self.backward_prefetch,
                      "fsdp_units": self.fsdp_units is not None}
-        given = [f"{k}={getattr(self, k)!r}" for k, on in fsdp_only.items() if on]
+        given = [k for k, on in fsdp_only.items() if on]
         if self.data != "fsdp" and given:
-            raise ValueError(f"ParallelPlan({', '.join(given)}): FSDP options, read only with data='fsdp' "
-                             f"(FSDP / HSDP); data={self.data!r} would ignore them: use data='fsdp' or leave "
-                             "them unset")
+            listed = ", ".join(f"{k}={getattr(self, k)!r}" for k in given)
+            verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+            raise LayoutError(f"ParallelPlan({listed}) {verb} to data='fsdp' only (FSDP and HSDP read "
+                              f"{them}); data={self.data!r} would ignore {them}: use data='fsdp' or leave "
+                              f"{them} unset", (*given, "data"))
         if self.data != "ddp" and self.ddp_options:
-            raise ValueError(f"ParallelPlan(ddp_options={self.ddp_options!r}) applies to data='ddp'; "
-                             f"got data={self.data!r}")
+            raise LayoutError(f"ParallelPlan(ddp_options={self.ddp_options!r}) applies to data='ddp'; "
+                              f"got data={self.data!r}", ("ddp_options", "data"))
         if self.cp is not None and self.cp not in ALGORITHMS:
-            raise ValueError(f"ParallelPlan(cp=...) must be one of {tuple(ALGORITHMS)} or None, got "
-                             f"{self.cp!r}")
+            raise LayoutError(f"ParallelPlan(cp=...) must be one of {tuple(ALGORITHMS)} or None, got "
+                              f"{self.cp!r}", ("cp",))
         _check_precision(self)
         _check_pipeline_fields(self)
-        check_options(self.ac, self.ac_every, self.ac_blocks, where="ParallelPlan(ac=...)")
+        check_options(self.ac, self.ac_every, self.ac_blocks, where="ParallelPlan",
+                      names=("ac", "ac_every", "ac_blocks"))
         return self
 
     @property
@@ -100,18 +107,22 @@ class ParallelPlan:
 def _check_precision(plan: ParallelPlan) -> None:
     """Mixed precision under every data strategy: FSDP casts its gathered parameters itself; DDP and
     no data parallelism use `plait.mixed_precision`, whose reduce dtype DDP reads (see `_ddp_options`)."""
-    mp = plan.precision  # raises on a value that names no precision
+    try:
+        mp = plan.precision
+    except ValueError as e:  # a value that names no precision
+        raise LayoutError(str(e), ("mixed_precision",)) from None
     if mp is None or plan.data != "ddp":
         return
     asked = plan.ddp_options.get("gradient_compression")
     if mp.wire_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"ParallelPlan(mixed_precision={plan.mixed_precision!r}): DDP reduces the fp32 "
-                         f"master gradients as they are or as a bf16 / fp16 copy, not in {mp.wire_dtype}")
+        raise LayoutError(f"ParallelPlan(mixed_precision={plan.mixed_precision!r}): DDP reduces the fp32 "
+                          f"master gradients as they are or as a bf16 / fp16 copy, not in {mp.wire_dtype}",
+                          ("mixed_precision", "data"))
     if asked is not None and _COMPRESSION_NAMES.get(mp.wire_dtype) != asked:
-        raise ValueError(f"ParallelPlan(ddp_options={{'gradient_compression': {asked!r}}}) disagrees with "
-                         f"mixed_precision={plan.mixed_precision!r}, which reduces gradients in "
-                         f"{mp.wire_dtype}; drop the option (it follows the precision's reduce dtype) or "
-                         "change the reduce dtype")
+        raise LayoutError(f"ParallelPlan(ddp_options={{'gradient_compression': {asked!r}}}) disagrees with "
+                          f"mixed_precision={plan.mixed_precision!r}, which reduces gradients in "
+                          f"{mp.wire_dtype}; drop the option (it follows the precision's reduce dtype) or "
+                          "change the reduce dtype", ("ddp_options", "mixed_precision"))
 
 
 # DDP's gradient_compression for a reduce dtype (fp32: none; the master gradients are fp32).
@@ -123,19 +134,19 @@ def _check_pipeline_fields(plan: ParallelPlan) -> None:
     for name in ("pp_microbatches", "pp_chunks"):
         v = getattr(plan, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"ParallelPlan({name}=...) must be an integer >= 1, got {v!r}")
+            raise LayoutError(f"ParallelPlan({name}=...) must be an integer >= 1, got {v!r}", (name,))
     if plan.p2p not in P2P_MODES:
-        raise ValueError(f"ParallelPlan(p2p=...) must be one of {P2P_MODES}, got {plan.p2p!r}")
+        raise LayoutError(f"ParallelPlan(p2p=...) must be one of {P2P_MODES}, got {plan.p2p!r}", ("p2p",))
     if plan.loss_fn is not None and not callable(plan.loss_fn):
-        raise TypeError(f"ParallelPlan(loss_fn=...) must be a callable (output, targets) -> scalar loss, "
-                        f"got {plan.loss_fn!r}")
+        raise LayoutTypeError(f"ParallelPlan(loss_fn=...) must be a callable (output, targets) -> scalar "
+                              f"loss, got {plan.loss_fn!r}", ("loss_fn",))
     split = plan.pp_split
     names_ok = (isinstance(split, Sequence) and not isinstance(split, str)
                 and all(isinstance(n, str) for n in split))
     if split != "auto" and not names_ok:
-        raise ValueError(f"ParallelPlan(pp_split=...) must be 'auto' or a list of segment names starting "
-                         f"stages 1.. (e.g. ['layers.4']), got {split!r}")
+        raise LayoutError(f"ParallelPlan(pp_split=...) must be 'auto' or a list of segment names starting "
+                          f"stages 1.. (e.g. ['layers.4']), got {split!r}", ("pp_split",))
     sched = plan.pp_schedule
     if sched not in SCHEDULES if isinstance(sched, str) else not isinstance(sched, (Schedule, Sequence)):
-        raise ValueError(f"ParallelPlan(pp_schedule=...) must be one of {SCHEDULES}, a plait Schedule or "
-                         f"per-rank action lists, got {sched!r}")
+        raise LayoutError(f"ParallelPlan(pp_schedule=...) must be one of {SCHEDULES}, a plait Schedule or "
+                          f"per-rank action lists, got {sched!r}", ("pp_schedule",))

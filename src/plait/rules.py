@@ -29,7 +29,8 @@ from plait.cp.apply import ALGORITHMS
 from plait.cp.positions import rotaries
 from plait.ep.apply import expert_counts, no_moe_reason
 from plait.ep.stacked import stacked_expert_modules
-from plait.models.moe import moe_layers
+from plait.layout_error import LayoutError
+from plait.models.moe import MoE, moe_layers
 from plait.names import matches
 from plait.parallel_plan import ParallelPlan
 from plait.pipeline.actions import Kind
@@ -99,23 +100,6 @@ class MeshShape:
         return "mesh " + (" x ".join(shown) or "of one rank")
 
 
-class LayoutError(ValueError):
-    """A layout that cannot run. ``fields`` names the mesh axes and `ParallelPlan` fields the
-    refusal is about (a CLI maps them to its flags); ``nearest`` lists valid alternatives for
-    ``axis`` as ``{axis: degree, data axis: degree}``, nearest first."""
-
-    def __init__(self, message: str, fields: tuple[str, ...] = (), axis: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.fields, self.axis = message, fields, axis
-        self.nearest: list[dict[str, int]] = []
-
-    def __str__(self) -> str:
-        if not self.nearest:
-            return self.message
-        shown = ", ".join(" ".join(f"{a}={d}" for a, d in n.items()) for n in self.nearest)
-        return f"{self.message}; nearest valid: {shown}"
-
-
 def check_layout(model: nn.Module, mesh: MeshShape | Mesh | Mapping[str, int], plan: ParallelPlan, *,
                  tp_trace: bool = False, numeric: bool = False, suggest: bool = True) -> None:
     """Raise `LayoutError` if ``plan`` cannot run ``model`` on a mesh of this shape; return None if
@@ -165,8 +149,10 @@ def _check(model: nn.Module, shape: MeshShape, plan: ParallelPlan, tp_trace: boo
         given = plan.pipeline_options()
         if given:
             listed = ", ".join(f"{k}={v!r}" for k, v in given.items())
-            raise LayoutError(f"ParallelPlan({listed}): pipeline options, read only when the mesh has "
-                              f"pp > 1; {shape} has pp=1: leave them unset or add a pp axis", tuple(given))
+            one = len(given) == 1
+            what, them = ("is a pipeline option", "it") if one else ("are pipeline options", "them")
+            raise LayoutError(f"ParallelPlan({listed}) {what}, read only when the mesh has pp > 1; {shape} "
+                              f"has pp=1: leave {them} unset or add a pp axis", tuple(given))
     else:
         _pipeline_rules(model, shape, plan)
 
@@ -258,6 +244,17 @@ def _expert_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> Non
             raise LayoutError(f"ep={shape.ep} splits the {count} experts evenly: it must divide "
                               "them", ("ep",), axis="ep")
     stacked = [n for n, _ in stacked_expert_modules(model)]
+    # plait's MoE experts are placed at any ep (marked at ep=1), stacked ones when ep splits them.
+    placed = [n for n, m in model.named_modules() if isinstance(m, MoE)] or (stacked if shape.ep > 1 else [])
+    lowered = {k: v for k, v, on in (("mixed_precision", plan.mixed_precision, plan.precision is not None),
+                                     ("offload", plan.offload, plan.offload)) if on}
+    if plan.data == "fsdp" and placed and lowered:
+        listed = ", ".join(f"{k}={v!r}" for k, v in lowered.items())
+        them = "it" if len(lowered) == 1 else "them"
+        raise LayoutError(f"experts ({placed[0]!r}) with data='fsdp' and ParallelPlan({listed}): the experts "
+                          "stay whole outside FSDP's shards, where FSDP's mixed precision and offloading "
+                          f"would not reach them; train them in fp32 on the device (leave {them} unset) or "
+                          "use data='ddp'", ("data", *lowered))
     split = [p for p, st in (plan.tp or {}).items() if any(matches(p, n) for n in stacked)]
     if shape.ep > 1 and shape.tp > 1 and split and plan.data == "fsdp":
         raise LayoutError(f"ep={shape.ep} and tp={shape.tp} both splitting the stacked experts {split[0]!r} "

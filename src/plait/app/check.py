@@ -102,42 +102,36 @@ def layout_of(cfg: CheckConfig) -> tuple[ParallelPlan, dict[str, int]]:
                     ("--seq", cfg.batch.seq), ("--batch-size", cfg.batch.batch_size)):
         if v < 1:
             raise ValueError(f"{flag} {v}: must be an integer >= 1")
-    fsdp_only = (("--zero-stage", par.zero_stage != 3 and par.zero_stage), ("--offload", par.offload),
-                 ("--no-reshard-after-forward", not par.reshard_after_forward),
-                 ("--no-backward-prefetch", not par.backward_prefetch), ("--dp", par.dp > 1 and par.dp))
-    for flag, given in fsdp_only:
-        if given and par.strategy != "fsdp":
-            value = "" if isinstance(given, bool) else f" {given}"
-            raise ValueError(f"{flag}{value} applies to --strategy fsdp only; --strategy {par.strategy} "
-                             "would ignore it: use --strategy fsdp or drop the flag")
-    if par.ac_every != 1 and par.ac == "none":
-        raise ValueError(f"--ac-every {par.ac_every} chooses the blocks --ac checkpoints; --ac none would "
-                         "ignore it: add --ac full or --ac selective")
+    if par.dp > 1 and par.strategy != "fsdp":  # the mesh's dp: the replicas of HSDP
+        raise ValueError(f"--dp {par.dp} applies to --strategy fsdp only; --strategy {par.strategy} "
+                         "would ignore it: use --strategy fsdp or drop the flag")
     if par.cp == 1 and par.cp_algorithm != "ring":
         raise ValueError(f"--cp-algorithm {par.cp_algorithm} chooses how --cp splits attention; --cp 1 would "
                          "ignore it: add --cp 2 or more")
     if par.cp > 1 and cfg.batch.seq % (2 * par.cp):
         raise ValueError(f"--cp {par.cp} cuts each sequence into {2 * par.cp} equal chunks (two per rank); "
                          f"--seq {cfg.batch.seq} does not divide by {2 * par.cp}")
-    if par.chunks > 1 and par.pp < 2:
-        raise ValueError(f"--chunks {par.chunks} sets pipeline stages per rank: it needs --pp 2 or more")
     if par.nproc % (par.pp * par.cp * par.tp * par.dp):
         raise ValueError(f"--nproc {par.nproc} is not divisible by --pp {par.pp} x --cp {par.cp} x --tp "
                          f"{par.tp} x --dp {par.dp}")
     if par.strategy == "none" and par.nproc != par.pp * par.cp * par.tp:
         raise ValueError(f"--strategy none has no data-parallel ranks: --nproc must be --pp x --cp x --tp = "
                          f"{par.pp * par.cp * par.tp}, got {par.nproc}")
-    fsdp: dict[str, Any] = {}
-    if par.strategy == "fsdp":
-        fsdp = dict(zero_stage=par.zero_stage, offload=par.offload,
-                    reshard_after_forward=par.reshard_after_forward, backward_prefetch=par.backward_prefetch)
-    pipe: dict[str, Any] = {}
+    # --chunks whatever --pp is: without a pipeline the rules refuse it (in the parent, on the
+    # factory's meta model), as they refuse FSDP options under another strategy here.
+    pipe: dict[str, Any] = {"pp_chunks": par.chunks}
     if par.pp > 1:
-        pipe = dict(pp_schedule=par.schedule, pp_microbatches=par.microbatches, pp_chunks=par.chunks)
-    plan = ParallelPlan(data={"fsdp": "fsdp", "ddp": "ddp", "none": "none"}[par.strategy],
-                        sequence_parallel=par.sequence_parallel, cp=par.cp_algorithm if par.cp > 1 else None,
-                        ac=None if par.ac == "none" else par.ac, ac_every=par.ac_every,
-                        seed=c.seed, mixed_precision=par.mixed_precision, **fsdp, **pipe)
+        pipe.update(pp_schedule=par.schedule, pp_microbatches=par.microbatches)
+    try:
+        plan = ParallelPlan(data={"fsdp": "fsdp", "ddp": "ddp", "none": "none"}[par.strategy],
+                            sequence_parallel=par.sequence_parallel,
+                            cp=par.cp_algorithm if par.cp > 1 else None,
+                            ac=None if par.ac == "none" else par.ac, ac_every=par.ac_every,
+                            seed=c.seed, mixed_precision=par.mixed_precision, zero_stage=par.zero_stage,
+                            offload=par.offload, reshard_after_forward=par.reshard_after_forward,
+                            backward_prefetch=par.backward_prefetch, **pipe)
+    except LayoutError as e:
+        raise ValueError(in_flags(e)) from None
     mesh = {"pp": par.pp, "tp": par.tp, "cp": par.cp, **({"dp": par.dp} if par.strategy == "fsdp" else {}),
             **({"ep": par.ep} if par.ep > 1 else {})}
     return plan, mesh

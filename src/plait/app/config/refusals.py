@@ -1,5 +1,5 @@
-"""How `plait train` words a refusal: a value and the flag that set it, and `plait.rules`' field
-names as the flags that set them."""
+"""How `plait train` words a refusal: a value and the flag that set it, and the field names of
+`plait.rules` and `ParallelPlan` as the flags that set them."""
 
 from __future__ import annotations
 
@@ -14,30 +14,51 @@ __all__ = ["in_flags", "require", "check_writable"]
 _RULE_FLAGS: dict[str, str] = {"pp": "--pp", "dp": "--dp", "cp": "--cp", "tp": "--tp", "ep": "--ep",
                                "pp_schedule": "--schedule", "pp_microbatches": "--microbatches",
                                "pp_chunks": "--chunks", "zero_stage": "--zero-stage", "data": "--strategy",
-                               "sequence_parallel": "--sequence-parallel",
-                               "balance_statistic": "--balance-statistic", "ac_every": "--ac-every",
+                               "sequence_parallel": "--sequence-parallel", "offload": "--offload",
+                               "reshard_after_forward": "--reshard-after-forward",
+                               "backward_prefetch": "--backward-prefetch",
+                               "mixed_precision": "--mixed-precision", "ac": "--ac", "ac_every": "--ac-every",
+                               "cp_algorithm": "--cp-algorithm",
+                               "balance_statistic": "--balance-statistic",
                                "aux_loss_coef": "--aux-loss-coef",
                                # the schedule generators' own words
                                "schedule": "--schedule", "microbatches": "--microbatches",
                                "chunks": "--chunks"}
+# Fields set by an on/off flag: True reads --offload, False --no-offload.
+_SWITCHES = {"sequence_parallel", "offload", "reshard_after_forward", "backward_prefetch"}
+_FIELD = re.compile(r"\b([a-z_]+)=('[^']*'|[\w.]+)")
+_PLAN = re.compile(r"ParallelPlan\(([^()]*)\)")
 
 
-def in_flags(error: LayoutError, microbatches: int | None = None, grad_accum: int = 1) -> str:
-    """A `plait.rules` refusal as `plait train` says it: ``tp=3`` reads ``--tp 3``, and so on for
-    every field with a flag (``pp_schedule='zbv'``: ``--schedule zbv``; ``fsdp=4``, which no flag
-    sets directly, stays); the nearest valid layouts likewise. ``microbatches`` and ``grad_accum``:
-    a pipeline step runs their product, which the rules see as one number."""
+def in_flags(error: LayoutError, microbatches: int | None = None, grad_accum: int = 1,
+             strategy: str | None = None, data: str | None = None) -> str:
+    """A `plait.rules` or `ParallelPlan` refusal as `plait train` says it: ``tp=3`` reads ``--tp 3``,
+    and so on for every field with a flag (``pp_schedule='zbv'``: ``--schedule zbv``;
+    ``offload=True``: ``--offload``; ``fsdp=4``, which no flag sets directly, stays); a plan's fields
+    (``ParallelPlan(zero_stage=2)``) read as the flags alone when each has one; the nearest valid
+    layouts likewise. ``microbatches`` and ``grad_accum``: a pipeline step runs their product, which
+    the rules see as one number. ``strategy`` and ``data``: the --strategy given and the plan's
+    ``data`` it made; where a refusal names that value it reads as the strategy typed (--strategy
+    none makes data='ddp' as ddp does), any other value (advice: ``use data='fsdp'``) as itself."""
     def flag(m: re.Match[str]) -> str:
         name, value = m[1], m[2].strip("'")
-        if name not in _RULE_FLAGS:
+        if name == "cp" and m[2].startswith("'"):  # the plan's algorithm, not the mesh's degree
+            name = "cp_algorithm"
+        if name not in _RULE_FLAGS or value == "...":
             return m[0]
         if name in ("pp_microbatches", "microbatches") and grad_accum > 1:  # a step runs mb x accum
             return f"--microbatches {microbatches} x --grad-accum {grad_accum}"
-        if name == "sequence_parallel":
-            return "--sequence-parallel"
-        return f"{_RULE_FLAGS[name]} {value}"
+        if name in _SWITCHES:
+            return _RULE_FLAGS[name] if value != "False" else f"--no-{_RULE_FLAGS[name][2:]}"
+        if name == "data" and strategy is not None and value == data:
+            value = strategy
+        return f"{_RULE_FLAGS[name]} {'none' if value == 'None' else value}"
 
-    return re.sub(r"\b([a-z_]+)=('[^']*'|[\w.]+)", flag, str(error))
+    def plan(m: re.Match[str]) -> str:
+        said = [_FIELD.sub(flag, item) for item in m[1].split(", ")]
+        return " ".join(said) if all(s.startswith("--") and "=" not in s for s in said) else m[0]
+
+    return _FIELD.sub(flag, _PLAN.sub(plan, str(error)))
 
 
 def require(section: object, name: str, ok: bool, allowed: str) -> None:

@@ -162,20 +162,12 @@ class TrainConfig:
         if par.strategy == "dp" and par.mixed_precision:
             raise ValueError(f"--mixed-precision {par.mixed_precision} with --strategy dp: DataParallel's "
                              "threads would share the modules' low-precision copies; use --strategy ddp")
-        if par.strategy != "fsdp":
-            # Only FSDP reads these; anywhere else they would be dropped without a word.
-            for flag, given in (("--offload", par.offload),
-                                ("--zero-stage", par.zero_stage != 3 and par.zero_stage),
-                                ("--no-reshard-after-forward", not par.reshard_after_forward),
-                                ("--no-backward-prefetch", not par.backward_prefetch)):
-                if given:
-                    value = f" {given}" if not isinstance(given, bool) else ""
-                    raise ValueError(f"{flag}{value} applies to --strategy fsdp only (FSDP's sharding "
-                                     f"and offloading); --strategy {par.strategy} would "
-                                     "ignore it: use --strategy fsdp or drop the flag")
-        if par.ac == "none" and par.ac_every != 1:
-            raise ValueError(f"--ac-every {par.ac_every} chooses the blocks to checkpoint: it needs --ac "
-                             "full or selective; --ac none would ignore it")
+        # The plan's own rules (FSDP options under another strategy, --ac-every without --ac),
+        # before the model is built; the rules against the model and the mesh: _check_model_layout.
+        try:
+            self.parallel_plan(None, tp_styles=False)
+        except LayoutError as e:
+            raise ValueError(self._in_flags(e)) from None
         if par.ac != "none" and par.strategy == "dp":
             raise ValueError("--ac with --strategy dp: DataParallel's threads run the shared modules "
                              "under torch.func.functional_call, which a recomputation in backward would not "
@@ -190,9 +182,6 @@ class TrainConfig:
         if par.dp > 1 and par.strategy != "fsdp":
             raise ValueError("--dp (hybrid replicas) applies to --strategy fsdp; with ddp every data rank "
                              "is dp")
-        if par.chunks > 1 and par.pp < 2:
-            raise ValueError(f"--chunks {par.chunks} sets pipeline stages per rank: it needs --pp 2 or "
-                             f"more, got --pp {par.pp}")
         if par.nproc % (par.pp * par.cp * par.tp * par.dp):
             raise ValueError(f"--nproc {par.nproc} is not divisible by --pp {par.pp} x --cp {par.cp} x "
                              f"--tp {par.tp} x --dp {par.dp}")
@@ -348,8 +337,6 @@ class TrainConfig:
                     raise ValueError(f"--{name.replace('_', '-')} {getattr(m, name)} configures "
                                      "mixture-of-experts blocks; without --experts the model has none: add "
                                      "--experts E")
-            if par.ep > 1:
-                raise ValueError(f"--ep {par.ep} splits experts over ranks: it needs --experts")
             return
         if m.hf_config is not None or usermodel.is_factory(m.name):
             other = ("--hf-config the model is the transformers one" if m.hf_config
@@ -362,9 +349,6 @@ class TrainConfig:
             raise ValueError(f"--capacity-factor {m.capacity_factor}: must be > 0 (leave it unset: dropless)")
         if par.strategy == "dp":
             raise ValueError("--experts with --strategy dp: use ddp, fsdp or none")
-        if par.strategy == "fsdp" and (par.mixed_precision or par.offload):
-            raise ValueError("--experts with --strategy fsdp: the experts stay whole outside FSDP's shards, "
-                             "where --mixed-precision and --offload would not reach them")
         if m.balance_statistic == "global" and m.aux_loss_coef:
             self._check_global_balance()
 
@@ -436,42 +420,53 @@ class TrainConfig:
         """A meta-device model against the layout: `plait.rules.check_layout`, the rules
         `plait.parallelize` applies on the ranks, with the plan `build_model` will use (its numeric
         check included), its refusal told in flags."""
-        if self.parallel.strategy == "dp":  # threads: no mesh, and DataParallel's own checks
-            return
         try:
             plan = self.parallel_plan(model, tp_styles=trace_tp)
+        except LayoutError as e:  # refused by _check_layout already; here for a caller that skipped it
+            raise ValueError(self._in_flags(e)) from None
         except ValueError as e:  # plan_for knows no plan for the model
             raise ValueError(f"--tp {self.parallel.tp} with {flag}: {e}{advice}") from None
         try:
             # plait's GPT plan is plait's own (tested); a transformers or FACTORY model's plan is
             # also traced and checked by its numbers, one block of each kind materialized.
+            # --strategy dp (threads in one process) is checked too: its plan's data is 'none', and
+            # its tp, cp and pp were refused above, which leaves the plan's and the experts' rules.
             foreign = trace_tp and not (self.model.hf_config is None and self.model_factory is None)
             check_layout(model, self.mesh_shape(), plan, tp_trace=foreign, numeric=foreign)
         except LayoutError as e:
-            said = in_flags(e, self.parallel.microbatches, self.run.grad_accum)
-            raise ValueError(f"{flag}: {said}{advice if 'tp' in e.fields else ''}") from None
+            raise ValueError(f"{flag}: {self._in_flags(e)}{advice if 'tp' in e.fields else ''}") from None
 
-    def parallel_plan(self, model: nn.Module, tp_styles: bool = True) -> ParallelPlan:
-        """The `plait.ParallelPlan` these flags ask of ``model`` (`plait train` parallelizes with it).
-        ``tp_styles=False``: with --tp, an empty plan stands for `plan_for`'s (not made)."""
+    def _in_flags(self, error: LayoutError) -> str:
+        """A `plait.rules` or `ParallelPlan` refusal in these flags."""
+        par = self.parallel
+        return in_flags(error, par.microbatches, self.run.grad_accum, par.strategy,
+                        _STRATEGY_DATA[par.strategy])
+
+    def parallel_plan(self, model: nn.Module | None, tp_styles: bool = True) -> ParallelPlan:
+        """The `plait.ParallelPlan` these flags ask of ``model`` (`plait train` parallelizes with it;
+        under --strategy dp it is checked only). ``tp_styles=False`` (``model`` may then be None):
+        with --tp, an empty plan stands for `plan_for`'s (not made)."""
         from plait.plans import plan_for
 
         par = self.parallel
         own_gpt = self.model.hf_config is None and self.model_factory is None
-        styles = (plan_for(model, loss_parallel=own_gpt) if tp_styles else {}) if par.tp > 1 else None
-        plan = ParallelPlan(tp=styles,
+        styles = None
+        if par.tp > 1:
+            styles = plan_for(model, loss_parallel=own_gpt) if tp_styles and model is not None else {}
+        # The pipeline's fields only with --pp (a step's microbatches count --grad-accum's), but
+        # --chunks always: the rules refuse it without a pipeline.
+        pipeline: dict[str, Any] = {"pp_chunks": par.chunks}
+        if par.pp > 1:
+            pipeline.update(pp_schedule=par.schedule, pp_microbatches=self.pipeline_microbatches)
+        return ParallelPlan(tp=styles,
                             sequence_parallel=par.sequence_parallel,
-                            data="fsdp" if par.strategy == "fsdp" else "ddp", seed=self.run.seed,
+                            data=_STRATEGY_DATA[par.strategy], seed=self.run.seed,
                             zero_stage=par.zero_stage, mixed_precision=par.mixed_precision,
                             offload=par.offload,
                             reshard_after_forward=par.reshard_after_forward,
                             backward_prefetch=par.backward_prefetch,
                             ac=None if par.ac == "none" else par.ac, ac_every=par.ac_every,
-                            cp=par.cp_algorithm if par.cp > 1 else None)
-        if par.pp > 1:
-            plan = dataclasses.replace(plan, pp_schedule=par.schedule, pp_chunks=par.chunks,
-                                       pp_microbatches=self.pipeline_microbatches)
-        return plan
+                            cp=par.cp_algorithm if par.cp > 1 else None, **pipeline)
 
     def mesh_shape(self) -> MeshShape:
         """The shape of `mesh`, without process groups: the data ranks on fsdp (with --dp replicas)
@@ -568,5 +563,9 @@ class TrainConfig:
         """The flat view, keyed like the flags (``from_flags(**cfg.flags())`` gives the same config)."""
         return {flag: getattr(getattr(self, s), name) for flag, (s, name) in FLAGS.items()}
 
+
+# The plan's data strategy for each --strategy: none runs one process, where DDP does nothing;
+# dp's threads are no torch.distributed data strategy (its plan is checked, not applied).
+_STRATEGY_DATA = {"ddp": "ddp", "fsdp": "fsdp", "none": "ddp", "dp": "none"}
 
 # `plait.rules` names mesh axes and `ParallelPlan` fields; `plait train` says them as its flags.
