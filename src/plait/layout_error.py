@@ -4,8 +4,6 @@ that does not fit a model and a mesh) raise the same error without importing eac
 
 from __future__ import annotations
 
-__all__ = ["LayoutError", "LayoutTypeError"]
-
 
 class LayoutError(ValueError):
     """A layout that cannot run. ``fields`` names the mesh axes and `ParallelPlan` fields the

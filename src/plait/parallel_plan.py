@@ -20,8 +20,6 @@ from plait.pipeline.schedules import Schedule
 from plait.precision import MixedPrecision, parse_mixed_precision
 from plait.tp.context import Style
 
-__all__ = ["ParallelPlan", "DATA_STRATEGIES", "PIPELINE_DEFAULTS"]
-
 DATA_STRATEGIES = ("ddp", "fsdp", "none")
 # Pipeline options and their defaults: read only when the mesh has pp > 1.
 PIPELINE_DEFAULTS: dict[str, Any] = {"pp_split": "auto", "pp_schedule": "1f1b", "pp_microbatches": 4,

@@ -17,9 +17,10 @@ Flags on the command line override the file. Every combination that could not ru
 by `TrainConfig` itself, in the parent process, before any rank is spawned.
 """
 
-from plait.app.config.arguments import ConfigFileError, given_flags, parse_args, to_toml
-from plait.app.config.refusals import in_flags
-from plait.app.config.sections import (  # the choices' types too, as the one module exported them
+# The names the rest of the library reads from the package (an internal one: no __all__).
+from plait.app.config.arguments import ConfigFileError, given_flags, parse_args, to_toml  # noqa: F401
+from plait.app.config.refusals import in_flags  # noqa: F401
+from plait.app.config.sections import (  # noqa: F401 (the choices' types too, as the one module exported them)
     FIELD_FLAGS,
     FLAGS,
     MIXED_PRECISIONS,
@@ -41,10 +42,4 @@ from plait.app.config.sections import (  # the choices' types too, as the one mo
     TokenDtype,
     ZeroStage,
 )
-from plait.app.config.train_config import TrainConfig
-
-__all__ = ["ModelSection", "ParallelSection", "OptimizerSection", "DataSection", "CheckpointSection",
-           "RunSection", "TrainConfig", "parse_args", "given_flags", "to_toml", "in_flags", "ConfigFileError",
-           "SECTIONS", "FLAGS", "FIELD_FLAGS", "STRATEGIES", "MIXED_PRECISIONS", "ModelName", "Strategy",
-           "ScheduleName", "Precision", "TokenDtype", "CPAlgorithm", "Checkpointing", "ZeroStage",
-           "BalanceStatistic"]
+from plait.app.config.train_config import TrainConfig  # noqa: F401

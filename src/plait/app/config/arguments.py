@@ -26,8 +26,6 @@ from plait.app.config.sections import (
 )
 from plait.app.config.train_config import TrainConfig
 
-__all__ = ["ConfigFileError", "parse_args", "given_flags", "to_toml"]
-
 
 class ConfigFileError(ValueError):
     """A config file that cannot be read, or holds a section or key `plait train` does not know."""

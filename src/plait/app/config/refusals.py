@@ -9,8 +9,6 @@ from pathlib import Path
 
 from plait.rules import LayoutError
 
-__all__ = ["in_flags", "require", "check_writable"]
-
 _RULE_FLAGS: dict[str, str] = {"pp": "--pp", "dp": "--dp", "cp": "--cp", "tp": "--tp", "ep": "--ep",
                                "pp_schedule": "--schedule", "pp_microbatches": "--microbatches",
                                "pp_chunks": "--chunks", "zero_stage": "--zero-stage", "data": "--strategy",

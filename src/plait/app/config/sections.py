@@ -19,9 +19,6 @@ else:  # the same parser, before it joined the standard library
 from plait.app import data as corpus
 from plait.env import DEFAULT_TIMEOUT_S
 
-__all__ = ["ModelSection", "ParallelSection", "OptimizerSection", "DataSection", "CheckpointSection",
-           "RunSection", "SECTIONS", "FLAGS", "FIELD_FLAGS", "STRATEGIES", "MIXED_PRECISIONS"]
-
 # The choices the command line offers; tests keep them equal to PRESETS and SCHEDULES.
 ModelName = Literal["tiny", "small", "25m", "50m", "100m", "llama3-8b", "llama3-70b"]
 Strategy = Literal["none", "dp", "ddp", "fsdp"]

@@ -44,8 +44,6 @@ from plait.parallel_plan import ParallelPlan
 from plait.pipeline import SCHEDULES
 from plait.rules import LayoutError, MeshShape, check_layout
 
-__all__ = ["TrainConfig"]
-
 
 @dataclass
 class TrainConfig:
