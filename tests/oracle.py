@@ -90,6 +90,43 @@ def shard_pieces(fsdp):
                     yield slot.fqn, p, slice(0, n), slice(a * slot.row, a * slot.row + n)
 
 
+def layout_pieces(net):
+    """(name in the one-process model, tensor this rank steps, slice of its flattened local tensor,
+    slice of the flattened tp-local full parameter) for every parameter of ``net`` on this rank,
+    whatever the layout: FSDP's DTensor shards by their rows (a pipeline's FSDP stages too), every
+    other parameter whole (slices None; a DDP wrapper's ``module.`` dropped)."""
+    from plait.fsdp.wrapper import FullyShardedDataParallel
+
+    parts = list(net.stages.values()) if isinstance(getattr(net, "stages", None), dict) else [net]
+    sharded = [part for part in parts if isinstance(part, FullyShardedDataParallel)]
+    held = {id(p) for part in sharded for p in part.parameters()}
+    for part in sharded:
+        yield from shard_pieces(part)
+    named = (net.named_parameters(remove_duplicate=False) if isinstance(net, nn.Module)
+             else net.named_parameters())  # a Pipeline: each parameter once, under the model's names
+    for name, p in named:
+        if id(p) not in held:
+            yield name.removeprefix("module."), p, None, None
+
+
+def compare_with_oracle(net, oracle: nn.Module, what: str, get: Callable, tol: dict,
+                        specs: dict | None = None) -> None:
+    """The parity check every layout test makes: ``get`` (a value, a gradient) of each tensor this
+    rank steps in ``net`` against the same of the one-process ``oracle``'s parameter, piece by
+    piece (``specs``: the tensor-parallel `ShardSpec`s by name; a tp-split tensor is compared with
+    its rows of the full one). ``what`` names the moment in a failure."""
+    specs = specs or {}
+    ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under each name
+    for name, p, mine, theirs in layout_pieces(net):
+        full = get(ref[name])
+        if mine is None:
+            got, want = tp_pair(get(p), full, specs.get(name))
+        else:
+            got = local_of(get(p)).reshape(-1)[mine]
+            want = (specs[name].take(full) if name in specs else full).reshape(-1)[theirs]
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (a plain tensor as it is)."""
     from torch.distributed.tensor import DTensor

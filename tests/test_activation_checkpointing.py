@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import local_of, train_losses
+from oracle import layout_pieces, local_of, train_losses
 from torch import nn
 
 import plait
@@ -51,21 +51,6 @@ def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return w[:, :-1], w[:, 1:]
 
 
-def _pieces(net):
-    """(original name, tensor this rank steps, slice of it, slice of the flattened local parameter)."""
-    from oracle import shard_pieces
-
-    from plait.ddp.wrapper import DistributedDataParallel
-    from plait.fsdp.wrapper import FullyShardedDataParallel
-
-    if isinstance(net, FullyShardedDataParallel):
-        yield from shard_pieces(net)
-        return
-    inner = net.module if isinstance(net, DistributedDataParallel) else net
-    for name, p in inner.named_parameters():
-        yield name, p, slice(None), slice(None)
-
-
 def _train(mesh, plan_kw: dict, dropout: float, ac: str | None, every: int, steps: int = 2) -> dict:
     """This rank's gradient pieces at each step (two SGD steps), keyed by original name."""
     from plait.tp.apply import loss_fn_for, tp_info
@@ -91,10 +76,11 @@ def _train(mesh, plan_kw: dict, dropout: float, ac: str | None, every: int, step
             net.step(xs, ys)
         else:
             loss_fn(net(xs), ys).backward()
-        grads.append({name: local_of(t.grad).reshape(-1)[mine].clone() for name, t, mine, _ in _pieces(net)})
+        grads.append({name: local_of(t.grad).reshape(-1)[mine or slice(None)].clone()
+                      for name, t, mine, _ in layout_pieces(net)})
         opt.step()
         opt.zero_grad()
-    theirs = {name: sl for name, _, _, sl in _pieces(net)}
+    theirs = {name: sl or slice(None) for name, _, _, sl in layout_pieces(net)}
     return {"grads": grads, "theirs": theirs, "specs": specs, "full": plait.full_state_dict(net),
             "fill_w": net.exec.fill_w if pp else None}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import local_of, loss64
+from oracle import compare_with_oracle, local_of, loss64
 
 from plait.testing import cached_mesh
 
@@ -27,14 +27,6 @@ def _batch(step: int, vocab: int, b: int = 8, s: int = 16) -> tuple[torch.Tensor
     g = torch.Generator().manual_seed(1000 + step)
     w = torch.randint(0, vocab, (b, s + 1), generator=g)
     return w[:, :-1], w[:, 1:]
-
-
-def _pieces(net):
-    """(name, DTensor parameter, slice of its flattened local tensor, slice of the flattened tp-local
-    parameter)."""
-    from oracle import shard_pieces
-
-    yield from shard_pieces(net)
 
 
 def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_stage: int = 3,
@@ -60,11 +52,7 @@ def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_st
     ref = dict(oracle.named_parameters(remove_duplicate=False))
 
     def check(what: str, get) -> None:
-        for name, p, mine, theirs in _pieces(net):
-            full = get(ref[name])
-            want = (specs[name].take(full) if name in specs else full).reshape(-1)[theirs]
-            torch.testing.assert_close(local_of(get(p)).reshape(-1)[mine], want, **TOL,
-                                       msg=lambda m, n=name: f"{what} {n}: {m}")
+        compare_with_oracle(net, oracle, what, get, TOL, specs)
 
     check("initial value of", lambda p: p.detach())
     opt_ref = torch.optim.AdamW(oracle.parameters())

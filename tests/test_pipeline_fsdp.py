@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import local_of, loss64
+from oracle import compare_with_oracle, local_of, loss64
 
 from plait.testing import cached_mesh
 
@@ -39,20 +39,6 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, CFG["vocab_size"], (BATCH, CFG["seq_len"] + 1), generator=g)
     return data[:, :-1], data[:, 1:]
-
-
-def _pieces(pipe):
-    """(original name, tensor this rank steps, its slice, slice of the flattened local parameter)."""
-    from oracle import shard_pieces
-
-    from plait.fsdp.wrapper import FullyShardedDataParallel
-
-    for stage in pipe.stages.values():
-        if not isinstance(stage, FullyShardedDataParallel):  # DDP: the stage's own parameters
-            for name, p in stage.module.named_parameters():
-                yield name, p, slice(None), slice(None)
-            continue
-        yield from shard_pieces(stage)
 
 
 def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, accumulate: bool = False,
@@ -75,14 +61,9 @@ def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, accumulate: bool = Fal
                               loss_fn=None if tp else loss64, **plan_kw)
     pipe = plait.parallelize(model, mesh, plan)
     specs = pipe.tp_info.specs if tp else {}
-    ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
 
     def check(what: str, get) -> None:
-        for name, t, mine, theirs in _pieces(pipe):
-            full = get(ref[name])
-            want = (specs[name].take(full) if name in specs else full).reshape(-1)[theirs]
-            torch.testing.assert_close(local_of(get(t)).reshape(-1)[mine], want, **TOL64,
-                                       msg=lambda m, n=name: f"{what} {n}: {m}")
+        compare_with_oracle(pipe, oracle, what, get, TOL64, specs)
 
     check("initial value of", lambda p: p.detach())
     opt = torch.optim.AdamW(pipe.parameters())

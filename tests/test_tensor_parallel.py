@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import local_of, loss64, tp_pair
+from oracle import compare_with_oracle, local_of, loss64, tp_pair
 from torch import nn
 
 from plait import comm
@@ -160,12 +160,9 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, dp: int = 
     net = DDP(model, mesh) if dp > 1 else model
     specs = tp_info(net).specs
     loss_fn = loss_fn_for(net) if loss_parallel else loss64
-    ref_params = dict(oracle.named_parameters(remove_duplicate=False))
 
     def check(what: str, get) -> None:
-        for name, p in model.named_parameters(remove_duplicate=False):
-            got, want = tp_pair(get(p), get(ref_params[name]), specs.get(name))
-            torch.testing.assert_close(got, want, **TOL64, msg=lambda m, n=name: f"{what} {n}: {m}")
+        compare_with_oracle(model, oracle, what, get, TOL64, specs)
 
     check("initial value of", lambda p: p.detach())
     opt_ref = torch.optim.AdamW(oracle.parameters())
