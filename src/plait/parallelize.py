@@ -75,11 +75,12 @@ from plait.names import matches
 from plait.parallel_plan import ParallelPlan
 from plait.pipeline.api import Pipeline
 from plait.pipeline.parts import split as split_stages
+from plait.pipeline.schedules import Schedule
 from plait.pipeline.wrapping import StageWrapper
 from plait.placement.records import tp_info
 from plait.placement.tp_params import to_plain_parameters
 from plait.precision import mixed_precision
-from plait.rules import ZERO3_SPLIT_BACKWARD, LayoutError, check_layout
+from plait.rules import ZERO3_SPLIT_BACKWARD, Layout, LayoutError, check_layout
 from plait.tp.apply import assign_styles, loss_fn_for, tensor_parallel, validate_tied_splits
 from plait.tp.styles import VocabParallelOutput
 
@@ -97,13 +98,13 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     Every argument is checked before the first collective, so a bad plan fails on every rank
     with the same error instead of leaving some ranks waiting.
     """
-    _check(module, mesh, plan)
-    pipelined = mesh.size("pp") > 1
+    layout = _check(module, mesh, plan)
+    pipelined = layout.schedule is not None
     # Steps 1b to 2b, one function for both paths: applied to the whole model, or by the pipeline
     # to each of this rank's stages (materialized and tensor parallel, as below).
     steps = _steps_after_tensor_parallel(module, mesh, plan, pipelined)
-    if pipelined:  # 0. split, then 1 to 3 on each of this rank's parts
-        return _pipeline(module, mesh, plan, steps)
+    if layout.schedule is not None:  # 0. split, then 1 to 3 on each of this rank's parts
+        return _pipeline(module, mesh, plan, layout.schedule, steps)
     if plan.tp is not None:  # 1. tensor parallel
         module = _tensor_parallel(module, mesh, plan)
     if is_meta(module) and plan.data != "fsdp":
@@ -120,14 +121,14 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     return module
 
 
-def _pipeline(module: nn.Module, mesh: Mesh, plan: ParallelPlan,
+def _pipeline(module: nn.Module, mesh: Mesh, plan: ParallelPlan, schedule: Schedule,
               steps: Callable[[nn.Module], None] | None) -> Pipeline:
     """Step 0, then steps 1 to 3 on this rank's parts: tensor parallelism over all of them at once
     (one TPInfo; ties inside the rank stay ties), or materialization of all of them at once; then
     each part's steps 1b to 2b and its DDP or FSDP; the pipeline schedules what was built."""
     _check_pipeline_tp(module, mesh, plan)
     wrapper = _stage_wrapper(module, mesh, plan)
-    parts = split_stages(module, mesh, split=plan.pp_split, schedule=plan.pp_schedule,
+    parts = split_stages(module, mesh, split=plan.pp_split, schedule=schedule,
                          microbatches=plan.pp_microbatches, chunks=plan.pp_chunks, device=device(),
                          wrapper=wrapper)
     loss_fn, tp_module = plan.loss_fn, None
@@ -186,14 +187,14 @@ def _check_pipeline_tp(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Non
                          f"loss_fn={plan.loss_fn!r}")
 
 
-def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
+def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Layout:
     """`plait.rules.check_layout`, the one rule set ``plait train``, ``plait check`` and ``plait plan``
     also run. The tensor-parallel plan's layout trace is left to `tensor_parallel`, which runs it (with
     its numeric check) as step 1, still before any collective."""
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"parallelize(plan=...) expects a plait.ParallelPlan, got {type(plan).__name__}")
     try:
-        check_layout(module, mesh, plan, tp_trace=False)
+        return check_layout(module, mesh, plan, tp_trace=False)
     except LayoutError as e:
         e.message = f"parallelize: {e.message}"
         raise

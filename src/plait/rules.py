@@ -35,6 +35,7 @@ from plait.names import matches
 from plait.parallel_plan import ParallelPlan
 from plait.pipeline.actions import Kind
 from plait.pipeline.arguments import resolve_schedule
+from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import plan_stages, segments
 from plait.pipeline.ties import find_ties
 from plait.precision import check_castable
@@ -44,7 +45,7 @@ from plait.tp.styles import ParallelRegion
 if TYPE_CHECKING:
     from plait.mesh import Mesh
 
-__all__ = ["MeshShape", "LayoutError", "check_layout", "ZERO3_SPLIT_BACKWARD"]
+__all__ = ["MeshShape", "LayoutError", "Layout", "check_layout"]
 
 ZERO3_SPLIT_BACKWARD = (
     "ZeRO-3 frees each stage's gathered parameters when a backward pass ends, so the deferred W, "
@@ -100,10 +101,19 @@ class MeshShape:
         return "mesh " + (" x ".join(shown) or "of one rank")
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What `check_layout` derived on its way, for the composition to use as it is: the mesh's
+    shape and, with pp > 1, the pipeline schedule (made and validated once)."""
+
+    shape: MeshShape
+    schedule: Schedule | None
+
+
 def check_layout(model: nn.Module, mesh: MeshShape | Mesh | Mapping[str, int], plan: ParallelPlan, *,
-                 tp_trace: bool = False, numeric: bool = False, suggest: bool = True) -> None:
-    """Raise `LayoutError` if ``plan`` cannot run ``model`` on a mesh of this shape; return None if
-    it can. Nothing communicates and ``model`` is not changed.
+                 tp_trace: bool = False, numeric: bool = False, suggest: bool = True) -> Layout:
+    """Raise `LayoutError` if ``plan`` cannot run ``model`` on a mesh of this shape; return the
+    `Layout` it derived if it can. Nothing communicates and ``model`` is not changed.
 
     Each tensor-parallel style is validated against its module (`plait.tp.validate_styles`: no
     forward runs). ``tp_trace``: also run the plan's layout trace, a forward on fake tensors
@@ -116,7 +126,7 @@ def check_layout(model: nn.Module, mesh: MeshShape | Mesh | Mapping[str, int], p
     _validated(plan)  # a malformed plan is refused as such, whatever the mesh
     shape = MeshShape.of(mesh)
     try:
-        _check(model, shape, plan, tp_trace, numeric)
+        return _check(model, shape, plan, tp_trace, numeric)
     except LayoutError as e:
         if suggest and e.axis is not None:
             e.nearest = _nearest(model, shape, plan, e.axis, tp_trace)
@@ -129,12 +139,13 @@ def _validated(plan: ParallelPlan) -> None:
     plan.validate()  # again: its fields may have been changed since it was made
 
 
-def _check(model: nn.Module, shape: MeshShape, plan: ParallelPlan, tp_trace: bool, numeric: bool) -> None:
+def _check(model: nn.Module, shape: MeshShape, plan: ParallelPlan, tp_trace: bool, numeric: bool) -> Layout:
     _data_rules(model, shape, plan)
     _tp_rules(model, shape, plan, tp_trace, numeric)
     if shape.cp > 1:
         _cp_rules(model, shape, plan)
-    _expert_rules(model, shape, plan)
+    sched = _schedule(shape, plan) if shape.pp > 1 else None
+    _expert_rules(model, shape, plan, sched)
     if plan.precision is not None and plan.data != "fsdp":
         check_castable(model)
     if plan.fsdp_units is not None:  # against the whole model: each stage holds only some units
@@ -154,7 +165,20 @@ def _check(model: nn.Module, shape: MeshShape, plan: ParallelPlan, tp_trace: boo
             raise LayoutError(f"ParallelPlan({listed}) {what}, read only when the mesh has pp > 1; {shape} "
                               f"has pp=1: leave {them} unset or add a pp axis", tuple(given))
     else:
-        _pipeline_rules(model, shape, plan)
+        assert sched is not None
+        _pipeline_rules(model, shape, plan, sched)
+    return Layout(shape, sched)
+
+
+def _schedule(shape: MeshShape, plan: ParallelPlan) -> Schedule:
+    """The pipeline schedule the plan names, made once for every rule that reads it."""
+    try:
+        return resolve_schedule(plan.pp_schedule, shape.pp, plan.pp_microbatches, plan.pp_chunks)
+    except ValueError as e:
+        named = f"pp_schedule={plan.pp_schedule!r} with " if isinstance(plan.pp_schedule, str) else ""
+        raise LayoutError(f"{named}pp={shape.pp}, pp_microbatches={plan.pp_microbatches}, "
+                          f"pp_chunks={plan.pp_chunks}: {e}",
+                          ("pp_schedule", "pp_microbatches", "pp_chunks")) from None
 
 
 def _data_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> None:
@@ -234,7 +258,7 @@ def _attention_heads(model: nn.Module) -> int | None:
     return None
 
 
-def _expert_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> None:
+def _expert_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan, sched: Schedule | None) -> None:
     layers = moe_layers(model)
     counts = expert_counts(model)
     if shape.ep > 1 and not counts:
@@ -273,19 +297,17 @@ def _expert_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> Non
                           "with context parallelism: each cp rank would count the assignments of its part "
                           "of the sequence only; use balance_statistic='global' (or aux_loss_coef=0 with "
                           "bias balancing)", ("cp",))
-    if shape.pp > 1 and len(per_microbatch) < len(weighted):
-        sched = resolve_schedule(plan.pp_schedule, shape.pp, plan.pp_microbatches, plan.pp_chunks)
-        if not sched.forwards_first:
-            raise LayoutError(f"the MoE balancing loss over the step's whole batch "
-                              f"(balance_statistic='global') with the {sched.name!r} pipeline schedule: a "
-                              "stage runs a microbatch's backward before the step's last forward, so the "
-                              "statistic over every microbatch is not known when that backward needs it; "
-                              "use pp_schedule='gpipe' (every forward first), or "
-                              "balance_statistic='microbatch' (each microbatch's own statistic)",
-                              ("pp_schedule",))
+    if sched is not None and len(per_microbatch) < len(weighted) and not sched.forwards_first:
+        raise LayoutError(f"the MoE balancing loss over the step's whole batch "
+                          f"(balance_statistic='global') with the {sched.name!r} pipeline schedule: a "
+                          "stage runs a microbatch's backward before the step's last forward, so the "
+                          "statistic over every microbatch is not known when that backward needs it; "
+                          "use pp_schedule='gpipe' (every forward first), or "
+                          "balance_statistic='microbatch' (each microbatch's own statistic)",
+                          ("pp_schedule",))
 
 
-def _pipeline_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> None:
+def _pipeline_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan, sched: Schedule) -> None:
     if plan.ddp_options.get("find_unused_parameters"):
         raise LayoutError("ParallelPlan(ddp_options={'find_unused_parameters': True}) cannot be used with a "
                           "pipeline: DDP walks a forward's graph for unused parameters, but a stage's "
@@ -296,13 +318,6 @@ def _pipeline_rules(model: nn.Module, shape: MeshShape, plan: ParallelPlan) -> N
                           "pipeline: the broadcast writes the buffers in place before every forward, while "
                           "earlier microbatches' graphs still hold them for their backward; pipeline stages "
                           "get their buffers broadcast once, when wrapped", ("ddp_options",))
-    try:
-        sched = resolve_schedule(plan.pp_schedule, shape.pp, plan.pp_microbatches, plan.pp_chunks)
-    except ValueError as e:
-        named = f"pp_schedule={plan.pp_schedule!r} with " if isinstance(plan.pp_schedule, str) else ""
-        raise LayoutError(f"{named}pp={shape.pp}, pp_microbatches={plan.pp_microbatches}, "
-                          f"pp_chunks={plan.pp_chunks}: {e}",
-                          ("pp_schedule", "pp_microbatches", "pp_chunks")) from None
     split_backward = any(a.kind is Kind.W for row in sched.actions for a in row)
     if plan.data == "fsdp" and plan.zero_stage == 3 and split_backward:
         raise LayoutError(f"pp_schedule={sched.name!r} with zero_stage=3: the schedule splits backward into "
