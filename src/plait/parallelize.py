@@ -10,9 +10,10 @@ The module is callable: ``plait.parallelize(...)`` is `plait.parallelize.paralle
 The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to every stage):
 
 0. **Pipeline split** (``pp`` axis, when the mesh has pp > 1): the model is cut into stages
-   first, so that every later step only ever sees this rank's layers; steps 1-3 then apply to
-   each of this rank's stages (`plait.pipeline`, which runs them). The result is a `Pipeline`,
-   trained with ``step(inputs, targets)`` instead of a forward call.
+   first (`plait.pipeline.parts.split`, with the schedule `plait.rules.check_layout` derived), so
+   that every later step only ever sees this rank's layers; steps 1-3 then apply to each of this
+   rank's parts, here, as to a whole model. The result is a `Pipeline` that schedules the built
+   parts, trained with ``step(inputs, targets)`` instead of a forward call.
 1. **Tensor parallel** (``tp`` axis) shards single layers next. It must come before the data
    axes: DDP and FSDP then treat each rank's tensor-parallel shards as ordinary parameters,
    and the data-parallel groups (which differ only in the ``dp``/``fsdp`` coordinate) hold
