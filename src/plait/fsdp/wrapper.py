@@ -81,7 +81,8 @@ from plait.dtensors import mesh_over
 from plait.env import device as default_device
 from plait.fsdp.controls import FSDPControls, PlacementFn, check_placements, ignored_grads, ignored_ids
 from plait.fsdp.conversions import Conversions
-from plait.fsdp.flat import FlatParam, Placing, ShardCfg, Slot
+from plait.fsdp.flat import FlatParam
+from plait.fsdp.layout import Placing, ShardCfg, Slot
 from plait.fsdp.names import own_names, report_own_names, top_level_names, wrapped_names
 from plait.fsdp.units import Policies, Unit, build_units, check_no_optimizer, unit_policies
 from plait.mesh import Mesh
