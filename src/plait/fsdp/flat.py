@@ -12,15 +12,15 @@ A unit's parameters of one dtype and ``requires_grad`` still move together: this
 each padded to ``k`` rows, lie end to end in one ``shard`` vector of ``S`` elements (the local
 tensors are views of it), so one all-gather of ``S`` per rank fills a rank-major vector, which
 is copied out into the gathered buffer ``buf``, parameter by parameter (each one's padded rows,
-``N*k`` of them, contiguous). The reduction runs the other way: ``buf``'s gradients are copied
-into rank-major order and reduce-scattered; each rank receives its chunks, end to end, into the
-flat ``grad`` vector that the parameters' DTensor gradients are views of. (FSDP2 makes the same
-two copies around its collectives.) With one parameter in the group, or one rank, both orders
-are the same and the copies are skipped. On Gloo, whose reduce-scatter is an all-reduce of the
-whole input (`plait.comm.reduce_scatter_consuming`), ZeRO-3 skips the rank-major copy: ``buf``'s
-gradient is summed in place in parameter order and each rank then reads its chunks out of it
-(`FlatParam.own_chunks`) into the new ``grad`` vector, one copy of a shard instead of a
-full-size copy and a shard's.
+``N*k`` of them, contiguous). The reduction (`plait.fsdp.reduction`) runs the other way:
+``buf``'s gradients are copied into rank-major order and reduce-scattered; each rank receives
+its chunks, end to end, into the flat ``grad`` vector that the parameters' DTensor gradients are
+views of. (FSDP2 makes the same two copies around its collectives.) With one parameter in the
+group, or one rank, both orders are the same and the copies are skipped. On Gloo, whose
+reduce-scatter is an all-reduce of the whole input (`plait.comm.reduce_scatter_consuming`),
+ZeRO-3 skips the rank-major copy: ``buf``'s gradient is summed in place in parameter order and
+each rank then reads its chunks out of it (`FlatParam.own_chunks`) into the new ``grad`` vector,
+one copy of a shard instead of a full-size copy and a shard's.
 
 ``buf``'s storage is resized to zero to free the gathered parameters and resized back before the
 next all-gather, so tensors that autograd saved in forward see the re-gathered values in backward.
@@ -95,7 +95,7 @@ class FlatParam(GradReduction):
         self.trains = [False] * len(slots)
         self.hooked = [False] * len(slots)  # leaf i carries its gradient hooks
         self.on_grad: Callable[[int], Callable[[torch.Tensor], None]] | None = None  # set by the wrapper
-        self._init_reduction()
+        self._init_reduction()  # no gradient reported or held yet (`plait.fsdp.reduction`)
         if self.aliased:
             self.shard = self.buf  # the local tensors are views of buf (see `local`)
         else:
