@@ -12,15 +12,15 @@ A unit's parameters of one dtype and ``requires_grad`` still move together: this
 each padded to ``k`` rows, lie end to end in one ``shard`` vector of ``S`` elements (the local
 tensors are views of it), so one all-gather of ``S`` per rank fills a rank-major vector, which
 is copied out into the gathered buffer ``buf``, parameter by parameter (each one's padded rows,
-``N*k`` of them, contiguous). The reduction runs the other way: ``buf``'s gradients are copied
-into rank-major order and reduce-scattered; each rank receives its chunks, end to end, into the
-flat ``grad`` vector that the parameters' DTensor gradients are views of. (FSDP2 makes the same
-two copies around its collectives.) With one parameter in the group, or one rank, both orders
-are the same and the copies are skipped. On Gloo, whose reduce-scatter is an all-reduce of the
-whole input (`plait.comm.reduce_scatter_consuming`), ZeRO-3 skips the rank-major copy: ``buf``'s
-gradient is summed in place in parameter order and each rank then reads its chunks out of it
-(`FlatParam.own_chunks`) into the new ``grad`` vector, one copy of a shard instead of a
-full-size copy and a shard's.
+``N*k`` of them, contiguous). The reduction (`plait.fsdp.reduction`) runs the other way:
+``buf``'s gradients are copied into rank-major order and reduce-scattered; each rank receives
+its chunks, end to end, into the flat ``grad`` vector that the parameters' DTensor gradients are
+views of. (FSDP2 makes the same two copies around its collectives.) With one parameter in the
+group, or one rank, both orders are the same and the copies are skipped. On Gloo, whose
+reduce-scatter is an all-reduce of the whole input (`plait.comm.reduce_scatter_consuming`),
+ZeRO-3 skips the rank-major copy: ``buf``'s gradient is summed in place in parameter order and
+each rank then reads its chunks out of it (`FlatParam.own_chunks`) into the new ``grad`` vector,
+one copy of a shard instead of a full-size copy and a shard's.
 
 ``buf``'s storage is resized to zero to free the gathered parameters and resized back before the
 next all-gather, so tensors that autograd saved in forward see the re-gathered values in backward.
@@ -45,22 +45,18 @@ they run on the leaf's gradient before it is accumulated, exactly as on the orig
 
 from __future__ import annotations
 
-import math
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
 
-from plait import comm, faults
+from plait import comm
 from plait._torch_compat import version_of
 from plait.dtensors import contiguous_stride
+from plait.fsdp.layout import ShardCfg, Slot, lay_out
+from plait.fsdp.reduction import GradReduction
 from plait.fsdp.stepped_leaves import watch_leaves
 
 # Attribute of a parameter: gradient hooks (tensor -> tensor | None) that must survive FSDP
@@ -69,89 +65,16 @@ from plait.fsdp.stepped_leaves import watch_leaves
 GRAD_HOOKS_ATTR = "_plait_grad_hooks"
 
 
-@dataclass
-class Slot:
-    """Where one original parameter lives: its owners (several when tied), its padded range of
-    the gathered buffer and its chunk of the rank-major shard."""
-
-    fqn: str
-    shape: torch.Size
-    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
-    aliases: list[str] = field(default_factory=list)  # fqns of tied copies (state dicts list them)
-    grad_hooks: list = field(default_factory=list)  # carried over from the original parameter
-    offset: int = 0  # start of its N*chunk elements in ``buf`` (rank r's chunk at r*chunk)
-    local_offset: int = 0  # start of its chunk in the shard
-    per: int = 0  # rows per rank (padded)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def replicated(self) -> bool:
-        return len(self.shape) == 0  # nothing to split: every rank holds it
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if len(self.shape) else 1
-
-    @property
-    def row(self) -> int:
-        return math.prod(self.shape[1:])
-
-    @property
-    def chunk(self) -> int:
-        return self.per * self.row
-
-    def rows_of(self, rank: int) -> tuple[int, int]:
-        """The rows ``rank`` holds, ``[a, b)`` (a 0-d parameter: its one value, on every rank)."""
-        if self.replicated:
-            return 0, 1
-        a = min(rank * self.per, self.rows)
-        return a, min(a + self.per, self.rows)
-
-
-# (device mesh, placements, global shape) of one slot's DTensor parameter.
-Placing = Callable[[Slot], tuple[DeviceMesh, tuple[Placement, ...], torch.Size]]
-
-
-@dataclass
-class ShardCfg:
-    """What every flat group of one FSDP wrapper shares."""
-
-    stage: int
-    group: dist.ProcessGroup  # the fsdp axis: shards live here
-    dp_group: dist.ProcessGroup | None  # hybrid: replicas across dp
-    world: int  # ranks on the fsdp axis
-    rank: int
-    replicas: int  # ranks on the dp axis
-    device: torch.device  # where compute runs
-    param_dtype: torch.dtype | None  # mixed precision compute dtype (None: keep)
-    reduce_dtype: torch.dtype | None  # gradient reduction dtype (None: gradient's dtype)
-    offload: bool
-    placing: Placing | None = None  # set by the wrapper before the flats are built
-    divide_factor: float | None = None  # reduced gradients are divided by this (None: the ranks' count)
-
-
-def _lay_out(slots: list[Slot], world: int) -> int:
-    """Give every slot its rows per rank and offsets; returns the shard's size ``S``."""
-    local = gathered = 0
-    for s in slots:
-        s.per = 1 if s.replicated else -(-s.rows // world)
-        s.local_offset, s.offset = local, gathered
-        local, gathered = local + s.chunk, gathered + world * s.chunk
-    return local
-
-
-class FlatParam:
-    """A unit's parameters of one kind, each sharded on dim 0 across the fsdp axis."""
+class FlatParam(GradReduction):
+    """A unit's parameters of one kind, each sharded on dim 0 across the fsdp axis: their layout,
+    gather and reshard here, their gradients' reduction in `GradReduction`."""
 
     def __init__(self, slots: list[Slot], dtype: torch.dtype, requires_grad: bool, cfg: ShardCfg) -> None:
         self.slots, self.cfg, self.dtype = slots, cfg, dtype
         # What its collectives are called in desync reports, and compared as across ranks: a rank
         # that skipped a unit (LayerDrop on one rank) is named at the first collective that differs.
         self.label = f"{slots[0].fqn}..." if slots else "(empty)"
-        self.shard_size = _lay_out(slots, cfg.world)
+        self.shard_size = lay_out(slots, cfg.world)
         self.padded = self.shard_size * cfg.world
         self.total = self.padded  # every slot's range, padding included
         # One slot, or one rank: rank-major and parameter-major orders coincide.
@@ -172,12 +95,7 @@ class FlatParam:
         self.trains = [False] * len(slots)
         self.hooked = [False] * len(slots)  # leaf i carries its gradient hooks
         self.on_grad: Callable[[int], Callable[[torch.Tensor], None]] | None = None  # set by the wrapper
-        self.arrived = 0  # leaves whose gradient this backward has accumulated
-        self.skip: set[int] = set()  # slots this reduction leaves without a gradient (`start_reduce`)
-        self.in_buf = [False] * len(slots)  # ZeRO-3: leaf i's gradient already sits in buf
-        # Unreduced gradients accumulated under no_sync in the reduce dtype (bf16 compute, fp32
-        # reduction: summed in fp32, as torch's FSDP2 does), one per leaf, until the next reduction.
-        self.acc: list[torch.Tensor | None] = [None] * len(slots)
+        self._init_reduction()  # no gradient reported or held yet (`plait.fsdp.reduction`)
         if self.aliased:
             self.shard = self.buf  # the local tensors are views of buf (see `local`)
         else:
@@ -189,10 +107,6 @@ class FlatParam:
         # The leaves' version counters as FSDP last saw them: a change means a write through the
         # module attributes outside forward (`write_back`).
         self.leaf_versions = [version_of(leaf) for leaf in self.leaves]
-        # The flat vector of this rank's reduced gradient chunks and the parameters' DTensor
-        # gradients on it, as last installed (weak: the parameters' .grad owns them).
-        self._grad_flat: Callable[[], torch.Tensor | None] = lambda: None
-        self._grads: list[Callable[[], Any]] = []
         self.gathered = True  # buf holds the full vector (zeros now, filled at first gather)
         self.gathered_version = -1  # shard._version at the last gather; -1 forces one
         if cfg.stage == 3:  # built one unit at a time and freed at once: no rank holds the model
@@ -201,7 +115,6 @@ class FlatParam:
         self._handle: comm.Handle | None = None
         self._src: torch.Tensor | None = None
         self._out: torch.Tensor | None = None  # the rank-major all-gather output (not direct)
-        self.pending: tuple[comm.Handle | None, torch.Tensor] | None = None
         self.offload_bytes = {"to_device": 0, "to_host": 0}
 
     @property
@@ -240,24 +153,6 @@ class FlatParam:
         for i, leaf in enumerate(self.leaves):
             if self.hooked[i]:
                 leaf.register_post_accumulate_grad_hook(on_grad(i))
-
-    def used(self) -> list[bool]:
-        """Which leaves hold a gradient not reduced yet (moved into buf, accumulated or on the leaf)."""
-        return [self.in_buf[i] or self.acc[i] is not None or leaf.grad is not None
-                for i, leaf in enumerate(self.leaves)]
-
-    def hold_unreduced(self, i: int) -> None:
-        """no_sync: keep leaf ``i``'s new gradient for the next reduction. With a reduce dtype wider
-        than the compute dtype it is summed there (bf16 gradients accumulated in fp32), else it
-        stays on the leaf, where autograd accumulates the next one."""
-        leaf, rd = self.leaves[i], self.cfg.reduce_dtype
-        g = leaf.grad
-        if g is None or rd is None or g.dtype == rd:
-            return
-        with torch.no_grad():
-            acc = self.acc[i]
-            self.acc[i] = g.to(rd) if acc is None else acc.add_(g)
-        leaf.grad = None
 
     # ------------------------------------------------------------- layout helpers
     def local(self, i: int, flat: torch.Tensor | None = None) -> torch.Tensor:
@@ -308,6 +203,12 @@ class FlatParam:
                                     out=[out.narrow(0, s.offset, w * s.chunk).view(w, s.chunk)
                                          for s in self.slots])
         return out
+
+    def own_chunks(self, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """``rank``'s (default: this rank's) chunks of parameter-major ``full``, end to end (a new
+        shard-sized vector)."""
+        r = self.cfg.rank if rank is None else rank
+        return torch.cat([full.narrow(0, s.offset + r * s.chunk, s.chunk) for s in self.slots])
 
     # ------------------------------------------------------------- unshard / reshard
     def _version(self) -> int:
@@ -425,219 +326,6 @@ class FlatParam:
                 mod._parameters[attr] = param  # a DTensor parameter (torch's FSDP2 registers them alike)
                 mod.__dict__[attr] = leaf
         watch_leaves((slot.fqn, leaf) for slot, leaf in zip(self.slots, self.leaves, strict=True))
-
-    # ------------------------------------------------------------- gradients
-    def grad_ready(self, i: int) -> bool:
-        """Leaf ``i``'s gradient has been accumulated; True once every leaf has reported.
-
-        ZeRO-3 moves the gradient into the leaf's range of ``buf`` at once. Autograd accumulates
-        a leaf only after every node that used it has run, so nothing reads those gathered
-        values again (a parameter read outside autograd's sight, e.g. through ``.detach()`` in
-        forward and saved by another op, would break this; plait's FSDP does not support it).
-        """
-        leaf = self.leaves[i]
-        if self.acc[i] is not None:
-            self.hold_unreduced(i)  # joins the fp32 sum; reduced from there (`_flatten_grads`)
-        elif self.cfg.stage == 3 and leaf.grad is not None and self.gathered:
-            with torch.no_grad():
-                self._put(self.buf, i, leaf.grad)
-            leaf.grad = None
-            self.in_buf[i] = True
-        self.arrived += 1
-        return self.arrived == sum(self.trains)
-
-    def _put(self, flat: torch.Tensor, i: int, grad: torch.Tensor | None) -> None:
-        """Write slot ``i``'s gradient into its padded range of parameter-major ``flat``."""
-        s = self.slots[i]
-        dst = flat.narrow(0, s.offset, self.cfg.world * s.chunk)
-        if grad is None:
-            dst.zero_()
-        elif s.replicated:  # every rank's chunk holds it: the reduce-scatter sums it for all
-            dst.copy_(grad.reshape(1).expand(self.cfg.world))
-        else:
-            dst[: s.numel].copy_(grad.reshape(-1))
-            dst[s.numel :].zero_()
-
-    def abandon_backward(self) -> None:
-        """Forget a backward that raised midway: buf may hold some gradients in place of values."""
-        if any(self.in_buf):
-            self.gathered = False  # the next use gathers the parameters again
-        self.arrived, self.in_buf = 0, [False] * len(self.leaves)
-
-    def _flatten_grads(self) -> torch.Tensor | None:
-        """The unit's gradient, rank-major (what the reduce-scatter splits), or None if none."""
-        if not any(self.used()):
-            return None
-        if any(a is not None for a in self.acc):
-            return self._flatten_accumulated()
-        if self.cfg.stage == 3:
-            # buf becomes the flat gradient: ranges already moved there stay, the rest take the
-            # leaves' gradients (no_sync leftovers) or zeros.
-            self._ensure_buf()
-            flat = self.buf
-            self.gathered = False  # from here on buf holds gradients; freed after the reduction
-        else:
-            # Only stage 3 moves gradients into buf: here the leaves' gradients are written
-            # straight in rank-major order.
-            first = next(g for leaf in self.leaves if (g := leaf.grad) is not None)
-            dtype = self.cfg.reduce_dtype or first.dtype
-            out = torch.empty(self.padded, dtype=dtype, device=self.buf.device)
-            with torch.no_grad():
-                for i, leaf in enumerate(self.leaves):
-                    self._put_rank_major(out, i, leaf.grad)
-                    leaf.grad = None
-            return out
-        with torch.no_grad():
-            for i, leaf in enumerate(self.leaves):
-                if not self.in_buf[i]:
-                    self._put(flat, i, leaf.grad)
-                    leaf.grad = None
-            out = flat if self.reduce_param_major else self.rank_major(flat)
-        if out is not self.buf:
-            self.buf.untyped_storage().resize_(0)  # its gradients now sit in rank-major order
-        self.in_buf = [False] * len(self.leaves)
-        return out
-
-    def _flatten_accumulated(self) -> torch.Tensor:
-        """`_flatten_grads` when no_sync left gradients summed in the reduce dtype: every slot's
-        gradient (the sum, a range of buf, the leaf's or zeros) is written into a new vector of
-        that dtype, so nothing is rounded to the compute dtype before the reduction."""
-        rd = self.cfg.reduce_dtype
-        assert rd is not None
-        full = torch.empty(self.padded, dtype=rd, device=self.cfg.device)
-        with torch.no_grad():
-            for i, leaf in enumerate(self.leaves):
-                s = self.slots[i]
-                g = self.acc[i] if self.acc[i] is not None else leaf.grad
-                if self.in_buf[i]:
-                    g = self.buf.narrow(0, s.offset, s.numel).view(s.shape)
-                self._put(full, i, g)
-                leaf.grad = None
-        out = full if self.reduce_param_major else self.rank_major(full)
-        if self.cfg.stage == 3:
-            self.gathered = False
-            self.buf.untyped_storage().resize_(0)
-        self.acc, self.in_buf = [None] * len(self.leaves), [False] * len(self.leaves)
-        return out
-
-    def _put_rank_major(self, out: torch.Tensor, i: int, grad: torch.Tensor | None) -> None:
-        """Write slot ``i``'s gradient into rank-major ``out``: rank r's rows to its chunk."""
-        s, w = self.slots[i], self.cfg.world
-        if s.chunk == 0:
-            return
-        dst = out.view(w, self.shard_size).narrow(1, s.local_offset, s.chunk)
-        if grad is None:
-            dst.zero_()
-            return
-        if s.replicated:
-            dst.copy_(grad.reshape(1, 1).expand(w, 1))
-            return
-        g = grad.reshape(-1)
-        full, rem = divmod(s.numel, s.chunk)  # ranks with a whole chunk, rows of the next one
-        if full:
-            dst[:full].copy_(g[: full * s.chunk].view(full, s.chunk))
-        if full < w:
-            dst[full, :rem].copy_(g[full * s.chunk :])
-            dst[full, rem:].zero_()
-            dst[full + 1 :].zero_()
-
-    def start_reduce(self, unused: set[int] | None = None) -> None:
-        """Issue this backward's gradient reduction (async) and drop the unsharded gradient.
-
-        ZeRO-1: all-reduce of the full gradient (every rank keeps the whole sum, then its chunks).
-        ZeRO-2/3: reduce-scatter, rank r receives the sum of its chunks. Both in the reduce dtype
-        over the fsdp axis. The slots in ``unused`` (no rank used them) and those that do not
-        train keep the gradient they had (None, as on one process) instead of a zero one.
-        """
-        self.skip = set(unused or ()) | {i for i, t in enumerate(self.trains) if not t}
-        g, self.arrived = self._flatten_grads(), 0
-        if g is None:
-            return
-        if faults.active("fsdp-reduce-scatter-shard") and not self.reduce_param_major:
-            # an injected bug in tests only: rows shifted a rank (parameter-major: `own_chunks`)
-            g = g.view(self.cfg.world, -1).roll(1, 0).reshape(-1)
-        if self.cfg.reduce_dtype is not None and g.dtype != self.cfg.reduce_dtype:
-            g = g.to(self.cfg.reduce_dtype)
-            if self.cfg.stage == 3:
-                self.buf.untyped_storage().resize_(0)  # the cast copy is what gets reduced
-        if self.cfg.stage == 1:
-            with comm.operation(f"FSDP gradient all-reduce of {self.label}"):
-                self.pending = (comm.all_reduce(g, self.cfg.group, async_op=True), g)
-        else:
-            # g is dropped after the reduction, so it may serve as the reduction's own scratch
-            # (on Gloo: no hidden full-size clone; the result is a view of g).
-            with comm.operation(f"FSDP gradient reduce-scatter of {self.label}"):
-                handle, chunk = comm.reduce_scatter_consuming(g, self.cfg.group, async_op=True)
-            # Parameter-major, the whole of g is summed and this rank's chunks are read after.
-            self.pending = (handle, g if self.reduce_param_major else chunk)
-
-    def finish_reduce(self) -> None:
-        """Wait for the reduction, average, reduce across dp replicas (hybrid) and accumulate."""
-        if self.pending is None:
-            return
-        handle, red = self.pending
-        self.pending = None
-        if handle is not None:
-            handle.wait()
-        fresh = self.reduce_param_major  # red becomes a new shard-sized vector
-        if self.cfg.stage == 1:
-            red = red.narrow(0, self.cfg.rank * self.shard_size, self.shard_size)
-        elif fresh:
-            r = self.cfg.rank
-            if faults.active("fsdp-reduce-scatter-shard"):  # an injected bug in tests only
-                r = (r - 1) % self.cfg.world
-            red = self.own_chunks(red, r)
-        if self.cfg.dp_group is not None:
-            with comm.operation(f"FSDP gradient all-reduce over dp of {self.label}"):
-                comm.all_reduce(red, self.cfg.dp_group)  # replicas hold the same slice: plain all-reduce
-        red.div_(self.cfg.divide_factor or self.cfg.world * self.cfg.replicas)
-        if self.cfg.offload:
-            # (On a CPU-only machine offload still makes the copy, so the data path is exercised.)
-            self.offload_bytes["to_host"] += red.numel() * self.shard.element_size()
-        self._accumulate(red, fresh)
-        del red
-        if self.cfg.stage == 3 and not self.gathered and self._handle is None:
-            self.buf.untyped_storage().resize_(0)  # the reduction's input, released at once
-
-    def own_chunks(self, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
-        """``rank``'s (default: this rank's) chunks of parameter-major ``full``, end to end (a new
-        shard-sized vector)."""
-        r = self.cfg.rank if rank is None else rank
-        return torch.cat([full.narrow(0, s.offset + r * s.chunk, s.chunk) for s in self.slots])
-
-    def _accumulate(self, red: torch.Tensor, fresh: bool = False) -> None:
-        """Add ``red`` to the parameters' gradients, or make it theirs where they have none
-        (``fresh``: ``red`` is a new vector nobody else holds, kept as it is where it fits).
-
-        The gradients are DTensors over views of one flat vector, held only through the
-        parameters' ``.grad`` (weakly here), so ``zero_grad()`` frees them as on any module."""
-        flat = self._grad_flat() if self._grads else None
-        held = [flat is not None and p.grad is not None and p.grad is ref()
-                for p, ref in zip(self.params, self._grads, strict=True)] if self._grads else []
-        with torch.no_grad():
-            if flat is not None and all(h for i, h in enumerate(held) if i not in self.skip):
-                flat.add_(red.to(flat.device, flat.dtype))
-                return
-            if fresh and red.dtype == self.dtype and red.device == self.home:
-                new = red
-            else:
-                new = torch.empty(self.shard_size, dtype=self.dtype, device=self.home)
-                new.copy_(red)  # a blocking copy: the optimizer reads it right after backward
-            for i, p in enumerate(self.params):
-                if p.grad is not None:  # accumulated earlier, or set by the user
-                    self.local(i, new).add_(cast(DTensor, p.grad).to_local())
-        grads = [None if i in self.skip else self._dtensor(i, self.local(i, new))
-                 for i in range(len(self.slots))]
-        for p, g in zip(self.params, grads, strict=True):
-            if g is not None:
-                p.grad = g
-        self._grad_flat = weakref.ref(new)
-        self._grads = [_dead if g is None else weakref.ref(g) for g in grads]
-
-
-def _dead() -> None:
-    """A weak reference that never resolves: a slot left without a gradient."""
-    return None
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...] | torch.Size | int) -> torch.Tensor:

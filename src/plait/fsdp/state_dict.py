@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 from plait import comm
 from plait.checkpoint.protocol import state_layout
 from plait.dtensors import local_of
-from plait.fsdp.flat import FlatParam, ShardCfg, Slot
+from plait.fsdp.flat import FlatParam
+from plait.fsdp.layout import ShardCfg, Slot
 from plait.fsdp.units import Unit
 from plait.placement.records import TPInfo
 from plait.placement.state import checkpoint_entry, gather_full, restore_entry, rows_entry
