@@ -368,10 +368,21 @@ def _unchecked_run_swapped() -> None:
 
 
 def test_a_run_of_collectives_checked_at_its_last_names_the_first_that_differs(pool):
+    # The call number is the group's count of calls so far (earlier tasks on the pool's group count
+    # too); the report names the first call of the run on each rank: each branch's first line.
+    import inspect
+    import re
+
+    lines, start = inspect.getsourcelines(_unchecked_run_swapped)
+    first = [start + i for i, line in enumerate(lines) if "handles = [comm.all_reduce(" in line]
     errors = pool.errors(_unchecked_run_swapped)
     for r in (0, 1):
         assert "collective desync on axis 'dp'" in errors[r], errors[r]
-        assert f"rank {r}: #1 all_reduce of a (4,) float32 tensor" in errors[r], errors[r]
+        at = re.search(r"at call #(\d+) of that axis", errors[r])
+        assert at is not None, errors[r]
+        for other, line in zip((0, 1), first, strict=True):
+            named = f"rank {other}: #{at[1]} all_reduce of a (4,) float32 tensor (sum)"
+            assert f"{named} called at test_failures.py:{line}" in errors[r], (named, line, errors[r])
 
 
 def _checks_in_a_ddp_backward() -> tuple[int, int]:
