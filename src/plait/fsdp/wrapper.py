@@ -87,7 +87,7 @@ from plait.fsdp.units import Policies, Unit, build_units, check_no_optimizer, un
 from plait.mesh import Mesh
 from plait.placement.grads import reduce_expert_grads
 from plait.placement.pieces import mark_piece, piece_of
-from plait.placement.records import TPInfo, ep_info, placement_of, tp_info
+from plait.placement.records import TPInfo, ep_info, expert_of, tp_info
 from plait.placement.tp_params import to_plain_parameters
 from plait.precision import MixedPrecision, precision_of
 
@@ -434,7 +434,7 @@ class FullyShardedDataParallel(Conversions, FSDPControls):
         torch's clip fails inside DTensor on that mix, so it refuses them by name instead (see
         `plait.placement.pieces`). Split experts are marked as pieces already."""
         for name, p in module.named_parameters():
-            if placement_of(p) is not None and p.requires_grad and piece_of(p) is None:
+            if expert_of(p) is not None and p.requires_grad and piece_of(p) is None:
                 mark_piece(p, f"the whole expert {name!r}", kept_whole=True)
 
     def _around_compiled_call(self, unit: Unit) -> None:
@@ -684,7 +684,7 @@ FSDP = FullyShardedDataParallel
 
 
 def placed_experts(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters() if placement_of(p) is not None]
+    return [p for p in module.parameters() if expert_of(p) is not None]
 
 
 def _expert_parts(module: nn.Module, experts: list[nn.Parameter]) -> GradParts:
