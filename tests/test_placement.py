@@ -71,3 +71,20 @@ def test_a_parameter_carries_one_record_and_no_other_mark(pools, layout):
         assert all(o["published"] > 0 for o in out), out
     else:
         assert all(o["hooks"] > 0 for o in out), out
+
+
+# Attributes the library may set: records on modules (not parameters), the one parameter record,
+# and where a tensor was made under the device-less check (on any tensor, in tests only).
+MODULE_RECORDS = {"_plait_tp", "_plait_ep", "_plait_cp", "_plait_layout", "_plait_mixed_precision",
+                  "_plait_checkpointed"}
+ALLOWED = MODULE_RECORDS | {RECORD, "_plait_made_without_device"}
+
+
+def test_the_library_names_no_other_plait_attribute():
+    import re
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / "plait"
+    written = re.compile(r"""["'](_plait_\w+)["']|\.(_plait_\w+)\s*=""")  # a name, or an assignment
+    named = {a or b for f in src.rglob("*.py") for a, b in written.findall(f.read_text())}
+    assert named <= ALLOWED, sorted(named - ALLOWED)

@@ -253,8 +253,8 @@ _MARK = "_plait_placement"
 
 
 def placement_of(p: nn.Parameter | object) -> ParamPlacement | None:
-    """The `ParamPlacement` of a parameter plait placed (or of its marked gradient), else None (a
-    plain parameter: dense, replicated everywhere)."""
+    """The `ParamPlacement` of a parameter a strategy placed or marked (or of its marked gradient),
+    else None (a plain parameter, whole on every rank that holds it)."""
     found = getattr(p, _MARK, None)
     return found if isinstance(found, ParamPlacement) else None
 
