@@ -105,11 +105,11 @@ def _torch(a: dict, x: torch.Tensor, y: torch.Tensor) -> Runner:
 
 
 def _param_bytes(model: torch.nn.Module) -> dict[str, int]:
-    from plait.ep import placement_of
+    from plait.placement.records import expert_of
 
     out = {"dense": 0, "expert": 0, "expert tensors": 0, "buffers": 0}
     for name, p in model.named_parameters():
-        expert = placement_of(p) is not None or ".experts." in name  # torch's side has no placements
+        expert = expert_of(p) is not None or ".experts." in name  # torch's side has no placements
         out["expert" if expert else "dense"] += p.numel() * p.element_size()
         out["expert tensors"] += expert
     out["buffers"] = sum(b.numel() * b.element_size() for b in model.buffers())

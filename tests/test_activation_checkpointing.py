@@ -53,7 +53,8 @@ def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(mesh, plan_kw: dict, dropout: float, ac: str | None, every: int, steps: int = 2) -> dict:
     """This rank's gradient pieces at each step (two SGD steps), keyed by original name."""
-    from plait.tp.apply import loss_fn_for, tp_info
+    from plait.placement import tp_info
+    from plait.tp.apply import loss_fn_for
 
     cfg = GPTConfig(dropout=dropout, **CFG)
     with torch.device("meta"):

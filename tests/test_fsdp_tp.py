@@ -35,9 +35,10 @@ def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_st
     from plait.fsdp.wrapper import FullyShardedDataParallel
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
+    from plait.placement import tp_info
+    from plait.placement.state import full_state_dict
     from plait.plans import gpt_plan
-    from plait.tp.apply import loss_fn_for, tp_info
-    from plait.tp.state import full_state_dict
+    from plait.tp.apply import loss_fn_for
 
     mesh = cached_mesh(dp=dp, fsdp=fsdp, tp=tp)
     cfg = GPTConfig(**{**TINY, **cfg_kw})
@@ -111,14 +112,16 @@ def test_fsdp2_tp2_matches_single_process(pools, sp, cfg_kw, zero_stage):
 
 
 def _hook_carried_over() -> bool:
-    """A gradient hook listed in ``_plait_grad_hooks`` runs on FSDP's leaf before accumulation."""
+    """A gradient hook listed in the parameter's placement record runs on FSDP's leaf before
+    accumulation."""
     from torch import nn
 
     from plait.fsdp.wrapper import FullyShardedDataParallel
+    from plait.placement.records import placement_for
 
     lin = nn.Linear(4, 4)
     lin.weight.register_hook(lambda g: g * 3)  # lost with the parameter object
-    lin.weight._plait_grad_hooks = [lambda g: g * 2]
+    placement_for(lin.weight).grad_hooks.append(lambda g: g * 2)
     ref = nn.Linear(4, 4)
     ref.load_state_dict(lin.state_dict())
     net = FullyShardedDataParallel(lin, cached_mesh(fsdp=2))

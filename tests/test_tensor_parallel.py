@@ -81,7 +81,8 @@ def _case(kind: str) -> tuple[nn.Module, dict, torch.Tensor, bool]:
 def _style_vs_dense(kind: str, tp: int, sp: bool) -> None:
     import copy
 
-    from plait.tp.apply import loss_fn_for, tensor_parallel, tp_info
+    from plait.placement import tp_info
+    from plait.tp.apply import loss_fn_for, tensor_parallel
 
     mesh = cached_mesh(tp=tp)
     r = mesh.rank("tp")
@@ -146,9 +147,10 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, dp: int = 
     from plait.ddp.wrapper import DDP
     from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
+    from plait.placement import tp_info
+    from plait.placement.state import full_state_dict, load_full_state_dict
     from plait.plans import gpt_plan
-    from plait.tp.apply import loss_fn_for, tensor_parallel, tp_info
-    from plait.tp.state import full_state_dict, load_full_state_dict
+    from plait.tp.apply import loss_fn_for, tensor_parallel
 
     mesh = cached_mesh(dp=dp, tp=tp)
     cfg = GPTConfig(**{**TINY, **cfg_kw})

@@ -48,12 +48,12 @@ def grad_norm_parts(model: nn.Module | Any) -> GradParts:
 
 
 def _experts_apart(model: nn.Module, parts: GradParts) -> GradParts:
-    from plait.placement.records import ep_info, placement_of
+    from plait.placement.records import ep_info, expert_of
 
     info = ep_info(model)
     if info is None or info.placement.ep_size == 1:
         return parts
-    experts = {id(p.grad) for p in model.parameters() if p.grad is not None and placement_of(p) is not None}
+    experts = {id(p.grad) for p in model.parameters() if p.grad is not None and expert_of(p) is not None}
     out: GradParts = {}
     for key, grads in parts.items():
         out.setdefault(key, []).extend(g for g in grads if id(g) not in experts)

@@ -39,7 +39,6 @@ from torch.overrides import TorchFunctionMode
 from plait.env import is_dry_run
 from plait.names import plain_name
 from plait.placement.pieces import carry_mark
-from plait.placement.records import EXPERT_MARK, ROWS_MARK
 
 # What a strategy keeps of one tensor: (owner's qualified name, attribute, full value, the
 # current tensor) -> the tensor to put in its place, or None to leave the module untouched.
@@ -164,18 +163,12 @@ def materialize(roots: nn.Module | Sequence[tuple[str, nn.Module]], seed: int, k
                         store[key] = new  # type: ignore[assignment]
 
 
-# Marks plait puts on a parameter that its materialized replacement keeps (an expert's placement).
-_KEPT_MARKS = (EXPERT_MARK, ROWS_MARK)
-
-
 def _place(new: torch.Tensor | None, old: torch.Tensor) -> torch.Tensor | None:
-    """Wrap a parameter's replacement as a parameter with the same requires_grad and marks."""
+    """Wrap a parameter's replacement as a parameter with the same requires_grad and placement
+    record (an expert's placement, its piece: `plait.placement.pieces.carry_mark`)."""
     if new is None or new is old or not isinstance(old, nn.Parameter) or isinstance(new, nn.Parameter):
         return new
     param = nn.Parameter(new, requires_grad=old.requires_grad)
-    for mark in _KEPT_MARKS:
-        if hasattr(old, mark):
-            setattr(param, mark, getattr(old, mark))
     carry_mark(old, param)
     return param
 

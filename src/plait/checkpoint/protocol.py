@@ -34,9 +34,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from plait.placement.records import TPInfo, plain_leaf, tp_info, tp_module
+from plait.placement.records import TPInfo, plain_leaf, tp_info, tp_module, tp_param_of
 from plait.placement.state import expert_or_tp_entry, restore_expert_or_tp
-from plait.placement.tp_params import tp_param_of
 
 
 class Checkpointable(Protocol):

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from plait.ddp.buckets import Bucket, sparse_params
-from plait.placement.records import placement_of, plain_leaf
+from plait.placement.records import expert_of, plain_leaf
 from plait.placement.tp_params import gradient_assigned
 
 InBackward = tuple[type[torch.optim.Optimizer], dict[str, Any]]
@@ -65,7 +65,7 @@ def refuse_model(module: nn.Module, ignored: frozenset[str], both: bool = False)
         raise ValueError(f"DistributedDataParallel(optimizer_in_backward=...): not with sparse gradients "
                          f"({', '.join(found)}): those are reduced on their own after the buckets; use "
                          "an optimizer after backward")
-    experts = [n for n, p in named if placement_of(plain_leaf(p)) is not None]
+    experts = [n for n, p in named if expert_of(plain_leaf(p)) is not None]
     if experts:
         raise ValueError("DistributedDataParallel(optimizer_in_backward=...): not with expert parallelism "
                          f"({experts[0]}, ...): experts split over ep are reduced outside the buckets; use "

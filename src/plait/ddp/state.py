@@ -12,7 +12,7 @@ from torch import nn
 
 from plait.ddp.in_backward import InBackward
 from plait.mesh import Mesh
-from plait.placement.records import placement_of
+from plait.placement.records import expert_of
 from plait.precision import precision_of
 
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,7 +101,7 @@ def check_experts_placed(module: nn.Module, named: list[tuple[str, nn.Parameter]
     whose experts `plait.expert_parallel` did not mark (DDP would wait for their gradients)."""
     from plait.models.moe import moe_layers
 
-    if moe_layers(module) and not any(placement_of(p) is not None for _, p in named):
+    if moe_layers(module) and not any(expert_of(p) is not None for _, p in named):
         raise ValueError("DistributedDataParallel: the model has MoE layers; apply "
                          "plait.expert_parallel(model, mesh) first (with ep=1 it only marks the experts, "
                          "whose gradients may be missing on a rank that routed them no token)")

@@ -46,7 +46,7 @@ from plait.ddp.reducer import Reducer
 from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, refuse_torch_only, wire_dtype
 from plait.materialize import is_meta
 from plait.mesh import Mesh
-from plait.placement.records import placement_of, plain_leaf
+from plait.placement.records import expert_of, plain_leaf
 from plait.placement.tp_params import let_wrapper_assign_grads
 from plait.wrapped_state import WrappedModuleState
 
@@ -143,12 +143,12 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         everything = list({id(t): (n, t) for n, t in leaves}.values())
         check_experts_placed(self.module, everything)
         # Expert parameters (plait.expert_parallel) differ across ep ranks: reduced on their own.
-        self._dense_named = [(n, p) for n, p in everything if placement_of(p) is None]
-        self._experts = [(n, p) for n, p in everything if placement_of(p) is not None and p.requires_grad]
+        self._dense_named = [(n, p) for n, p in everything if expert_of(p) is None]
+        self._experts = [(n, p) for n, p in everything if expert_of(p) is not None and p.requires_grad]
         self._setup_experts()
         sparse = sparse_params(self.module)
         trainable = [(n, p) for n, p in everything
-                     if p.requires_grad and (placement_of(p) is None or id(p) in self._expert_index)]
+                     if p.requires_grad and (expert_of(p) is None or id(p) in self._expert_index)]
         self._sparse = [(n, p) for n, p in trainable if id(p) in sparse]
         self._buckets = self._make_buckets([(n, p) for n, p in trainable if id(p) not in sparse],
                                            int(options.bucket_cap_mb * 2**20))
@@ -229,7 +229,7 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
         if not self._experts or self.find_unused_parameters:
             return False
         ours = sorted(self.mesh.group_ranks(self.axis))
-        placements = [placement_of(p) for _, p in self._experts]
+        placements = [expert_of(p) for _, p in self._experts]
         return all(w is not None and sorted(w.edp_ranks) == ours for w in placements)
 
     def _check_same_model_everywhere(self, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -253,7 +253,7 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
     def _broadcast_state(self) -> None:
         broadcast_coalesced([p for _, p in self._dense_named] + self._synced_buffers(), self.src, self.group)
         if self._experts:  # each expert from the first of the ranks holding it
-            where = placement_of(self._experts[0][1])
+            where = expert_of(self._experts[0][1])
             assert where is not None
             broadcast_coalesced([p for _, p in self._experts], where.edp_ranks[0], where.edp)
 

@@ -4,4 +4,3 @@
 # An internal package (no __all__): `plait.expert_parallel`'s home, and the names beside it.
 from plait.ep.apply import expert_parallel  # noqa: F401
 from plait.ep.dispatch import ExpertDispatch  # noqa: F401
-from plait.placement.records import ExpertParallelInfo, ExpertPlacement, ep_info, placement_of  # noqa: F401

@@ -38,8 +38,8 @@ shard: the local tensors are views of ``buf`` itself (the ZeRO formula counts pa
 
 Gradient hooks that an earlier transformation registered on an original parameter (e.g. tensor
 parallelism's sum over the tp group for a replicated weight applied to sequence shards) die
-with that parameter object, so such code also lists them in the parameter's
-``_plait_grad_hooks`` attribute (see `GRAD_HOOKS_ATTR`); each leaf registers them again, and
+with that parameter object, so such code also lists them in the parameter's placement record
+(`plait.placement.records.add_grad_hook`); each leaf registers them again (`Slot.grad_hooks`), and
 they run on the leaf's gradient before it is accumulated, exactly as on the original.
 """
 
@@ -58,11 +58,6 @@ from plait.dtensors import contiguous_stride
 from plait.fsdp.layout import ShardCfg, Slot, lay_out
 from plait.fsdp.reduction import GradReduction
 from plait.fsdp.stepped_leaves import watch_leaves
-
-# Attribute of a parameter: gradient hooks (tensor -> tensor | None) that must survive FSDP
-# replacing the parameter by its alias leaf. Whoever calls ``p.register_hook(h)`` on a
-# parameter that FSDP may wrap later appends ``h`` here too.
-GRAD_HOOKS_ATTR = "_plait_grad_hooks"
 
 
 class FlatParam(GradReduction):

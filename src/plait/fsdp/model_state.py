@@ -23,7 +23,7 @@ from torch import nn
 from plait.fsdp.layout import ShardCfg
 from plait.fsdp.names import top_level_names
 from plait.fsdp.units import Unit
-from plait.placement.records import TPInfo, placement_of
+from plait.placement.records import TPInfo, expert_of
 
 
 class ModelState(nn.Module):
@@ -148,4 +148,4 @@ class ModelState(nn.Module):
 
 def placed_experts(module: nn.Module) -> list[nn.Parameter]:
     """The parameters expert parallelism placed (`plait.placement`): held whole, outside the shards."""
-    return [p for p in module.parameters() if placement_of(p) is not None]
+    return [p for p in module.parameters() if expert_of(p) is not None]

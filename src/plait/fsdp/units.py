@@ -19,11 +19,11 @@ from torch import nn
 
 from plait.blocks import DESCRIBED, blocks
 from plait.env import get_logger
-from plait.fsdp.flat import GRAD_HOOKS_ATTR, FlatParam, ShardCfg, Slot
+from plait.fsdp.flat import FlatParam, ShardCfg, Slot
 from plait.materialize import Keep, materialize
 from plait.names import matches
 from plait.placement.pieces import carry_mark
-from plait.placement.records import mark_expert, placement_of
+from plait.placement.records import expert_of, grad_hooks_of, mark_expert
 from plait.precision import MixedPrecision, parse_mixed_precision
 
 Policies = MixedPrecision | str | None | Mapping[str, MixedPrecision | str | None]
@@ -180,11 +180,11 @@ def build_units(module: nn.Module, spec: Sequence[type | str] | None, cfg: Shard
     info: dict[int, tuple[nn.Parameter, Slot, list[str]]] = {}
     for mname, mod in module.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
-            if p is None or placement_of(p) is not None or id(p) in ignored:  # experts, ignored: whole
+            if p is None or expert_of(p) is not None or id(p) in ignored:  # experts, ignored: whole
                 continue
             fqn = f"{mname}.{attr}" if mname else attr
             if id(p) not in info:
-                hooks = list(getattr(p, GRAD_HOOKS_ATTR, ()))  # re-registered on the alias leaf
+                hooks = grad_hooks_of(p)  # re-registered on the alias leaf
                 info[id(p)] = (p, Slot(fqn, p.shape, grad_hooks=hooks), [])
             else:
                 info[id(p)][1].aliases.append(fqn)
@@ -222,7 +222,7 @@ def _keep_shard(where: dict[int, tuple[FlatParam, int]], cfg: ShardCfg, ignored:
     def keep(name: str, attr: str, full: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
         if not isinstance(t, nn.Parameter):
             return full.to(cfg.device)
-        placed = placement_of(t)
+        placed = expert_of(t)
         if id(t) in ignored:  # whole, on the device, left alone
             if not t.is_meta and t.device == cfg.device:
                 return t

@@ -81,7 +81,7 @@ from plait.fsdp.names import own_names, report_own_names, wrapped_names
 from plait.fsdp.units import Policies, Unit, build_units, check_no_optimizer, unit_policies
 from plait.mesh import Mesh
 from plait.placement.pieces import mark_piece, piece_of
-from plait.placement.records import TPInfo, ep_info, placement_of, tp_info
+from plait.placement.records import TPInfo, ep_info, expert_of, tp_info
 from plait.placement.tp_params import to_plain_parameters
 from plait.precision import MixedPrecision, precision_of
 
@@ -226,7 +226,7 @@ class FullyShardedDataParallel(UnitHooks, ModelState, Conversions, FSDPControls)
         torch's clip fails inside DTensor on that mix, so it refuses them by name instead (see
         `plait.placement.pieces`). Split experts are marked as pieces already."""
         for name, p in module.named_parameters():
-            if placement_of(p) is not None and p.requires_grad and piece_of(p) is None:
+            if expert_of(p) is not None and p.requires_grad and piece_of(p) is None:
                 mark_piece(p, f"the whole expert {name!r}", kept_whole=True)
 
     # ------------------------------------------------------------------ user API

@@ -9,7 +9,7 @@ from torch import nn
 
 from plait import comm, faults
 from plait.placement.pieces import mark_grad
-from plait.placement.records import placement_of
+from plait.placement.records import expert_of
 
 
 @torch.no_grad()
@@ -22,7 +22,7 @@ def reduce_expert_grads(params: list[nn.Parameter], divisor: float) -> None:
         return
     if faults.active("ep-expert-divisor"):  # an injected bug in tests only
         divisor = 1.0
-    where = placement_of(params[0])
+    where = expert_of(params[0])
     assert where is not None
     if dist.get_world_size(where.edp) == 1:  # this rank alone holds its experts: nothing to sum
         for p in params:

@@ -15,9 +15,10 @@ instead: a tensor subclass that is a plain tensor to every operation (optimizers
 `torch.optim.Muon` does with a tp shard, which raise `TorchToolRefused` naming the piece and what to
 use instead. Nothing has been changed when they raise.
 
-A parameter is marked once (`mark_piece`); its gradient is marked whenever autograd accumulates
-into it, and again wherever plait assigns one (`mark_grad`: DDP's bucket views, the experts'
-reduction, the end of a pipeline step).
+A parameter is marked once (`mark_piece`: the ``piece`` of its `ParamPlacement` record); its
+gradient is marked whenever autograd accumulates into it, and again wherever plait assigns one
+(`mark_grad`: DDP's bucket views, the experts' reduction, the end of a pipeline step). A marked
+gradient carries its parameter's record.
 
 A tp shard's mark also says how its optimizer state is a piece of the full tensor's. An optimizer
 stepping such parameters gets a ``state_dict()`` hook that gives that state as DTensors of the full
@@ -31,7 +32,6 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -47,10 +47,8 @@ from plait._torch_compat import (
     plain_torch_functions,
     set_class,
 )
+from plait.placement.records import Piece, carry_placement, placement_for, placement_of, set_placement
 
-# The attribute a marked parameter (and its marked gradient) carries its `Piece` under.
-PIECE_MARK = "_plait_piece"
-_WATCHED = "_plait_piece_watched"
 _CLIP_MODULE = "torch.nn.utils.clip_grad"
 _NORMS = frozenset({torch.linalg.vector_norm, foreach_norm, torch.norm, torch.Tensor.norm,
                     torch.linalg.norm})
@@ -65,23 +63,6 @@ class TorchToolRefused(RuntimeError):
     it would be silently wrong."""
 
 
-@dataclass(frozen=True)
-class Piece:
-    """What a marked parameter holds: ``what``, in words; ``split``: a piece of one tensor (a tp
-    shard), rather than whole tensors of a part of the model (a stage, some experts). A split
-    piece may say how a tensor shaped like it (its optimizer state) stands for the full tensor:
-    ``to_full(t)``, a DTensor of the full tensor on ``t``'s storage, and ``to_local(value, base)``,
-    this rank's rows of such a value (or of the full tensor) on a copy of ``base``.
-    ``kept_whole``: not a piece but a whole tensor that every rank holds, kept plain beside FSDP's
-    DTensor shards (experts under FSDP without ep), whose mix torch's clip cannot take."""
-
-    what: str
-    split: bool
-    to_full: Callable[[torch.Tensor], torch.Tensor] | None = None
-    to_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    kept_whole: bool = False
-
-
 def mark_piece(p: nn.Parameter | torch.Tensor, what: str, split: bool = False, *,
                to_full: Callable[[torch.Tensor], torch.Tensor] | None = None,
                to_local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -89,24 +70,27 @@ def mark_piece(p: nn.Parameter | torch.Tensor, what: str, split: bool = False, *
     """Record that ``p`` holds one rank's piece of the model (see `Piece`), so that torch's tools
     that would be wrong on its gradient refuse it. A second mark keeps the first words; a piece
     marked ``kept_whole`` too is refused as a piece."""
-    old = piece_of(p)
+    rec = placement_for(p)
+    old = rec.piece
     new = Piece(what, split, to_full, to_local, kept_whole)
     if old is not None:
         new = Piece(old.what, old.split or split, old.to_full or to_full, old.to_local or to_local,
                     old.kept_whole and kept_whole)
-    setattr(p, PIECE_MARK, new)
+    rec.piece = new
     if new.to_full is not None:
         _watch_optimizers()
-    if p.requires_grad and not isinstance(p, DTensor) and not getattr(p, _WATCHED, False):
+    if p.requires_grad and not isinstance(p, DTensor) and not rec.marks_grads:
         p.register_post_accumulate_grad_hook(mark_grad)
-        setattr(p, _WATCHED, True)
+        rec.marks_grads = True
     mark_grad(p)
 
 
 def carry_mark(old: torch.Tensor, new: torch.Tensor) -> None:
-    """Mark ``new``, a parameter that replaces ``old`` (materialized, or moved to its device), as
-    ``old`` was marked, if it was."""
-    piece = piece_of(old)
+    """Place ``new``, a parameter that replaces ``old`` (materialized, or moved to its device), as
+    ``old`` was placed (`plait.placement.records.carry_placement`), and mark it as ``old``'s piece,
+    if it was one."""
+    rec = carry_placement(old, new)
+    piece = None if rec is None else rec.piece
     if piece is not None:
         mark_piece(new, piece.what, piece.split, to_full=piece.to_full, to_local=piece.to_local,
                    kept_whole=piece.kept_whole)
@@ -114,22 +98,22 @@ def carry_mark(old: torch.Tensor, new: torch.Tensor) -> None:
 
 def piece_of(p: torch.Tensor | object) -> Piece | None:
     """The `Piece` ``p`` (a parameter or its gradient) holds, if `mark_piece` marked it."""
-    found = getattr(p, PIECE_MARK, None)
-    return found if isinstance(found, Piece) else None
+    rec = placement_of(p)
+    return None if rec is None else rec.piece
 
 
 def mark_grad(p: torch.Tensor) -> None:
     """Mark ``p``'s gradient if ``p`` is marked and the gradient is not yet (the marked gradient is
-    the same memory: nothing is copied)."""
-    piece, g = piece_of(p), p.grad
-    if piece is None or g is None or piece_of(g) == piece:
+    the same memory: nothing is copied); it carries ``p``'s record."""
+    rec, g = placement_of(p), p.grad
+    if rec is None or rec.piece is None or g is None or placement_of(g) is rec:
         return
     if isinstance(g, DTensor):
         set_class(g, _PieceDTensorGrad)  # a DTensor still: only the class's torch-function check differs
     elif not isinstance(g, _PieceGrad):
         g = g.as_subclass(_PieceGrad)
         p.grad = g
-    setattr(g, PIECE_MARK, piece)
+    set_placement(g, rec)
 
 
 def mark_grads(params: Iterable[torch.Tensor]) -> None:

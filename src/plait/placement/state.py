@@ -18,7 +18,7 @@ from torch import nn
 
 from plait import comm
 from plait.dtensors import contiguous_stride, local_of, mesh_of
-from plait.placement.records import TPInfo, placement_of, plain_leaf, rows_of, tp_info, tp_module
+from plait.placement.records import TPInfo, expert_of, plain_leaf, rows_of, tp_info, tp_module
 from plait.placement.shards import ShardSpec
 from plait.tensor_source import FullValue, whole
 
@@ -110,8 +110,8 @@ def _check_not_fsdp(model: nn.Module, what: str) -> None:
     kept = [sd[n] for n in info.specs if n in sd] if info is not None else []
     if info is not None and info.specs and (
             not kept or any(isinstance(plain_leaf(t), DTensor) for t in kept)):
-        raise ValueError(f"plait.tp.state.{what}: this tensor-parallel model is wrapped by FSDP, which "
-                         f"holds its parameters: call plait.{what}(model) on the FSDP wrapper")
+        raise ValueError(f"plait.placement.state.{what}: this tensor-parallel model is wrapped by FSDP, "
+                         f"which holds its parameters: call plait.{what}(model) on the FSDP wrapper")
 
 
 # ------------------------------------------------------------------ checkpoint entries
@@ -200,7 +200,7 @@ def rows_entry(t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
     rows of (`plait.placement.StackedRows`): a DTensor ``Shard(0)`` over the ep group, sharing
     ``t``'s storage, so torch.distributed.checkpoint writes each rank's rows and can reshard them.
     ``t`` itself where ``p`` holds no such rows."""
-    rows, where = rows_of(p), placement_of(p)
+    rows, where = rows_of(p), expert_of(p)
     if rows is None or where is None or where.ep_size == 1:
         return t
     from torch.distributed.tensor import DTensor, Shard

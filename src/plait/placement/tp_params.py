@@ -26,9 +26,8 @@ it wraps, which puts the leaves back as the parameters (marked as tp pieces, as 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,75 +36,23 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from plait._torch_compat import unwrap_apply, wrap_apply
 from plait.dtensors import contiguous_stride, mesh_of
 from plait.placement.pieces import mark_grad, mark_piece
-from plait.placement.records import TP_PARAM_MARK, TPInfo
+from plait.placement.records import (
+    ParamPlacement,
+    ParamState,
+    TPInfo,
+    TPParam,
+    placement_for,
+    placement_of,
+    set_placement,
+    tp_param_of,
+)
 from plait.placement.shards import ShardSpec
 from plait.placement.state import chunk_rows, full_as_shard, shard_as_full
-
-
-@dataclass(eq=False)
-class TPParam:
-    """A DTensor parameter ``param`` standing on the plain ``leaf`` forward reads (see module doc);
-    ``spec``: its rows when split (None: replicated); ``owners``: every (module, attribute) holding
-    it (a tied weight has several)."""
-
-    name: str
-    leaf: nn.Parameter
-    param: nn.Parameter
-    spec: ShardSpec | None
-    info: TPInfo
-    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
-    handle: Any = None  # the leaf's hook that moves each fresh gradient (None once a wrapper assigns it)
-    wrapper_assigns: bool = False  # a wrapper (DDP) assigns the finished gradient: `gradient_assigned`
-    published: bool = False  # the DTensor's gradient is the leaf's, as a wrapper last assigned it
-
-    @property
-    def dtensor(self) -> DTensor:
-        return cast(DTensor, self.param)
-
-    def rows(self, t: torch.Tensor) -> torch.Tensor:
-        """The DTensor's local rows of ``t``, a tensor shaped like the leaf (padding cut off)."""
-        spec = self.spec
-        if spec is None or spec.valid == spec.local:
-            return t
-        return t.narrow(spec.dim, 0, spec.valid)
-
-    def padded(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``, shaped like the DTensor parameter (its gradient, its optimizer state), as this
-        rank's plain tensor shaped like the leaf (the padding rows zero)."""
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if local.shape == self.leaf.shape:
-            return local
-        out = torch.zeros(self.leaf.shape, dtype=local.dtype, device=local.device)
-        self.rows(out).copy_(local)
-        return out
-
-    def as_dtensor(self, local: torch.Tensor) -> DTensor:
-        """``local`` (rows as `rows` gives them) as a DTensor placed like ``param``."""
-        return DTensor.from_local(local, self.dtensor.device_mesh, self.dtensor.placements, run_check=False,
-                                  shape=self.param.shape, stride=self.param.stride())
-
-    def move_grad(self, leaf: torch.Tensor) -> None:
-        """The leaf's post-accumulate hook: its fresh gradient joins the DTensor's."""
-        g = leaf.grad
-        if g is None:
-            return
-        leaf.grad = None
-        have = self.param.grad
-        if have is None:
-            self.param.grad = self.as_dtensor(self.rows(g))
-        else:
-            with torch.no_grad():
-                cast(DTensor, have).to_local().add_(self.rows(g))
 
 
 def describable(spec: ShardSpec | None, size: int) -> bool:
     """Whether a DTensor describes this rank's rows: replicated, or `chunk_rows` of one block."""
     return spec is None or (spec.contiguous and chunk_rows(spec, size))
-
-
-def tp_param_of(p: object) -> TPParam | None:
-    found = getattr(p, TP_PARAM_MARK, None)
-    return found if isinstance(found, TPParam) else None
 
 
 def place_tp_parameters(module: nn.Module, info: TPInfo) -> None:
@@ -146,11 +93,28 @@ def _place(leaf: nn.Parameter, name: str, spec: ShardSpec | None, info: TPInfo) 
     dt = DTensor.from_local(local, mesh_of(info.group, leaf.device), placements, run_check=False,
                             shape=full, stride=contiguous_stride(full))
     rec.param = nn.Parameter(dt, requires_grad=leaf.requires_grad)
-    setattr(rec.param, TP_PARAM_MARK, rec)
-    setattr(leaf, TP_PARAM_MARK, rec)
+    placed = placement_for(leaf)  # the leaf's gradient hooks (tp's sums) stay in it
+    placed.tp, placed.state = rec, ParamState.HOOK_MOVES_GRAD
+    set_placement(rec.param, placed)
     if leaf.requires_grad:
-        rec.handle = leaf.register_post_accumulate_grad_hook(rec.move_grad)
+        leaf.register_post_accumulate_grad_hook(partial(_move_grad, placed))
     return rec
+
+
+def _move_grad(placed: ParamPlacement, leaf: torch.Tensor) -> None:
+    """The leaf's post-accumulate hook: in `ParamState.HOOK_MOVES_GRAD`, its fresh gradient joins
+    the DTensor's (``leaf.grad`` is None again); in any other state the gradient stays."""
+    rec, g = placed.tp, leaf.grad
+    if placed.state is not ParamState.HOOK_MOVES_GRAD or rec is None or rec.leaf is not leaf or g is None:
+        return
+    leaf.grad = None
+    have = rec.param.grad
+    if have is None:
+        rec.param.grad = rec.as_dtensor(rec.rows(g))
+    else:
+        with torch.no_grad():
+            local = have.to_local() if isinstance(have, DTensor) else have
+            local.add_(rec.rows(g))
 
 
 def _apply_placed(mod: nn.Module, apply: Any, fn: Any, recurse: bool = True) -> nn.Module:
@@ -176,93 +140,96 @@ def _apply_placed(mod: nn.Module, apply: Any, fn: Any, recurse: bool = True) -> 
                 fresh = DTensor.from_local(local, mesh_of(rec.info.group, local.device),
                                            rec.dtensor.placements, run_check=False, shape=rec.param.shape,
                                            stride=rec.param.stride())
+                placed = placement_of(rec.param)
                 torch.utils.swap_tensors(rec.param, nn.Parameter(fresh, rec.param.requires_grad))
-                setattr(rec.param, TP_PARAM_MARK, rec)
+                assert placed is not None
+                set_placement(rec.param, placed)  # the swap took the attributes with it
 
 
 def _rebind(rec: TPParam, leaf: nn.Parameter) -> None:
-    if rec.handle is not None:
-        rec.handle.remove()
-        rec.handle = leaf.register_post_accumulate_grad_hook(rec.move_grad)
-    setattr(leaf, TP_PARAM_MARK, rec)
+    placed = placement_of(rec.param)
+    assert placed is not None
+    set_placement(leaf, placed)
+    if leaf.requires_grad:  # the old leaf's hook sees it is no longer the leaf
+        leaf.register_post_accumulate_grad_hook(partial(_move_grad, placed))
     rec.leaf = leaf
     for mod, attr in rec.owners:
         mod.__dict__[attr] = leaf
 
 
-def _records(module: nn.Module) -> list[TPParam]:
-    """The tp DTensor parameters ``module`` holds, placed, each once."""
-    found: dict[int, TPParam] = {}
+def _records(module: nn.Module) -> list[ParamPlacement]:
+    """The records of the tp DTensor parameters ``module`` holds, placed, each once."""
+    found: dict[int, ParamPlacement] = {}
     for mod in module.modules():
         for p in mod._parameters.values():
-            rec = tp_param_of(p)
-            if rec is not None and rec.param is p:
-                found.setdefault(id(rec), rec)
+            placed = placement_of(p)
+            if placed is not None and placed.tp is not None and placed.tp.param is p:
+                found.setdefault(id(placed), placed)
     return list(found.values())
 
 
 def let_wrapper_assign_grads(module: nn.Module) -> None:
     """For a wrapper that reduces the leaves' gradients itself and then assigns them (DDP, over the
-    leaves: `plain_leaf`): stop moving each fresh gradient onto the DTensor; the wrapper calls
-    `gradient_assigned` on the leaf with the finished one, which the DTensor's gradient then
-    shares. Before autograd accumulates into a leaf, a published gradient the user dropped from the
-    DTensor since (``zero_grad()``) is dropped from the leaf too, so nothing stale is added to."""
-    for rec in _records(module):
-        if rec.wrapper_assigns:
+    leaves: `plain_leaf`): stop moving each fresh gradient onto the DTensor
+    (`ParamState.WRAPPER_ASSIGNS_GRAD`); the wrapper calls `gradient_assigned` on the leaf with the
+    finished one, which the DTensor's gradient then shares. Before autograd accumulates into a leaf,
+    a published gradient the user dropped from the DTensor since (``zero_grad()``) is dropped from
+    the leaf too, so nothing stale is added to."""
+    for placed in _records(module):
+        if placed.state is not ParamState.HOOK_MOVES_GRAD:
             continue
-        if rec.handle is not None:
-            rec.handle.remove()
-            rec.handle = None
-        rec.wrapper_assigns = True
-        if rec.leaf.requires_grad:
-            rec.leaf.register_hook(partial(_drop_stale, rec))
+        placed.state = ParamState.WRAPPER_ASSIGNS_GRAD
+        assert placed.tp is not None
+        if placed.tp.leaf.requires_grad:
+            placed.tp.leaf.register_hook(partial(_drop_stale, placed))
 
 
-def _drop_stale(rec: TPParam, grad: torch.Tensor) -> None:
+def _drop_stale(placed: ParamPlacement, grad: torch.Tensor) -> None:
     # Only a gradient published and dropped since: one still accumulating (DDP's no_sync) stays.
-    if rec.published and rec.param.grad is None:
+    rec = placed.tp
+    if placed.state is ParamState.GRAD_PUBLISHED and rec is not None and rec.param.grad is None:
         rec.leaf.grad = None
-        rec.published = False
+        placed.state = ParamState.WRAPPER_ASSIGNS_GRAD
 
 
 def gradient_assigned(leaf: torch.Tensor) -> None:
     """A wrapper assigned ``leaf.grad`` (see `let_wrapper_assign_grads`): the DTensor's gradient becomes its
-    rows, the same memory; a leaf that is no tp DTensor's keeps its mark (`mark_grad`)."""
-    rec = tp_param_of(leaf)
-    if rec is None or not rec.wrapper_assigns or rec.leaf is not leaf:
+    rows, the same memory (`ParamState.GRAD_PUBLISHED`); a leaf that is no tp DTensor's keeps its
+    mark (`mark_grad`)."""
+    placed = placement_of(leaf)
+    rec = None if placed is None else placed.tp
+    if placed is None or rec is None or rec.leaf is not leaf or placed.state not in _WRAPPER_ASSIGNS:
         mark_grad(leaf)
         return
     g = leaf.grad
     rec.param.grad = None if g is None else rec.as_dtensor(rec.rows(g))
-    rec.published = g is not None
+    placed.state = ParamState.WRAPPER_ASSIGNS_GRAD if g is None else ParamState.GRAD_PUBLISHED
+
+
+_WRAPPER_ASSIGNS = (ParamState.WRAPPER_ASSIGNS_GRAD, ParamState.GRAD_PUBLISHED)
 
 
 def to_plain_parameters(module: nn.Module) -> None:
     """Put every tp DTensor parameter of ``module`` back as the plain leaf it stands on (its
     gradient with it), marked as a tp piece: for a strategy that shards, buckets or stages plain
-    parameters (DDP, FSDP, pipelines, expert parallelism, mixed precision)."""
-    done: set[int] = set()
-    for mod in module.modules():
-        for attr, p in list(mod._parameters.items()):
-            rec = tp_param_of(p)
-            if rec is None or rec.param is not p:
-                continue
-            mod._parameters[attr] = rec.leaf
-            mod.__dict__.pop(attr, None)
-            unwrap_apply(mod)
-            if id(rec) in done:  # a tied parameter's other owner
-                continue
-            done.add(id(rec))
-            if rec.wrapper_assigns:
-                raise ValueError(f"'{rec.name}' is already in a wrapper that reduces its gradient (DDP): "
-                                 "apply this strategy before that wrapper")
-            if rec.handle is not None:
-                rec.handle.remove()
-                rec.handle = None
-            _grad_back(rec)
-            delattr(rec.leaf, TP_PARAM_MARK)
-            if rec.spec is not None:
-                _mark_shard(rec.leaf, rec.name, rec.spec, rec.info)
+    parameters (DDP, FSDP, pipelines, expert parallelism, mixed precision). The record the two
+    shared stays the leaf's, in `ParamState.PLAIN`, without ``tp``."""
+    inside = {id(m) for m in module.modules()}
+    for placed in _records(module):
+        rec = placed.tp
+        assert rec is not None
+        if placed.state in _WRAPPER_ASSIGNS:
+            raise ValueError(f"'{rec.name}' is already in a wrapper that reduces its gradient (DDP): "
+                             "apply this strategy before that wrapper")
+        for mod, attr in rec.owners:  # a tied parameter has several
+            if id(mod) in inside and mod._parameters.get(attr) is rec.param:
+                mod._parameters[attr] = rec.leaf
+                mod.__dict__.pop(attr, None)
+                unwrap_apply(mod)
+        _grad_back(rec)
+        placed.tp, placed.state = None, ParamState.PLAIN
+        if rec.spec is not None:
+            _mark_shard(rec.leaf, rec.name, rec.spec, rec.info)
 
 
 def _grad_back(rec: TPParam) -> None:

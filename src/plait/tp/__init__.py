@@ -1,13 +1,7 @@
 """Tensor and sequence parallelism (Megatron-LM), applied to unmodified models by a plan."""
 
-from plait.placement.records import TPInfo, tp_info, tp_module  # noqa: F401 (tp_module: the library's)
-from plait.tp.apply import (  # noqa: F401 (assign_styles, validate_styles: the library's)
-    assign_styles,
-    check_plan,
-    loss_fn_for,
-    tensor_parallel,
-    validate_styles,
-)
+from plait.placement.records import TPInfo, tp_info
+from plait.tp.apply import check_plan, loss_fn_for, tensor_parallel
 from plait.tp.attention import AttentionParallel, HeadEmbedding, HeadNorm, SplitRMSNorm
 from plait.tp.context import Style
 from plait.tp.experts import MoEParallel, SplitParams

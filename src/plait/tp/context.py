@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
+from plait.placement.records import add_grad_hook
 from plait.placement.shards import ShardSpec
 from plait.rng import RNGFork
 
@@ -37,13 +38,7 @@ class SequenceShardGrads:
         if id(p) in self.watched:
             return
         self.watched.add(id(p))
-        p.register_hook(self._sum)
-        # Also listed on the parameter, so FSDP (which replaces it) registers it on its leaf.
-        hooks = getattr(p, "_plait_grad_hooks", None)
-        if hooks is None:
-            hooks = []
-            p._plait_grad_hooks = hooks  # type: ignore[attr-defined]
-        hooks.append(self._sum)
+        add_grad_hook(p, self._sum)  # in its placement record too: FSDP registers it on its own leaf
 
     def _sum(self, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share the buffer
