@@ -400,11 +400,7 @@ TORCH_INTERNALS = frozenset({
     "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks", "_apply", "_compiled_call_impl",
     "_orig_mod", "_replicate_for_data_parallel", "_destroy", "_initializing"})
 # What remains outside `plait._torch_compat`, each for a reason; the test fails when one goes (drop it).
-PRIVATE_LEFT = {
-    # FSDP's conversions override nn.Module._apply and call the base one (``.to()`` / ``.double()``
-    # rebuild the flat groups in place); an override cannot move into another module.
-    ("plait.fsdp.conversions", "super()._apply"),
-}
+PRIVATE_LEFT: set[tuple[str, str]] = set()
 
 
 def _private(name: str) -> bool:

@@ -361,10 +361,12 @@ def wrap_apply(module: nn.Module, wrapper: Callable[..., nn.Module]) -> None:
     module) call ``wrapper(module, apply, fn, recurse)``, with ``apply`` the class's own, on this
     module object only; once (a second call keeps the first wrapper).
 
-    Tensor parallelism's DTensor parameters are rebuilt around the converted local tensors there: the
+    Tensor parallelism's DTensor parameters are rebuilt around the converted local tensors there,
+    and FSDP's wrapper rebuilds its flat groups in the new dtype (`plait.fsdp.conversions`): the
     conversion has no public hook (``register_module_parameter_registration_hook`` sees assignments,
-    not conversions). Tested on 2.6 and 2.13; can go when torch's own ``_apply`` converts a DTensor
-    parameter in place (keeping the parameter object an optimizer holds)."""
+    not conversions). Tested on 2.6 and 2.13 (tests/test_torch_semantics_fsdp.py converts a wrapped
+    model); can go when torch's own ``_apply`` converts a DTensor parameter in place (keeping the
+    parameter object an optimizer holds)."""
     if "_apply" not in module.__dict__:
         module._apply = functools.partial(wrapper, module, type(module)._apply.__get__(module))  # type: ignore[method-assign]
 

@@ -81,7 +81,7 @@ from plait.pipeline.wrapping import StageWrapper
 from plait.placement.records import tp_info
 from plait.placement.tp_params import to_plain_parameters
 from plait.precision import mixed_precision
-from plait.rules import ZERO3_SPLIT_BACKWARD, Layout, LayoutError, check_layout
+from plait.rules import ZERO3_SPLIT_BACKWARD, Layout, LayoutError, MeshShape, check_layout
 from plait.tp.apply import assign_styles, loss_fn_for, tensor_parallel, validate_tied_splits
 from plait.tp.styles import VocabParallelOutput
 
@@ -99,13 +99,12 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     Every argument is checked before the first collective, so a bad plan fails on every rank
     with the same error instead of leaving some ranks waiting.
     """
-    layout = _check(module, mesh, plan)
-    pipelined = layout.schedule is not None
+    layout = _check(module, mesh, plan)  # the degrees and the schedule, derived once
     # Steps 1b to 2b, one function for both paths: applied to the whole model, or by the pipeline
     # to each of this rank's stages (materialized and tensor parallel, as below).
-    steps = _steps_after_tensor_parallel(module, mesh, plan, pipelined)
+    steps = _steps_after_tensor_parallel(module, mesh, plan, layout)
     if layout.schedule is not None:  # 0. split, then 1 to 3 on each of this rank's parts
-        return _pipeline(module, mesh, plan, layout.schedule, steps)
+        return _pipeline(module, mesh, plan, layout, layout.schedule, steps)
     if plan.tp is not None:  # 1. tensor parallel
         module = _tensor_parallel(module, mesh, plan)
     if is_meta(module) and plan.data != "fsdp":
@@ -117,25 +116,25 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
         steps(module)
     if plan.data == "fsdp":  # 3. data parallel
         return FullyShardedDataParallel(module, mesh, **_fsdp_options(plan, plan.fsdp_units))
-    if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:
+    if plan.data == "ddp" and layout.shape.dp * layout.shape.cp > 1:
         return DistributedDataParallel(module, mesh, **plan.ddp_options)
     return module
 
 
-def _pipeline(module: nn.Module, mesh: Mesh, plan: ParallelPlan, schedule: Schedule,
+def _pipeline(module: nn.Module, mesh: Mesh, plan: ParallelPlan, layout: Layout, schedule: Schedule,
               steps: Callable[[nn.Module], None] | None) -> Pipeline:
     """Step 0, then steps 1 to 3 on this rank's parts: tensor parallelism over all of them at once
     (one TPInfo; ties inside the rank stay ties), or materialization of all of them at once; then
     each part's steps 1b to 2b and its DDP or FSDP; the pipeline schedules what was built."""
-    _check_pipeline_tp(module, mesh, plan)
-    wrapper = _stage_wrapper(module, mesh, plan)
+    _check_pipeline_tp(module, layout.shape, plan)
+    wrapper = _stage_wrapper(module, mesh, plan, layout.shape)
     parts = split_stages(module, mesh, split=plan.pp_split, schedule=schedule,
                          microbatches=plan.pp_microbatches, chunks=plan.pp_chunks, device=device(),
-                         wrapper=wrapper)
+                         p2p=plan.p2p, wrapper=wrapper)
     loss_fn, tp_module = plan.loss_fn, None
     if plan.tp is not None:  # 1.
         if parts.ties:  # copies of a tied weight are summed per tp coordinate: each use split alike
-            validate_tied_splits(module, plan.tp, tp=mesh.size("tp"))
+            validate_tied_splits(module, plan.tp, tp=layout.shape.tp)
         # Under the original names: plan patterns match, and a meta module gets its init values
         # from the model under its own name, one module at a time, keeping its shard.
         tp_module = _tensor_parallel(parts.view(), mesh, plan, origin=module)
@@ -151,8 +150,8 @@ def _pipeline(module: nn.Module, mesh: Mesh, plan: ParallelPlan, schedule: Sched
     # A weight-gradient pass communicates under sequence parallelism (norms' gradients summed over
     # tp) and when it recomputes a checkpointed tensor-parallel block.
     w_communicates = plan.sequence_parallel or (plan.tp is not None and steps is not None)
-    return Pipeline(parts, mesh, stages, microbatches=plan.pp_microbatches, loss_fn=cast(Any, loss_fn),
-                    p2p=plan.p2p, wrapper=wrapper, tp_module=tp_module, w_communicates=w_communicates)
+    return Pipeline(parts, stages, microbatches=plan.pp_microbatches, loss_fn=cast(Any, loss_fn),
+                    wrapper=wrapper, tp_module=tp_module, w_communicates=w_communicates)
 
 
 def _tensor_parallel(target: nn.Module, mesh: Mesh, plan: ParallelPlan,
@@ -164,10 +163,10 @@ def _tensor_parallel(target: nn.Module, mesh: Mesh, plan: ParallelPlan,
                            strict=False, check=plan.tp_check, origin=origin)
 
 
-def _check_pipeline_tp(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> None:
+def _check_pipeline_tp(module: nn.Module, shape: MeshShape, plan: ParallelPlan) -> None:
     """Refuse tensor-parallel arguments that do not fit a pipeline's mesh, or a loss that does not
     fit the plan (no collective)."""
-    tp = mesh.size("tp")
+    tp = shape.tp
     if plan.tp is None:
         if tp > 1:
             raise ValueError(f"parallelize: the mesh has tp={tp} but no ParallelPlan(tp=...) was given; "
@@ -208,13 +207,14 @@ def _fsdp_options(plan: ParallelPlan, units: Sequence[type | str] | None) -> dic
 
 
 def _steps_after_tensor_parallel(module: nn.Module, mesh: Mesh, plan: ParallelPlan,
-                                 pipelined: bool) -> Callable[[nn.Module], None] | None:
+                                 layout: Layout) -> Callable[[nn.Module], None] | None:
     """Steps 1b to 2b, in `ORDER`, for one part: the whole model, or (``pipelined``) each of this
     rank's materialized, tensor-parallel pipeline stages: context parallelism, expert parallelism,
     checkpointing of the blocks chosen in the whole model (``ac_every`` counts over all of them,
     so a stage checkpoints those it holds, under their names in the model), then mixed precision
     where FSDP does not cast (DDP, wrapped next, reads its reduce dtype). None: nothing to apply."""
-    experts = bool(moe_layers(module)) or (mesh.size("ep") > 1 and has_experts(module))
+    pipelined, shape = layout.schedule is not None, layout.shape
+    experts = bool(moe_layers(module)) or (shape.ep > 1 and has_experts(module))
     precision = plan.precision if plan.data != "fsdp" else None
     if plan.ac is None and plan.cp is None and not experts and precision is None:
         return None
@@ -222,7 +222,7 @@ def _steps_after_tensor_parallel(module: nn.Module, mesh: Mesh, plan: ParallelPl
     policy, algorithm, sequence_parallel = plan.ac, plan.cp, plan.sequence_parallel
     # Under sequence parallelism a stage's inputs or outputs are tp's shards of the cp ranks'
     # tokens, which the cp check cannot set against whole sequences (a whole model's are not).
-    cp_check = plan.cp_check and not (pipelined and sequence_parallel and mesh.size("tp") > 1)
+    cp_check = plan.cp_check and not (pipelined and sequence_parallel and shape.tp > 1)
     # A stage does not hold the whole model, where "auto" looks for the kind of positions.
     positions = "rotary" if pipelined else "auto"
 
@@ -240,11 +240,12 @@ def _steps_after_tensor_parallel(module: nn.Module, mesh: Mesh, plan: ParallelPl
     return apply
 
 
-def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> StageWrapper | None:
+def _stage_wrapper(module: nn.Module, mesh: Mesh, plan: ParallelPlan,
+                   shape: MeshShape) -> StageWrapper | None:
     """Step 3 for pipeline stages: what `Pipeline` wraps each stage in (None: no data parallelism)."""
     if plan.data == "fsdp":
         return _FSDPStages(mesh, plan, set(blocks(module)))
-    if plan.data == "ddp" and mesh.size(("dp", "cp")) > 1:
+    if plan.data == "ddp" and shape.dp * shape.cp > 1:
         return _DDPStages(mesh, plan.ddp_options)
     return None
 

@@ -17,6 +17,9 @@ how to treat it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch.distributed as dist
 from torch import nn
 
 from plait.ep.dispatch import ExpertDispatch
@@ -77,8 +80,11 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
         if count % n:
             raise ValueError(f"expert_parallel: {name} has {count} experts, which do not split "
                              f"evenly over ep={n}")
-    placement = ExpertPlacement(mesh.group("edp"), mesh.group("ep"), n, tuple(mesh.group_ranks("ep")),
+    # Every group this function needs, read from the mesh once.
+    ep_group = mesh.group("ep")
+    placement = ExpertPlacement(mesh.group("edp"), ep_group, n, tuple(mesh.group_ranks("ep")),
                                 tuple(mesh.group_ranks("edp")))
+    statistics = _StatisticsGroups.of(mesh, sequence_parallel)
     local: list[str] = []
     absent: list[str] = []
     for name, moe in layers:
@@ -95,32 +101,45 @@ def expert_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = Fals
             else:
                 moe.experts[e] = _Elsewhere(e, e // per)
                 absent.append(prefix + ".")
-        _share_statistics(moe, mesh, sequence_parallel)
+        statistics.share(moe)
         if n > 1:
             moe.experts_forward = ExpertDispatch(moe.experts, moe.n_experts, j * per,  # type: ignore[method-assign]
-                                                 mesh.group("ep"), n, name, check)
+                                                 ep_group, n, name, check)
     split: list[str] = []
     if n > 1:  # at ep=1 a stacked tensor is one dense parameter, every rank's gradient complete
         for name, mod in stacked:
-            kept = split_stacked(mod, placement, j, mesh.group("ep"), name, check)
+            kept = split_stacked(mod, placement, j, ep_group, name, check)
             split += [f"{name}.{p}" if name else p for p in kept]
     attach_ep_info(model, ExpertParallelInfo(placement, tuple(local), tuple(absent), tuple(split)))
     return model
 
 
-def _share_statistics(moe: MoE, mesh: Mesh, sequence_parallel: bool) -> None:
-    """Give ``moe`` the ranks its balancing statistics sum over: for ``"global"`` every rank that
-    holds part of the step's batch (the data axes, ep folded among them, cp, and the tp ranks
-    under SP), for ``"microbatch"`` the tp ranks that split one micro-batch under SP."""
-    split = sequence_parallel and mesh.size("tp") > 1
-    groups = [mesh.group("tp")] if split else []
-    if moe.balance_statistic == "global" and mesh.size(_DATA) > 1:
-        groups.append(mesh.group(_DATA))
-    # Under SP each expert's gradient is summed over tp as each of its parameters' is made, so
-    # every tp rank must make it when one does: the ranks whose tokens reach the same experts (tp,
-    # and ep, whose ranks send them) run every expert any of them routed to, on no tokens if need be.
-    routed_by = [mesh.group("tp")] + ([mesh.group("ep")] if mesh.size("ep") > 1 else []) if split else []
-    share_routing(moe, mesh.size("tp") if split else 1, groups, routed_by)
+@dataclass(frozen=True)
+class _StatisticsGroups:
+    """The ranks an MoE layer's balancing statistics sum over: for ``"global"`` every rank that
+    holds part of the step's batch (the data axes, ep folded among them, cp, and the tp ranks under
+    SP), for ``"microbatch"`` the tp ranks that split one micro-batch under SP."""
+
+    shards: int  # the parts of each forward's tokens a layer sees (tp under SP, else 1)
+    split: list[dist.ProcessGroup]  # the tp group under SP
+    data: list[dist.ProcessGroup]  # the data axes, when they hold several ranks
+    routed_by: list[dist.ProcessGroup]
+
+    @classmethod
+    def of(cls, mesh: Mesh, sequence_parallel: bool) -> _StatisticsGroups:
+        split = sequence_parallel and mesh.size("tp") > 1
+        tp = [mesh.group("tp")] if split else []
+        data = [mesh.group(_DATA)] if mesh.size(_DATA) > 1 else []
+        # Under SP each expert's gradient is summed over tp as each of its parameters' is made, so
+        # every tp rank must make it when one does: the ranks whose tokens reach the same experts
+        # (tp, and ep, whose ranks send them) run every expert any of them routed to, on no tokens if
+        # need be.
+        routed_by = tp + ([mesh.group("ep")] if split and mesh.size("ep") > 1 else [])
+        return cls(mesh.size("tp") if split else 1, tp, data, routed_by)
+
+    def share(self, moe: MoE) -> None:
+        groups = self.split + (self.data if moe.balance_statistic == "global" else [])
+        share_routing(moe, self.shards, groups, self.routed_by)
 
 
 def _moe_layers(model: nn.Module) -> tuple[list[tuple[str, MoE]], list[tuple[str, nn.Module]]]:

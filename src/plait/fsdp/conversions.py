@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
 
+from plait._torch_compat import wrap_apply
 from plait.fsdp.flat import FlatParam
 from plait.fsdp.units import Unit
 
-Convert = Callable[[torch.Tensor], torch.Tensor]  # what nn.Module._apply maps over tensors
+Convert = Callable[[torch.Tensor], torch.Tensor]  # what nn.Module's conversions map over tensors
 
 
 class Conversions(nn.Module):
@@ -26,11 +28,18 @@ class Conversions(nn.Module):
     units: list[Unit]
     _make_post_backward: Callable[[FlatParam, int], Callable[[torch.Tensor], None]]  # the wrapper's
 
-    def _apply(self, fn: Convert, recurse: bool = True) -> Conversions:
+    def _take_conversions(self) -> None:
+        """Route nn.Module's conversions of the wrapper through `_convert` (`wrap_apply`: the
+        conversions have no public hook)."""
+        wrap_apply(self, _convert)
+
+    def _convert(self, apply: Callable[[Convert, bool], nn.Module], fn: Convert,
+                 recurse: bool = True) -> Conversions:
         """nn.Module's conversions (``.to``, ``.double()``, ``to_empty``...) after wrapping: buffers and
-        experts as nn.Module converts them; FSDP's flat groups are rebuilt in a new dtype (values
-        and parameter objects kept, as torch's FSDP2 keeps them). nn.Module's own conversion would
-        replace each DTensor parameter's data, cutting it off the flat shard forward reads."""
+        experts as nn.Module converts them (``apply``, its own conversion); FSDP's flat groups are
+        rebuilt in a new dtype (values and parameter objects kept, as torch's FSDP2 keeps them).
+        nn.Module's own conversion would replace each DTensor parameter's data, cutting it off the
+        flat shard forward reads."""
         flats = [(u, j, f) for u in self.units for j, f in enumerate(u.flats)]
         targets = [_converted(fn, f) for _, _, f in flats]
         moved = [f.slots[0].fqn for (_, _, f), (_, dev) in zip(flats, targets, strict=True) if dev != f.home]
@@ -45,7 +54,7 @@ class Conversions(nn.Module):
         for m, a, _ in hidden:
             m._parameters[a] = None  # kept in place (order) and skipped by nn.Module._apply
         try:
-            super()._apply(fn, recurse)
+            apply(fn, recurse)
         finally:
             for m, a, p in hidden:
                 m._parameters[a] = p
@@ -71,6 +80,11 @@ class Conversions(nn.Module):
         for unit in self.units:  # as unshard(): ZeRO-1/2 hold them gathered already
             unit.gather()
         return self
+
+
+def _convert(module: nn.Module, apply: Callable[[Convert, bool], nn.Module], fn: Convert,
+             recurse: bool = True) -> nn.Module:
+    return cast(Conversions, module)._convert(apply, fn, recurse)
 
 
 def _converted(fn: Convert, flat: FlatParam) -> tuple[torch.dtype, torch.device]:

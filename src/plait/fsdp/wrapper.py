@@ -183,6 +183,7 @@ class FullyShardedDataParallel(UnitHooks, ModelState, Conversions, FSDPControls)
             for flat in unit.flats:
                 flat.bind_views()
         self._hook_units()  # `plait.fsdp.hooks`: gather, reshard and reduce around each unit
+        self._take_conversions()  # `plait.fsdp.conversions`: .to(dtype), to_empty keep the flat groups
         self.reshard_after_backward = True  # ZeRO-3: the default of `set_reshard_after_backward`
         # State dicts under the model's own names, as torch's FSDP1 and FSDP2 write them.
         self.register_state_dict_post_hook(own_names)

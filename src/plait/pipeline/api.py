@@ -16,14 +16,13 @@ from plait.materialize import is_meta
 from plait.mesh import Mesh
 from plait.names import plain_name
 from plait.pipeline.actions import Slot
-from plait.pipeline.arguments import CustomSchedule, resolve_p2p, split_batch
-from plait.pipeline.directed import direction_groups
+from plait.pipeline.arguments import CustomSchedule, split_batch
 from plait.pipeline.parts import PipelineParts
 from plait.pipeline.parts import split as split_stages
 from plait.pipeline.runtime import Executor, busy_fraction
 from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import named_view
-from plait.pipeline.ties import TiedCopy, drop_earlier_sums, sync_grads, tie_groups
+from plait.pipeline.ties import TiedCopy, drop_earlier_sums, sync_grads
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage
 from plait.placement.pieces import mark_grads, mark_piece
 from plait.placement.records import TPInfo, tp_info
@@ -58,8 +57,8 @@ class Pipeline:
     collectives (then W's run exactly where the schedule lists them).
     """
 
-    def __init__(self, parts: PipelineParts, mesh: Mesh, stages: Mapping[int, nn.Module] | None = None, *,
-                 microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor], p2p: str = "auto",
+    def __init__(self, parts: PipelineParts, stages: Mapping[int, nn.Module] | None = None, *,
+                 microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor],
                  wrapper: StageWrapper | None = None, tp_module: nn.Module | None = None,
                  w_communicates: bool = False) -> None:
         if not callable(loss_fn):
@@ -76,7 +75,7 @@ class Pipeline:
         ties = parts.ties
         held = {n: p for s in self._inner.values() for n, p in s.qualified_parameters()}
         self._tied = [TiedCopy(next(held[n] for n in tie.names if n in held), g, self.rank == tie.ranks[0])
-                      for tie, g in zip(ties, tie_groups(ties, mesh)) if g is not None]
+                      for tie, g in zip(ties, parts.tie_groups) if g is not None]
         # Each name of a weight tied across pp ranks -> its first owner's (one optimizer state).
         self.tied_names: dict[str, str] = {n: tie.names[0] for tie in ties for n in tie.names}
         self._my_segs = parts.my_segments()
@@ -95,15 +94,14 @@ class Pipeline:
         # data parallelism, whose collectives would then come in another order on each replica),
         # which would desynchronize ranks.
         fill_w = not w_communicates and backend == "gloo" and wrapper is None
-        links = direction_groups(self.sched, mesh) if resolve_p2p(p2p, backend) else None
         self.exec = Executor(self.sched, self.stages, self.rank, self.pp_ranks, self.group, loss_fn,
-                             self.device, links=links, fill_w=fill_w, carry=self._replay,
+                             self.device, links=parts.links, fill_w=fill_w, carry=self._replay,
                              **self._wrapped_stage_hooks())
         self._fwd_sched = self.sched.forward_part().validate()
         self.bubble_fraction = 0.0  # idle / step time of this rank in the last step
         self.step_time = 0.0  # seconds, this rank's start of the step to the end of the whole pipeline
         # Each rank holds some stages' parameters: torch's clip would take them for the whole model's.
-        p = mesh.size("pp")
+        p = self.sched.ranks
         named = list(self.named_parameters()) if p > 1 else []
         for name, prm in named:
             mark_piece(prm, f"'{name}' of pipeline stage(s) {sorted(self._inner)} (pp={p})")
@@ -399,8 +397,8 @@ def pipeline(module: nn.Module, mesh: Mesh, split: str | Sequence[str] = "auto",
     if loss_fn is None:
         raise TypeError("pipeline: loss_fn is required: a callable (last stage output, targets) -> scalar")
     parts = split_stages(module, mesh, split=split, schedule=schedule, microbatches=microbatches,
-                         chunks=chunks, device=device)
+                         chunks=chunks, device=device, p2p=p2p)
     if is_meta(module):
         parts.materialize(seed)
     parts.place(seed, None)
-    return Pipeline(parts, mesh, microbatches=microbatches, loss_fn=loss_fn, p2p=p2p)
+    return Pipeline(parts, microbatches=microbatches, loss_fn=loss_fn)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from plait import comm
-from plait.mesh import Mesh
 from plait.pipeline.actions import Kind
 from plait.pipeline.schedules import Schedule
 
@@ -37,11 +36,11 @@ def directions(sched: Schedule) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def direction_groups(sched: Schedule, mesh: Mesh) -> dict[tuple[int, int], dist.ProcessGroup]:
+def direction_groups(sched: Schedule, lines: list[list[int]]) -> dict[tuple[int, int], dist.ProcessGroup]:
     """(sender, receiver) global ranks -> the two-rank group carrying that direction, for the
-    directions that involve this rank."""
+    directions that involve this rank; ``lines``: every pp group's global ranks."""
     links: dict[tuple[int, int], dist.ProcessGroup] = {}
-    for line in mesh.all_group_ranks("pp"):
+    for line in lines:
         for src, dst in directions(sched):
             pair = (line[src], line[dst])
             group = comm.new_group(pair, "pp", checked=False)

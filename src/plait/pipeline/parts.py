@@ -23,11 +23,12 @@ from plait._torch_compat import is_compiled
 from plait.materialize import is_meta, keep_whole, materialize
 from plait.mesh import Mesh
 from plait.pipeline.actions import Kind
-from plait.pipeline.arguments import CustomSchedule, resolve_schedule
+from plait.pipeline.arguments import CustomSchedule, resolve_p2p, resolve_schedule
+from plait.pipeline.directed import direction_groups
 from plait.pipeline.replay import Replay, ReplayStage
 from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import Segment, above, named_view, plan_stages, segments
-from plait.pipeline.ties import Tie, find_ties
+from plait.pipeline.ties import Tie, find_ties, tie_groups
 from plait.pipeline.wrapping import StageWrapper, check_wrappable
 from plait.placement.records import TPInfo, mark_part
 
@@ -47,6 +48,8 @@ class PipelineParts:
     device: torch.device
     replay: Replay  # the meta skeleton every stage replays the model's forward on
     stages: dict[int, ReplayStage]  # this rank's stages (the parts), by stage index
+    tie_groups: list[dist.ProcessGroup | None]  # per tie: the group summing this rank's copy
+    links: dict[tuple[int, int], dist.ProcessGroup] | None  # p2p="directed": a group per direction
 
     @property
     def stage_names(self) -> list[list[str]]:
@@ -88,11 +91,12 @@ class PipelineParts:
 
 def split(module: nn.Module, mesh: Mesh, *, split: str | Sequence[str] = "auto",
           schedule: str | CustomSchedule = "1f1b", microbatches: int, chunks: int = 1,
-          device: torch.device | str | None = None, wrapper: StageWrapper | None = None) -> PipelineParts:
+          device: torch.device | str | None = None, p2p: str = "auto",
+          wrapper: StageWrapper | None = None) -> PipelineParts:
     """This rank's parts of ``module`` pipelined over the mesh's ``pp`` axis (see `plait.pipeline`
-    for ``split``, ``schedule`` and ``chunks``). ``wrapper``: the data parallelism each stage will
-    get, whose limits (shared parameters, split backward) are refused here, on every rank alike.
-    Nothing communicates."""
+    for ``split``, ``schedule``, ``chunks`` and ``p2p``). ``wrapper``: the data parallelism each
+    stage will get, whose limits (shared parameters, split backward) are refused here, on every rank
+    alike. Every check runs before the pipeline's groups are made (the only collectives here)."""
     _check_arguments(module, mesh, microbatches)
     sched = resolve_schedule(schedule, mesh.size("pp"), microbatches, chunks)
     refusal = wrapper.split_backward_refusal if wrapper is not None else None
@@ -111,8 +115,13 @@ def split(module: nn.Module, mesh: Mesh, *, split: str | Sequence[str] = "auto",
     # model as given serves the dataflow traces and the stand-ins of other ranks' stages.
     replay = Replay(module, segs, plan, where)
     stages = {s: ReplayStage(s, replay, [segs[i] for i in plan[s]]) for s in sched.rank_stages(rank)}
+    directed = resolve_p2p(p2p, dist.get_backend())
+    # The pipeline's groups, read from the mesh here once: the pp line, a group per weight tied
+    # across pp ranks, and with directed p2p a group per direction between neighbours.
+    lines = mesh.all_group_ranks("pp")
     return PipelineParts(module, sched, rank, mesh.group("pp"), mesh.group_ranks("pp"), segs, plan, ties,
-                         where, replay, stages)
+                         where, replay, stages, tie_groups(ties, lines),
+                         direction_groups(sched, lines) if directed else None)
 
 
 def _check_arguments(module: nn.Module, mesh: Mesh, microbatches: int) -> None:

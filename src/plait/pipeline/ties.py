@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm, faults
-from plait.mesh import Mesh
 from plait.pipeline.schedules import Schedule
 
 
@@ -60,8 +59,9 @@ def find_ties(segs: list[tuple[str, nn.Module]], plan: list[list[int]], sched: S
     return ties
 
 
-def tie_groups(ties: list[Tie], mesh: Mesh) -> list[dist.ProcessGroup | None]:
-    """One process group per tie holding this rank's copies (None where this rank holds none).
+def tie_groups(ties: list[Tie], lines: list[list[int]]) -> list[dist.ProcessGroup | None]:
+    """One process group per tie holding this rank's copies (None where this rank holds none);
+    ``lines``: every pp group's global ranks (`plait.Mesh.all_group_ranks`).
 
     Every rank creates every group, in the same order (group creation is collective): one per tie
     and per coordinate of the other mesh axes.
@@ -69,7 +69,7 @@ def tie_groups(ties: list[Tie], mesh: Mesh) -> list[dist.ProcessGroup | None]:
     mine: list[dist.ProcessGroup | None] = []
     for tie in ties:
         found = None
-        for line in mesh.all_group_ranks("pp"):
+        for line in lines:
             ranks = [line[i] for i in tie.ranks]
             group = comm.new_group(ranks, "pp_tied")
             if group is not None:

@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait import comm
@@ -93,11 +94,12 @@ def tensor_parallel(
     _check_arguments(module, mesh, plan)
     numeric = _check_mode(check)
 
-    n, r = mesh.size("tp"), mesh.rank("tp")
+    # The tp group and this rank's place in it, read from the mesh once; all below uses them.
+    n, r, group, first = mesh.size("tp"), mesh.rank("tp"), mesh.group("tp"), mesh.group_ranks("tp")[0]
     dev = _device()
-    ctx = TPContext(group=mesh.group("tp"), size=n, rank=r, sequence_parallel=bool(sequence_parallel),
+    ctx = TPContext(group=group, size=n, rank=r, sequence_parallel=bool(sequence_parallel),
                     rng=RNGFork(module_seed(seed, f"plait.tp.rng.{r}"), dev),
-                    seq_grads=SequenceShardGrads(mesh.group("tp")))
+                    seq_grads=SequenceShardGrads(group))
     ctx.assigned = assign_styles(module, plan, strict)
     modules = dict(module.named_modules())
     for name, style in ctx.assigned.items():
@@ -117,7 +119,8 @@ def tensor_parallel(
         style.install(modules[name], name, ctx)
     if later is not None:  # first in line: before any hook of the call communicates
         later.handle = module.register_forward_pre_hook(later, prepend=True, with_kwargs=True)
-    _sync_default_rng(mesh, dev)
+    if n > 1:
+        _sync_default_rng(group, first, dev)
     if ctx.sequence_parallel and n > 1:
         # MoE layers (plait's GPT plan runs them replicated, on sequence shards): their balancing
         # counts and the experts in use are summed over tp, with or without expert parallelism.
@@ -380,17 +383,17 @@ def _keep_tp_shard(specs: dict[int, ShardSpec], dev: torch.device) -> Keep:
     return keep
 
 
-def _sync_default_rng(mesh: Mesh, dev: torch.device) -> None:
-    """Give every tp rank tp-rank 0's default random state (replicated dropout must agree)."""
-    if mesh.size("tp") == 1 or dev.type == "meta":  # a dry run has no random state to share
+def _sync_default_rng(group: dist.ProcessGroup, src: int, dev: torch.device) -> None:
+    """Give every rank of the tp ``group`` its first rank's (global ``src``) default random state
+    (replicated dropout must agree)."""
+    if dev.type == "meta":  # a dry run has no random state to share
         return
-    src = mesh.group_ranks("tp")[0]
     states = [torch.get_rng_state()]
     if dev.type == "cuda":
         states.append(torch.cuda.get_rng_state(dev))
     for i, state in enumerate(states):
         buf = state.to(dev)
-        comm.broadcast(buf, src, mesh.group("tp"))
+        comm.broadcast(buf, src, group)
         if i == 0:
             torch.set_rng_state(buf.cpu())
         else:
