@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from oracle import loss64
+from oracle import compare_with_oracle, loss64
 
 from plait.testing import cached_mesh
 
@@ -50,14 +50,10 @@ def _pp_tp_parity(schedule: str, steps: int = 3, sp: bool = False, p2p: str = "a
     mine = dict(pipe.named_parameters())
     ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
 
-    def want(name: str, t: torch.Tensor) -> torch.Tensor:
-        return specs[name].take(t) if name in specs else t
-
     # Split layers hold half their rows or columns: no rank materialized a full stage.
     assert specs and all(p.numel() * 2 == ref[n].numel() for n, p in mine.items() if n in specs)
     assert all(p.is_meta for n, p in model.named_parameters() if n not in mine)
-    for name, p in mine.items():
-        torch.testing.assert_close(p.detach(), want(name, ref[name].detach()), rtol=0, atol=0)
+    compare_with_oracle(pipe, oracle, "initial value of", lambda p: p.detach(), {"rtol": 0, "atol": 0}, specs)
     opt = torch.optim.AdamW(list(mine.values()))
     oopt = torch.optim.AdamW(oracle.parameters())
     losses, norms = [], []
@@ -68,9 +64,7 @@ def _pp_tp_parity(schedule: str, steps: int = 3, sp: bool = False, p2p: str = "a
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), **TOL64)
         if step == 0:  # same parameters on both sides; later steps compare at drifted points
-            for name, p in mine.items():
-                torch.testing.assert_close(p.grad, want(name, ref[name].grad), **TOL64,
-                                           msg=lambda s, n=name: f"grad {n}: {s}")
+            compare_with_oracle(pipe, oracle, "gradient of", lambda p: p.grad, TOL64, specs)
         norm = plait.clip_grad_norm_(pipe, MAX_NORM)
         ref_norm = torch.nn.utils.clip_grad_norm_(oracle.parameters(), MAX_NORM)
         assert float(ref_norm) > MAX_NORM  # clipping actually scales the gradients
@@ -83,9 +77,7 @@ def _pp_tp_parity(schedule: str, steps: int = 3, sp: bool = False, p2p: str = "a
         norms.append(float(norm))
     # The last collective first, so a failed check below cannot leave the other ranks waiting.
     torch.testing.assert_close(pipe.eval_step(x, y), loss64(oracle(x), y).detach(), **TOL64)
-    for name, p in mine.items():
-        torch.testing.assert_close(p.detach(), want(name, ref[name].detach()), **TOL64,
-                                   msg=lambda s, n=name: f"param {n}: {s}")
+    compare_with_oracle(pipe, oracle, f"after {steps} AdamW steps,", lambda p: p.detach(), TOL64, specs)
     tied_copy = next((mine[n].detach() for n in ("tok_emb.weight", "lm_head.weight") if tied and n in mine),
                      None)
     return {"names": sorted(mine), "losses": losses, "norms": norms, "coords": mesh.coords,
