@@ -54,6 +54,9 @@ def test_a_rank_killed_under_max_restarts_resumes_from_the_newest_checkpoint_by_
     rank after the first save makes torchrun restart both, and the restart resumes from the newest
     intact checkpoint: every step after it has the loss of a run that was never interrupted."""
     job = _launch(tmp_path, "killed", restarts=1)
+    # The uninterrupted run it is held against, beside it: the launches wait on process starts
+    # more than on the two CPUs, and the two runs share nothing but the machine.
+    clean = _launch(tmp_path, "clean", restarts=0)
     first = tmp_path / "killed" / "ckpt" / "step_000010" / "plait.json"
     deadline = time.monotonic() + 240
     while not first.exists():
@@ -68,7 +71,6 @@ def test_a_rank_killed_under_max_restarts_resumes_from_the_newest_checkpoint_by_
     resumed = [line for line in err.splitlines() if "resumed from" in line]
     assert len(resumed) == 1 and "step_0000" in resumed[0], err[-3000:]
 
-    clean = _launch(tmp_path, "clean", restarts=0)
     _, clean_err = clean.communicate(timeout=300)
     assert clean.returncode == 0, clean_err[-3000:]
     got, want = _losses(tmp_path / "killed" / "metrics.jsonl"), _losses(tmp_path / "clean" / "metrics.jsonl")
