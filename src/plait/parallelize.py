@@ -76,7 +76,6 @@ from plait.names import matches
 from plait.parallel_plan import ParallelPlan
 from plait.pipeline.api import Pipeline
 from plait.pipeline.parts import split as split_stages
-from plait.pipeline.schedules import Schedule
 from plait.pipeline.wrapping import StageWrapper
 from plait.placement.records import tp_info
 from plait.placement.tp_params import to_plain_parameters
@@ -104,7 +103,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     # to each of this rank's stages (materialized and tensor parallel, as below).
     steps = _steps_after_tensor_parallel(module, mesh, plan, layout)
     if layout.schedule is not None:  # 0. split, then 1 to 3 on each of this rank's parts
-        return _pipeline(module, mesh, plan, layout, layout.schedule, steps)
+        return _pipeline(module, mesh, plan, layout, steps)
     if plan.tp is not None:  # 1. tensor parallel
         module = _tensor_parallel(module, mesh, plan)
     if is_meta(module) and plan.data != "fsdp":
@@ -121,14 +120,15 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> nn.Module 
     return module
 
 
-def _pipeline(module: nn.Module, mesh: Mesh, plan: ParallelPlan, layout: Layout, schedule: Schedule,
+def _pipeline(module: nn.Module, mesh: Mesh, plan: ParallelPlan, layout: Layout,
               steps: Callable[[nn.Module], None] | None) -> Pipeline:
     """Step 0, then steps 1 to 3 on this rank's parts: tensor parallelism over all of them at once
     (one TPInfo; ties inside the rank stay ties), or materialization of all of them at once; then
     each part's steps 1b to 2b and its DDP or FSDP; the pipeline schedules what was built."""
     _check_pipeline_tp(module, layout.shape, plan)
     wrapper = _stage_wrapper(module, mesh, plan, layout.shape)
-    parts = split_stages(module, mesh, split=plan.pp_split, schedule=schedule,
+    assert layout.schedule is not None  # pp > 1: check_layout made it
+    parts = split_stages(module, mesh, split=plan.pp_split, schedule=layout.schedule,
                          microbatches=plan.pp_microbatches, chunks=plan.pp_chunks, device=device(),
                          p2p=plan.p2p, wrapper=wrapper)
     loss_fn, tp_module = plan.loss_fn, None

@@ -44,10 +44,13 @@ def _forget(key: int) -> Any:
 
 
 def _refuse_leaves(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if _checked.get(optimizer) == len(params):
+    # Every step of every optimizer passes here: only a count, unless its parameters changed.
+    if not _leaves:
         return
-    for p in params:
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _checked.get(optimizer) == count:
+        return
+    for p in (p for g in optimizer.param_groups for p in g["params"]):
         entry = _leaves.get(id(p))
         if entry is not None and entry[0]() is p:
             raise ValueError(
@@ -56,4 +59,4 @@ def _refuse_leaves(optimizer: torch.optim.Optimizer, *_: Any) -> None:
                 "ZeRO-3), not the parameter FSDP trains; build the optimizer and its param groups "
                 "from the wrapped model's parameters() / named_parameters() (this rank's DTensor "
                 "shards)")
-    _checked[optimizer] = len(params)
+    _checked[optimizer] = count

@@ -23,7 +23,7 @@ from plait.fsdp.flat import FlatParam, ShardCfg, Slot
 from plait.materialize import Keep, materialize
 from plait.names import matches
 from plait.placement.pieces import carry_mark
-from plait.placement.records import expert_of, grad_hooks_of, mark_expert
+from plait.placement.records import expert_of, grad_hooks_of
 from plait.precision import MixedPrecision, parse_mixed_precision
 
 Policies = MixedPrecision | str | None | Mapping[str, MixedPrecision | str | None]
@@ -231,8 +231,7 @@ def _keep_shard(where: dict[int, tuple[FlatParam, int]], cfg: ShardCfg, ignored:
             if not t.is_meta and t.device == cfg.device:
                 return t
             kept = nn.Parameter(full.to(cfg.device), requires_grad=t.requires_grad)
-            mark_expert(kept, placed)
-            carry_mark(t, kept)  # split over ep: torch's clip must still refuse it
+            carry_mark(t, kept)  # its expert placement, and split over ep: torch's clip must still refuse it
             return kept
         flat, i = where[id(t)]
         slot = flat.slots[i]
