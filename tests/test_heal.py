@@ -55,26 +55,41 @@ def _train(tmp_path: Path, name: str, *flags: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def test_a_killed_replica_is_healed_around_and_its_replacement_trains_in_step(tmp_path):
-    """dp 4 under ``--heal``: ``kill -9`` of one replica after step 5. The three others finish that step
-    over themselves, the supervisor wakes its standby process, which joins at a step boundary with a
-    peer's state; a SIGTERM then stops every replica after the same step. Against one process on the same
-    global batch: every step read exactly the same samples (none skipped or read twice) and has the
-    same loss up to float32 rounding; every replica ends with bit-equal parameters."""
+# (flags, the killed process as (replica uid, process index), the standby's uid, the members after
+# its join, the processes per replica)
+LAYOUTS = {
+    "ddp": (["--nproc", "4"], (2, 0), 4, [0, 1, 3, 4], 1),
+    # HSDP 2 x 2: two replicas, each sharding the model over 2 processes; one process killed takes
+    # its replica down, a standby replica of 2 processes replaces it.
+    "hsdp": (["--strategy", "fsdp", "--dp", "2", "--nproc", "4"], (1, 1), 2, [0, 2], 2),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_killed_replica_is_healed_around_and_its_replacement_trains_in_step(tmp_path, layout):
+    """``kill -9`` of one process after step 5 (dp 4: a replica; HSDP 2x2: a process of a replica,
+    which ends its replica). The other replicas finish that step over themselves, the supervisor
+    wakes its standby replica, which joins at a step boundary with a peer's state; a SIGTERM then
+    stops every replica after the same step. Against one process on the same global batch: every
+    step read exactly the same samples (none skipped or read twice) and has the same loss up to
+    float32 rounding; every replica ends with bit-equal parameters (shard by shard under HSDP)."""
+    flags, (killed_uid, killed_index), standby, members, per = LAYOUTS[layout]
     heal, metrics = tmp_path / "healed" / "heal", tmp_path / "healed" / "metrics.jsonl"
+
+    def events(uid: int, index: int = 0) -> list[dict]:
+        return _rows(heal / (f"uid{uid}.{index}.jsonl" if per > 1 else f"uid{uid}.jsonl"))
+
     one = _train(tmp_path, "one", "--strategy", "none", "--nproc", "1", "--steps", str(COMPARED))
-    job = _train(tmp_path, "healed", "--heal", "--nproc", "4", "--steps", "100000", "--heal-timeout", "5")
+    job = _train(tmp_path, "healed", "--heal", *flags, "--steps", "100000", "--heal-timeout", "5")
     try:
         _wait("step 5", lambda: max(_steps(metrics), default=0) >= 5, job)
         starts = [e for e in _rows(heal / "supervisor.jsonl") if e["event"] == "start"]
-        os.kill(next(e["pid"] for e in starts if e["uid"] == 2), signal.SIGKILL)
+        os.kill(next(e["pid"] for e in starts if (e["uid"], e["index"]) == (killed_uid, killed_index)),
+                signal.SIGKILL)
         killed = time.time()
         at_kill = max(_steps(metrics))  # the step in flight is at most the one after the next
-
-        def joined() -> dict | None:
-            return next((e for e in _rows(heal / "uid4.jsonl") if e["event"] == "epoch"), None)
-
-        join = _wait("the replacement to join", joined, job)
+        join = _wait("the replacement to join",
+                     lambda: next((e for e in events(standby) if e["event"] == "epoch"), None), job)
         enough = max(join["step"] + STEPS_AFTER_JOIN, COMPARED)
         _wait(f"step {enough}", lambda: max(_steps(metrics), default=0) >= enough, job)
         job.send_signal(signal.SIGTERM)
@@ -88,27 +103,76 @@ def test_a_killed_replica_is_healed_around_and_its_replacement_trains_in_step(tm
     assert one.returncode == 0, one_err[-3000:]
 
     got = _steps(metrics)
-    last = max(got)
+    last, full = max(got), len(members)
     assert sorted(got) == list(range(1, last + 1))
-    lost = [s for s, r in got.items() if r["replicas"] == 3]
-    assert lost and min(lost) <= at_kill + 2 and all(got[s]["replicas"] == 4 for s in range(1, min(lost)))
-    assert got[last]["replicas"] == 4
+    lost = [s for s, r in got.items() if r["replicas"] == full - 1]
+    assert lost and min(lost) <= at_kill + 2 and all(got[s]["replicas"] == full for s in range(1, min(lost)))
+    assert got[last]["replicas"] == full
     recovered = got[min(lost)]["time"] - killed
     assert recovered < 5, f"{recovered:.2f} s from the kill to the next completed step"
 
     # The replacement received the state, and every replica ended at the same step, bit for bit.
-    assert join["received_state"] and join["members"] == [0, 1, 3, 4]
+    assert join["received_state"] and join["members"] == members
     assert join["time"] - killed < 5  # the standby, loaded ahead, joins at the next step boundary
-    finished = [e for uid in (0, 1, 3, 4) for e in _rows(heal / f"uid{uid}.jsonl")
-                if e["event"] == "finished"]
-    assert len(finished) == 4 and len({(e["step"], e["params_sha256"]) for e in finished}) == 1, finished
-    assert finished[0]["step"] == last
+    for index in range(per):
+        finished = [e for uid in members for e in events(uid, index) if e["event"] == "finished"]
+        assert len(finished) == full and len({(e["step"], e["params_sha256"]) for e in finished}) == 1, finished
+        assert finished[0]["step"] == last
 
     want = _steps(tmp_path / "one" / "metrics.jsonl")
     assert sorted(want) == list(range(1, COMPARED + 1))
     assert all(got[s]["samples"] == want[s]["samples"] for s in want)  # no sample skipped or read twice
     for s in want:
         assert abs(got[s]["loss"] - want[s]["loss"]) <= LOSS_RTOL * abs(want[s]["loss"]), s
+
+
+def test_a_hung_replica_is_dropped_within_the_bound_and_rejoins_when_it_wakes(tmp_path):
+    """dp 2 under ``--heal --heal-timeout 2``: one replica stopped with SIGSTOP (it hangs, its sockets
+    stay open, the supervisor sees nothing die). The other's collective times out, it waits the
+    quorum's bound for an answer and goes on alone: its next step completes within 3 x the timeout
+    (plus a step). Continued with SIGCONT, the stopped replica finds itself dropped, asks to join
+    and takes its peer's state at a step boundary. Every step read the same samples as one process,
+    with the same loss; both replicas end bit-equal."""
+    timeout = 2.0
+    heal, metrics = tmp_path / "healed" / "heal", tmp_path / "healed" / "metrics.jsonl"
+    one = _train(tmp_path, "one", "--strategy", "none", "--nproc", "1", "--steps", str(COMPARED))
+    job = _train(tmp_path, "healed", "--heal", "--nproc", "2", "--no-heal-replace", "--steps", "100000",
+                 "--heal-timeout", str(timeout))
+    try:
+        _wait("step 3", lambda: max(_steps(metrics), default=0) >= 3, job)
+        starts = [e for e in _rows(heal / "supervisor.jsonl") if e["event"] == "start"]
+        hung = next(e["pid"] for e in starts if e["uid"] == 1)
+        os.kill(hung, signal.SIGSTOP)
+        stopped = time.time()
+        alone = _wait("a step without the hung replica",
+                      lambda: next((r for r in _steps(metrics).values() if r["replicas"] == 1), None), job)
+        os.kill(hung, signal.SIGCONT)
+        back = _wait("the hung replica to rejoin",
+                     lambda: next((e for e in _rows(heal / "uid1.jsonl")
+                                   if e["event"] == "epoch" and e["time"] > stopped), None), job)
+        enough = max(back["step"] + 5, COMPARED)
+        _wait(f"step {enough}", lambda: max(_steps(metrics), default=0) >= enough, job)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
+        _, one_err = one.communicate(timeout=300)
+    finally:
+        for p in (job, one):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert one.returncode == 0, one_err[-3000:]
+    assert alone["time"] - stopped < 3 * timeout + 2, f"{alone['time'] - stopped:.2f} s to go on alone"
+    assert back["received_state"] and back["members"] == [0, 1]
+
+    got, want = _steps(metrics), _steps(tmp_path / "one" / "metrics.jsonl")
+    last = max(got)
+    assert sorted(got) == list(range(1, last + 1)) and got[last]["replicas"] == 2
+    assert all(got[s]["samples"] == want[s]["samples"] for s in want)  # none skipped or read twice
+    for s in want:
+        assert abs(got[s]["loss"] - want[s]["loss"]) <= LOSS_RTOL * abs(want[s]["loss"]), s
+    finished = [e for uid in (0, 1) for e in _rows(heal / f"uid{uid}.jsonl") if e["event"] == "finished"]
+    assert len(finished) == 2 and len({(e["step"], e["params_sha256"]) for e in finished}) == 1, finished
 
 
 def test_split_shares_every_sample_once():
@@ -153,7 +217,8 @@ def test_a_silent_member_is_dropped_after_the_bound():
 
 
 @pytest.mark.parametrize("flags, message", [
-    ({"strategy": "fsdp", "dp": 2, "nproc": 4}, "HSDP"),
+    ({"strategy": "fsdp", "nproc": 4}, "needs --dp 2 or more"),
+    ({"strategy": "dp", "nproc": 4}, "got --strategy dp"),
     ({"nproc": 4, "tp": 2}, "--tp 2 splits the model"),
     ({"save_every": 10}, "--save-every with --heal"),
 ])

@@ -1,16 +1,22 @@
 """`plait train --heal`: data-parallel replicas that heal without a restart.
 
 The command's process becomes the supervisor (`plait.heal.supervisor`): it hosts the run's
-store, starts ``--nproc`` replica processes and, with ``--heal-replace``, a standby that replaces
-the first to die (and another standby behind it). Each replica is a world of its own for
-torch.distributed; its DDP averages gradients over the process group of the current membership
-epoch (`plait.heal.replicas`). A step is:
+store, starts the replicas and, with ``--heal-replace``, a standby that replaces the first to die
+(and another standby behind it). A replica is one process under ``--strategy ddp`` (``--nproc``
+replicas) and ``--nproc / --dp`` processes under HSDP (``--strategy fsdp --dp R``: R replicas,
+each sharding the model over its processes). Each replica is a world of its own for
+torch.distributed; gradients are summed across replicas over the process groups of the current
+membership epoch (`plait.heal.replicas`). A step is:
 
-1. this replica's share of the global batch (`plait.heal.split`: even, the first ones one larger);
-2. forward and backward, DDP dividing this replica's gradient by B / k (its k of B samples), so the
-   sum over the replicas is the mean over the samples actually used;
+1. this process's share of the global batch (`plait.heal.split`: even, the first ones one larger);
+2. forward and backward. DDP divides this replica's gradient by B / k (its k of B samples) and sums
+   it over the replicas in backward, so the sum is the mean over the samples actually used. Under
+   HSDP each process's loss is weighted alike (times its k samples x F processes / B) before FSDP
+   averages it over the replica's F processes, and the replica's gradient shards are summed over
+   the replicas after backward, one flat all-reduce per process;
 3. one small all-reduce: the loss weighted alike, the sample count (must be B), the join requests
-   the leader read from the store, and with ``--log-samples`` the sample ids each replica read;
+   the leader read from the store, and with ``--log-samples`` the sample ids each process read;
+   under HSDP the replica's processes then agree that all of it succeeded;
 4. clipping and the optimizer step, only after every collective of the step succeeded.
 
 A collective that fails (a peer died, or hung past ``--heal-timeout``) is caught before the
@@ -21,6 +27,7 @@ exits to ``RUN/heal/supervisor.jsonl``: the recovery times in bench/RESULTS.md a
 
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 import json
 import math
@@ -49,6 +56,7 @@ from plait.heal import LiveState, Membership, Replicas, Supervisor
 from plait.heal.quorum import RunOver
 from plait.heal.replicas import FAILURES, MAX_RETRIES, comm_error_line
 from plait.heal.supervisor import ReplicasFailed
+from plait.heal.transfer import local
 from plait.mesh import Mesh
 from plait.models.gpt import lm_loss
 
@@ -68,10 +76,12 @@ def cli_main(cfg: TrainConfig) -> int:
     assert cfg.run.name is not None  # chosen by the command before it gets here
     folder = Path(cfg.run.run_dir) / cfg.run.name
     threads = max(1, (os.cpu_count() or 1) // cfg.parallel.nproc)
-    supervisor = Supervisor(replica_main, cfg.parallel.nproc, (cfg,),
-                            replacements=cfg.parallel.nproc if cfg.parallel.heal_replace else 0,
+    replicas = replica_count(cfg)
+    supervisor = Supervisor(replica_main, replicas, (cfg,),
+                            replacements=replicas if cfg.parallel.heal_replace else 0,
                             threads=threads, grace_s=3 * cfg.parallel.heal_timeout + 10,
-                            events=_events(folder / "heal" / "supervisor.jsonl"))
+                            events=_events(folder / "heal" / "supervisor.jsonl"),
+                            per_replica=cfg.parallel.nproc // replicas)
     try:
         return supervisor.run()
     except ReplicasFailed as e:
@@ -81,12 +91,18 @@ def cli_main(cfg: TrainConfig) -> int:
         return 1
 
 
+def replica_count(cfg: TrainConfig) -> int:
+    """How many replicas ``plait train --heal`` runs: --dp under HSDP, else --nproc."""
+    return cfg.parallel.dp if cfg.parallel.strategy == "fsdp" else cfg.parallel.nproc
+
+
 @dataclass
 class _Run:
-    """What a replica's steps read: the config, the model and its loss, the data."""
+    """What a replica's steps read: the config, the model (DDP, or FSDP within the replica) and its
+    loss, the data."""
 
     cfg: TrainConfig
-    ddp: DistributedDataParallel
+    model: nn.Module
     loss_fn: Callable[..., torch.Tensor]
     sampler: BatchSampler
     val: BatchSampler
@@ -103,42 +119,73 @@ def replica_main(member: Membership, cfg: TrainConfig) -> None:
     except BaseException as e:
         if isinstance(e, SystemExit):
             raise
-        path = record_failure(member.uid, e, Path(cfg.run.run_dir) / str(cfg.run.name) / "traces")
-        print(f"plait train: replica {member.uid}: {one_line(e)}; traceback in {path}", file=sys.stderr)
+        name = _process_name(member)
+        path = record_failure(name, e, Path(cfg.run.run_dir) / str(cfg.run.name) / "traces")
+        print(f"plait train: replica {name}: {one_line(e)}; traceback in {path}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
-def _build(cfg: TrainConfig, member: Membership) -> tuple[_Run, LiveState]:
-    from plait.app.step import factory_loss, unwrapped_model
+def _process_name(member: Membership) -> str:
+    """``uid`` of a one-process replica, ``uid.index`` of a process of a larger one (file names)."""
+    return f"{member.uid}" + (f".{member.index}" if member.per_replica > 1 else "")
 
-    # A world of one, on the CPU: the epochs' groups are Gloo groups (NCCL ones are not healed yet).
-    device = plait.init(seed=cfg.run.seed, timeout_s=max(60.0, cfg.parallel.heal_timeout), backend="gloo")
+
+def _build(cfg: TrainConfig, member: Membership) -> tuple[_Run, LiveState]:
+    from plait.app.step import factory_loss
+
+    timeout_s = max(60.0, cfg.parallel.heal_timeout)
+    if member.per_replica > 1:
+        # The replica's processes are a world of their own, met through the run's store; a process
+        # that dies takes only its replica's world down (the supervisor then ends the replica).
+        world = dist.PrefixStore(f"heal/world/{member.uid}", member.connect())
+        dist.init_process_group("gloo", store=world, rank=member.index, world_size=member.per_replica,
+                                timeout=_dt.timedelta(seconds=timeout_s))
+    # On the CPU: the epochs' groups are Gloo groups (NCCL ones are not healed yet).
+    device = plait.init(seed=cfg.run.seed, timeout_s=timeout_s, backend="gloo")
     folder = Path(cfg.run.run_dir) / str(cfg.run.name)
-    comm.configure(run_dir=str(folder / "heal" / f"uid{member.uid}"))  # its flight records
+    comm.configure(run_dir=str(folder / "heal" / f"uid{_process_name(member)}"))  # its flight records
     corpus = load_corpus(cfg.data.path, max_bytes=cfg.data.max_bytes, dtype=cfg.data.data_dtype,
                          eval_path=cfg.data.eval_data, info=getattr(cfg, "_data_info", None),
                          tokenizing=cfg.tokenizing())
     # Every replica builds the same model from the seed; a joiner's is overwritten by a peer's state.
-    ddp = DistributedDataParallel(unwrapped_model(cfg, device), Mesh(dp=1), broadcast_buffers=False)
+    model = _replica_model(cfg, member, device)
     loss_fn = factory_loss(cfg) if cfg.model_factory is not None else lm_loss
-    params = [p for p in ddp.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay,
                             betas=(0.9, 0.95))
     batch, seq = cfg.data.batch_size, cfg.seq_len
-    run = _Run(cfg, ddp, loss_fn, BatchSampler(corpus.train, seq, batch, seed=cfg.run.seed),
+    run = _Run(cfg, model, loss_fn, BatchSampler(corpus.train, seq, batch, seed=cfg.run.seed),
                BatchSampler(corpus.val, seq, batch, seed=cfg.run.seed + 1),
                runlog.RunLog(folder, active=True), batch * seq)
-    if member.initial is not None and member.uid == 0:
-        run.log.header({"run_id": cfg.run.name, "heal": True, "replicas": cfg.parallel.nproc,
+    if member.initial is not None and member.uid == 0 and member.index == 0:
+        run.log.header({"run_id": cfg.run.name, "heal": True, "replicas": replica_count(cfg),
+                        "processes_per_replica": member.per_replica,
                         "heal_timeout_s": cfg.parallel.heal_timeout, "tokens_per_step": run.tokens_per_step})
-    return run, LiveState(ddp, opt)
+    return run, LiveState(model, opt)
+
+
+def _replica_model(cfg: TrainConfig, member: Membership, device: torch.device) -> nn.Module:
+    """One replica's model: a DDP of one process (its group set per epoch), or the model sharded
+    over the replica's processes (FSDP at --zero-stage, the layout's other options as given)."""
+    from plait.app.step import unwrapped_model
+
+    if member.per_replica == 1:
+        return DistributedDataParallel(unwrapped_model(cfg, device), Mesh(dp=1), broadcast_buffers=False)
+    from plait.parallelize import parallelize
+
+    model = unwrapped_model(cfg, "meta" if cfg.model.hf_config is None and cfg.model_factory is None
+                            else device)
+    sharded = parallelize(model, Mesh(fsdp=member.per_replica), cfg.parallel_plan(model))
+    assert isinstance(sharded, nn.Module)  # no pipeline: --heal refuses --pp
+    return sharded
 
 
 def _train(member: Membership, cfg: TrainConfig) -> None:
     run, state = _build(cfg, member)
     folder = Path(cfg.run.run_dir) / str(cfg.run.name)
-    events = _events(folder / "heal" / f"uid{member.uid}.jsonl")
-    replicas = Replicas(member.connect(), member.uid, cfg.parallel.heal_timeout, events)
+    events = _events(folder / "heal" / f"uid{_process_name(member)}.jsonl")
+    replicas = Replicas(member.connect(), member.uid, cfg.parallel.heal_timeout, events,
+                        index=member.index, per_replica=member.per_replica)
     try:
         replicas.start(state, member.initial, member.standby)
     except RunOver:
@@ -151,7 +198,7 @@ def _train(member: Membership, cfg: TrainConfig) -> None:
     if replicas.leader:
         run.log.summary({"steps": cfg.run.steps, "steps_done": state.step, "stopped_by": stop.stopped,
                          "final_loss": losses[-1] if losses else None, "replicas": replicas.size,
-                         "strategy": "ddp", "heal": True})
+                         "strategy": cfg.parallel.strategy, "heal": True})
     events({"event": "finished", "step": state.step, "params_sha256": params_digest(state.model)})
     replicas.close()
     if stop.exit_code:
@@ -183,8 +230,9 @@ def _step_with_retries(run: _Run, state: LiveState, replicas: Replicas, stop: St
             if attempt == MAX_RETRIES:
                 raise
             error = comm_error_line(e)  # not the error itself: its frames would keep the group open
-        # Let go of the failed group (DDP's buckets hold its collectives): on its own until regrouped.
-        run.ddp.regroup(dist.group.WORLD, 1)
+        if isinstance(run.model, DistributedDataParallel):
+            # Let go of the failed group (DDP's buckets hold its collectives): alone until regrouped.
+            run.model.regroup(dist.group.WORLD, 1)
         state.optimizer.zero_grad(set_to_none=True)
         replicas.recover(state, error)
     raise AssertionError("unreachable")
@@ -198,23 +246,29 @@ def _step(run: _Run, state: LiveState, replicas: Replicas, stop: StopRequest) ->
     lo, hi = replicas.share(batch)
     ids = run.sampler.global_ids(step)[lo:hi]
     x, y = run.sampler.windows(ids)
-    run.ddp.regroup(replicas.group, replicas.size, batch / (hi - lo))
+    sharded = replicas.per_replica > 1
+    if not sharded:
+        assert isinstance(run.model, DistributedDataParallel)
+        run.model.regroup(replicas.group, replicas.size, batch / (hi - lo))
     for g in state.optimizer.param_groups:  # here: a redone step may follow a state received
         g["lr"] = lr_at(step, cfg)
     state.optimizer.zero_grad(set_to_none=True)
-    loss = run.loss_fn(run.ddp(x), y)
-    loss.backward()  # DDP sums the gradients / (B / k) over the epoch's group
+    loss = run.loss_fn(run.model(x), y)
+    # DDP sums the gradients / (B / k) over the epoch's group; FSDP averages its processes' over the
+    # replica, so each is weighted by its k samples of B first (then summed over the replicas below).
+    (loss * (replicas.per_replica * (hi - lo) / batch) if sharded else loss).backward()
     # The loss weighted as the gradient, the samples read, a stop signal's number, the sample ids.
     stats = torch.zeros(3 + (batch if cfg.run.log_samples else 0), dtype=torch.float64)
     signum = stop.signum  # read once: a signal arriving after the all-reduce counts at the next step
     stats[0], stats[1], stats[2] = float(loss.detach()) * (hi - lo) / batch, hi - lo, signum
     if cfg.run.log_samples:
         stats[3 + lo: 3 + hi] = torch.from_numpy(ids.astype("float64"))
-    total = replicas.reduce(stats)
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None] if sharded else None
+    total = replicas.reduce(stats, grads)
     if int(total[1]) != batch:
         raise RuntimeError(f"plait.heal: the replicas read {int(total[1])} samples of a global batch of "
                            f"{batch}")
-    norm = clip_grad_norm_(run.ddp, cfg.optimizer.grad_clip or math.inf)
+    norm = clip_grad_norm_(run.model, cfg.optimizer.grad_clip or math.inf)
     state.optimizer.step()
     state.step += 1
     stop.stopped = (signum or signal.SIGTERM) if total[2] > 0 else 0  # what every replica summed
@@ -232,16 +286,17 @@ def _step(run: _Run, state: LiveState, replicas: Replicas, stop: StopRequest) ->
 
 @torch.no_grad()
 def _evaluate(run: _Run) -> float:
-    run.ddp.eval()
-    total = sum(run.loss_fn(run.ddp(x), y).item()
+    run.model.eval()
+    total = sum(run.loss_fn(run.model(x), y).item()
                 for x, y in (run.val.batch_at(i) for i in range(run.cfg.run.eval_batches)))
-    run.ddp.train()
+    run.model.train()
     return total / run.cfg.run.eval_batches
 
 
 def params_digest(model: nn.Module) -> str:
-    """sha256 of every parameter's bytes, in order: equal digests mean bit-equal replicas."""
+    """sha256 of every parameter's bytes (this process's shards), in order: equal digests mean
+    bit-equal replicas (process by process under HSDP)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(local(p).detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

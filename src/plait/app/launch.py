@@ -48,7 +48,7 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def record_failure(rank: int, error: BaseException, trace_dir: Path) -> Path:
+def record_failure(rank: int | str, error: BaseException, trace_dir: Path) -> Path:
     """Write this rank's traceback to ``trace_dir/rank{rank}.txt``, headed by its one-line error."""
     trace_dir.mkdir(parents=True, exist_ok=True)
     path = trace_dir / f"rank{rank}.txt"

@@ -363,6 +363,12 @@ def average_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup |
 
 
 @eager
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Sum many tensors over ``group`` in place, as one flat all-reduce per dtype."""
+    _coalesced(tensors, lambda flat: all_reduce(flat, group))
+
+
+@eager
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None) -> None:
     """Broadcast many tensors as one flat buffer per dtype (one collective instead of hundreds)."""
     _coalesced(tensors, lambda flat: broadcast(flat, src, group))

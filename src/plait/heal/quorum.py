@@ -3,8 +3,9 @@
 The store is a `torch.distributed.TCPStore` hosted by the process that started the replicas
 (`plait.heal.supervisor`), so it outlives every replica. Nothing else is needed: no new service.
 
-A replica has a *uid* that no other process of the run ever has. Members are listed per
-*epoch*; a replica's place in the list is its rank in that epoch's process group. The keys:
+A replica has a *uid* that no other replica of the run ever has (its processes, several under
+HSDP, share it and speak for it alike). Members are listed per *epoch*; a replica's place in the
+list is its rank in that epoch's process groups. The keys:
 
 ``heal/epoch/<e>``
     epoch ``e``'s record, JSON: its members (uids) and how many join requests it admitted.
@@ -20,6 +21,9 @@ A replica has a *uid* that no other process of the run ever has. Members are lis
 ``heal/dead/<uid>``
     posted by the supervisor when a replica's process ended (a ``kill -9`` is known at once, so
     the survivors do not wait for the bound).
+``heal/settled/<e>``, ``heal/settled/<e>/abandoned``
+    how many replicas of epoch ``e`` are done with its state transfer; set when one could not
+    start the epoch, so the others stop waiting for it.
 ``heal/activate/<uid>``
     posted by the supervisor to wake its standby process when a replica died.
 ``heal/done``
@@ -150,20 +154,28 @@ class Quorum:
                           f"{list(decided.members)}): it answered after the {self.bound_s:g} s bound")
         return decided
 
-    def settle(self, epoch: Epoch, bound_s: float) -> None:
+    def settle(self, epoch: Epoch, bound_s: float, count: bool = True) -> None:
         """Wait, through the store, until every member of ``epoch`` is done with the state transfer: the
         members not in it must not wait in a collective that times out while a large model moves.
-        Raises when a member died meanwhile, or after ``bound_s``."""
+        ``count``: this process speaks for its replica (one per replica does). Raises when a member
+        died or gave the epoch up meanwhile, or after ``bound_s``."""
         key = f"heal/settled/{epoch.number}"
-        self.store.add(key, 1)
+        if count:
+            self.store.add(key, 1)
         deadline = time.monotonic() + bound_s
         while int(self.store.add(key, 0)) < epoch.size:
             dead = [m for m in epoch.members if self.store.check([f"heal/dead/{m}"])]
-            if dead or time.monotonic() > deadline:
-                why = f"replicas {dead} died" if dead else f"not within {bound_s:g} s"
+            left = self.store.check([f"{key}/abandoned"])
+            if dead or left or time.monotonic() > deadline:
+                why = (f"replicas {dead} died" if dead else "a replica could not start it" if left
+                       else f"not within {bound_s:g} s")
                 raise RuntimeError(f"plait.heal: the state transfer of epoch {epoch.number} did not finish "
                                    f"on every member ({why})")
             time.sleep(_POLL_S)
+
+    def abandon(self, epoch: Epoch) -> None:
+        """This replica could not start ``epoch``: the members waiting in `settle` stop waiting."""
+        self.store.set(f"heal/settled/{epoch.number}/abandoned", "1")
 
     def _answered(self, number: int, member: int) -> bool:
         return bool(self.store.check([f"heal/alive/{number}/{member}"])

@@ -9,9 +9,15 @@ build its group and redo the step over the live replicas, splitting the same glo
 them. Replicas that are behind (a joiner, or one that missed the last optimizer step) take the
 state of the first replica that is ahead (`plait.heal.transfer`).
 
-The training loop calls `Replicas.share` before a step, `Replicas.reduce` for the step's small
-statistics (which also carries the join count), `Replicas.recover` when a collective failed and
-`Replicas.boundary` after the optimizer step.
+A replica may be several processes (HSDP: the processes that shard one copy of the model, a
+world of their own). Then process ``i`` of each replica meets process ``i`` of the others in its
+own group per epoch, and the replica's processes agree among themselves, over their world, on
+whether each step and each epoch's start succeeded before any of them goes on: a replica moves as
+one, or recovers as one.
+
+The training loop calls `Replicas.share` before a step, `Replicas.reduce` for the step's gradients
+(several processes per replica) and small statistics (which also carry the join count),
+`Replicas.recover` when a collective failed and `Replicas.boundary` after the optimizer step.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
+from plait.comm.ops import all_reduce_coalesced
 from plait.heal.quorum import Dropped, Epoch, Quorum
-from plait.heal.transfer import LiveState, recv_state, send_state
+from plait.heal.transfer import LiveState, local, recv_state, send_state
 
 # What a collective on a group whose peer died or hung raises: comm's error, Gloo's own, or the
-# ValueError torch 2.13 raises while naming a group outside its world map.
+# ValueError torch 2.13 raises while naming a group outside its world map (`ReplicaFailed` is a
+# RuntimeError).
 FAILURES: tuple[type[BaseException], ...] = (comm.CollectiveError, RuntimeError, ValueError)
 MAX_RETRIES = 4  # failed attempts at one step before the error is taken for a bug, not a peer
 SETTLE_S = 120.0  # the longest a state transfer may take (at least 10 x the collective timeout)
@@ -46,18 +54,26 @@ def split(total: int, parts: int, index: int) -> tuple[int, int]:
     return lo, lo + base + (1 if index < extra else 0)
 
 
+class ReplicaFailed(RuntimeError):
+    """Another process of this replica failed a collective of the step or of the epoch's start."""
+
+
 class Replicas:
     """This replica's membership and process group; see the module's docstring.
 
     ``events``: called with a dict for each membership change (the app writes them to its log).
+    ``index`` of ``per_replica``: this process's place in its replica (whose world is torch's
+    default group when ``per_replica > 1``).
     """
 
     def __init__(self, store: dist.Store, uid: int, timeout_s: float,
-                 events: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 events: Callable[[dict[str, Any]], None] | None = None, index: int = 0,
+                 per_replica: int = 1) -> None:
         # Survivors wait twice the collective timeout for each other: a member whose collective
         # only times out (not a neighbour of the dead one in Gloo's ring) still answers in time.
         self.quorum = Quorum(store, uid, 2 * timeout_s)
         self.store, self.uid, self.timeout_s = store, uid, timeout_s
+        self.index, self.per_replica = index, per_replica
         self.events = events or (lambda e: None)
         self.epoch: Epoch | None = None
         self.group: dist.ProcessGroup | None = None
@@ -78,9 +94,14 @@ class Replicas:
 
     def _join(self, state: LiveState) -> None:
         asked = time.time()
-        self.quorum.request_join()
-        self._joining = True
+        self._request_join()
         self._enter(self.quorum.wait_admission(), state, joined_at=asked)
+
+    def _request_join(self) -> None:
+        """Ask to be admitted: once per replica (by its first process), so the replica is one join."""
+        if self.index == 0:
+            self.quorum.request_join()
+        self._joining = True
 
     def _enter(self, epoch: Epoch, state: LiveState, joined_at: float | None = None) -> None:
         """Build ``epoch``'s group and bring every member to the newest state; on a failure meanwhile,
@@ -88,13 +109,21 @@ class Replicas:
         while True:
             self._close()
             self.epoch = epoch
+            error: str | None = None
+            self._transferred = False
             try:
                 self.group = self._build(epoch)
                 behind = self._synchronise(state)
-                self._joining = False
-                break
             except FAILURES as e:
                 error = comm_error_line(e)  # not the error itself: its frames would keep the group open
+            error = self._agree(error)
+            if error is None:
+                error = self._settle()
+            if error is None:
+                self._joining = False
+                break
+            if self.index == 0:  # replicas waiting for this one's transfer need not wait for the bound
+                self.quorum.abandon(epoch)
             log.warning("replica %d: epoch %d could not start (%s); recovering", self.uid, epoch.number,
                         error)
             self._close()
@@ -109,13 +138,17 @@ class Replicas:
         # timeout, not the store's five minutes.
         if epoch.number > 0:
             self.store.set_timeout(_dt.timedelta(seconds=4 * self.timeout_s))
-        prefix = dist.PrefixStore(f"heal/group/{epoch.number}", self.store)
+        # Process i of each replica meets process i of the others.
+        name = f"heal/group/{epoch.number}" + (f"/{self.index}" if self.per_replica > 1 else "")
+        prefix = dist.PrefixStore(name, self.store)
         # A Gloo backend used as the group itself (torch's collectives take it), as torchft does.
         pg = cast(dist.ProcessGroup, dist.ProcessGroupGloo(prefix, epoch.rank, epoch.size,
                                                            _dt.timedelta(seconds=self.timeout_s)))
-        # Named for errors and counted; its one global rank is this process's 0 (each replica is a
+        # Named for errors and counted; its one global rank is this process's own (each replica is a
         # world of its own), so a failure is reported without asking peers that have no global rank.
-        comm.register_group(pg, f"heal epoch {epoch.number} of replicas {list(epoch.members)}", [0])
+        part = f" (process {self.index} of each)" if self.per_replica > 1 else ""
+        comm.register_group(pg, f"heal epoch {epoch.number} of replicas {list(epoch.members)}{part}",
+                            [dist.get_rank()])
         return pg
 
     def _synchronise(self, state: LiveState) -> bool:
@@ -134,9 +167,32 @@ class Replicas:
             send_state(self.group, state, behind)
         elif received:
             recv_state(self.group, state, ahead)
-        if behind:
-            self.quorum.settle(self.epoch, max(SETTLE_S, 10 * self.timeout_s))
+        self._transferred = bool(behind)
         return received
+
+    def _agree(self, error: str | None) -> str | None:
+        """Whether every process of this replica succeeded: ``error`` (this process's failure, or
+        None), else a sibling's. Over the replica's own world, which holds while the replica lives
+        (one that lost a process is killed whole by the supervisor)."""
+        if self.per_replica == 1:
+            return error
+        failed = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)
+        comm.all_reduce(failed, None)
+        if error is None and failed[0] > 0:
+            return "another process of this replica failed"
+        return error
+
+    def _settle(self) -> str | None:
+        """After a state transfer, wait until every replica is done with it (`Quorum.settle`): those
+        not in it must not wait in a collective that times out while a large model moves."""
+        if not self._transferred:
+            return None
+        assert self.epoch is not None
+        try:
+            self.quorum.settle(self.epoch, max(SETTLE_S, 10 * self.timeout_s), count=self.index == 0)
+        except RuntimeError as e:
+            return comm_error_line(e)
+        return None
 
     def _next_epoch(self, epoch: Epoch, state: LiveState) -> Epoch:
         try:
@@ -144,8 +200,7 @@ class Replicas:
         except Dropped as e:
             log.warning("%s; joining again", e)
             self._close()
-            self.quorum.request_join()
-            self._joining = True
+            self._request_join()
             return self.quorum.wait_admission()
 
     def _close(self) -> None:
@@ -161,23 +216,45 @@ class Replicas:
 
     @property
     def leader(self) -> bool:
-        return self.epoch is not None and self.epoch.leader
+        """The first process of the first replica: it reads the join requests and writes the metrics."""
+        return self.epoch is not None and self.epoch.leader and self.index == 0
 
     def share(self, global_batch: int) -> tuple[int, int]:
-        """This replica's ``[lo, hi)`` of the global batch in the current epoch."""
+        """This process's ``[lo, hi)`` of the global batch in the current epoch: its replica's share,
+        split again among the replica's processes."""
         assert self.epoch is not None
-        if global_batch < self.epoch.size:
-            raise RuntimeError(f"plait.heal: {self.epoch.size} replicas cannot share a global batch of "
-                               f"{global_batch} samples")
-        return split(global_batch, self.epoch.size, self.epoch.rank)
+        if global_batch < self.epoch.size * self.per_replica:
+            raise RuntimeError(f"plait.heal: {self.epoch.size} replicas of {self.per_replica} processes "
+                               f"cannot share a global batch of {global_batch} samples")
+        lo, hi = split(global_batch, self.epoch.size, self.epoch.rank)
+        a, b = split(hi - lo, self.per_replica, self.index)
+        return lo + a, lo + b
 
-    def reduce(self, values: torch.Tensor) -> torch.Tensor:
-        """Sum ``values`` (float64, 1-D) over the replicas, with one more slot: the join requests the
-        leader saw in the store, so that every replica learns them at the same step."""
+    def reduce(self, values: torch.Tensor, grads: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Sum ``values`` (float64, 1-D) over every process of every replica, with one more slot: the
+        join requests the leader saw in the store, so that every replica learns them at the same step.
+
+        With several processes per replica, ``grads`` (this process's gradient shards, each replica's
+        own reduction done) are summed over the replicas first, one flat all-reduce; then the
+        replica's processes agree that all of it succeeded (`ReplicaFailed` when a sibling's failed),
+        so that no process of a replica steps its optimizer unless all of them do."""
         assert self.group is not None
         joins = self.quorum.pending_joins() if self.leader else 0
         out = torch.cat([values.to(torch.float64), torch.tensor([float(joins)], dtype=torch.float64)])
-        comm.all_reduce(out, self.group)
+        if self.per_replica == 1:
+            comm.all_reduce(out, self.group)
+        else:
+            error = None
+            try:
+                if grads:
+                    all_reduce_coalesced([local(g) for g in grads], self.group)
+                comm.all_reduce(out, self.group)
+            except FAILURES as e:
+                error = comm_error_line(e)
+            error = self._agree(error)
+            if error is not None:
+                raise ReplicaFailed(error)
+            comm.all_reduce(out, None)  # the replicas' sums of each process index, over the replica
         self._joins_seen = int(out[-1])
         return out[:-1]
 

@@ -6,6 +6,9 @@ from disk. Each tensor is received straight into the receiver's own tensor (opti
 does not have yet is allocated once, at its final size), so no rank ever holds a second copy of
 the model: the sender sends its own tensors, one at a time.
 
+Sharded parameters (HSDP: DTensors over the replica's processes) move as this process's shards:
+process i of a replica sends to process i of the joiner, whose shards are the same rows.
+
 The messages are point-to-point on the epoch's group, with group ranks: the heal groups are
 built per epoch outside torch's world (every replica is a world of its own, so that no replica's
 death breaks a group it cannot leave), and torch's rank translation does not know them.
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 _TAG = 48
 
@@ -67,18 +71,26 @@ def _make_state(opt: torch.optim.Optimizer, layout: list[dict[str, Any]]) -> Non
             shape, dtype = tuple(rest[0]), getattr(torch, rest[1])
             old = mine.get(key)
             fits = isinstance(old, torch.Tensor) and tuple(old.shape) == shape and old.dtype == dtype
-            state[key] = old if fits else torch.empty(shape, dtype=dtype, device=p.device)
+            if not fits:  # placed as the parameter where it has its shape (AdamW's moments of a DTensor)
+                old = (torch.zeros_like(p, dtype=dtype) if shape == tuple(p.shape)
+                       else torch.empty(shape, dtype=dtype, device=local(p).device))
+            state[key] = old
         opt.state[p] = state
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t``: its shard of a DTensor, or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _tensors(state: LiveState) -> Iterator[torch.Tensor]:
     """Every tensor of the state, in the same order on every replica."""
-    yield from state.model.parameters()
-    yield from state.model.buffers()
+    yield from map(local, state.model.parameters())
+    yield from map(local, state.model.buffers())
     for p in _params(state.optimizer):
         for _, value in sorted(state.optimizer.state.get(p, {}).items()):
             if isinstance(value, torch.Tensor):
-                yield value
+                yield local(value)
 
 
 def send_state(pg: dist.ProcessGroup, state: LiveState, receivers: list[int]) -> None:

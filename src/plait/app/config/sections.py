@@ -121,15 +121,16 @@ class ParallelSection:
     ac_every: int = 1
     """with --ac: checkpoint every k-th block only"""
     heal: bool = False
-    """data-parallel replicas that heal without a restart (--strategy ddp): a replica that dies or hangs
-    is dropped, the survivors redo the step over the live ones with the same global batch, and a new
-    process joins at a step boundary with a peer's state (docs/failures.md)"""
+    """data-parallel replicas that heal without a restart (--strategy ddp, or HSDP's replicas with
+    --strategy fsdp --dp R): a replica that dies or hangs is dropped, the survivors redo the step over
+    the live ones with the same global batch, and a new replica joins at a step boundary with a peer's
+    state (docs/failures.md)"""
     heal_timeout: float = 5.0
     """with --heal: seconds a collective waits for a peer, and the survivors then wait for each other,
     before a silent replica is dropped (a dead one is dropped at once)"""
     heal_replace: bool = True
-    """with --heal: replace each replica that dies (at most --nproc in a run) by a standby process started
-    ahead, with the data and model loaded, that joins at the next step boundary"""
+    """with --heal: replace each replica that dies (at most as many as were started) by a standby one
+    started ahead, with the data and model loaded, that joins at the next step boundary"""
 
 
 @dataclass

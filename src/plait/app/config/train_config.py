@@ -191,7 +191,8 @@ class TrainConfig:
                              "(where to find the checkpoint)")
 
     def _check_heal(self) -> None:
-        """--heal: pure data parallelism over DDP replicas, and what the healing loop does not do yet."""
+        """--heal: data parallelism over whole replicas (DDP, or HSDP's replicas of FSDP shards), and what
+        the healing loop does not do yet."""
         par, run, ck = self.parallel, self.run, self.checkpoint
         require(par, "heal_timeout", math.isfinite(par.heal_timeout) and par.heal_timeout > 0,
                  "a finite number of seconds > 0")
@@ -202,10 +203,13 @@ class TrainConfig:
             if given:
                 raise ValueError(f"{given[0]} applies to --heal only; without it, it would be ignored")
             return
-        if par.strategy != "ddp":
-            hsdp = " (HSDP, --strategy fsdp --dp, is not healed yet)" if par.strategy == "fsdp" else ""
-            raise ValueError(f"--heal heals DDP replicas: it needs --strategy ddp, got --strategy "
-                             f"{par.strategy}{hsdp}")
+        if par.strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"--heal heals DDP replicas (--strategy ddp) or HSDP's (--strategy fsdp --dp R: "
+                             f"R replicas, each sharding the model); got --strategy {par.strategy}")
+        if par.strategy == "fsdp" and par.dp < 2:
+            raise ValueError(f"--heal with --strategy fsdp heals HSDP's replicas: it needs --dp 2 or more "
+                             f"(got --dp {par.dp}: one copy of the model, sharded over every rank, which a "
+                             "lost rank would leave incomplete)")
         layout = [f"--{name.replace('_', '-')} {getattr(par, name)}" for name in ("tp", "pp", "cp", "ep")
                   if getattr(par, name) > 1]
         if layout or self.model.experts:
