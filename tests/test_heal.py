@@ -244,3 +244,17 @@ def test_a_state_transfer_waits_for_every_member_through_the_store_and_not_for_t
     store.set("heal/dead/1", "-9")
     with pytest.raises(RuntimeError, match=r"replicas \[1\] died"):
         Quorum(store, 0, bound_s=1).settle(Epoch(4, (0, 1), 0, me=0), bound_s=5)
+
+
+def test_heal_refuses_a_machine_with_cuda_instead_of_leaving_its_gpus_idle(monkeypatch, capsys, tmp_path):
+    import torch
+
+    from plait.app import healing
+    from plait.app.config import TrainConfig
+
+    cfg = TrainConfig.from_flags(heal=True, max_bytes=200000, nproc=2, run_dir=str(tmp_path), name="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert healing.cli_main(cfg) == 2
+    err = capsys.readouterr().err
+    assert "NCCL groups are not healed yet" in err and "CUDA_VISIBLE_DEVICES=" in err
+    assert not (tmp_path / "gpu").exists()  # refused before any replica started

@@ -74,6 +74,14 @@ def _events(path: Path) -> Callable[[dict[str, Any]], None]:
 def cli_main(cfg: TrainConfig) -> int:
     """Supervise ``cfg.parallel.nproc`` healing replicas; the exit code of ``plait train``."""
     assert cfg.run.name is not None  # chosen by the command before it gets here
+    if torch.cuda.is_available():
+        # The epochs' groups are Gloo's: a dead peer closes its sockets, which NCCL does not show
+        # without a communicator abort. Training on the CPU here would leave the GPUs idle, silently.
+        print("plait train: error: --heal runs its replicas on the CPU with Gloo (NCCL groups are not "
+              "healed yet), and this machine has CUDA: train without --heal (a job that restarts and "
+              "resumes by itself: --resume auto under plait run --max-restarts), or hide the GPUs "
+              "(CUDA_VISIBLE_DEVICES=) to heal on the CPU", file=sys.stderr)
+        return 2
     folder = Path(cfg.run.run_dir) / cfg.run.name
     threads = max(1, (os.cpu_count() or 1) // cfg.parallel.nproc)
     replicas = replica_count(cfg)
