@@ -117,6 +117,10 @@ def _attempt_store(launch: Launch, timeout: _dt.timedelta) -> dist.Store:
     address) are the same names on every attempt: after a restart (``--max-restarts``), the new
     ranks read the dead ones' addresses and never connect (seen with torch 2.13 and Gloo, under
     the static and the c10d rendezvous alike). A prefix per attempt keeps each one's keys apart.
+    The count is each launcher's own, so it names one attempt only while all nodes restart
+    together (a node started again alone counts from 0 while the survivors count from 1);
+    ``plait run`` keeps the c10d rendezvous's ranks off this store, each round getting its own
+    (``plait.app.run.NO_SHARED_STORE``).
     """
     agent = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
                           timeout=timeout)

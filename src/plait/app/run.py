@@ -15,6 +15,7 @@ cluster::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -70,6 +71,17 @@ def with_rendezvous_timeout(conf: str, backend: str) -> str:
     return ",".join(filter(None, [conf, f"{key}={RENDEZVOUS_TIMEOUT_S}"]))
 
 
+# torch's c10d (dynamic) rendezvous shares its own TCPStore with the ranks by default, and then
+# builds the round's bootstrap information (MASTER_ADDR, MASTER_PORT) only on a launcher's first
+# round: a launcher that survived a node's death enters the next round with it cached and never
+# writes ``torch.rendezvous.<id>.<round>/MASTER_ADDR``, which the node started again waits for,
+# while the survivor waits for that node's ``torchelastic/role_info/<rank>`` (torch 2.13,
+# dynamic_rendezvous.next_rendezvous). Without sharing, every launcher builds it every round and
+# the ranks meet through a store of the round's own (on a fresh port), so only the dead node
+# needs starting again. The static rendezvous ignores the variable. docs/launch.md.
+NO_SHARED_STORE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
 def cli_main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -88,6 +100,7 @@ def cli_main(argv: list[str]) -> int:
     args = parser.parse_args([*own, script])
     args.rdzv_conf = with_rendezvous_timeout(args.rdzv_conf, args.rdzv_backend)
     args.training_script_args = script_args  # exactly as given, never parsed here
+    os.environ.setdefault(*NO_SHARED_STORE)  # read by this process's rendezvous handler; set to 0 to share
     try:
         record(run)(args)  # torchrun's error files, as its own entry point writes them
     except ChildFailedError as e:
