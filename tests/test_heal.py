@@ -116,7 +116,8 @@ def test_a_killed_replica_is_healed_around_and_its_replacement_trains_in_step(tm
     assert join["time"] - killed < 5  # the standby, loaded ahead, joins at the next step boundary
     for index in range(per):
         finished = [e for uid in members for e in events(uid, index) if e["event"] == "finished"]
-        assert len(finished) == full and len({(e["step"], e["params_sha256"]) for e in finished}) == 1, finished
+        assert len(finished) == full, finished
+        assert len({(e["step"], e["params_sha256"]) for e in finished}) == 1, finished
         assert finished[0]["step"] == last
 
     want = _steps(tmp_path / "one" / "metrics.jsonl")
