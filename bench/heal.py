@@ -36,8 +36,8 @@ def _overhead(preset: str, seq: int, batch: int, warmup: int, iters: int) -> dic
     from plait import comm
     from plait.clip import clip_grad_norm_
     from plait.ddp.wrapper import DDP
-    from plait.heal import LiveState, Replicas
     from plait.models.gpt import lm_loss
+    from plait.runtime.heal import LiveState, Replicas
     from plait.testing import cached_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()

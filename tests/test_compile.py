@@ -309,7 +309,7 @@ def test_the_random_rates_a_region_swaps_on_are_found_by_name():
     # Under compile a tensor-parallel region swaps to the per-rank stream only if one of these is
     # positive in training mode: dropout layers' p, and float rates named as transformers and
     # plait's models name them.
-    from plait.rng import random_rates
+    from plait.runtime.rng import random_rates
 
     class Attention(torch.nn.Module):
         def __init__(self) -> None:

@@ -310,7 +310,7 @@ def test_the_numeric_check_holds_each_dtype_to_its_rounding():
     # float64 and float32 as tensor parallelism's check; a 16-bit dtype anywhere in the run gets
     # the whole-model bound (its rounding adds up over the layers), still half a misplaced position.
     from plait.cp.numeric import HALF_BOUND, bound
-    from plait.tolerance import RTOL, LowestPrecision
+    from plait.runtime.tolerance import RTOL, LowestPrecision
 
     seen = {}
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):

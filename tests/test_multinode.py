@@ -18,7 +18,7 @@ import pytest
 from oracle import TRAIN_ARGV
 from test_exit import descendants
 
-from plait.env import DEFAULT_TIMEOUT_S, free_port
+from plait.runtime.env import DEFAULT_TIMEOUT_S, free_port
 
 
 def _nodes(args: list[str], per_node: int) -> list[subprocess.Popen]:

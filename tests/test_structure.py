@@ -16,7 +16,7 @@ import pytest
 
 import plait
 import plait.pipeline.split
-from plait.callable_module import CallableModule
+from plait.runtime.callable_module import CallableModule
 
 ROOT = Path(plait.__file__).resolve().parent
 README = ROOT.parent.parent / "README.md"
@@ -138,8 +138,8 @@ def _cross_edges(imports: dict[str, set[tuple[str, str]]]) -> set[tuple[str, str
 
 def test_the_strategy_edge_finder_sees_a_reader_importing_a_strategy():
     mods = {"plait.clip": (ast.parse("def f():\n    from plait.tp.apply import tp_info\n"), False),
-            "plait.tp.apply": (ast.parse("from plait.rng import RNGFork\n"), False),
-            "plait.rng": (ast.parse(""), False)}
+            "plait.tp.apply": (ast.parse("from plait.runtime.rng import RNGFork\n"), False),
+            "plait.runtime.rng": (ast.parse(""), False)}
     assert _cross_edges(_imports(mods)) == {("plait.clip", "plait.tp")}
 
 
@@ -603,13 +603,13 @@ def test_the_api_page_reader_sees_each_kind_of_row():
 |---|---|
 | `plait.init(seed=0)`, `plait.comm` | a, `not_a_name` |
 | `plait.SyncBatchNorm.convert_sync_batchnorm(model, mesh)` / `plait.SyncBatchNorm(n)` | |
-## `plait.straggler`
-| `StragglerTracker()`, `.step()`, `Blame` | in `plait.straggler` |
+## `plait.runtime.straggler`
+| `StragglerTracker()`, `.step()`, `Blame` | in `plait.runtime.straggler` |
 ## Building on the meta device
 | `not_listed` | |
 """
     assert _listed(page) == {"plait": ["init", "comm", "SyncBatchNorm", "SyncBatchNorm"],
-                             "plait.straggler": ["StragglerTracker", "Blame"]}
+                             "plait.runtime.straggler": ["StragglerTracker", "Blame"]}
 
 
 def test_internal_modules_define_no_all_and_public_ones_have_a_section_in_the_api_page():

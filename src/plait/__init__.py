@@ -11,17 +11,18 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Where each public name lives, in the order the first use loads them all (None: the module of
-# that name). `plait.activation_checkpointing`, `plait.check`, `plait.parallelize` and
-# `plait.pipeline` are modules that are also their namesake function (`plait.callable_module`):
+# Where each public name lives, in the order the first use loads them all (None: a module, which
+# `_MODULES` names). `plait.activation_checkpointing`, `plait.check`, `plait.parallelize` and
+# `plait.pipeline` are modules that are also their namesake function (`plait.runtime.callable_module`):
 # ``plait.pipeline(model, mesh, ...)`` and ``plait.pipeline.zbv`` both work.
 _SOURCES = {
     "comm": None, "cp": None, "CheckReport": "plait.check", "clip_grad_norm_": "plait.clip",
     "context_parallel": "plait.cp", "DataParallel": "plait.data_parallel", "DDP": "plait.ddp",
-    "DistributedDataParallel": "plait.ddp", "get_logger": "plait.env", "init": "plait.env",
+    "DistributedDataParallel": "plait.ddp", "get_logger": "plait.runtime.env", "init": "plait.runtime.env",
     "expert_parallel": "plait.ep", "FSDP": "plait.fsdp", "FullyShardedDataParallel": "plait.fsdp",
-    "ZeroRedundancyOptimizer": "plait.fsdp", "init_weights": "plait.materialize", "Mesh": "plait.mesh",
-    "gpt_plan": "plait.plans", "plan_for": "plait.plans", "ParallelPlan": "plait.parallelize",
+    "ZeroRedundancyOptimizer": "plait.fsdp", "init_weights": "plait.materialize",
+    "Mesh": "plait.runtime.mesh", "gpt_plan": "plait.plans", "plan_for": "plait.plans",
+    "ParallelPlan": "plait.parallelize",
     "Pipeline": "plait.pipeline", "MixedPrecision": "plait.precision", "mixed_precision": "plait.precision",
     "GradScaler": "plait.scaler", "full_state_dict": "plait.state_dict",
     "SyncBatchNorm": "plait.sync_batchnorm",
@@ -31,25 +32,35 @@ _SOURCES = {
     "vocab_parallel_cross_entropy": "plait.tp", "activation_checkpointing": None, "check": None,
     "parallelize": None, "pipeline": None,
 }
+# The modules plait names by a short name (``from plait import comm``), each under its full path:
+# `plait.comm` is `plait.runtime.comm`, which alone imports (``import plait.runtime.comm``).
+# `plait.checkpoint` loads on its own first use, not with the public names (and type checkers see
+# it through `__getattr__`: its module imports `plait.__version__`, so the facade may not import it).
+_MODULES = {
+    "comm": "plait.runtime.comm", "cp": "plait.cp", "checkpoint": "plait.checkpoint",
+    "activation_checkpointing": "plait.activation_checkpointing", "check": "plait.check",
+    "parallelize": "plait.parallelize", "pipeline": "plait.pipeline",
+}
 _loading = False
 
 if TYPE_CHECKING:  # type checkers see the names as plain imports (the callable modules as functions)
-    from plait import comm, cp
+    from plait import cp
     from plait.activation_checkpointing import activation_checkpointing
     from plait.check import CheckReport, check
     from plait.clip import clip_grad_norm_
     from plait.cp import context_parallel
     from plait.data_parallel import DataParallel
     from plait.ddp import DDP, DistributedDataParallel
-    from plait.env import get_logger, init
     from plait.ep import expert_parallel
     from plait.fsdp import FSDP, FullyShardedDataParallel, ZeroRedundancyOptimizer
     from plait.materialize import init_weights
-    from plait.mesh import Mesh
     from plait.parallelize import ParallelPlan, parallelize
     from plait.pipeline import Pipeline, pipeline
     from plait.plans import gpt_plan, plan_for
     from plait.precision import MixedPrecision, mixed_precision
+    from plait.runtime import comm
+    from plait.runtime.env import get_logger, init
+    from plait.runtime.mesh import Mesh
     from plait.scaler import GradScaler
     from plait.state_dict import full_state_dict, load_full_state_dict
     from plait.sync_batchnorm import SyncBatchNorm
@@ -110,7 +121,7 @@ __all__ = [
 
 def _resolve(name: str) -> Any:
     source = _SOURCES[name]
-    return importlib.import_module(f"plait.{name}") if source is None else \
+    return importlib.import_module(_MODULES[name]) if source is None else \
         getattr(importlib.import_module(source), name)
 
 
@@ -127,7 +138,8 @@ def __getattr__(name: str) -> Any:
     """The first use of a public name or subpackage from outside the library loads every public
     name, as the whole library's ``import plait`` would (``plait.models.gpt`` is then there too)."""
     global _loading
-    if name not in _SOURCES and (name.startswith("__") or importlib.util.find_spec(f"plait.{name}") is None):
+    known = name in _SOURCES or name in _MODULES
+    if not known and (name.startswith("__") or importlib.util.find_spec(f"plait.{name}") is None):
         raise AttributeError(f"module 'plait' has no attribute {name!r}")
     if not _loading and not _mid_import():
         _loading = True
@@ -137,9 +149,10 @@ def __getattr__(name: str) -> Any:
         finally:
             _loading = False
     if name not in globals():
-        globals()[name] = _resolve(name) if name in _SOURCES else importlib.import_module(f"plait.{name}")
+        globals()[name] = _resolve(name) if name in _SOURCES else \
+            importlib.import_module(_MODULES.get(name, f"plait.{name}"))
     return globals()[name]
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_SOURCES])
+    return sorted({*globals(), *_SOURCES, *_MODULES})

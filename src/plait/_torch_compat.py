@@ -250,7 +250,7 @@ def savable_dtensor(dt: Any) -> Any:
 
 # Classes torch keeps private but every library subclasses or tests against: the common base of
 # BatchNorm1d/2d/3d (what `SyncBatchNorm.convert_sync_batchnorm` converts, as torch's own does) and
-# of every dropout layer (what `plait.rng` finds to fork the random stream for). Both resolved at
+# of every dropout layer (what `plait.runtime.rng` finds to fork the random stream for). Both resolved at
 # import on 2.6 and 2.13; dropout's tested on 2.6 and 2.13 (tensor parallelism's random forks),
 # batch norm's on 2.13 (tests/test_sync_batchnorm.py). Can go when torch exports public bases.
 BatchNormBase = nn.modules.batchnorm._BatchNorm
@@ -308,12 +308,12 @@ def set_class(obj: Any, cls: type) -> None:
     state: every reference already held sees the new class.
 
     Used where replacing the object would break what holds it: a module object made callable
-    (`plait.callable_module`), an embedding whose lookup tensor parallelism replaces (`plait.tp.styles`,
-    a subclass of its own class made per module), and a DTensor gradient marked as a tp piece (the
-    optimizer and ``.grad`` hold it). CPython allows the swap between classes of the same layout
-    (torch's tensor subclasses share theirs). Tested on 2.6 and 2.13; can go when each has another
-    route (a callable module: PEP 562 covers a module's attributes, not its call; the gradient: a
-    DTensor placement torch's tools read)."""
+    (`plait.runtime.callable_module`), an embedding whose lookup tensor parallelism replaces
+    (`plait.tp.styles`, a subclass of its own class made per module), and a DTensor gradient marked
+    as a tp piece (the optimizer and ``.grad`` hold it). CPython allows the swap between classes of
+    the same layout (torch's tensor subclasses share theirs). Tested on 2.6 and 2.13; can go when
+    each has another route (a callable module: PEP 562 covers a module's attributes, not its call;
+    the gradient: a DTensor placement torch's tools read)."""
     obj.__class__ = cls
 
 

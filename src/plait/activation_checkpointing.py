@@ -33,7 +33,7 @@ saves. The recomputation:
 * stops as soon as it has saved the last tensor backward reads (the ops after it, such as a
   row-parallel layer's all-reduce when no dropout follows, are not run again);
 * draws the **same random numbers**: the default CPU and CUDA generators and tensor parallelism's
-  per-rank stream (`plait.rng.RNGFork`, swapped in by the regions inside the block) are
+  per-rank stream (`plait.runtime.rng.RNGFork`, swapped in by the regions inside the block) are
   set to their states at the start of the block's forward, then put back, so later forwards'
   dropout masks are unchanged too; autocast is entered as it was;
 * calls the block's **submodules** as the forward did, with their hooks (tensor parallelism's
@@ -51,7 +51,7 @@ Not supported: `plait.DataParallel` (its threads run the shared modules under
 ``torch.func.functional_call``, which a recomputation would not see), and nested blocks.
 
 The module is callable: ``plait.activation_checkpointing(...)`` is
-`plait.activation_checkpointing.activation_checkpointing` (`plait.callable_module`).
+`plait.activation_checkpointing.activation_checkpointing` (`plait.runtime.callable_module`).
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ from torch.autograd.graph import saved_tensors_hooks
 from plait._torch_compat import TorchDispatchMode, forward_pre_hooks, map_tensors, tensors_in, version_of
 from plait.blocks import DESCRIBED, Checkpointed, checkpoint_record, checkpointed, mark_checkpointed
 from plait.blocks import blocks as repeated_blocks
-from plait.callable_module import make_callable
 from plait.layout_error import LayoutError, LayoutTypeError
 from plait.names import matches
-from plait.rng import RNGFork, fork_of
+from plait.runtime.callable_module import make_callable
+from plait.runtime.rng import RNGFork, fork_of
 
 __all__ = ["activation_checkpointing", "POLICIES"]
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
 from plait.dtensors import local_of
+from plait.runtime import comm
 
 GradParts = dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait import comm
+from plait.runtime import comm
 
 _meshes: dict[tuple[tuple[int, str], str], DeviceMesh] = {}
 

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from plait.env import is_dry_run
 from plait.names import plain_name
 from plait.placement.pieces import carry_mark
+from plait.runtime.env import is_dry_run
 
 # What a strategy keeps of one tensor: (owner's qualified name, attribute, full value, the
 # current tensor) -> the tensor to put in its place, or None to leave the module untouched.
@@ -73,7 +73,7 @@ def first_owners(module: nn.Module) -> Owners:
 
 def is_meta(module: nn.Module) -> bool:
     """Whether ``module`` still waits to be materialized: it has meta tensors, outside a dry run
-    (`plait.env.dry_run`, where meta tensors stand for materialized ones)."""
+    (`plait.runtime.env.dry_run`, where meta tensors stand for materialized ones)."""
     return not is_dry_run() and any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 

@@ -5,7 +5,7 @@
                              plait.ParallelPlan(tp=plait.gpt_plan(cfg), data="fsdp", pp_microbatches=8))
 
 The module is callable: ``plait.parallelize(...)`` is `plait.parallelize.parallelize`
-(`plait.callable_module`), and ``plait.parallelize.ORDER`` stays reachable.
+(`plait.runtime.callable_module`), and ``plait.parallelize.ORDER`` stays reachable.
 
 The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to every stage):
 
@@ -63,14 +63,11 @@ from torch import nn
 
 from plait.activation_checkpointing import checkpoint_blocks, select_blocks
 from plait.blocks import blocks
-from plait.callable_module import make_callable
 from plait.cp.apply import context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
-from plait.env import device
 from plait.ep.apply import expert_parallel, has_experts
 from plait.fsdp.wrapper import FullyShardedDataParallel
 from plait.materialize import is_meta, keep_whole, materialize
-from plait.mesh import Mesh
 from plait.models.moe import moe_layers
 from plait.names import matches
 from plait.parallel_plan import ParallelPlan
@@ -81,6 +78,9 @@ from plait.placement.records import tp_info
 from plait.placement.tp_params import to_plain_parameters
 from plait.precision import mixed_precision
 from plait.rules import ZERO3_SPLIT_BACKWARD, Layout, LayoutError, MeshShape, check_layout
+from plait.runtime.callable_module import make_callable
+from plait.runtime.env import device
+from plait.runtime.mesh import Mesh
 from plait.tp.apply import assign_styles, loss_fn_for, tensor_parallel, validate_tied_splits
 from plait.tp.styles import VocabParallelOutput
 

@@ -43,7 +43,7 @@ from plait.tp.apply import check_plan, validate_styles
 from plait.tp.styles import ParallelRegion
 
 if TYPE_CHECKING:
-    from plait.mesh import Mesh
+    from plait.runtime.mesh import Mesh
 
 __all__ = ["MeshShape", "LayoutError", "Layout", "check_layout"]
 

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait import comm
 from plait._torch_compat import map_tensors
-from plait.mesh import Mesh
+from plait.runtime import comm
+from plait.runtime.mesh import Mesh
 
 _STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 

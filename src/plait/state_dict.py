@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
 from plait.dtensors import local_of
 from plait.names import plain_name
 from plait.placement import state as tp_state
 from plait.placement.records import ep_info, tp_module
+from plait.runtime import comm
 from plait.tensor_source import FullValue, whole
 
 _DATA_AXES = ("dp", "fsdp")  # the ranks that see different samples, whose buffers may differ
@@ -62,7 +62,7 @@ def buffers_of_first_data_rank(model: Any, state: dict[str, Any]) -> None:
     and under FSDP always): without this each rank would return its own, and "the same on every
     rank" would not hold. Rank 0's, as DDP broadcasts them; `plait.checkpoint.save` writes the
     same (DCP stores a replicated entry from whichever rank balances the bytes)."""
-    from plait.mesh import Mesh
+    from plait.runtime.mesh import Mesh
 
     mesh, module = getattr(model, "mesh", None), getattr(model, "module", None)
     if not isinstance(mesh, Mesh) or not isinstance(module, nn.Module) or mesh.size(_DATA_AXES) == 1:

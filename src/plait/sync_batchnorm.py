@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from plait import comm
 from plait._torch_compat import BatchNormBase
+from plait.runtime import comm
 
 DATA_AXES: tuple[str, ...] = ("dp", "fsdp")  # the axes along which ranks hold different samples
 _MAX_LOG = 4096  # collectives kept of the current step (see `_Sync.record`)
@@ -88,7 +88,7 @@ class _Sync:
 def _data_group_ranks(mesh: Any, axes: Sequence[str]) -> list[list[int]]:
     """Every group of ranks that differ only along ``axes``, in the order of their first rank
     (each rank must make every group, in the same order)."""
-    from plait.mesh import AXES
+    from plait.runtime.mesh import AXES
 
     shape = [mesh.shape[a] for a in AXES]
     groups: dict[tuple[int, ...], list[int]] = {}

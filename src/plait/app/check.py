@@ -177,7 +177,7 @@ def cli_main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from plait.check import check
-    from plait.env import init, launch_from_env
+    from plait.runtime.env import init, launch_from_env
 
     cfg = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: the ranks and the one-process run are killed, the exchange

@@ -1,12 +1,12 @@
 """`plait train --heal`: data-parallel replicas that heal without a restart.
 
-The command's process becomes the supervisor (`plait.heal.supervisor`): it hosts the run's
+The command's process becomes the supervisor (`plait.runtime.heal.supervisor`): it hosts the run's
 store, starts ``--nproc`` replica processes and, with ``--heal-replace``, a standby that replaces
 the first to die (and another standby behind it). Each replica is a world of its own for
 torch.distributed; its DDP averages gradients over the process group of the current membership
-epoch (`plait.heal.replicas`). A step is:
+epoch (`plait.runtime.heal.replicas`). A step is:
 
-1. this replica's share of the global batch (`plait.heal.split`: even, the first ones one larger);
+1. this replica's share of the global batch (`plait.runtime.heal.split`: even, the first ones one larger);
 2. forward and backward, DDP dividing this replica's gradient by B / k (its k of B samples), so the
    sum over the replicas is the mean over the samples actually used;
 3. one small all-reduce: the loss weighted alike, the sample count (must be B), the join requests
@@ -38,19 +38,19 @@ import torch.distributed as dist
 from torch import nn
 
 import plait
-from plait import comm
 from plait.app import runlog
 from plait.app.config import TrainConfig
 from plait.app.data import BatchSampler, load_corpus
 from plait.app.stop import StopRequest
 from plait.clip import clip_grad_norm_
 from plait.ddp.wrapper import DistributedDataParallel
-from plait.heal import LiveState, Membership, Replicas, Supervisor
-from plait.heal.quorum import RunOver
-from plait.heal.replicas import FAILURES, MAX_RETRIES, comm_error_line
-from plait.heal.supervisor import ReplicasFailed
-from plait.mesh import Mesh
 from plait.models.gpt import lm_loss
+from plait.runtime import comm
+from plait.runtime.heal import LiveState, Membership, Replicas, Supervisor
+from plait.runtime.heal.quorum import RunOver
+from plait.runtime.heal.replicas import FAILURES, MAX_RETRIES, comm_error_line
+from plait.runtime.heal.supervisor import ReplicasFailed
+from plait.runtime.mesh import Mesh
 
 
 def _events(path: Path) -> Callable[[dict[str, Any]], None]:
@@ -212,8 +212,8 @@ def _step(run: _Run, state: LiveState, replicas: Replicas, stop: StopRequest) ->
         stats[3 + lo: 3 + hi] = torch.from_numpy(ids.astype("float64"))
     total = replicas.reduce(stats)
     if int(total[1]) != batch:
-        raise RuntimeError(f"plait.heal: the replicas read {int(total[1])} samples of a global batch of "
-                           f"{batch}")
+        raise RuntimeError(f"plait.runtime.heal: the replicas read {int(total[1])} samples of a global "
+                           f"batch of {batch}")
     norm = clip_grad_norm_(run.ddp, cfg.optimizer.grad_clip or math.inf)
     state.optimizer.step()
     state.step += 1

@@ -17,15 +17,15 @@ import torch.distributed as dist
 from torch import nn
 
 import plait
-from plait import comm
 from plait.app import usermodel
 from plait.app.config import TrainConfig
 from plait.app.data import BatchSampler
 from plait.clip import clip_grad_norm_
-from plait.mesh import Mesh
 from plait.models.gpt import GPT, lm_loss
 from plait.models.moe import MoE, moe_layers, update_balance
 from plait.pipeline import Pipeline
+from plait.runtime import comm
+from plait.runtime.mesh import Mesh
 
 DATA_AXES = ("dp", "fsdp")  # ranks along these axes see different data
 # ... and along these different tokens: each rank's loss is the mean over its own tokens.

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
 from plait._torch_compat import map_tensors, tensors_in
 from plait.check.budget import tolerance_of
 from plait.check.common import (
@@ -38,12 +37,13 @@ from plait.check.report import (
     update_rounding,
 )
 from plait.cp import shard as cp_shard
-from plait.env import init
 from plait.materialize import is_meta
-from plait.mesh import AXES, Mesh
 from plait.models.moe import MoE
 from plait.parallelize import ParallelPlan, parallelize
 from plait.pipeline import Pipeline
+from plait.runtime import comm
+from plait.runtime.env import init
+from plait.runtime.mesh import AXES, Mesh
 from plait.state_dict import full_state_dict
 from plait.tp import VocabParallelOutput, loss_fn_for, tp_info
 

@@ -29,7 +29,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from plait import comm
 from plait.checkpoint.integrity import (
     DCP_METADATA,
     FORMAT,
@@ -43,7 +42,8 @@ from plait.checkpoint.integrity import (
     verify,
 )
 from plait.checkpoint.protocol import Checkpointable, load_state_dict, state_dict
-from plait.env import get_logger
+from plait.runtime import comm
+from plait.runtime.env import get_logger
 from plait.state_dict import buffers_of_first_data_rank
 
 

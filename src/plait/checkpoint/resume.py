@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from plait import comm
 from plait.checkpoint.files import distributed, rank, step_folders, version
 from plait.checkpoint.integrity import (
     CorruptCheckpoint,
@@ -14,7 +13,8 @@ from plait.checkpoint.integrity import (
     identity_differences,
     verify,
 )
-from plait.env import get_logger
+from plait.runtime import comm
+from plait.runtime.env import get_logger
 
 
 class NoCheckpoint(FileNotFoundError):

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait import comm, faults
 from plait._torch_compat import queue_end_of_backward
 from plait.ddp.buckets import Bucket
 from plait.ddp.hooks import CommHook, GradBucket, hook_result
 from plait.ddp.in_backward import BucketOptimizers
 from plait.placement.grads import reduce_expert_grads
 from plait.placement.tp_params import gradient_assigned
+from plait.runtime import comm, faults
 
 
 class Reducer:

@@ -24,7 +24,6 @@ from torch import nn
 
 from plait.ep.dispatch import ExpertDispatch
 from plait.ep.stacked import expert_count, split_stacked, stacked_expert_modules
-from plait.mesh import Mesh
 from plait.models.moe import MoE, moe_layers
 from plait.placement.pieces import mark_piece
 from plait.placement.records import (
@@ -35,7 +34,8 @@ from plait.placement.records import (
     mark_expert,
 )
 from plait.placement.tp_params import to_plain_parameters
-from plait.routing import share_routing
+from plait.runtime.mesh import Mesh
+from plait.runtime.routing import share_routing
 
 _DATA = ("dp", "fsdp", "cp")  # the ranks that see different tokens of the step (ep folded in)
 

@@ -52,12 +52,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait import comm
 from plait._torch_compat import version_of
 from plait.dtensors import contiguous_stride
 from plait.fsdp.layout import ShardCfg, Slot, lay_out
 from plait.fsdp.reduction import GradReduction
 from plait.fsdp.stepped_leaves import watch_leaves
+from plait.runtime import comm
 
 
 class FlatParam(GradReduction):

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait import comm
 from plait.checkpoint.protocol import state_layout
 from plait.dtensors import local_of
 from plait.fsdp.flat import FlatParam
@@ -34,6 +33,7 @@ from plait.fsdp.layout import ShardCfg, Slot
 from plait.fsdp.units import Unit
 from plait.placement.records import TPInfo
 from plait.placement.state import checkpoint_entry, gather_full, restore_entry, rows_entry
+from plait.runtime import comm
 from plait.state_dict import with_other_experts, without_others_experts
 from plait.tensor_source import FullValue, flat_range, whole
 

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from plait.blocks import DESCRIBED, blocks
-from plait.env import get_logger
 from plait.fsdp.flat import FlatParam, ShardCfg, Slot
 from plait.materialize import Keep, materialize
 from plait.names import matches
 from plait.placement.pieces import carry_mark
 from plait.placement.records import expert_of, grad_hooks_of
 from plait.precision import MixedPrecision, parse_mixed_precision
+from plait.runtime.env import get_logger
 
 Policies = MixedPrecision | str | None | Mapping[str, MixedPrecision | str | None]
 

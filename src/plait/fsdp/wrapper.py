@@ -71,7 +71,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from plait.dtensors import mesh_over
-from plait.env import device as default_device
 from plait.fsdp.controls import FSDPControls, PlacementFn, check_placements, ignored_grads, ignored_ids
 from plait.fsdp.conversions import Conversions
 from plait.fsdp.hooks import UnitHooks
@@ -79,11 +78,12 @@ from plait.fsdp.layout import Placing, ShardCfg, Slot
 from plait.fsdp.model_state import ModelState, placed_experts
 from plait.fsdp.names import own_names, report_own_names, wrapped_names
 from plait.fsdp.units import Policies, Unit, build_units, check_no_optimizer, unit_policies
-from plait.mesh import Mesh
 from plait.placement.pieces import mark_piece, piece_of
 from plait.placement.records import TPInfo, ep_info, expert_of, tp_info
 from plait.placement.tp_params import to_plain_parameters
 from plait.precision import MixedPrecision, precision_of
+from plait.runtime.env import device as default_device
+from plait.runtime.mesh import Mesh
 
 if TYPE_CHECKING:
     from plait.clip import GradParts

@@ -10,10 +10,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from plait import comm
 from plait._torch_compat import map_tensors
 from plait.materialize import is_meta
-from plait.mesh import Mesh
 from plait.names import plain_name
 from plait.pipeline.actions import Slot
 from plait.pipeline.arguments import CustomSchedule, split_batch
@@ -26,6 +24,8 @@ from plait.pipeline.ties import TiedCopy, drop_earlier_sums, sync_grads
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage
 from plait.placement.pieces import mark_grads, mark_piece
 from plait.placement.records import TPInfo, tp_info
+from plait.runtime import comm
+from plait.runtime.mesh import Mesh
 
 if TYPE_CHECKING:
     from plait.clip import GradParts

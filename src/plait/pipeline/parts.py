@@ -21,7 +21,6 @@ from torch import nn
 
 from plait._torch_compat import is_compiled
 from plait.materialize import is_meta, keep_whole, materialize
-from plait.mesh import Mesh
 from plait.pipeline.actions import Kind
 from plait.pipeline.arguments import CustomSchedule, resolve_p2p, resolve_schedule
 from plait.pipeline.directed import direction_groups
@@ -31,6 +30,7 @@ from plait.pipeline.split import Segment, above, named_view, plan_stages, segmen
 from plait.pipeline.ties import Tie, find_ties, tie_groups
 from plait.pipeline.wrapping import StageWrapper, check_wrappable
 from plait.placement.records import TPInfo, mark_part
+from plait.runtime.mesh import Mesh
 
 
 @dataclass

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait import comm
 from plait.dtensors import contiguous_stride, local_of, mesh_of
 from plait.placement.records import TPInfo, expert_of, plain_leaf, rows_of, tp_info, tp_module
 from plait.placement.shards import ShardSpec
+from plait.runtime import comm
 from plait.tensor_source import FullValue, whole
 
 

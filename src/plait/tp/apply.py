@@ -34,18 +34,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
-from plait.env import device as _device
 from plait.losses import lm_loss
 from plait.materialize import Keep, materialize, module_seed
-from plait.mesh import Mesh
 from plait.names import matches
 from plait.placement.records import TPInfo, attach_tp_info, attached_tp_info, tp_info
 from plait.placement.shards import ShardSpec
 from plait.placement.state import place_state_dict
 from plait.placement.tp_params import place_tp_parameters
-from plait.rng import RNGFork
-from plait.routing import share_routing_over
+from plait.runtime import comm
+from plait.runtime.env import device as _device
+from plait.runtime.mesh import Mesh
+from plait.runtime.rng import RNGFork
+from plait.runtime.routing import share_routing_over
 from plait.tp.context import SequenceShardGrads, Style, TPContext
 from plait.tp.layers import activation_name
 from plait.tp.layout_trace import PlanError, mark, meta_copy, shard_parameters, trace_layouts

@@ -38,11 +38,11 @@ from plait.app.config.sections import (
     ParallelSection,
     RunSection,
 )
-from plait.mesh import Mesh
 from plait.models.gpt import GPT, PRESETS, GPTConfig
 from plait.parallel_plan import ParallelPlan
 from plait.pipeline import SCHEDULES
 from plait.rules import LayoutError, MeshShape, check_layout
+from plait.runtime.mesh import Mesh
 
 
 @dataclass

@@ -8,9 +8,9 @@
 * **Failures that name the missing.** A collective that fails or times out raises
   `CollectiveError` naming the collective, the axis, the ranks that never arrived (each rank
   posts where it stopped to the default store and reads the others') and plait's operation and
-  step (`scope`), and writes this rank's flight record (`plait.desync`) to the run directory.
+  step (`scope`), and writes this rank's flight record (`plait.runtime.desync`) to the run directory.
 * **Straggler waits.** The seconds this rank waited in the check for the others, by axis and
-  phase of the step (`phase`, `waited`), for `plait.straggler`.
+  phase of the step (`phase`, `waited`), for `plait.runtime.straggler`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from plait._torch_compat import default_store
-from plait.comm.groups import GroupInfo, configure, registered, settings
-from plait.desync import CallRecord, GroupLog, first_divergence, write_flight_record
-from plait.desync import scope as _scope
+from plait.runtime.comm.groups import GroupInfo, configure, registered, settings
+from plait.runtime.desync import CallRecord, GroupLog, first_divergence, write_flight_record
+from plait.runtime.desync import scope as _scope
 
 # How long a rank whose collective failed waits for its peers to say where they are.
 _ARRIVAL_GRACE_S = 3.0
@@ -76,7 +76,7 @@ def operation(name: str) -> contextlib.AbstractContextManager[None]:
 
 
 # ------------------------------------------------------------------ straggler waits
-# Straggler blame (`plait.straggler`): the seconds this rank waited in the desync check for the
+# Straggler blame (`plait.runtime.straggler`): the seconds this rank waited in the desync check for the
 # other ranks to arrive, by the group's axis label and the phase of the step (`phase`). A rank
 # that others wait for waits little itself; nothing is sent for it (the check meets anyway).
 _waited: defaultdict[tuple[str, tuple[int, ...], str], float] = defaultdict(float)
@@ -169,7 +169,7 @@ def _send_fingerprint(info: GroupInfo, async_op: bool) -> tuple[torch.Tensor, An
 
 def check(info: GroupInfo, rec: CallRecord, on_fail: Callable[[Exception], str], what: str,
           defer: bool) -> PendingCheck | None:
-    """Compare this call with the other ranks' before it runs (see `plait.desync`).
+    """Compare this call with the other ranks' before it runs (see `plait.runtime.desync`).
 
     A blocking collective is checked before it starts. An asynchronous one (a DDP bucket) is
     not held up: its check is sent alongside and verified in `Handle.wait`, before the result

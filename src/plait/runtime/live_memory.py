@@ -2,7 +2,7 @@
 validation measures with.
 
 On CUDA the caching allocator keeps the figures; on CPU, and on the meta device of a dry run
-(`plait.env.dry_run`), nothing does, so `LiveStorageBytes` keeps its own count while it is active:
+(`plait.runtime.env.dry_run`), nothing does, so `LiveStorageBytes` keeps its own count while it is active:
 
 * it starts from the tensors alive before the first op: every tensor the garbage collector knows
   (the default), or the tensors of given ``roots`` (a dry run, where meta tensors outside the

@@ -1,10 +1,10 @@
 """The collectives: each one small named function that says what moves.
 
 Every collective in plait goes through here (`from plait import comm; comm.all_reduce(...)`), so
-that each is counted (`plait.comm.stats`), checked across ranks before it runs and named when it
-fails (`plait.comm.guard`), and refused when its tensor is on another device than the group's (a
+that each is counted (`plait.runtime.comm.stats`), checked across ranks before it runs and named when it
+fails (`plait.runtime.comm.guard`), and refused when its tensor is on another device than the group's (a
 CPU bookkeeping tensor bound for NCCL fails the same way on CPU). Every group plait makes
-(`plait.comm.groups`) gets `plait.init`'s timeout.
+(`plait.runtime.comm.groups`) gets `plait.init`'s timeout.
 
 Under torch.compile every collective here runs eagerly between graphs (a clean graph break where
 compiled code calls one): the bookkeeping above cannot be traced. Tensor parallelism's operators
@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import nn
 
 from plait._torch_compat import eager
-from plait.comm import dryrun, guard
-from plait.comm.groups import GroupInfo, describe, info_of
-from plait.comm.guard import CollectiveError, Handle
-from plait.comm.stats import add_wire, record
-from plait.desync import GroupLog
+from plait.runtime.comm import dryrun, guard
+from plait.runtime.comm.groups import GroupInfo, describe, info_of
+from plait.runtime.comm.guard import CollectiveError, Handle
+from plait.runtime.comm.stats import add_wire, record
+from plait.runtime.desync import GroupLog
 
 ReduceOp = dist.ReduceOp
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); torch 2.6 has only those.

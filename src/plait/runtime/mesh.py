@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from plait import comm
+from plait.runtime import comm
 
 AXES: tuple[str, ...] = ("pp", "dp", "fsdp", "cp", "tp")
 # Groups folded out of the data axes for expert parallelism (not axes of their own: the ranks of

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from plait.env import die_with_parent
+from plait.runtime.env import die_with_parent
 
 STORE_TIMEOUT_S = 300.0  # a replica's blocking store reads (the protocol's own waits are bounded)
 

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait import comm
 from plait._torch_compat import register_fake_backend
+from plait.runtime import comm
 
 DEFAULT_TIMEOUT_S = 300.0
 _THREAD_JOIN_S = 2.0  # at exit, for each plait thread still running (daemon threads may be blocked)
@@ -199,7 +199,7 @@ def init(
     seed_everything(seed)
     _configure_logging(log_level)
     if launch.note:
-        get_logger("plait.env").warning("%s", launch.note)
+        get_logger("plait.runtime.env").warning("%s", launch.note)
     _state.update(launch=launch)
     return dev
 
@@ -243,7 +243,7 @@ def _shutdown() -> None:
                     if dist.get_backend(pg) == "gloo" and dist.get_world_size(pg) > 1:
                         dist.barrier(group=pg)
             except Exception as e:  # a peer died: tear down anyway, without waiting for it
-                logging.getLogger("plait.env").warning("exit barrier failed (%s); closing anyway", e)
+                logging.getLogger("plait.runtime.env").warning("exit barrier failed (%s); closing anyway", e)
         for pg in reversed(groups):
             with contextlib.suppress(ValueError):  # destroyed already, e.g. by the user
                 dist.destroy_process_group(pg)
@@ -281,10 +281,10 @@ def dry_run(world_size: int, rank: int = 0,
     exists already; everything is torn down on exit.
     """
     if dist.is_initialized():
-        raise RuntimeError("plait.env.dry_run: a process group is initialised already; a dry run makes "
-                           "its own fake one (run it in a process of its own)")
+        raise RuntimeError("plait.runtime.env.dry_run: a process group is initialised already; a dry run "
+                           "makes its own fake one (run it in a process of its own)")
     if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
-        raise ValueError(f"plait.env.dry_run: need world_size >= 1 and 0 <= rank < world_size, got "
+        raise ValueError(f"plait.runtime.env.dry_run: need world_size >= 1 and 0 <= rank < world_size, got "
                          f"world_size={world_size}, rank={rank}")
     register_fake_backend()
     saved = dict(_state)

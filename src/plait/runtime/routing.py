@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
 from plait._torch_compat import eager
+from plait.runtime import comm
 
 
 def routing_layers(model: nn.Module) -> list[nn.Module]:

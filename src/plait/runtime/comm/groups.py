@@ -1,7 +1,7 @@
 """The process groups plait makes and knows, and the settings they are made with.
 
 Each group is registered with its mesh-axis name, its global ranks, the device its tensors live on
-and, for the desync check, a companion Gloo group that carries the fingerprints (`plait.comm.guard`).
+and, for the desync check, a companion Gloo group that carries the fingerprints (`plait.runtime.comm.guard`).
 Nothing here moves data: making a group is collective over the world, and the rest is bookkeeping
 that names groups in statistics, checks and errors.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait.desync import MODES, GroupLog
+from plait.runtime.desync import MODES, GroupLog
 
 
 @dataclass
@@ -32,7 +32,7 @@ class GroupInfo:
 
 
 # Set by `plait.init` through `configure`: comm reads no environment of its own. A dry run
-# (`plait.comm.dryrun`) puts them aside with the groups below and brings them back after.
+# (`plait.runtime.comm.dryrun`) puts them aside with the groups below and brings them back after.
 settings: dict[str, Any] = {"mode": "fast", "run_dir": "runs", "timeout_s": 300.0,
                             "device": torch.device("cpu")}
 _groups: dict[int, GroupInfo] = {}

@@ -1,6 +1,6 @@
 """What the collectives moved, counted for as long as a block asks: ``with comm.counting() as c:``.
 
-Each collective in `plait.comm.ops` records its count, its *logical* bytes (the size of the full
+Each collective in `plait.runtime.comm.ops` records its count, its *logical* bytes (the size of the full
 tensor reduced or gathered) and its *wire* bytes (what one rank sends under the ring algorithm),
 per collective and mesh axis, into every counter open at that moment. Benchmarks compare these
 with theory: DDP all-reduces Ψ·4 logical bytes per step; ZeRO-3 moves 1.5× the wire bytes of DDP.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from plait.comm.groups import group_label
+from plait.runtime.comm.groups import group_label
 
 
 @dataclass

@@ -4,10 +4,10 @@ Each replica is a torch.distributed world of its own (`plait.init` in one proces
 shares with its peers is one Gloo process group per epoch, built on the run's store
 (``ProcessGroupGloo(PrefixStore("heal/group/<e>", store), rank, size, timeout)``). When a peer
 dies its sockets close and the collective fails at once; when it hangs, the collective times out
-after ``timeout_s``. Either way the survivors agree on the next epoch (`plait.heal.quorum`),
+after ``timeout_s``. Either way the survivors agree on the next epoch (`plait.runtime.heal.quorum`),
 build its group and redo the step over the live replicas, splitting the same global batch among
 them. Replicas that are behind (a joiner, or one that missed the last optimizer step) take the
-state of the first replica that is ahead (`plait.heal.transfer`).
+state of the first replica that is ahead (`plait.runtime.heal.transfer`).
 
 The training loop calls `Replicas.share` before a step, `Replicas.reduce` for the step's small
 statistics (which also carries the join count), `Replicas.recover` when a collective failed and
@@ -25,9 +25,9 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from plait import comm
-from plait.heal.quorum import Dropped, Epoch, Quorum
-from plait.heal.transfer import LiveState, recv_state, send_state
+from plait.runtime import comm
+from plait.runtime.heal.quorum import Dropped, Epoch, Quorum
+from plait.runtime.heal.transfer import LiveState, recv_state, send_state
 
 # What a collective on a group whose peer died or hung raises: comm's error, Gloo's own, or the
 # ValueError torch 2.13 raises while naming a group outside its world map.
@@ -35,7 +35,7 @@ FAILURES: tuple[type[BaseException], ...] = (comm.CollectiveError, RuntimeError,
 MAX_RETRIES = 4  # failed attempts at one step before the error is taken for a bug, not a peer
 SETTLE_S = 120.0  # the longest a state transfer may take (at least 10 x the collective timeout)
 
-log = logging.getLogger("plait.heal")
+log = logging.getLogger("plait.runtime.heal")
 
 
 def split(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -167,8 +167,8 @@ class Replicas:
         """This replica's ``[lo, hi)`` of the global batch in the current epoch."""
         assert self.epoch is not None
         if global_batch < self.epoch.size:
-            raise RuntimeError(f"plait.heal: {self.epoch.size} replicas cannot share a global batch of "
-                               f"{global_batch} samples")
+            raise RuntimeError(f"plait.runtime.heal: {self.epoch.size} replicas cannot share a global "
+                               f"batch of {global_batch} samples")
         return split(global_batch, self.epoch.size, self.epoch.rank)
 
     def reduce(self, values: torch.Tensor) -> torch.Tensor:

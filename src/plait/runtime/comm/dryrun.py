@@ -1,4 +1,4 @@
-"""comm's side of a dry run (`plait.env.dry_run`): one process rehearses one rank of a large world.
+"""comm's side of a dry run (`plait.runtime.env.dry_run`): one process rehearses one rank of a large world.
 
 While a `DryRun` is entered, groups are made on the meta device without desync checks (the fake
 backend moves nothing, so there is nothing to compare), this process's real groups, settings and
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from plait.comm import groups, stats
+from plait.runtime.comm import groups, stats
 
 Mailbox = dict[tuple[int, int], list[Any]]  # (source, destination) -> the objects sent, in order
 

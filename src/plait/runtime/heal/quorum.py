@@ -1,7 +1,7 @@
 """Who is alive: the data-parallel replicas agree on their members through a key-value store.
 
 The store is a `torch.distributed.TCPStore` hosted by the process that started the replicas
-(`plait.heal.supervisor`), so it outlives every replica. Nothing else is needed: no new service.
+(`plait.runtime.heal.supervisor`), so it outlives every replica. Nothing else is needed: no new service.
 
 A replica has a *uid* that no other process of the run ever has. Members are listed per
 *epoch*; a replica's place in the list is its rank in that epoch's process group. The keys:
@@ -161,8 +161,8 @@ class Quorum:
             dead = [m for m in epoch.members if self.store.check([f"heal/dead/{m}"])]
             if dead or time.monotonic() > deadline:
                 why = f"replicas {dead} died" if dead else f"not within {bound_s:g} s"
-                raise RuntimeError(f"plait.heal: the state transfer of epoch {epoch.number} did not finish "
-                                   f"on every member ({why})")
+                raise RuntimeError(f"plait.runtime.heal: the state transfer of epoch {epoch.number} did not "
+                                   f"finish on every member ({why})")
             time.sleep(_POLL_S)
 
     def _answered(self, number: int, member: int) -> bool:

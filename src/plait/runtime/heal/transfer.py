@@ -123,6 +123,6 @@ def _recv(pg: dist.ProcessGroup, t: torch.Tensor, src: int) -> None:
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
-        raise ValueError(f"plait.heal: a {tuple(t.shape)} state tensor is not contiguous; it cannot be "
-                         "sent or received in place")
+        raise ValueError(f"plait.runtime.heal: a {tuple(t.shape)} state tensor is not contiguous; it cannot "
+                         "be sent or received in place")
     return t.detach()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from plait import comm
+from plait.runtime import comm
 
 __all__ = ["Blame", "StragglerTracker"]
 

@@ -1,7 +1,7 @@
 """Test-only fault switches: known layout bugs, injected on purpose, to prove `plait check` and its
 fuzzer find them (tests/test_check.py).
 
-    with faults.inject("ddp-divisor"):          # from plait import faults
+    with faults.inject("ddp-divisor"):          # from plait.runtime import faults
         report = plait.check(build, mesh={"dp": 2})   # inside a job: these ranks carry the bug
 
 Every switch is off unless a ``with inject(...)`` block in this process turns it on; the
