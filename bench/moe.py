@@ -105,7 +105,7 @@ def _torch(a: dict, x: torch.Tensor, y: torch.Tensor) -> Runner:
 
 
 def _param_bytes(model: torch.nn.Module) -> dict[str, int]:
-    from plait.placement.records import expert_of
+    from plait.state.placement.records import expert_of
 
     out = {"dense": 0, "expert": 0, "expert tensors": 0, "buffers": 0}
     for name, p in model.named_parameters():

@@ -53,7 +53,7 @@ def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(mesh, plan_kw: dict, dropout: float, ac: str | None, every: int, steps: int = 2) -> dict:
     """This rank's gradient pieces at each step (two SGD steps), keyed by original name."""
-    from plait.placement import tp_info
+    from plait.state.placement import tp_info
     from plait.tp.apply import loss_fn_for
 
     cfg = GPTConfig(dropout=dropout, **CFG)
@@ -198,7 +198,7 @@ def _two_steps(model: nn.Module) -> list[dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("policy,every", POLICIES)
 def test_one_process_with_dropout_and_the_names_kept(policy, every):
-    from plait.checkpoint.protocol import state_dict
+    from plait.state.checkpoint.protocol import state_dict
 
     want = _two_steps(_tiny(0.1, n_layers=3))
     model = activation_checkpointing(_tiny(0.1, n_layers=3), policy, every)

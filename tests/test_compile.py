@@ -289,7 +289,7 @@ def test_checkpointed_compiled_blocks_match_one_process():
     # and checkpoints each (its recomputation runs the compiled forward again).
     import plait
     from plait.activation_checkpointing import checkpointed
-    from plait.names import plain_name
+    from plait.state.names import plain_name
 
     _, model, oracle = _gpts()
     for i, block in enumerate(model.layers):

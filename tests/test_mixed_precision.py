@@ -97,7 +97,7 @@ def _run_layout(degrees: dict, mp: str | None) -> dict:
     from plait import comm
     from plait.models.gpt import GPT, GPTConfig, lm_loss
     from plait.pipeline import Pipeline
-    from plait.placement import tp_info
+    from plait.state.placement import tp_info
 
     mesh = cached_mesh(**degrees)
     cfg = GPTConfig(**TINY)

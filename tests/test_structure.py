@@ -115,10 +115,10 @@ def test_the_library_never_imports_the_application():
 # The strategies: each places parameters or runs the model its own way, and none imports another.
 STRATEGIES = ("plait.ddp", "plait.fsdp", "plait.tp", "plait.ep", "plait.cp", "plait.pipeline",
               "plait.data_parallel", "plait.activation_checkpointing")
-# What learns how a parameter is placed from `plait.placement` alone (never from the strategy
-# that placed it), and the record itself.
-PLACEMENT_READERS = ("plait.ddp", "plait.fsdp", "plait.clip", "plait.state_dict", "plait.checkpoint",
-                     "plait.activation_checkpointing", "plait.materialize", "plait.placement")
+# What learns how a parameter is placed from `plait.state.placement` alone (never from the strategy
+# that placed it): DDP, FSDP, activation checkpointing, and the whole of `plait.state` (the record
+# itself, materialization, state dicts, checkpoints, clipping).
+PLACEMENT_READERS = ("plait.ddp", "plait.fsdp", "plait.activation_checkpointing", "plait.state")
 def _owner(module: str, owners: tuple[str, ...]) -> str | None:
     return next((o for o in owners if module == o or module.startswith(o + ".")), None)
 
@@ -137,17 +137,17 @@ def _cross_edges(imports: dict[str, set[tuple[str, str]]]) -> set[tuple[str, str
 
 
 def test_the_strategy_edge_finder_sees_a_reader_importing_a_strategy():
-    mods = {"plait.clip": (ast.parse("def f():\n    from plait.tp.apply import tp_info\n"), False),
+    mods = {"plait.state.clip": (ast.parse("def f():\n    from plait.tp.apply import tp_info\n"), False),
             "plait.tp.apply": (ast.parse("from plait.runtime.rng import RNGFork\n"), False),
             "plait.runtime.rng": (ast.parse(""), False)}
-    assert _cross_edges(_imports(mods)) == {("plait.clip", "plait.tp")}
+    assert _cross_edges(_imports(mods)) == {("plait.state", "plait.tp")}
 
 
 def test_no_strategy_imports_another_and_readers_read_only_the_placement_record():
     """DDP, FSDP, clipping, state dicts and checkpoints learn how each parameter is placed from
-    `plait.placement`, which tensor and expert parallelism write; no strategy imports another at
+    `plait.state.placement`, which tensor and expert parallelism write; no strategy imports another at
     all (`plait.parallelize` is the composition and may): the pipeline only splits and schedules,
-    and a block's checkpointing record lives in `plait.blocks`."""
+    and a block's checkpointing record lives in `plait.state.blocks`."""
     edges = _cross_edges(_imports(_modules()))
     assert not edges, sorted(edges)
 

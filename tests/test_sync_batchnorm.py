@@ -57,7 +57,7 @@ def _oracle(sizes: list[int]) -> dict:
 def _train(layout: str, sizes: list[int]) -> dict:
     from plait.ddp import DDP
     from plait.fsdp import FSDP
-    from plait.state_dict import full_state_dict
+    from plait.state.state_dict import full_state_dict
     from plait.testing import cached_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -141,7 +141,7 @@ def _join_oracle() -> dict:
 
 def _train_join() -> dict:
     from plait.ddp import DDP
-    from plait.state_dict import full_state_dict
+    from plait.state.state_dict import full_state_dict
     from plait.testing import cached_mesh
 
     rank = dist.get_rank()
@@ -183,7 +183,7 @@ def test_join_a_rank_without_batches_adds_count_zero(pools):
 def _per_rank_batchnorm(folder: str) -> dict:
     from plait import checkpoint
     from plait.ddp import DDP
-    from plait.state_dict import full_state_dict
+    from plait.state.state_dict import full_state_dict
     from plait.testing import cached_mesh
 
     rank = dist.get_rank()

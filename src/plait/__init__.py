@@ -16,17 +16,18 @@ __version__ = "0.1.0"
 # `plait.pipeline` are modules that are also their namesake function (`plait.runtime.callable_module`):
 # ``plait.pipeline(model, mesh, ...)`` and ``plait.pipeline.zbv`` both work.
 _SOURCES = {
-    "comm": None, "cp": None, "CheckReport": "plait.check", "clip_grad_norm_": "plait.clip",
+    "comm": None, "cp": None, "CheckReport": "plait.check", "clip_grad_norm_": "plait.state.clip",
     "context_parallel": "plait.cp", "DataParallel": "plait.data_parallel", "DDP": "plait.ddp",
     "DistributedDataParallel": "plait.ddp", "get_logger": "plait.runtime.env", "init": "plait.runtime.env",
     "expert_parallel": "plait.ep", "FSDP": "plait.fsdp", "FullyShardedDataParallel": "plait.fsdp",
-    "ZeroRedundancyOptimizer": "plait.fsdp", "init_weights": "plait.materialize",
+    "ZeroRedundancyOptimizer": "plait.fsdp", "init_weights": "plait.state.materialize",
     "Mesh": "plait.runtime.mesh", "gpt_plan": "plait.plans", "plan_for": "plait.plans",
     "ParallelPlan": "plait.parallelize",
     "Pipeline": "plait.pipeline", "MixedPrecision": "plait.precision", "mixed_precision": "plait.precision",
-    "GradScaler": "plait.scaler", "full_state_dict": "plait.state_dict",
+    "GradScaler": "plait.scaler", "full_state_dict": "plait.state.state_dict",
     "SyncBatchNorm": "plait.sync_batchnorm",
-    "load_full_state_dict": "plait.state_dict", "ColwiseParallel": "plait.tp", "ParallelRegion": "plait.tp",
+    "load_full_state_dict": "plait.state.state_dict", "ColwiseParallel": "plait.tp",
+    "ParallelRegion": "plait.tp",
     "RowwiseParallel": "plait.tp", "SequenceParallel": "plait.tp", "VocabParallelEmbedding": "plait.tp",
     "VocabParallelOutput": "plait.tp", "loss_fn_for": "plait.tp", "tensor_parallel": "plait.tp",
     "vocab_parallel_cross_entropy": "plait.tp", "activation_checkpointing": None, "check": None,
@@ -37,7 +38,7 @@ _SOURCES = {
 # `plait.checkpoint` loads on its own first use, not with the public names (and type checkers see
 # it through `__getattr__`: its module imports `plait.__version__`, so the facade may not import it).
 _MODULES = {
-    "comm": "plait.runtime.comm", "cp": "plait.cp", "checkpoint": "plait.checkpoint",
+    "comm": "plait.runtime.comm", "cp": "plait.cp", "checkpoint": "plait.state.checkpoint",
     "activation_checkpointing": "plait.activation_checkpointing", "check": "plait.check",
     "parallelize": "plait.parallelize", "pipeline": "plait.pipeline",
 }
@@ -47,13 +48,11 @@ if TYPE_CHECKING:  # type checkers see the names as plain imports (the callable 
     from plait import cp
     from plait.activation_checkpointing import activation_checkpointing
     from plait.check import CheckReport, check
-    from plait.clip import clip_grad_norm_
     from plait.cp import context_parallel
     from plait.data_parallel import DataParallel
     from plait.ddp import DDP, DistributedDataParallel
     from plait.ep import expert_parallel
     from plait.fsdp import FSDP, FullyShardedDataParallel, ZeroRedundancyOptimizer
-    from plait.materialize import init_weights
     from plait.parallelize import ParallelPlan, parallelize
     from plait.pipeline import Pipeline, pipeline
     from plait.plans import gpt_plan, plan_for
@@ -62,7 +61,9 @@ if TYPE_CHECKING:  # type checkers see the names as plain imports (the callable 
     from plait.runtime.env import get_logger, init
     from plait.runtime.mesh import Mesh
     from plait.scaler import GradScaler
-    from plait.state_dict import full_state_dict, load_full_state_dict
+    from plait.state.clip import clip_grad_norm_
+    from plait.state.materialize import init_weights
+    from plait.state.state_dict import full_state_dict, load_full_state_dict
     from plait.sync_batchnorm import SyncBatchNorm
     from plait.tp import (
         ColwiseParallel,

@@ -4,7 +4,7 @@
     model = plait.activation_checkpointing(model, "full", every=2)    # every second block only
     model = plait.activation_checkpointing(model, "selective")        # keep matmul and attention outputs
 
-A *block* is each child of the model's outermost block containers (`plait.blocks`: an
+A *block* is each child of the model's outermost block containers (`plait.state.blocks`: an
 ``nn.ModuleList``, or an ``nn.ModuleDict`` or ``nn.Sequential`` of blocks of one class; FSDP's
 default units: the transformer layers), or each module ``blocks=`` names by class or module-name
 pattern. What a
@@ -67,12 +67,12 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from plait._torch_compat import TorchDispatchMode, forward_pre_hooks, map_tensors, tensors_in, version_of
-from plait.blocks import DESCRIBED, Checkpointed, checkpoint_record, checkpointed, mark_checkpointed
-from plait.blocks import blocks as repeated_blocks
 from plait.layout_error import LayoutError, LayoutTypeError
-from plait.names import matches
 from plait.runtime.callable_module import make_callable
 from plait.runtime.rng import RNGFork, fork_of
+from plait.state.blocks import DESCRIBED, Checkpointed, checkpoint_record, checkpointed, mark_checkpointed
+from plait.state.blocks import blocks as repeated_blocks
+from plait.state.names import matches
 
 __all__ = ["activation_checkpointing", "POLICIES"]
 
@@ -130,7 +130,7 @@ def activation_checkpointing(model: nn.Module, policy: str | None = "full", ever
                              blocks: Sequence[type | str] | None = None) -> nn.Module:
     """Checkpoint ``model``'s blocks in place with ``policy`` (``"full"``, ``"selective"``; None does
     nothing); return ``model``. ``every=k`` checkpoints the k-th, 2k-th... block only (counted over
-    the whole model). ``blocks``: module classes or qualified-name patterns (`plait.names.matches`)
+    the whole model). ``blocks``: module classes or qualified-name patterns (`plait.state.names.matches`)
     of the blocks; default: each child of the outermost block containers. Apply it after
     tensor parallelism and before DDP or FSDP (`plait.parallelize` does, with ``ParallelPlan(ac=...)``).
     """

@@ -62,25 +62,25 @@ import torch
 from torch import nn
 
 from plait.activation_checkpointing import checkpoint_blocks, select_blocks
-from plait.blocks import blocks
 from plait.cp.apply import context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.ep.apply import expert_parallel, has_experts
 from plait.fsdp.wrapper import FullyShardedDataParallel
-from plait.materialize import is_meta, keep_whole, materialize
 from plait.models.moe import moe_layers
-from plait.names import matches
 from plait.parallel_plan import ParallelPlan
 from plait.pipeline.api import Pipeline
 from plait.pipeline.parts import split as split_stages
 from plait.pipeline.wrapping import StageWrapper
-from plait.placement.records import tp_info
-from plait.placement.tp_params import to_plain_parameters
 from plait.precision import mixed_precision
 from plait.rules import ZERO3_SPLIT_BACKWARD, Layout, LayoutError, MeshShape, check_layout
 from plait.runtime.callable_module import make_callable
 from plait.runtime.env import device
 from plait.runtime.mesh import Mesh
+from plait.state.blocks import blocks
+from plait.state.materialize import is_meta, keep_whole, materialize
+from plait.state.names import matches
+from plait.state.placement.records import tp_info
+from plait.state.placement.tp_params import to_plain_parameters
 from plait.tp.apply import assign_styles, loss_fn_for, tensor_parallel, validate_tied_splits
 from plait.tp.styles import VocabParallelOutput
 

@@ -45,8 +45,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from plait._torch_compat import map_tensors
-from plait.materialize import is_meta
-from plait.placement.records import plain_leaf
+from plait.state.materialize import is_meta
+from plait.state.placement.records import plain_leaf
 
 # The names a mixed-precision option accepts, and what they mean.
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

@@ -31,7 +31,6 @@ from plait.ep.apply import expert_counts, no_moe_reason
 from plait.ep.stacked import stacked_expert_modules
 from plait.layout_error import LayoutError
 from plait.models.moe import MoE, moe_layers
-from plait.names import matches
 from plait.parallel_plan import ParallelPlan
 from plait.pipeline.actions import Kind
 from plait.pipeline.arguments import resolve_schedule
@@ -39,6 +38,7 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import plan_stages, segments
 from plait.pipeline.ties import find_ties
 from plait.precision import check_castable
+from plait.state.names import matches
 from plait.tp.apply import check_plan, validate_styles
 from plait.tp.styles import ParallelRegion
 

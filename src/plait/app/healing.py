@@ -42,7 +42,6 @@ from plait.app import runlog
 from plait.app.config import TrainConfig
 from plait.app.data import BatchSampler, load_corpus
 from plait.app.stop import StopRequest
-from plait.clip import clip_grad_norm_
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.models.gpt import lm_loss
 from plait.runtime import comm
@@ -51,6 +50,7 @@ from plait.runtime.heal.quorum import RunOver
 from plait.runtime.heal.replicas import FAILURES, MAX_RETRIES, comm_error_line
 from plait.runtime.heal.supervisor import ReplicasFailed
 from plait.runtime.mesh import Mesh
+from plait.state.clip import clip_grad_norm_
 
 
 def _events(path: Path) -> Callable[[dict[str, Any]], None]:

@@ -20,12 +20,12 @@ import plait
 from plait.app import usermodel
 from plait.app.config import TrainConfig
 from plait.app.data import BatchSampler
-from plait.clip import clip_grad_norm_
 from plait.models.gpt import GPT, lm_loss
 from plait.models.moe import MoE, moe_layers, update_balance
 from plait.pipeline import Pipeline
 from plait.runtime import comm
 from plait.runtime.mesh import Mesh
+from plait.state.clip import clip_grad_norm_
 
 DATA_AXES = ("dp", "fsdp")  # ranks along these axes see different data
 # ... and along these different tokens: each rank's loss is the mean over its own tokens.

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 import plait
-from plait import checkpoint
 from plait.app import runlog
 from plait.app.config import TrainConfig, given_flags, parse_args, to_toml
 from plait.app.data import BatchSampler, Corpus, fingerprint, load_corpus
@@ -46,6 +45,7 @@ from plait.runtime import comm
 from plait.runtime.env import launch_from_env
 from plait.runtime.mesh import Mesh
 from plait.runtime.straggler import StragglerTracker
+from plait.state import checkpoint
 from plait.tp.apply import loss_fn_for
 
 

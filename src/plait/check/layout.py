@@ -37,14 +37,14 @@ from plait.check.report import (
     update_rounding,
 )
 from plait.cp import shard as cp_shard
-from plait.materialize import is_meta
 from plait.models.moe import MoE
 from plait.parallelize import ParallelPlan, parallelize
 from plait.pipeline import Pipeline
 from plait.runtime import comm
 from plait.runtime.env import init
 from plait.runtime.mesh import AXES, Mesh
-from plait.state_dict import full_state_dict
+from plait.state.materialize import is_meta
+from plait.state.state_dict import full_state_dict
 from plait.tp import VocabParallelOutput, loss_fn_for, tp_info
 
 DATA_AXES = ("dp", "fsdp")  # ranks along these see different slices of the batch

@@ -40,11 +40,11 @@ from torch.utils.flop_counter import (
 
 from plait._torch_compat import cpu_flash_attention, cpu_flash_attention_backward, drop_library
 from plait.app.config import TrainConfig
-from plait.blocks import blocks
 from plait.pipeline import Pipeline
 from plait.runtime import comm, env
 from plait.runtime.live_memory import LiveStorageBytes, storage_key
 from plait.runtime.mesh import Mesh
+from plait.state.blocks import blocks
 
 # What the peak is made of, in the order reports show them.
 CATEGORIES = ("parameters", "gradients", "optimizer state", "communication buffers", "fsdp gathered units",
@@ -134,7 +134,7 @@ def _buffers(model: nn.Module | Pipeline) -> list[torch.Tensor]:
 
 
 def _blocks(model: nn.Module | Pipeline) -> list[nn.Module]:
-    """The repeated blocks of each stage (`plait.blocks`), as activation checkpointing picks them."""
+    """The repeated blocks of each stage (`plait.state.blocks`), as activation checkpointing picks them."""
     return [m.get_submodule(n) for m in _parts(model) for n in blocks(m, outermost=True)]
 
 

@@ -17,8 +17,8 @@ and know no wrapper type:
 FSDP returns its sharded state dict; a pipeline, its own stages' entries (`module_state`,
 renaming weights tied across pp ranks); DDP and DataParallel, their module's. Any other module
 takes the default path, `module_state`: its ``state_dict()``, with a tensor-parallel module's
-shards as DTensors over tp (`plait.placement.state.checkpoint_entry`) and the rows of stacked
-experts split over ep as DTensors over ep (`plait.placement.state.rows_entry`).
+shards as DTensors over tp (`plait.state.placement.state.checkpoint_entry`) and the rows of stacked
+experts split over ep as DTensors over ep (`plait.state.placement.state.rows_entry`).
 
 The optimizer side is duck-typed as well: an optimizer that steps only a share of the
 parameters (`plait.ZeroRedundancyOptimizer`) answers ``owns(p)``, and only the owner of a
@@ -34,8 +34,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from plait.placement.records import TPInfo, plain_leaf, tp_info, tp_module, tp_param_of
-from plait.placement.state import expert_or_tp_entry, restore_expert_or_tp
+from plait.state.placement.records import TPInfo, plain_leaf, tp_info, tp_module, tp_param_of
+from plait.state.placement.state import expert_or_tp_entry, restore_expert_or_tp
 
 
 class Checkpointable(Protocol):

@@ -1,7 +1,7 @@
 """How a tensor-parallel parameter is split: which rows of which dimension each tp rank holds.
 
 Styles answer ``shard_specs`` with these (`plait.tp.styles`); materialization, the checkpoint
-layout (`plait.placement.state`) and the layout trace read them.
+layout (`plait.state.placement.state`) and the layout trace read them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.tensor_source import FullValue
+from plait.state.tensor_source import FullValue
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class ShardSpec:
 
     def take(self, full: FullValue, dim: int | None = None) -> torch.Tensor:
         """This rank's (zero-padded) slice of ``full`` along ``dim`` (default: the spec's); a
-        `plait.tensor_source.TensorSource` is asked for this rank's rows only."""
+        `plait.state.tensor_source.TensorSource` is asked for this rank's rows only."""
         d = self.dim if dim is None else dim
         blocks = [full.narrow(d, s, k) for s, k in self.pieces()]
         if not self.contiguous:

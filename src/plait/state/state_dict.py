@@ -11,10 +11,10 @@ A wrapper that holds the state in its own way supplies it with two methods,
 ``full_state_dict()`` and ``load_full_state_dict(state)``: FSDP gathers its flat shards (and,
 over tensor parallelism, the tp shards), a pipeline gathers its stages across pp (`union_over`),
 DDP and DataParallel ask their module. Any other module takes the default path: a
-tensor-parallel module's shards are gathered over tp (`plait.placement.state`), a plain module's
-state dict is copied. The checkpoint protocol (`plait.checkpoint.protocol`) has the same shape.
+tensor-parallel module's shards are gathered over tp (`plait.state.placement.state`), a plain module's
+state dict is copied. The checkpoint protocol (`plait.state.checkpoint.protocol`) has the same shape.
 
-The values given to `load_full_state_dict` may also be `plait.tensor_source.TensorSource`s (a
+The values given to `load_full_state_dict` may also be `plait.state.tensor_source.TensorSource`s (a
 tensor in a file, read on demand): tensor parallelism and FSDP then read only the rows each
 rank keeps; a layout that keeps whole tensors (DDP, a pipeline stage) reads its tensors whole.
 """
@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.dtensors import local_of
-from plait.names import plain_name
-from plait.placement import state as tp_state
-from plait.placement.records import ep_info, tp_module
 from plait.runtime import comm
-from plait.tensor_source import FullValue, whole
+from plait.state.dtensors import local_of
+from plait.state.names import plain_name
+from plait.state.placement import state as tp_state
+from plait.state.placement.records import ep_info, tp_module
+from plait.state.tensor_source import FullValue, whole
 
 _DATA_AXES = ("dp", "fsdp")  # the ranks that see different samples, whose buffers may differ
 
@@ -86,7 +86,7 @@ def buffers_of_first_data_rank(model: Any, state: dict[str, Any]) -> None:
 
 
 def load_full_state_dict(model: nn.Module | Any, state: Mapping[str, FullValue]) -> None:
-    """Load full tensors (or `plait.tensor_source.TensorSource`s) under the original names into
+    """Load full tensors (or `plait.state.tensor_source.TensorSource`s) under the original names into
     ``model`` in any layout: each rank takes its own part, without communication (every rank
     passes the whole ``state``)."""
     own = getattr(model, "load_full_state_dict", None)

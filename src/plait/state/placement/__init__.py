@@ -4,7 +4,7 @@ shard (`shards`), the state of a tp-placed model (`state`) and the gradient redu
 (`grads`). DDP, FSDP, clipping, state dicts and
 checkpoints read these instead of the strategies that wrote them."""
 
-from plait.placement.records import (
+from plait.state.placement.records import (
     ExpertParallelInfo,
     ExpertPlacement,
     ParamPlacement,
@@ -15,7 +15,7 @@ from plait.placement.records import (
     tp_info,
     tp_module,
 )
-from plait.placement.shards import ShardSpec
+from plait.state.placement.shards import ShardSpec
 
 __all__ = ["TPInfo", "tp_info", "tp_module", "ExpertPlacement", "ExpertParallelInfo", "ep_info",
            "placement_of", "ParamPlacement", "ParamState", "ShardSpec"]

@@ -10,9 +10,9 @@ so none of them imports the strategy that placed it.
 
 Each parameter plait places carries one record, a `ParamPlacement` (`placement_of`): its tp
 split (`TPParam`), its expert placement, the rows of a stacked expert tensor it holds, the piece of
-the model it is (`plait.placement.pieces`), the gradient hooks that must follow it when a strategy
+the model it is (`plait.state.placement.pieces`), the gradient hooks that must follow it when a strategy
 replaces it, and one `ParamState` saying where its gradient goes. The model-level records ride on
-the module as attributes. FSDP's parameters and tp's (`plait.placement.tp_params`) are DTensors,
+the module as attributes. FSDP's parameters and tp's (`plait.state.placement.tp_params`) are DTensors,
 which carry their placement themselves as well; what plait computes with stays plain
 (`plain_leaf`).
 """
@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plait._torch_compat import compiled_original
-from plait.placement.shards import ShardSpec
+from plait.state.placement.shards import ShardSpec
 
 # ------------------------------------------------------------------ tensor parallelism
 
@@ -148,7 +148,7 @@ def ep_info(model: nn.Module | object) -> ExpertParallelInfo | None:
 @dataclass(eq=False)
 class TPParam:
     """A tp DTensor parameter ``param`` standing on the plain ``leaf`` forward reads
-    (`plait.placement.tp_params`); ``spec``: its rows when split (None: replicated); ``owners``:
+    (`plait.state.placement.tp_params`); ``spec``: its rows when split (None: replicated); ``owners``:
     every (module, attribute) holding it (a tied weight has several)."""
 
     name: str
@@ -187,7 +187,7 @@ class TPParam:
 
 @dataclass(frozen=True)
 class Piece:
-    """What a parameter that is one rank's piece of the model holds (`plait.placement.pieces`):
+    """What a parameter that is one rank's piece of the model holds (`plait.state.placement.pieces`):
     ``what``, in words; ``split``: a piece of one tensor (a tp shard), rather than whole tensors of
     a part of the model (a stage, some experts). A split piece may say how a tensor shaped like it
     (its optimizer state) stands for the full tensor: ``to_full(t)``, a DTensor of the full tensor
@@ -205,7 +205,7 @@ class Piece:
 
 class ParamState(enum.Enum):
     """Where a parameter's gradient goes. A plain parameter's stays on it; the three others are a
-    tp DTensor parameter's (`plait.placement.tp_params`), whose gradient autograd accumulates into
+    tp DTensor parameter's (`plait.state.placement.tp_params`), whose gradient autograd accumulates into
     the plain leaf it stands on. They move as:
 
     - HOOK_MOVES_GRAD -> WRAPPER_ASSIGNS_GRAD: `let_wrapper_assign_grads` (DDP wraps the leaves);
@@ -228,7 +228,7 @@ GradHook = Callable[[torch.Tensor], "torch.Tensor | None"]
 class ParamPlacement:
     """How one parameter is placed, the one record every strategy reads and writes (FSDP2 keeps
     one `FSDPParam` per parameter the same way). A tp DTensor parameter and the plain leaf it stands
-    on share theirs; a parameter's marked gradient carries its parameter's (`plait.placement.pieces`).
+    on share theirs; a parameter's marked gradient carries its parameter's (`plait.state.placement.pieces`).
 
     ``tp``: the tp DTensor it is, or stands under (None: plain); ``expert``: where an expert
     parameter's copies and siblings are; ``rows``: the rows of a stacked expert tensor it holds;
@@ -276,7 +276,7 @@ def set_placement(p: torch.Tensor, record: ParamPlacement) -> None:
 
 def carry_placement(old: torch.Tensor, new: torch.Tensor) -> ParamPlacement | None:
     """Give ``new``, a parameter replacing ``old`` (materialized, or moved to its device), ``old``'s
-    expert placement, rows and gradient hooks; its piece is for `plait.placement.pieces.carry_mark`
+    expert placement, rows and gradient hooks; its piece is for `plait.state.placement.pieces.carry_mark`
     to mark again (the hooks that mark its gradients are ``new``'s own). Return ``old``'s record."""
     rec = placement_of(old)
     if rec is not None and (rec.expert is not None or rec.rows is not None or rec.grad_hooks):
@@ -296,7 +296,7 @@ T = TypeVar("T", bound=torch.Tensor)
 
 def plain_leaf(t: T) -> T:
     """The tensor plait computes with: the plain leaf a tp DTensor parameter stands on
-    (`plait.placement.tp_params`), else ``t`` itself."""
+    (`plait.state.placement.tp_params`), else ``t`` itself."""
     rec = tp_param_of(t)
     return t if rec is None else cast(T, rec.leaf)
 

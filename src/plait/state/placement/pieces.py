@@ -7,7 +7,7 @@ pipeline stage) that sum is the piece's alone: every rank would clip by its own 
 nothing would say so. `torch.optim.Muon` orthogonalizes each gradient matrix, and a tp shard's
 orthogonalization is not a shard of the whole matrix's. torch's own tensor parallelism avoids both
 with DTensor parameters, whose norms and products DTensor takes over every rank, and so does
-plait's FSDP and tensor parallelism (`plait.placement.tp_params`: their parameters are DTensors, on
+plait's FSDP and tensor parallelism (`plait.state.placement.tp_params`: their parameters are DTensors, on
 which both tools are right). Experts over ep, pipeline stages (tp's shards in them included) and
 tp splits no DTensor describes hold plain local tensors. Their gradients are marked
 instead: a tensor subclass that is a plain tensor to every operation (optimizers, DDP's buckets,
@@ -47,7 +47,7 @@ from plait._torch_compat import (
     plain_torch_functions,
     set_class,
 )
-from plait.placement.records import Piece, carry_placement, placement_for, placement_of, set_placement
+from plait.state.placement.records import Piece, carry_placement, placement_for, placement_of, set_placement
 
 _CLIP_MODULE = "torch.nn.utils.clip_grad"
 _NORMS = frozenset({torch.linalg.vector_norm, foreach_norm, torch.norm, torch.Tensor.norm,
@@ -87,7 +87,7 @@ def mark_piece(p: nn.Parameter | torch.Tensor, what: str, split: bool = False, *
 
 def carry_mark(old: torch.Tensor, new: torch.Tensor) -> None:
     """Place ``new``, a parameter that replaces ``old`` (materialized, or moved to its device), as
-    ``old`` was placed (`plait.placement.records.carry_placement`), and mark it as ``old``'s piece,
+    ``old`` was placed (`plait.state.placement.records.carry_placement`), and mark it as ``old``'s piece,
     if it was one."""
     rec = carry_placement(old, new)
     piece = None if rec is None else rec.piece

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from plait.names import plain_name
-from plait.placement.pieces import carry_mark
 from plait.runtime.env import is_dry_run
+from plait.state.names import plain_name
+from plait.state.placement.pieces import carry_mark
 
 # What a strategy keeps of one tensor: (owner's qualified name, attribute, full value, the
 # current tensor) -> the tensor to put in its place, or None to leave the module untouched.
@@ -165,7 +165,7 @@ def materialize(roots: nn.Module | Sequence[tuple[str, nn.Module]], seed: int, k
 
 def _place(new: torch.Tensor | None, old: torch.Tensor) -> torch.Tensor | None:
     """Wrap a parameter's replacement as a parameter with the same requires_grad and placement
-    record (an expert's placement, its piece: `plait.placement.pieces.carry_mark`)."""
+    record (an expert's placement, its piece: `plait.state.placement.pieces.carry_mark`)."""
     if new is None or new is old or not isinstance(old, nn.Parameter) or isinstance(new, nn.Parameter):
         return new
     param = nn.Parameter(new, requires_grad=old.requires_grad)

@@ -3,7 +3,7 @@
 `plait.checkpoint`'s default path call these for a tensor-parallel module; FSDP over tp calls
 `gather_full`, `checkpoint_entry` and `restore_entry` per flat slot.
 
-All read the shard layout that `plait.tensor_parallel` records (`plait.placement.tp_info(model).specs`);
+All read the shard layout that `plait.tensor_parallel` records (`plait.state.placement.tp_info(model).specs`);
 parameters without a spec are replicated on every tp rank.
 """
 
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.dtensors import contiguous_stride, local_of, mesh_of
-from plait.placement.records import TPInfo, expert_of, plain_leaf, rows_of, tp_info, tp_module
-from plait.placement.shards import ShardSpec
 from plait.runtime import comm
-from plait.tensor_source import FullValue, whole
+from plait.state.dtensors import contiguous_stride, local_of, mesh_of
+from plait.state.placement.records import TPInfo, expert_of, plain_leaf, rows_of, tp_info, tp_module
+from plait.state.placement.shards import ShardSpec
+from plait.state.tensor_source import FullValue, whole
 
 
 @torch.no_grad()
@@ -70,7 +70,7 @@ def gather_full(t: torch.Tensor, spec: ShardSpec | None, info: TPInfo | None) ->
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: Mapping[str, FullValue]) -> None:
     """Load full-size tensors (e.g. from `full_state_dict` or a single-process model) into a
-    tensor-parallel ``model``: each rank copies its slice (of a `plait.tensor_source.TensorSource`
+    tensor-parallel ``model``: each rank copies its slice (of a `plait.state.tensor_source.TensorSource`
     it reads only that slice; replicated tensors whole). No communication. Keys as in
     `full_state_dict`."""
     inner = tp_module(model)  # not `or`: a compiled wrapper's truth value asks for its len()
@@ -110,8 +110,8 @@ def _check_not_fsdp(model: nn.Module, what: str) -> None:
     kept = [sd[n] for n in info.specs if n in sd] if info is not None else []
     if info is not None and info.specs and (
             not kept or any(isinstance(plain_leaf(t), DTensor) for t in kept)):
-        raise ValueError(f"plait.placement.state.{what}: this tensor-parallel model is wrapped by FSDP, "
-                         f"which holds its parameters: call plait.{what}(model) on the FSDP wrapper")
+        raise ValueError(f"plait.state.placement.state.{what}: this tensor-parallel model is wrapped by "
+                         f"FSDP, which holds its parameters: call plait.{what}(model) on the FSDP wrapper")
 
 
 # ------------------------------------------------------------------ checkpoint entries
@@ -197,7 +197,7 @@ def restore_expert_or_tp(target: torch.Tensor, value: torch.Tensor, p: nn.Parame
 
 def rows_entry(t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
     """``t`` (``p``'s value, or per-element state of it) as the full stacked expert tensor it holds
-    rows of (`plait.placement.StackedRows`): a DTensor ``Shard(0)`` over the ep group, sharing
+    rows of (`plait.state.placement.StackedRows`): a DTensor ``Shard(0)`` over the ep group, sharing
     ``t``'s storage, so torch.distributed.checkpoint writes each rank's rows and can reshard them.
     ``t`` itself where ``p`` holds no such rows."""
     rows, where = rows_of(p), expert_of(p)

@@ -17,7 +17,7 @@ several backwards act on the DTensor's gradient alone.
 A vocabulary split padded at its end (V rows over tp ranks that do not divide it) is a DTensor too:
 its local tensor is the leaf's valid rows; the padding rows stay out of the optimizer. A split that
 a DTensor cannot describe (fused q/k/v weights split part by part) stays a plain local shard whose
-gradient is marked (`plait.placement.pieces`): torch's clip refuses it by name.
+gradient is marked (`plait.state.placement.pieces`): torch's clip refuses it by name.
 
 plait's other strategies (DDP, FSDP, pipelines, expert parallelism, mixed precision) compute
 their buckets, shards and stages over the plain leaves: each calls `to_plain_parameters` on the module
@@ -34,9 +34,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from plait._torch_compat import unwrap_apply, wrap_apply
-from plait.dtensors import contiguous_stride, mesh_of
-from plait.placement.pieces import mark_grad, mark_piece
-from plait.placement.records import (
+from plait.state.dtensors import contiguous_stride, mesh_of
+from plait.state.placement.pieces import mark_grad, mark_piece
+from plait.state.placement.records import (
     ParamPlacement,
     ParamState,
     TPInfo,
@@ -46,8 +46,8 @@ from plait.placement.records import (
     set_placement,
     tp_param_of,
 )
-from plait.placement.shards import ShardSpec
-from plait.placement.state import chunk_rows, full_as_shard, shard_as_full
+from plait.state.placement.shards import ShardSpec
+from plait.state.placement.state import chunk_rows, full_as_shard, shard_as_full
 
 
 def describable(spec: ShardSpec | None, size: int) -> bool:
@@ -268,7 +268,7 @@ def _loaded_entry(mod: nn.Module, state: dict[str, Any], prefix: str, *_: Any, a
                   rec: TPParam) -> None:
     """What ``load_state_dict`` gets for this parameter as a DTensor placed like it: a DTensor of
     the full tensor in any layout, one process's full tensor, or this rank's plain rows (a split
-    one's value comes here as the latter, from `plait.placement.state.place_state_dict`'s hook)."""
+    one's value comes here as the latter, from `plait.state.placement.state.place_state_dict`'s hook)."""
     key = prefix + attr
     value = state.get(key)
     if mod._parameters.get(attr) is not rec.param or not isinstance(value, torch.Tensor):

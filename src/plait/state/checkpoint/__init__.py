@@ -14,19 +14,19 @@ process, or a 2-stage pipeline x tp 2 -> FSDP x tp 2 -> one process).
 
 ``plait.json`` beside the data says what the checkpoint is (step, sampler position, config, the
 run's identity and layout, plait's version) and lists every file DCP wrote with its size and
-sha256 (`plait.checkpoint.files` writes it last). A checksum mismatch, a short or missing file,
+sha256 (`plait.state.checkpoint.files` writes it last). A checksum mismatch, a short or missing file,
 or a ``plait.json`` that does not parse makes the checkpoint corrupt: `choose` skips it for the
 newest good one, and every rank loads what rank 0 chose. `choose` also refuses another run's
 checkpoint (by the identity the caller saved). Loading executes no pickled code
-(`plait.checkpoint.integrity`).
+(`plait.state.checkpoint.integrity`).
 
 Modules: `protocol` (what each layout saves and loads), `integrity` (checksums, identities,
 the safe metadata reader), `files` (save, load, prune), `resume` (choose).
 """
 
 # `check_resumable`, `META` and the integrity helpers are imported for the library and the app, not exported.
-from plait.checkpoint.files import SaveHandle, latest, load, prune, save
-from plait.checkpoint.integrity import (  # noqa: F401
+from plait.state.checkpoint.files import SaveHandle, latest, load, prune, save
+from plait.state.checkpoint.integrity import (  # noqa: F401
     FORMAT,
     META,
     CorruptCheckpoint,
@@ -40,8 +40,8 @@ from plait.checkpoint.integrity import (  # noqa: F401
     read_dcp_metadata,
     verify,
 )
-from plait.checkpoint.protocol import load_state_dict, state_dict
-from plait.checkpoint.resume import NoCheckpoint, check_resumable, choose  # noqa: F401
+from plait.state.checkpoint.protocol import load_state_dict, state_dict
+from plait.state.checkpoint.resume import NoCheckpoint, check_resumable, choose  # noqa: F401
 
 __all__ = ["save", "load", "latest", "prune", "verify", "choose", "NoCheckpoint", "state_dict",
            "load_state_dict", "SaveHandle", "SafeReader", "CorruptCheckpoint", "UnfinishedCheckpoint",

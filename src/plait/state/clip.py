@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.dtensors import local_of
 from plait.runtime import comm
+from plait.state.dtensors import local_of
 
 GradParts = dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]]
 
@@ -48,7 +48,7 @@ def grad_norm_parts(model: nn.Module | Any) -> GradParts:
 
 
 def _experts_apart(model: nn.Module, parts: GradParts) -> GradParts:
-    from plait.placement.records import ep_info, expert_of
+    from plait.state.placement.records import ep_info, expert_of
 
     info = ep_info(model)
     if info is None or info.placement.ep_size == 1:
@@ -62,7 +62,7 @@ def _experts_apart(model: nn.Module, parts: GradParts) -> GradParts:
 
 
 def _module_parts(model: nn.Module) -> GradParts:
-    from plait.placement.records import tp_info, tp_module
+    from plait.state.placement.records import tp_info, tp_module
 
     inner, info = tp_module(model), tp_info(model)
     # A tp DTensor parameter's gradient is a DTensor: its local rows are this rank's piece.

@@ -29,7 +29,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from plait.checkpoint.integrity import (
+from plait.runtime import comm
+from plait.runtime.env import get_logger
+from plait.state.checkpoint.integrity import (
     DCP_METADATA,
     FORMAT,
     META,
@@ -41,10 +43,8 @@ from plait.checkpoint.integrity import (
     read_meta,
     verify,
 )
-from plait.checkpoint.protocol import Checkpointable, load_state_dict, state_dict
-from plait.runtime import comm
-from plait.runtime.env import get_logger
-from plait.state_dict import buffers_of_first_data_rank
+from plait.state.checkpoint.protocol import Checkpointable, load_state_dict, state_dict
+from plait.state.state_dict import buffers_of_first_data_rank
 
 
 class NoSpaceLeft(OSError):
@@ -349,7 +349,8 @@ def load(directory: str | Path, model: Checkpointable | nn.Module, optimizer: An
         except ValueError as e:
             raise CorruptCheckpoint(path, f"{META} does not parse ({e})") from e
         if isinstance(meta, dict) and "files" not in meta:
-            get_logger("plait.checkpoint").warning("%s lists no checksums: loading unverified", path / META)
+            get_logger("plait.state.checkpoint").warning("%s lists no checksums: loading unverified",
+                                                         path / META)
         else:
             verify(path)
     read_dcp_metadata(path / DCP_METADATA)  # refuses a crafted file here, with its own error

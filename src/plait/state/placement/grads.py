@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.placement.pieces import mark_grad
-from plait.placement.records import expert_of
 from plait.runtime import comm, faults
+from plait.state.placement.pieces import mark_grad
+from plait.state.placement.records import expert_of
 
 
 @torch.no_grad()

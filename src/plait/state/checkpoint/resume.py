@@ -5,16 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from plait.checkpoint.files import distributed, rank, step_folders, version
-from plait.checkpoint.integrity import (
+from plait.runtime import comm
+from plait.runtime.env import get_logger
+from plait.state.checkpoint.files import distributed, rank, step_folders, version
+from plait.state.checkpoint.integrity import (
     CorruptCheckpoint,
     ForeignCheckpoint,
     UnfinishedCheckpoint,
     identity_differences,
     verify,
 )
-from plait.runtime import comm
-from plait.runtime.env import get_logger
 
 
 class NoCheckpoint(FileNotFoundError):
@@ -80,7 +80,7 @@ def _survey(root: Path, identity: dict[str, Any] | None) -> dict[str, Any]:
 
 def _decide(root: Path, answer: dict[str, Any], resume_anyway: bool) -> tuple[Path, dict[str, Any]] | None:
     """Every rank's part of `choose`: warn, refuse or accept the same way."""
-    log = get_logger("plait.checkpoint")
+    log = get_logger("plait.state.checkpoint")
     if answer.get("empty"):
         raise NoCheckpoint(root, missing=answer["missing"])
     for path, reason, _ in answer["skipped"]:
