@@ -23,7 +23,7 @@ from oracle import layout_pieces, local_of, train_losses
 from torch import nn
 
 import plait
-from plait.activation_checkpointing import activation_checkpointing, checkpointed, select_blocks
+from plait.compose.activation_checkpointing import activation_checkpointing, checkpointed, select_blocks
 from plait.models.gpt import GPT, GPTConfig
 from plait.testing import cached_mesh
 
@@ -158,8 +158,8 @@ def test_pipeline_of_tensor_parallel_stages_with_dropout(pools):
 def test_plait_train_flags(pools, tmp_path):
     from typing import get_args
 
-    from plait.activation_checkpointing import POLICIES as ALL
     from plait.app import config
+    from plait.compose.activation_checkpointing import POLICIES as ALL
 
     assert get_args(config.Checkpointing) == ("none", *ALL)
     cfg = config.parse_args(["--ac", "selective", "--ac-every", "2"])
@@ -226,7 +226,7 @@ def test_eval_and_no_grad_run_the_plain_forward():
 
 
 def _count_recomputations(monkeypatch) -> list[int]:
-    from plait.activation_checkpointing import _Frame
+    from plait.compose.activation_checkpointing import _Frame
 
     calls = [0]
     recompute = _Frame.recompute

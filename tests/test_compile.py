@@ -288,7 +288,7 @@ def test_checkpointed_compiled_blocks_match_one_process():
     # One process: activation checkpointing finds the blocks compiled in torch.compile's wrapper
     # and checkpoints each (its recomputation runs the compiled forward again).
     import plait
-    from plait.activation_checkpointing import checkpointed
+    from plait.compose.activation_checkpointing import checkpointed
     from plait.state.names import plain_name
 
     _, model, oracle = _gpts()

@@ -114,11 +114,11 @@ def test_the_library_never_imports_the_application():
 
 # The strategies: each places parameters or runs the model its own way, and none imports another.
 STRATEGIES = ("plait.ddp", "plait.fsdp", "plait.tp", "plait.ep", "plait.cp", "plait.pipeline",
-              "plait.data_parallel", "plait.activation_checkpointing")
+              "plait.data_parallel", "plait.compose.activation_checkpointing")
 # What learns how a parameter is placed from `plait.state.placement` alone (never from the strategy
 # that placed it): DDP, FSDP, activation checkpointing, and the whole of `plait.state` (the record
 # itself, materialization, state dicts, checkpoints, clipping).
-PLACEMENT_READERS = ("plait.ddp", "plait.fsdp", "plait.activation_checkpointing", "plait.state")
+PLACEMENT_READERS = ("plait.ddp", "plait.fsdp", "plait.compose.activation_checkpointing", "plait.state")
 def _owner(module: str, owners: tuple[str, ...]) -> str | None:
     return next((o for o in owners if module == o or module.startswith(o + ".")), None)
 
@@ -264,7 +264,8 @@ def test_no_package_attribute_hides_its_submodule(fresh):
     assert json.loads(fresh(SHADOWS)) == []
 
 
-CALLABLE_MODULES = ("plait.activation_checkpointing", "plait.check", "plait.parallelize", "plait.pipeline")
+CALLABLE_MODULES = ("plait.check", "plait.compose.activation_checkpointing", "plait.compose.parallelize",
+                    "plait.pipeline")
 
 
 def _callable_modules() -> list[str]:
@@ -362,7 +363,7 @@ def test_names_in_the_package_docs_resolve_after_import_plait(fresh, written):
 
 def test_the_readme_lists_the_composition_order_as_parallelize_applies_it():
     """`plait.parallelize.ORDER`, its docstring and the README say the same order."""
-    from plait.parallelize import ORDER
+    from plait.compose.parallelize import ORDER
 
     said = re.search(r"in one fixed order — (.*?) —", README.read_text(), flags=re.S)
     assert said, "README: the order sentence is gone"
@@ -376,7 +377,7 @@ def test_the_readme_lists_the_composition_order_as_parallelize_applies_it():
 def test_each_composition_step_is_called_once_for_both_paths():
     """The order is written once: `plait.parallelize` calls each strategy in one place, a step
     the plain path and every pipeline stage share (not one copy per path)."""
-    import plait.parallelize as composition
+    import plait.compose.parallelize as composition
 
     tree = ast.parse(inspect.getsource(composition))
     called = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]

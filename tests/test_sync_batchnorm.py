@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.compose.sync_batchnorm import SyncBatchNorm
 from plait.data_parallel import DataParallel
-from plait.sync_batchnorm import SyncBatchNorm
 
 STEPS = 3
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -261,7 +261,7 @@ def test_check_explains_batchnorm_divergence(pools):
 def test_a_rank_that_joins_before_any_step_says_why():
     """A rank with no batch at all cannot know which collectives to mirror: it raises, naming the
     reason, rather than leaving the others waiting silently."""
-    from plait.sync_batchnorm import _Sync
+    from plait.compose.sync_batchnorm import _Sync
 
     with pytest.raises(RuntimeError, match="joined before it trained a step"):
         _Sync(group=None, world=2).shadow_step()  # type: ignore[arg-type]

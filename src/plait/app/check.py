@@ -22,8 +22,8 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from plait.app.config import STRATEGIES, ParallelSection, given_flags, in_flags
-from plait.parallel_plan import ParallelPlan
-from plait.rules import LayoutError
+from plait.compose.parallel_plan import ParallelPlan
+from plait.compose.rules import LayoutError
 
 
 @dataclass

@@ -72,7 +72,7 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
 
         devices = list(range(par.nproc)) if device.type == "cuda" else ["cpu"] * par.nproc
         return DataParallel(unwrapped_model(cfg, device), devices)
-    from plait.parallelize import parallelize
+    from plait.compose.parallelize import parallelize
 
     # plait's GPT starts on the meta device: each strategy materializes only what this rank keeps.
     own_gpt = cfg.model.hf_config is None and cfg.model_factory is None

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.parallel_plan import ParallelPlan
+from plait.compose.parallel_plan import ParallelPlan
 from plait.runtime.env import seed_everything
 
 LossFn = Callable[[Any, Any], torch.Tensor]

@@ -36,9 +36,9 @@ from plait.check.report import (
     tensor_diff,
     update_rounding,
 )
+from plait.compose.parallelize import ParallelPlan, parallelize
 from plait.cp import shard as cp_shard
 from plait.models.moe import MoE
-from plait.parallelize import ParallelPlan, parallelize
 from plait.pipeline import Pipeline
 from plait.runtime import comm
 from plait.runtime.env import init

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.compose.precision import precision_of
 from plait.ddp.in_backward import InBackward
-from plait.precision import precision_of
 from plait.runtime.mesh import Mesh
 from plait.state.placement.records import expert_of
 

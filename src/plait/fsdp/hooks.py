@@ -31,10 +31,10 @@ from plait._torch_compat import (
     tree_flatten,
     tree_unflatten,
 )
+from plait.compose.precision import MixedPrecision
 from plait.fsdp.flat import FlatParam
 from plait.fsdp.layout import ShardCfg
 from plait.fsdp.units import Unit
-from plait.precision import MixedPrecision
 from plait.runtime import comm
 from plait.state.placement.grads import reduce_expert_grads
 

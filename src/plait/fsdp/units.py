@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from plait.compose.precision import MixedPrecision, parse_mixed_precision
 from plait.fsdp.flat import FlatParam, ShardCfg, Slot
-from plait.precision import MixedPrecision, parse_mixed_precision
 from plait.runtime.env import get_logger
 from plait.state.blocks import DESCRIBED, blocks
 from plait.state.materialize import Keep, materialize

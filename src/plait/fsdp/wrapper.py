@@ -70,6 +70,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from plait.compose.precision import MixedPrecision, precision_of
 from plait.fsdp.controls import FSDPControls, PlacementFn, check_placements, ignored_grads, ignored_ids
 from plait.fsdp.conversions import Conversions
 from plait.fsdp.hooks import UnitHooks
@@ -77,7 +78,6 @@ from plait.fsdp.layout import Placing, ShardCfg, Slot
 from plait.fsdp.model_state import ModelState, placed_experts
 from plait.fsdp.names import own_names, report_own_names, wrapped_names
 from plait.fsdp.units import Policies, Unit, build_units, check_no_optimizer, unit_policies
-from plait.precision import MixedPrecision, precision_of
 from plait.runtime.env import device as default_device
 from plait.runtime.mesh import Mesh
 from plait.state.dtensors import mesh_over

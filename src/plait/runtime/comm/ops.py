@@ -1,6 +1,6 @@
 """The collectives: each one small named function that says what moves.
 
-Every collective in plait goes through here (`from plait import comm; comm.all_reduce(...)`), so
+Every collective in plait goes through here (`plait.comm.all_reduce(...)`), so
 that each is counted (`plait.runtime.comm.stats`), checked across ranks before it runs and named when it
 fails (`plait.runtime.comm.guard`), and refused when its tensor is on another device than the group's (a
 CPU bookkeeping tensor bound for NCCL fails the same way on CPU). Every group plait makes

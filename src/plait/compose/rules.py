@@ -1,6 +1,6 @@
 """Whether a layout can run: one rule set, decided before any process group exists.
 
-    from plait.rules import MeshShape, check_layout
+    from plait.compose.rules import MeshShape, check_layout
 
     with torch.device("meta"):
         model = build()
@@ -24,20 +24,20 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from plait.activation_checkpointing import select_blocks
+from plait.compose.activation_checkpointing import select_blocks
+from plait.compose.layout_error import LayoutError
+from plait.compose.parallel_plan import ParallelPlan
+from plait.compose.precision import check_castable
 from plait.cp.apply import ALGORITHMS
 from plait.cp.positions import rotaries
 from plait.ep.apply import expert_counts, no_moe_reason
 from plait.ep.stacked import stacked_expert_modules
-from plait.layout_error import LayoutError
 from plait.models.moe import MoE, moe_layers
-from plait.parallel_plan import ParallelPlan
 from plait.pipeline.actions import Kind
 from plait.pipeline.arguments import resolve_schedule
 from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import plan_stages, segments
 from plait.pipeline.ties import find_ties
-from plait.precision import check_castable
 from plait.state.names import matches
 from plait.tp.apply import check_plan, validate_styles
 from plait.tp.styles import ParallelRegion

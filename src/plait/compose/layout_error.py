@@ -1,5 +1,5 @@
 """`LayoutError`: a layout that cannot run, naming the fields it is about. Its own module so that
-`plait.parallel_plan` (which refuses a malformed plan) and `plait.rules` (which refuses a plan
+`plait.compose.parallel_plan` (which refuses a malformed plan) and `plait.compose.rules` (which refuses a plan
 that does not fit a model and a mesh) raise the same error without importing each other."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The module is callable: ``plait.parallelize(...)`` is `plait.parallelize.paralle
 The order, and why it is fixed (`ORDER`; torchtitan applies the same steps to every stage):
 
 0. **Pipeline split** (``pp`` axis, when the mesh has pp > 1): the model is cut into stages
-   first (`plait.pipeline.parts.split`, with the schedule `plait.rules.check_layout` derived), so
+   first (`plait.pipeline.parts.split`, with the schedule `plait.compose.rules.check_layout` derived), so
    that every later step only ever sees this rank's layers; steps 1-3 then apply to each of this
    rank's parts, here, as to a whole model. The result is a `Pipeline` that schedules the built
    parts, trained with ``step(inputs, targets)`` instead of a forward call.
@@ -61,18 +61,18 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from plait.activation_checkpointing import checkpoint_blocks, select_blocks
+from plait.compose.activation_checkpointing import checkpoint_blocks, select_blocks
+from plait.compose.parallel_plan import ParallelPlan
+from plait.compose.precision import mixed_precision
+from plait.compose.rules import ZERO3_SPLIT_BACKWARD, Layout, LayoutError, MeshShape, check_layout
 from plait.cp.apply import context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
 from plait.ep.apply import expert_parallel, has_experts
 from plait.fsdp.wrapper import FullyShardedDataParallel
 from plait.models.moe import moe_layers
-from plait.parallel_plan import ParallelPlan
 from plait.pipeline.api import Pipeline
 from plait.pipeline.parts import split as split_stages
 from plait.pipeline.wrapping import StageWrapper
-from plait.precision import mixed_precision
-from plait.rules import ZERO3_SPLIT_BACKWARD, Layout, LayoutError, MeshShape, check_layout
 from plait.runtime.callable_module import make_callable
 from plait.runtime.env import device
 from plait.runtime.mesh import Mesh
@@ -188,9 +188,9 @@ def _check_pipeline_tp(module: nn.Module, shape: MeshShape, plan: ParallelPlan) 
 
 
 def _check(module: nn.Module, mesh: Mesh, plan: ParallelPlan) -> Layout:
-    """`plait.rules.check_layout`, the one rule set ``plait train``, ``plait check`` and ``plait plan``
-    also run. The tensor-parallel plan's layout trace is left to `tensor_parallel`, which runs it (with
-    its numeric check) as step 1, still before any collective."""
+    """`plait.compose.rules.check_layout`, the one rule set ``plait train``, ``plait check`` and
+    ``plait plan`` also run. The tensor-parallel plan's layout trace is left to `tensor_parallel`,
+    which runs it (with its numeric check) as step 1, still before any collective."""
     if not isinstance(plan, ParallelPlan):
         raise TypeError(f"parallelize(plan=...) expects a plait.ParallelPlan, got {type(plan).__name__}")
     try:

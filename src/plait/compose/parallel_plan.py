@@ -1,7 +1,7 @@
 """The plan `plait.parallelize` applies: what each mesh axis gets (`ParallelPlan`), checked on its
 own when made (options its data strategy would ignore, malformed pipeline options), each refusal a
-`LayoutError` naming its fields, as `plait.rules`' are. Whether a plan fits a model and a mesh is
-`plait.rules`'."""
+`LayoutError` naming its fields, as `plait.compose.rules`' are. Whether a plan fits a model and a mesh is
+`plait.compose.rules`'."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from plait.activation_checkpointing import check_options
+from plait.compose.activation_checkpointing import check_options
+from plait.compose.layout_error import LayoutError, LayoutTypeError
+from plait.compose.precision import MixedPrecision, parse_mixed_precision
 from plait.cp.apply import ALGORITHMS
-from plait.layout_error import LayoutError, LayoutTypeError
 from plait.pipeline.arguments import P2P_MODES
 from plait.pipeline.generators import SCHEDULES
 from plait.pipeline.schedules import Schedule
-from plait.precision import MixedPrecision, parse_mixed_precision
 from plait.tp.context import Style
 
 DATA_STRATEGIES = ("ddp", "fsdp", "none")

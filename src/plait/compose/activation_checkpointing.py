@@ -67,7 +67,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from plait._torch_compat import TorchDispatchMode, forward_pre_hooks, map_tensors, tensors_in, version_of
-from plait.layout_error import LayoutError, LayoutTypeError
+from plait.compose.layout_error import LayoutError, LayoutTypeError
 from plait.runtime.callable_module import make_callable
 from plait.runtime.rng import RNGFork, fork_of
 from plait.state.blocks import DESCRIBED, Checkpointed, checkpoint_record, checkpointed, mark_checkpointed
