@@ -43,7 +43,7 @@ from plait._torch_compat import caller_frame
 MODES = ("off", "fast", "full")
 FLIGHT_LEN = 64
 
-_PLAIT_DIR = os.path.dirname(os.path.abspath(__file__))
+_PLAIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package, above runtime/
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 _APP_FILES = ("train.py", "cli.py", "run.py")
