@@ -62,7 +62,7 @@ def global_batch(a: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def _local(t: torch.Tensor, mesh: Any) -> torch.Tensor:
     """This rank's share: its dp slice of the sequences, then its cp shard of their tokens."""
     import plait
-    from plait.env import device
+    from plait.runtime.env import device
 
     dp, i = mesh.size("dp"), mesh.rank("dp")
     n = len(t) // dp
@@ -123,8 +123,8 @@ def _torch(a: dict, x: torch.Tensor, y: torch.Tensor) -> Runner:
     from torch.nn.parallel import DistributedDataParallel
 
     import plait
-    from plait.env import device
     from plait.models.gpt import GPT, Rotary
+    from plait.runtime.env import device
 
     dev = device()
     model = plait.init_weights(GPT(gpt_config(a)), 0).to(dev)  # the values plait's meta-device init gives
@@ -184,7 +184,7 @@ def _memory(runner: Runner, whole_batch: tuple[torch.Tensor, torch.Tensor] | Non
 
 def timing_job(a: dict) -> dict[str, Any]:
     """Every rank: build the variants, time them alternately, then count and measure (untimed)."""
-    from plait.env import device
+    from plait.runtime.env import device
     from plait.testing import cached_mesh
 
     x, y = global_batch(a)

@@ -58,7 +58,7 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
             plait_step()
 
     from plait.models.gpt import lm_loss
-    from plait.straggler import StragglerTracker
+    from plait.runtime.straggler import StragglerTracker
 
     tracker, blamed_steps = StragglerTracker(), [0]
 

@@ -37,10 +37,10 @@ from bench.common import alternate, markdown_table, median, preset_gpt, rank_bat
 
 def _overhead(preset: str, seq: int, batch: int, warmup: int, iters: int) -> dict:
     from plait import comm
-    from plait.clip import clip_grad_norm_
     from plait.ddp.wrapper import DDP
-    from plait.heal import LiveState, Replicas
     from plait.models.gpt import lm_loss
+    from plait.runtime.heal import LiveState, Replicas
+    from plait.state.clip import clip_grad_norm_
     from plait.testing import cached_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,7 +1,7 @@
 """Peak live memory of one training step, measured the same way for plait and for torch.
 
 On CUDA the caching allocator keeps the figures (`torch.cuda.max_memory_allocated`,
-`torch.cuda.memory_allocated`). On CPU nothing does, so `plait.live_memory.LiveStorageBytes`
+`torch.cuda.memory_allocated`). On CPU nothing does, so `plait.runtime.live_memory.LiveStorageBytes`
 (the library's, which `plait plan` also uses on the meta device) keeps its own count of live
 tensor storage while it is active:
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from plait.live_memory import LiveStorageBytes
+from plait.runtime.live_memory import LiveStorageBytes
 
 __all__ = ["LiveStorageBytes", "PeakMeter"]
 

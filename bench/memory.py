@@ -107,8 +107,8 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
 
 
 def _plait_model(layout: str, ac: str | None, bf16: bool, a: dict) -> tuple[Any, Callable[..., Any]]:
+    from plait.compose.parallelize import ParallelPlan, parallelize
     from plait.models.gpt import GPT, lm_loss
-    from plait.parallelize import ParallelPlan, parallelize
     from plait.plans import gpt_plan
     from plait.testing import cached_mesh
     from plait.tp.apply import loss_fn_for
@@ -161,7 +161,7 @@ def _torch_checkpoint(block: torch.nn.Module, policy: str) -> None:
     plait does, so parameter names and FSDP2's units stay the same)."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    from plait.activation_checkpointing import KEPT_OPS
+    from plait.compose.activation_checkpointing import KEPT_OPS
 
     kw: dict[str, Any] = dict(use_reentrant=False)
     if policy == "selective":  # save the outputs of the ops plait keeps, recompute the rest

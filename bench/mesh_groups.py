@@ -1,6 +1,6 @@
 """What building a `plait.Mesh` costs each rank at 1,024 and 4,096 ranks, read from a dry run.
 
-One process stands in for one rank of the world (`plait.env.dry_run`: torch's fake process group,
+One process stands in for one rank of the world (`plait.runtime.env.dry_run`: torch's fake process group,
 so no peer is needed) and builds the mesh. Counted on that rank:
 
 * ``new_group`` calls: every call to `torch.distributed.new_group` while the mesh is built, the
@@ -54,8 +54,8 @@ def measure(degrees: dict[str, int], rank: int = 0) -> dict[str, Any]:
     import torch.distributed as dist
 
     from plait import comm
-    from plait.env import dry_run
-    from plait.mesh import Mesh
+    from plait.runtime.env import dry_run
+    from plait.runtime.mesh import Mesh
 
     world = math.prod(d for a, d in degrees.items() if a != "ep")
     made: list[dict[str, Any]] = []
@@ -134,10 +134,11 @@ def main(argv: list[str]) -> int:
               "TCP peers (all Gloo)", "of which companions", "construction (s)"]
     table = markdown_table(header, _rows(results))
     print(table)
-    body = (f"Per rank (rank 0), building the mesh in a dry run (`plait.env.dry_run`, torch's fake process "
-            f"group standing for every group). TCP peers: the sum over this rank's groups of (size - 1) when "
-            f"every group is Gloo (a CPU run); on GPUs only the desync check's Gloo companions open TCP "
-            f"connections (last but one column). Construction time leaves out each group's rendezvous.\n\n"
+    body = (f"Per rank (rank 0), building the mesh in a dry run (`plait.runtime.env.dry_run`, torch's "
+            f"fake process group standing for every group). TCP peers: the sum over this rank's groups of "
+            f"(size - 1) when every group is Gloo (a CPU run); on GPUs only the desync check's Gloo "
+            f"companions open TCP connections (last but one column). Construction time leaves out each "
+            f"group's rendezvous.\n\n"
             f"{table}\n")
     command = "plait bench mesh_groups" + (f" --baseline {args.baseline}" if args.baseline else "")
     write_section("mesh_groups", "Mesh construction: process groups per rank at 1,024 and 4,096 ranks", body,

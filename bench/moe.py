@@ -52,7 +52,7 @@ def _cfg(a: dict):
 
 
 def _local_batch(a: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    from plait.env import device
+    from plait.runtime.env import device
 
     g = torch.Generator().manual_seed(1234)
     b = torch.randint(0, 256, (a["batch"], a["seq_len"] + 1), generator=g).chunk(WORLD)[dist.get_rank()]
@@ -95,8 +95,8 @@ def _torch(a: dict, x: torch.Tensor, y: torch.Tensor) -> Runner:
     from torch.nn.parallel import DistributedDataParallel
 
     import plait
-    from plait.env import device
     from plait.models.gpt import GPT
+    from plait.runtime.env import device
 
     dev = device()
     model = plait.init_weights(GPT(_cfg(a)), 0).to(dev)  # the values plait's meta-device init gives
@@ -105,7 +105,7 @@ def _torch(a: dict, x: torch.Tensor, y: torch.Tensor) -> Runner:
 
 
 def _param_bytes(model: torch.nn.Module) -> dict[str, int]:
-    from plait.placement.records import expert_of
+    from plait.state.placement.records import expert_of
 
     out = {"dense": 0, "expert": 0, "expert tensors": 0, "buffers": 0}
     for name, p in model.named_parameters():

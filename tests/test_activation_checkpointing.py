@@ -23,7 +23,7 @@ from oracle import layout_pieces, local_of, train_losses
 from torch import nn
 
 import plait
-from plait.activation_checkpointing import activation_checkpointing, checkpointed, select_blocks
+from plait.compose.activation_checkpointing import activation_checkpointing, checkpointed, select_blocks
 from plait.models.gpt import GPT, GPTConfig
 from plait.testing import cached_mesh
 
@@ -53,7 +53,7 @@ def _batch(step: int, b: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(mesh, plan_kw: dict, dropout: float, ac: str | None, every: int, steps: int = 2) -> dict:
     """This rank's gradient pieces at each step (two SGD steps), keyed by original name."""
-    from plait.placement import tp_info
+    from plait.state.placement import tp_info
     from plait.tp.apply import loss_fn_for
 
     cfg = GPTConfig(dropout=dropout, **CFG)
@@ -158,8 +158,8 @@ def test_pipeline_of_tensor_parallel_stages_with_dropout(pools):
 def test_plait_train_flags(pools, tmp_path):
     from typing import get_args
 
-    from plait.activation_checkpointing import POLICIES as ALL
     from plait.app import config
+    from plait.compose.activation_checkpointing import POLICIES as ALL
 
     assert get_args(config.Checkpointing) == ("none", *ALL)
     cfg = config.parse_args(["--ac", "selective", "--ac-every", "2"])
@@ -198,7 +198,7 @@ def _two_steps(model: nn.Module) -> list[dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("policy,every", POLICIES)
 def test_one_process_with_dropout_and_the_names_kept(policy, every):
-    from plait.checkpoint.protocol import state_dict
+    from plait.state.checkpoint.protocol import state_dict
 
     want = _two_steps(_tiny(0.1, n_layers=3))
     model = activation_checkpointing(_tiny(0.1, n_layers=3), policy, every)
@@ -226,7 +226,7 @@ def test_eval_and_no_grad_run_the_plain_forward():
 
 
 def _count_recomputations(monkeypatch) -> list[int]:
-    from plait.activation_checkpointing import _Frame
+    from plait.compose.activation_checkpointing import _Frame
 
     calls = [0]
     recompute = _Frame.recompute

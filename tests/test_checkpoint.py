@@ -125,7 +125,7 @@ def test_a_run_resumed_in_another_layout_reads_the_global_batches_of_the_uninter
 
 
 def test_a_resume_with_another_global_batch_is_refused_by_name(dp2_stream, tmp_path):
-    from plait.checkpoint import ForeignCheckpoint
+    from plait.state.checkpoint import ForeignCheckpoint
 
     shutil.copytree(dp2_stream[0], tmp_path / "work")
     other = dict(strategy="none", nproc=1, save_dir=str(tmp_path / "work"), resume=True, batch_size=4)
@@ -193,8 +193,8 @@ def test_fsdp_over_tp_checkpoint_resumes_in_one_process_and_from_zero3(pools, or
 
 def test_vocab_shards_padded_at_the_end_are_dtensor_chunks():
     # 65 rows over tp=2 and 5 rows over tp=4 (one rank empty): DTensor's chunking exactly.
-    from plait.placement.shards import make_spec
-    from plait.placement.state import chunk_rows
+    from plait.state.placement.shards import make_spec
+    from plait.state.placement.state import chunk_rows
 
     assert chunk_rows(make_spec(0, 65, 2, 0), 2) and chunk_rows(make_spec(0, 5, 4, 0), 4)
     assert chunk_rows(make_spec(1, 96, 2, 0, unit=8), 2)

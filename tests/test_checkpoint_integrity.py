@@ -41,7 +41,7 @@ def run(tmp: str, **overrides) -> dict:
     from plait.app.train import train
 
     collect = _Collect()
-    logger = logging.getLogger("plait.checkpoint")
+    logger = logging.getLogger("plait.state.checkpoint")
     logger.addHandler(collect)
     try:
         losses = train(TrainConfig.from_flags(**{**RUN, "run_dir": tmp, **overrides}))["losses"]

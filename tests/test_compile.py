@@ -288,8 +288,8 @@ def test_checkpointed_compiled_blocks_match_one_process():
     # One process: activation checkpointing finds the blocks compiled in torch.compile's wrapper
     # and checkpoints each (its recomputation runs the compiled forward again).
     import plait
-    from plait.activation_checkpointing import checkpointed
-    from plait.names import plain_name
+    from plait.compose.activation_checkpointing import checkpointed
+    from plait.state.names import plain_name
 
     _, model, oracle = _gpts()
     for i, block in enumerate(model.layers):
@@ -309,7 +309,7 @@ def test_the_random_rates_a_region_swaps_on_are_found_by_name():
     # Under compile a tensor-parallel region swaps to the per-rank stream only if one of these is
     # positive in training mode: dropout layers' p, and float rates named as transformers and
     # plait's models name them.
-    from plait.rng import random_rates
+    from plait.runtime.rng import random_rates
 
     class Attention(torch.nn.Module):
         def __init__(self) -> None:

@@ -128,9 +128,9 @@ def _batch(step: int, b: int = 4, s: int = 16) -> tuple[torch.Tensor, torch.Tens
 def _model_parity(algorithm: str, fsdp: int = 1, tp: int = 1, pp: int = 1, cfg_kw: dict | None = None,
                   ac: str | None = None, steps: int = 2) -> list[float]:
     import plait
-    from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
     from plait.plans import gpt_plan
+    from plait.state.materialize import init_weights
     from plait.tp.apply import loss_fn_for
 
     mesh = cached_mesh(fsdp=fsdp, tp=tp, cp=2, pp=pp)
@@ -310,7 +310,7 @@ def test_the_numeric_check_holds_each_dtype_to_its_rounding():
     # float64 and float32 as tensor parallelism's check; a 16-bit dtype anywhere in the run gets
     # the whole-model bound (its rounding adds up over the layers), still half a misplaced position.
     from plait.cp.numeric import HALF_BOUND, bound
-    from plait.tolerance import RTOL, LowestPrecision
+    from plait.runtime.tolerance import RTOL, LowestPrecision
 
     seen = {}
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
@@ -325,8 +325,8 @@ def test_the_numeric_check_holds_each_dtype_to_its_rounding():
 
 def _checked_or_not() -> list:
     import plait
-    from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
+    from plait.state.materialize import init_weights
 
     mesh = cached_mesh(cp=2)
     out = []

@@ -7,8 +7,8 @@ import torch
 
 import plait
 from plait.app.data import BatchSampler, load_corpus
-from plait.materialize import full_values, owner_modules
 from plait.models.gpt import GPT, PRESETS, GPTConfig
+from plait.state.materialize import full_values, owner_modules
 
 
 def test_default_corpus_is_python_source():

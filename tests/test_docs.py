@@ -94,7 +94,7 @@ def _exec_block(code: str, page: str, line: int, folder: str) -> None:
     own lines."""
     import torch
 
-    from plait.env import seed_everything
+    from plait.runtime.env import seed_everything
 
     seed_everything(0)
     here = os.getcwd()

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from plait.env import free_port
+from plait.runtime.env import free_port
 
 # A tiny byte-level run: a step takes tens of milliseconds here, so a kill after the first
 # checkpoint lands with most of the run still to go.

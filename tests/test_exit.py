@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.env import free_port
+from plait.runtime.env import free_port
 
 # Two here, side by side; the suite's other launches (plait train, plait run, plait check, the
 # docs' scripts: dozens) assert exit code 0 as well, so each run of the suite exercises the exit

@@ -23,7 +23,7 @@ def test_library_imports_with_torch_alone_and_the_command_names_its_extra(tmp_pa
             assert main(["--version"]) == 0 and main(["--help"]) == 0
         assert said.getvalue().startswith("plait 0.1.0\\nusage: plait"), said.getvalue()
         assert "torch" not in sys.modules, "plait --help imported torch"
-        import plait, plait.check, plait.cp, plait.ddp, plait.ep, plait.fsdp, plait.tp, plait.checkpoint
+        import plait, plait.check, plait.cp, plait.ddp, plait.ep, plait.fsdp, plait.tp, plait.state.checkpoint
         from plait.pipeline import draw
         from plait.pipeline.generators import one_f_one_b
         print(draw.render_text(one_f_one_b(2, 2)).splitlines()[0])

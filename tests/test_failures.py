@@ -390,7 +390,7 @@ def _checks_in_a_ddp_backward() -> tuple[int, int]:
     from torch import nn
 
     import plait
-    from plait.comm import guard
+    from plait.runtime.comm import guard
 
     mesh = cached_mesh(dp=2)
     model = plait.DDP(nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))), mesh, bucket_cap_mb=0.02)

@@ -1,4 +1,4 @@
-"""Proof that the layout fuzzer finds layout bugs: each test-only fault switch (`plait.faults`) on
+"""Proof that the layout fuzzer finds layout bugs: each test-only fault switch (`plait.runtime.faults`) on
 the smallest layout that exposes it fails `plait check` and is named where it lives; the same
 layout without the switch passes, so each switch is what the check sees.
 
@@ -79,9 +79,9 @@ def _fuzz_in_job():
     reference process for all of them: in float64 at the default tolerance, then in the budgeted
     dtypes at their error budgets."""
     import plait
-    from plait import faults
     from plait.app.check import layout_from_flags
     from plait.check.fuzz import Layout, run_layouts
+    from plait.runtime import faults
 
     runs = [("float64", fault) for fault in CASES] + [(dt, f) for dt, fs in BUDGETED.items() for f in fs]
     runs += [("bf16 mixed", fault) for fault in MIXED]
@@ -111,7 +111,7 @@ def outcomes(runs):
 
 
 def test_every_fault_has_a_layout():
-    from plait import faults
+    from plait.runtime import faults
 
     assert sorted(CASES) == sorted(faults.FAULTS)
 
@@ -187,7 +187,7 @@ def test_mixed_precision_is_held_to_its_compute_dtypes_budget(runs):
 
 
 def test_faults_are_off_unless_injected():
-    from plait import faults
+    from plait.runtime import faults
 
     assert not any(faults.active(f) for f in faults.FAULTS)
     with faults.inject("ddp-divisor"):

@@ -72,7 +72,7 @@ BAD = [
     (dict(strategy="ddp", nproc=4, pp=4, schedule="interleaved", microbatches=2, batch_size=8),
      "--schedule interleaved .*at least as many microbatches"),
     (dict(schedule="round-robin"), "--schedule must be one of"),
-    # The plan's rules (plait.rules, ParallelPlan), said in flags.
+    # The plan's rules (plait.compose.rules, ParallelPlan), said in flags.
     (dict(chunks=2), "--chunks 2 is a pipeline option, read only when the mesh has pp > 1; .* has --pp 1"),
     (dict(strategy="dp", nproc=2, chunks=3), "--chunks 3 is a pipeline option, read only when"),
     (dict(seq_len=10**7), "--seq-len 10000000: .*held-out 5%"),
@@ -292,7 +292,7 @@ def test_cli_refuses_in_the_parent_before_spawning(tmp_path, monkeypatch, capsys
         assert message in capsys.readouterr().err, args
 
 
-PLAN_RULES = [  # rules plait.rules and ParallelPlan decide, said in the flags that were typed
+PLAN_RULES = [  # rules plait.compose.rules and ParallelPlan decide, said in the flags that were typed
     (["--strategy", "ddp", "--nproc", "2", "--zero-stage", "2"],
      "--zero-stage 2 applies to --strategy fsdp only", "zero_stage"),
     (["--strategy", "dp", "--nproc", "2", "--offload", "--no-backward-prefetch"],
@@ -332,7 +332,7 @@ def test_plan_rules_are_refused_by_flag_before_spawning(monkeypatch, capsys, arg
 
 def test_in_flags_says_a_plan_refusal_in_flags():
     from plait.app.config import in_flags
-    from plait.rules import LayoutError
+    from plait.compose.rules import LayoutError
 
     with pytest.raises(LayoutError) as e:
         plait.ParallelPlan(data="ddp", zero_stage=1, reshard_after_forward=False)

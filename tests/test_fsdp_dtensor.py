@@ -20,8 +20,8 @@ CFG = dict(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32)
 def _models(zero_stage: int = 3, seed: int = 1, **fsdp_kw):
     """(the oracle, its FSDP twin at fsdp=world built on meta) in float64."""
     import plait
-    from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
+    from plait.state.materialize import init_weights
 
     cfg = GPTConfig(**CFG)
     oracle = init_weights(GPT(cfg).to(torch.float64), seed=seed)
@@ -261,9 +261,9 @@ def test_torch_state_dict_functions_work_on_fsdp(pools):
 def _fsdp_tp(fsdp: int, tp: int):
     """(oracle, FSDP over tensor parallelism at fsdp x tp, its loss) in float64."""
     import plait
-    from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
     from plait.plans import gpt_plan
+    from plait.state.materialize import init_weights
     from plait.tp.apply import loss_fn_for
 
     cfg = GPTConfig(**CFG)

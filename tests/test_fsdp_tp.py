@@ -33,11 +33,11 @@ def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_st
                     steps: int = 5) -> dict:
     import plait
     from plait.fsdp.wrapper import FullyShardedDataParallel
-    from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
-    from plait.placement import tp_info
-    from plait.placement.state import full_state_dict
     from plait.plans import gpt_plan
+    from plait.state.materialize import init_weights
+    from plait.state.placement import tp_info
+    from plait.state.placement.state import full_state_dict
     from plait.tp.apply import loss_fn_for
 
     mesh = cached_mesh(dp=dp, fsdp=fsdp, tp=tp)
@@ -117,7 +117,7 @@ def _hook_carried_over() -> bool:
     from torch import nn
 
     from plait.fsdp.wrapper import FullyShardedDataParallel
-    from plait.placement.records import placement_for
+    from plait.state.placement.records import placement_for
 
     lin = nn.Linear(4, 4)
     lin.weight.register_hook(lambda g: g * 3)  # lost with the parameter object

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from plait.heal import Epoch, Quorum, split
+from plait.runtime.heal import Epoch, Quorum, split
 
 # A tiny byte-level run whose learning rate is constant after the first step (--min-lr-ratio 1), so
 # its first K steps are the same whatever --steps says: the healed run is stopped by a signal once

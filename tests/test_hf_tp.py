@@ -431,8 +431,8 @@ def _vocab_parallel_step(family: str) -> None:
     loss = plait.loss_fn_for(model)(model(ids).logits, tgt)
     loss.backward()
     torch.testing.assert_close(loss.double(), _loss(oracle(ids).logits, tgt), rtol=1e-6, atol=0)
-    from plait.placement import tp_info
-    from plait.placement.state import checkpoint_entry, restore_entry
+    from plait.state.placement import tp_info
+    from plait.state.placement.state import checkpoint_entry, restore_entry
 
     info = tp_info(model)
     ref = dict(oracle.named_parameters(remove_duplicate=False))

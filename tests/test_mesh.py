@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from plait import comm
-from plait.mesh import Mesh
+from plait.runtime.mesh import Mesh
 from plait.testing import cached_mesh
 
 
@@ -83,7 +83,7 @@ def test_wildcard_axis(pools):
 
 
 def test_slurm_and_torchrun_env():
-    from plait.env import launch_from_env
+    from plait.runtime.env import launch_from_env
 
     job = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "8", "SLURM_NODELIST": "gpu[007-008,12]"}
     s = launch_from_env({**job, "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0"})
@@ -158,7 +158,7 @@ def test_mesh_degrees_are_keywords_in_rank_order():
     listed in the order ranks are laid out, tp fastest."""
     import inspect
 
-    from plait.mesh import AXES, Mesh
+    from plait.runtime.mesh import AXES, Mesh
 
     params = inspect.signature(Mesh).parameters
     assert [p for p in params if p in AXES] == list(AXES)

@@ -324,8 +324,8 @@ def test_transformers_llama_on_meta_takes_its_norms_and_rotary_table_from_its_in
 
 def test_blocks_of_a_module_dict_are_units_and_checkpointed_and_one_unit_is_announced(caplog):
     import plait
-    from plait.activation_checkpointing import select_blocks
-    from plait.blocks import blocks
+    from plait.compose.activation_checkpointing import select_blocks
+    from plait.state.blocks import blocks
 
     assert blocks(Transformer()) == select_blocks(Transformer()) == ["layers.0", "layers.1"]
     assert blocks(nn.Sequential(TransformerBlock(), TransformerBlock())) == ["0", "1"]

@@ -97,7 +97,7 @@ def _run_layout(degrees: dict, mp: str | None) -> dict:
     from plait import comm
     from plait.models.gpt import GPT, GPTConfig, lm_loss
     from plait.pipeline import Pipeline
-    from plait.placement import tp_info
+    from plait.state.placement import tp_info
 
     mesh = cached_mesh(**degrees)
     cfg = GPTConfig(**TINY)
@@ -356,7 +356,7 @@ def test_policy_output_dtype_and_input_casts():
     """MixedPrecision's output_dtype casts the root's floating outputs; cast_forward_inputs=False
     leaves its inputs as they come (torch's MixedPrecisionPolicy fields)."""
     import plait
-    from plait.precision import MixedPrecision
+    from plait.compose.precision import MixedPrecision
 
     class Seen(torch.nn.Module):
         def __init__(self) -> None:

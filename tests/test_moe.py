@@ -361,7 +361,7 @@ def test_transformers_stacked_experts_are_refused_where_they_cannot_split():
     # transformers 5 keeps each layer's experts in 3-D tensors (MixtralExperts.gate_up_proj ...);
     # ep splits them by rows (tests/test_hf_ep.py), except where the counts or a tp plan forbid.
     import plait
-    from plait.rules import LayoutError, check_layout
+    from plait.compose.rules import LayoutError, check_layout
 
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()

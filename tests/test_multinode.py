@@ -19,7 +19,7 @@ import pytest
 from oracle import TRAIN_ARGV
 from test_exit import descendants
 
-from plait.env import DEFAULT_TIMEOUT_S, free_port
+from plait.runtime.env import DEFAULT_TIMEOUT_S, free_port
 
 
 def _node(node: int, endpoint: str, args: list[str], per_node: int, restarts: int = 0) -> subprocess.Popen:

@@ -47,8 +47,8 @@ def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, accumulate: bool = Fal
     optimizer step, the first inside ``no_sync``; ``tie``: the embedding and LM head share a weight."""
     import plait
     from plait import comm
-    from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
+    from plait.state.materialize import init_weights
 
     mesh = cached_mesh(**mesh_kw)
     dtype = torch.float64
@@ -180,8 +180,8 @@ def test_pp2_hsdp_dp2_fsdp2_matches_single_process(pools):
 
 def _mixed(mp: str) -> list[float]:
     import plait
-    from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig, lm_loss
+    from plait.state.materialize import init_weights
 
     mesh = cached_mesh(pp=2, fsdp=2)
     cfg = GPTConfig(**CFG)

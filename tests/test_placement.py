@@ -3,7 +3,7 @@
 After `plait.parallelize` of a GPT under tp2 x ep2 (experts split over ep and by hidden
 units over tp, on plain shards), dp2 x tp2 (dense: DDP over the leaves of tp's DTensors) and fsdp2 x tp2
 with sequence parallelism, and after one backward, no parameter, plain leaf or gradient carries
-any ``_plait_*`` attribute but the record (`plait.placement.placement_of`), and the records say
+any ``_plait_*`` attribute but the record (`plait.state.placement.placement_of`), and the records say
 what each strategy did: experts their `ExpertPlacement` and tp shards their piece, the leaves DDP
 reduces `ParamState.GRAD_PUBLISHED`, the sequence-sharded weights under FSDP the gradient hooks tp
 handed over.
@@ -29,9 +29,9 @@ def _marks(t: torch.Tensor) -> set[str]:
 def _records_after_a_backward(layout: str) -> dict:
     import plait
     from plait.models.gpt import GPT, GPTConfig
-    from plait.placement import ParamState, placement_of
-    from plait.placement.records import plain_leaf
     from plait.plans import gpt_plan
+    from plait.state.placement import ParamState, placement_of
+    from plait.state.placement.records import plain_leaf
 
     dense = layout == "dp-tp"  # experts are plain shards: ep makes tp's DTensors plain
     model = plait.init_weights(GPT(GPTConfig(**{**CFG, "n_experts": 0} if dense else CFG)), seed=3)

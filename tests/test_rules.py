@@ -1,4 +1,4 @@
-"""`plait.rules.check_layout`: whether a layout can run, decided in one process from a meta model,
+"""`plait.compose.rules.check_layout`: whether a layout can run, decided in one process from a meta model,
 the mesh's degrees and the plan, with no process group, in well under a second; refusals name
 their fields and the nearest degrees that fit. `plait.parallelize`, `plait train`, `plait check`
 and `plait plan` all run it (their own tests meet its refusals through them)."""
@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 import plait
 from plait.app.config import TrainConfig
+from plait.compose.rules import LayoutError, MeshShape, check_layout
 from plait.models.gpt import GPT, GPTConfig
-from plait.rules import LayoutError, MeshShape, check_layout
 
 
 def _meta_gpt(**kw) -> tuple[GPTConfig, torch.nn.Module]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.straggler import Blame
+from plait.runtime.straggler import Blame
 
 SLEEP_S = 0.06  # per forward on the slow rank: far above a tiny model's step on two ranks
 
@@ -67,7 +67,7 @@ def test_an_even_run_raises_no_alarm(pools, tmp_path):
 def test_blame_with_the_desync_check_off_is_refused_by_name():
     # It measures the check's waits: with the check off it would name no one, ever.
     from plait import comm
-    from plait.straggler import StragglerTracker
+    from plait.runtime.straggler import StragglerTracker
 
     with comm.desync_check("off"), pytest.raises(ValueError, match="desync check, which is off"):
         StragglerTracker()

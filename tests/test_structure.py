@@ -1,6 +1,7 @@
-"""The layout keeps its promises: no import cycles, no private names across modules, names that
-import (no package attribute hides its own submodule, every name the README shows resolves), and
-a public face that docs/api.md lists whole (only public modules define `__all__`)."""
+"""The layout keeps its promises: folders by role at the top with a few modules beside them, layers
+that import only downward, no import cycles, no private names across modules, names that import
+(no package attribute hides its own submodule, every name the README shows resolves), and a public
+face that docs/api.md lists whole (only public modules define `__all__`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 import plait
 import plait.pipeline.split
-from plait.callable_module import CallableModule
+from plait.runtime.callable_module import CallableModule
 
 ROOT = Path(plait.__file__).resolve().parent
 README = ROOT.parent.parent / "README.md"
@@ -112,13 +113,58 @@ def test_the_library_never_imports_the_application():
     assert not bad, bad
 
 
+# The top of the package: the folders by role (DESIGN.md, "Layout") and the few modules that belong
+# to no one of them, each with its reason. Everything else lives in a folder.
+TOP_MODULES = {
+    "__init__": "the public names (`plait.Mesh`, `plait.comm`, ...)",
+    "__main__": "`python -m plait`, the command",
+    "_torch_compat": "the one place for private torch and CPython APIs",
+    "data_parallel": "DataParallel: a strategy of one file",
+    "losses": "public (`plait.losses.lm_loss`): the loss the reference models and tensor parallelism "
+              "both compute, which neither may import from the other",
+    "testing": "public (`plait.testing`): the rank pools tests run on, built on the facade",
+}
+TOP_FOLDERS = {
+    "runtime": "the process layer: env, mesh, comm, desync, straggler, faults, healing",
+    "state": "materialization, state dicts, checkpoints, the placement record and its readers",
+    "ddp": "a strategy", "fsdp": "a strategy", "tp": "a strategy", "cp": "a strategy", "ep": "a strategy",
+    "pipeline": "a strategy: splits and schedules",
+    "compose": "ParallelPlan, the rules, parallelize, activation checkpointing, mixed precision",
+    "plans": "tensor-parallel plans for model families",
+    "check": "parity against one process, the fuzzer, error budgets",
+    "models": "the reference GPT and MoE, with no parallel code",
+    "app": "the `plait` command",
+}
+ROLE_FOLDERS = ("runtime", "state", "compose")
+
+
+def test_the_top_level_holds_the_folders_by_role_and_a_few_modules():
+    modules = {p.stem for p in ROOT.glob("*.py")}
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    assert modules <= set(TOP_MODULES), f"{sorted(modules - set(TOP_MODULES))}: move each into a folder"
+    assert folders <= set(TOP_FOLDERS), f"{sorted(folders - set(TOP_FOLDERS))}: not in DESIGN.md's layout"
+    gone = sorted((set(TOP_MODULES) - modules) | (set(TOP_FOLDERS) - folders))
+    assert not gone, f"no longer at the top, drop from TOP_MODULES / TOP_FOLDERS: {gone}"
+
+
+def test_the_role_folders_import_nothing_when_entered():
+    """`runtime/`, `state/` and `compose/` are folders, not faces: their ``__init__`` holds a
+    docstring only, so importing one module of a folder loads no other."""
+    for folder in ROLE_FOLDERS:
+        body = ast.parse((ROOT / folder / "__init__.py").read_text()).body
+        assert [type(node) for node in body] == [ast.Expr], folder
+        assert isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), folder
+
+
 # The strategies: each places parameters or runs the model its own way, and none imports another.
 STRATEGIES = ("plait.ddp", "plait.fsdp", "plait.tp", "plait.ep", "plait.cp", "plait.pipeline",
-              "plait.data_parallel", "plait.activation_checkpointing")
-# What learns how a parameter is placed from `plait.placement` alone (never from the strategy
-# that placed it), and the record itself.
-PLACEMENT_READERS = ("plait.ddp", "plait.fsdp", "plait.clip", "plait.state_dict", "plait.checkpoint",
-                     "plait.activation_checkpointing", "plait.materialize", "plait.placement")
+              "plait.data_parallel", "plait.compose.activation_checkpointing")
+# What learns how a parameter is placed from `plait.state.placement` alone (never from the strategy
+# that placed it): DDP, FSDP, activation checkpointing, and the whole of `plait.state` (the record
+# itself, materialization, state dicts, checkpoints, clipping).
+PLACEMENT_READERS = ("plait.ddp", "plait.fsdp", "plait.compose.activation_checkpointing", "plait.state")
+
+
 def _owner(module: str, owners: tuple[str, ...]) -> str | None:
     return next((o for o in owners if module == o or module.startswith(o + ".")), None)
 
@@ -137,19 +183,61 @@ def _cross_edges(imports: dict[str, set[tuple[str, str]]]) -> set[tuple[str, str
 
 
 def test_the_strategy_edge_finder_sees_a_reader_importing_a_strategy():
-    mods = {"plait.clip": (ast.parse("def f():\n    from plait.tp.apply import tp_info\n"), False),
-            "plait.tp.apply": (ast.parse("from plait.rng import RNGFork\n"), False),
-            "plait.rng": (ast.parse(""), False)}
-    assert _cross_edges(_imports(mods)) == {("plait.clip", "plait.tp")}
+    mods = {"plait.state.clip": (ast.parse("def f():\n    from plait.tp.apply import tp_info\n"), False),
+            "plait.tp.apply": (ast.parse("from plait.runtime.rng import RNGFork\n"), False),
+            "plait.runtime.rng": (ast.parse(""), False)}
+    assert _cross_edges(_imports(mods)) == {("plait.state", "plait.tp")}
 
 
 def test_no_strategy_imports_another_and_readers_read_only_the_placement_record():
     """DDP, FSDP, clipping, state dicts and checkpoints learn how each parameter is placed from
-    `plait.placement`, which tensor and expert parallelism write; no strategy imports another at
+    `plait.state.placement`, which tensor and expert parallelism write; no strategy imports another at
     all (`plait.parallelize` is the composition and may): the pipeline only splits and schedules,
-    and a block's checkpointing record lives in `plait.blocks`."""
+    and a block's checkpointing record lives in `plait.state.blocks`."""
     edges = _cross_edges(_imports(_modules()))
     assert not edges, sorted(edges)
+
+
+# The layers, lowest first: a module imports from its own layer and those below it, never above
+# (`plait._torch_compat`, `plait.losses` and the facade's `__version__` are beside every layer).
+LAYERS = (("plait.runtime",), ("plait.state",),
+          ("plait.ddp", "plait.fsdp", "plait.tp", "plait.ep", "plait.cp", "plait.pipeline",
+           "plait.data_parallel"),
+          ("plait.compose",))
+# Imports that run up a layer, each for a reason; the test fails when one goes (drop it).
+UPWARD = {
+    # The mixed-precision policy and what `mixed_precision` recorded on a module (`precision_of`):
+    # DDP and DataParallel keep the fp32 masters by it, FSDP casts its shards by it.
+    ("plait.ddp.state", "plait.compose.precision"), ("plait.data_parallel", "plait.compose.precision"),
+    ("plait.fsdp.hooks", "plait.compose.precision"), ("plait.fsdp.units", "plait.compose.precision"),
+    ("plait.fsdp.wrapper", "plait.compose.precision"),
+}
+
+
+def _layer(module: str) -> int | None:
+    return next((i for i, owners in enumerate(LAYERS) if _owner(module, owners)), None)
+
+
+def _upward(imports: dict[str, set[tuple[str, str]]]) -> set[tuple[str, str]]:
+    """(importer, imported) for every import, at any depth, from a layer into a higher one."""
+    return {(m, t) for m, deps in imports.items() for t, _ in deps
+            if (low := _layer(m)) is not None and (high := _layer(t)) is not None and high > low}
+
+
+def test_the_layer_finder_sees_an_import_that_runs_up():
+    mods = {"plait.runtime.mesh": (ast.parse("def f():\n    from plait.state.names import matches\n"), False),
+            "plait.state.names": (ast.parse("from plait.runtime.mesh import Mesh\n"), False),
+            "plait.tp.apply": (ast.parse("from plait.state.names import matches\n"), False)}
+    assert _upward(_imports(mods)) == {("plait.runtime.mesh", "plait.state.names")}
+
+
+def test_the_folders_by_role_import_only_downward():
+    """runtime/ imports nothing above it; state/ only runtime/; the strategies only state/ and
+    runtime/ (and no other strategy); compose/ any of them: a folder can be read, tested and
+    replaced with only what lies below it."""
+    found = _upward(_imports(_modules()))
+    assert not found - UPWARD, sorted(found - UPWARD)
+    assert not UPWARD - found, f"no longer imported, drop from UPWARD: {sorted(UPWARD - found)}"
 
 
 # One interpreter imports torch (most of a fresh interpreter's start) and forks a child per
@@ -264,7 +352,8 @@ def test_no_package_attribute_hides_its_submodule(fresh):
     assert json.loads(fresh(SHADOWS)) == []
 
 
-CALLABLE_MODULES = ("plait.activation_checkpointing", "plait.check", "plait.parallelize", "plait.pipeline")
+CALLABLE_MODULES = ("plait.check", "plait.compose.activation_checkpointing", "plait.compose.parallelize",
+                    "plait.pipeline")
 
 
 def _callable_modules() -> list[str]:
@@ -362,7 +451,7 @@ def test_names_in_the_package_docs_resolve_after_import_plait(fresh, written):
 
 def test_the_readme_lists_the_composition_order_as_parallelize_applies_it():
     """`plait.parallelize.ORDER`, its docstring and the README say the same order."""
-    from plait.parallelize import ORDER
+    from plait.compose.parallelize import ORDER
 
     said = re.search(r"in one fixed order — (.*?) —", README.read_text(), flags=re.S)
     assert said, "README: the order sentence is gone"
@@ -376,7 +465,7 @@ def test_the_readme_lists_the_composition_order_as_parallelize_applies_it():
 def test_each_composition_step_is_called_once_for_both_paths():
     """The order is written once: `plait.parallelize` calls each strategy in one place, a step
     the plain path and every pipeline stage share (not one copy per path)."""
-    import plait.parallelize as composition
+    import plait.compose.parallelize as composition
 
     tree = ast.parse(inspect.getsource(composition))
     called = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
@@ -603,13 +692,13 @@ def test_the_api_page_reader_sees_each_kind_of_row():
 |---|---|
 | `plait.init(seed=0)`, `plait.comm` | a, `not_a_name` |
 | `plait.SyncBatchNorm.convert_sync_batchnorm(model, mesh)` / `plait.SyncBatchNorm(n)` | |
-## `plait.straggler`
-| `StragglerTracker()`, `.step()`, `Blame` | in `plait.straggler` |
+## `plait.runtime.straggler`
+| `StragglerTracker()`, `.step()`, `Blame` | in `plait.runtime.straggler` |
 ## Building on the meta device
 | `not_listed` | |
 """
     assert _listed(page) == {"plait": ["init", "comm", "SyncBatchNorm", "SyncBatchNorm"],
-                             "plait.straggler": ["StragglerTracker", "Blame"]}
+                             "plait.runtime.straggler": ["StragglerTracker", "Blame"]}
 
 
 def test_internal_modules_define_no_all_and_public_ones_have_a_section_in_the_api_page():

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.compose.sync_batchnorm import SyncBatchNorm
 from plait.data_parallel import DataParallel
-from plait.sync_batchnorm import SyncBatchNorm
 
 STEPS = 3
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -57,7 +57,7 @@ def _oracle(sizes: list[int]) -> dict:
 def _train(layout: str, sizes: list[int]) -> dict:
     from plait.ddp import DDP
     from plait.fsdp import FSDP
-    from plait.state_dict import full_state_dict
+    from plait.state.state_dict import full_state_dict
     from plait.testing import cached_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -141,7 +141,7 @@ def _join_oracle() -> dict:
 
 def _train_join() -> dict:
     from plait.ddp import DDP
-    from plait.state_dict import full_state_dict
+    from plait.state.state_dict import full_state_dict
     from plait.testing import cached_mesh
 
     rank = dist.get_rank()
@@ -183,7 +183,7 @@ def test_join_a_rank_without_batches_adds_count_zero(pools):
 def _per_rank_batchnorm(folder: str) -> dict:
     from plait import checkpoint
     from plait.ddp import DDP
-    from plait.state_dict import full_state_dict
+    from plait.state.state_dict import full_state_dict
     from plait.testing import cached_mesh
 
     rank = dist.get_rank()
@@ -261,7 +261,7 @@ def test_check_explains_batchnorm_divergence(pools):
 def test_a_rank_that_joins_before_any_step_says_why():
     """A rank with no batch at all cannot know which collectives to mirror: it raises, naming the
     reason, rather than leaving the others waiting silently."""
-    from plait.sync_batchnorm import _Sync
+    from plait.compose.sync_batchnorm import _Sync
 
     with pytest.raises(RuntimeError, match="joined before it trained a step"):
         _Sync(group=None, world=2).shadow_step()  # type: ignore[arg-type]

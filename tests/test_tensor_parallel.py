@@ -81,7 +81,7 @@ def _case(kind: str) -> tuple[nn.Module, dict, torch.Tensor, bool]:
 def _style_vs_dense(kind: str, tp: int, sp: bool) -> None:
     import copy
 
-    from plait.placement import tp_info
+    from plait.state.placement import tp_info
     from plait.tp.apply import loss_fn_for, tensor_parallel
 
     mesh = cached_mesh(tp=tp)
@@ -143,13 +143,13 @@ def _batch(step: int, vocab: int, b: int = 4, s: int = 16) -> tuple[torch.Tensor
 def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, dp: int = 1, steps: int = 5) -> dict:
     from contextlib import nullcontext
 
-    from plait.clip import clip_grad_norm_
     from plait.ddp.wrapper import DDP
-    from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
-    from plait.placement import tp_info
-    from plait.placement.state import full_state_dict, load_full_state_dict
     from plait.plans import gpt_plan
+    from plait.state.clip import clip_grad_norm_
+    from plait.state.materialize import init_weights
+    from plait.state.placement import tp_info
+    from plait.state.placement.state import full_state_dict, load_full_state_dict
     from plait.tp.apply import loss_fn_for, tensor_parallel
 
     mesh = cached_mesh(dp=dp, tp=tp)
@@ -191,7 +191,7 @@ def _gpt_parity(tp: int, sp: bool, cfg_kw: dict, loss_parallel: bool, dp: int = 
         torch.testing.assert_close(loss, loss64(logits_ref[mine], tgt[mine]).detach(), **TOL64)
         norm_ref = torch.nn.utils.clip_grad_norm_(oracle.parameters(), MAX_NORM)
         assert norm_ref > MAX_NORM  # clipping scales the gradients compared below
-        # The whole model's norm, from every shard (plait.clip sums it in float64).
+        # The whole model's norm, from every shard (plait.state.clip sums it in float64).
         torch.testing.assert_close(clip_grad_norm_(net, MAX_NORM).double(), norm_ref, **TOL64)
         if step == 0:
             check("clipped gradient of", lambda p: p.grad)

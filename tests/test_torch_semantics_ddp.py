@@ -1532,7 +1532,7 @@ def _sync_bn_parity(build, shape: tuple[int, ...], sizes: list[int], iters: int,
                     memory_format: torch.memory_format = torch.contiguous_format) -> float:
     """Train ``build()`` with SyncBatchNorm under DDP (rank r holds ``sizes[r]`` rows of the global
     batch) and alone on the global batch; the largest difference of parameters and buffers."""
-    from plait.sync_batchnorm import SyncBatchNorm
+    from plait.compose.sync_batchnorm import SyncBatchNorm
 
     mesh, rank = cached_mesh(dp=2), dist.get_rank()
     torch.manual_seed(0)
@@ -1560,7 +1560,7 @@ def _sync_bn_parity(build, shape: tuple[int, ...], sizes: list[int], iters: int,
 
 
 def _sync_bn_cases() -> dict:
-    from plait.sync_batchnorm import SyncBatchNorm
+    from plait.compose.sync_batchnorm import SyncBatchNorm
 
     mesh, rank = cached_mesh(dp=2), dist.get_rank()
     out = {

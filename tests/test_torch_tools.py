@@ -42,9 +42,9 @@ def _torch_clip_on(layout: dict, steps: int = 2) -> list[str]:
     process's norm) or "right" (its norm was one process's). The whole state must match one
     process's after the steps."""
     import plait
-    from plait.dtensors import local_of
     from plait.models.gpt import GPT, GPTConfig
-    from plait.placement.pieces import TorchToolRefused
+    from plait.state.dtensors import local_of
+    from plait.state.placement.pieces import TorchToolRefused
 
     axes = {k: v for k, v in layout.items() if k in ("dp", "fsdp", "tp", "ep", "pp")}
     mesh = cached_mesh(**axes)
@@ -113,7 +113,7 @@ def _refusal_messages() -> dict[str, str]:
     from torch import nn
 
     import plait
-    from plait.placement.pieces import TorchToolRefused
+    from plait.state.placement.pieces import TorchToolRefused
     from plait.tp.styles import ColwiseParallel
 
     net = plait.tensor_parallel(nn.Sequential(nn.Linear(8, 24)).double(), cached_mesh(tp=2),
@@ -227,8 +227,8 @@ def _one_process_from(path: str, vocab: int) -> dict:
 
 @pytest.mark.parametrize("vocab", [64, 63])  # 63: the vocabulary split pads rank 1's rows
 def test_dcp_of_a_tp_state_dict_loads_into_one_process_and_another_tp_model(pools, tmp_path, vocab):
-    from plait.materialize import init_weights
     from plait.models.gpt import GPT, GPTConfig
+    from plait.state.materialize import init_weights
 
     path = str(tmp_path / "ck")
     got = pools[2].run(_tp_dcp, path, vocab)
@@ -270,7 +270,7 @@ def _autocast_grads(layout: dict) -> dict[str, float]:
     once without: the largest relative difference of a whole gradient from each."""
     import plait
     from plait.models.gpt import GPT, GPTConfig
-    from plait.placement import tp_info
+    from plait.state.placement import tp_info
 
     mesh = cached_mesh(**{k: v for k, v in layout.items() if k != "data"})
     cfg = GPTConfig(**CFG)

@@ -11,7 +11,7 @@ import pytest
 
 from plait.app.step import lr_at
 from plait.app.train import TrainConfig
-from plait.env import free_port
+from plait.runtime.env import free_port
 
 
 def _no_constant(name: str):

@@ -222,7 +222,7 @@ def replica_of(module: torch.nn.Module) -> torch.nn.Module:
     return module._replicate_for_data_parallel()
 
 
-# A tensor subclass that must behave as a plain tensor (a marked gradient, `plait.placement.pieces`)
+# A tensor subclass that must behave as a plain tensor (a marked gradient, `plait.state.placement.pieces`)
 # runs each torch function with subclass dispatch off, so its results are plain tensors: the
 # documented default (``super().__torch_function__``) would turn every result into the subclass,
 # spreading the mark into optimizer states. torch names no public switch for this. Tested on 2.6 and
@@ -250,14 +250,14 @@ def savable_dtensor(dt: Any) -> Any:
 
 # Classes torch keeps private but every library subclasses or tests against: the common base of
 # BatchNorm1d/2d/3d (what `SyncBatchNorm.convert_sync_batchnorm` converts, as torch's own does) and
-# of every dropout layer (what `plait.rng` finds to fork the random stream for). Both resolved at
+# of every dropout layer (what `plait.runtime.rng` finds to fork the random stream for). Both resolved at
 # import on 2.6 and 2.13; dropout's tested on 2.6 and 2.13 (tensor parallelism's random forks),
 # batch norm's on 2.13 (tests/test_sync_batchnorm.py). Can go when torch exports public bases.
 BatchNormBase = nn.modules.batchnorm._BatchNorm
 DropoutBase = nn.modules.dropout._DropoutNd
 
 # The fused multi-tensor norm torch's own clip_grad_norm_ calls (one kernel per device and dtype);
-# `plait.placement.pieces` must recognise it among the norms it refuses on pieces. Resolved at import
+# `plait.state.placement.pieces` must recognise it among the norms it refuses on pieces. Resolved at import
 # on 2.6 and 2.13, the refusal tested on 2.13 (tests/test_torch_tools.py); can go with the refusals,
 # once tp pieces are DTensors for every torch tool.
 foreach_norm = torch._foreach_norm
@@ -293,7 +293,7 @@ def caller_frame(depth: int) -> FrameType | None:
 
     plait walks frames to name the user's line a collective came from (desync reports), which library
     code made a tensor without a device (`plait.testing.DeviceAudit`) and which torch module calls a
-    norm on a tp piece (`plait.placement.pieces`). ``sys._getframe(n)`` skips ``n`` frames in C;
+    norm on a tp piece (`plait.state.placement.pieces`). ``sys._getframe(n)`` skips ``n`` frames in C;
     ``inspect.stack`` reads every frame's source (far too slow per collective). A CPython API, not
     torch's: tested on 2.6 and 2.13 (every collective names its call site); can go for
     ``inspect.currentframe()`` and ``f_back`` if a Python without it must be supported."""
@@ -308,12 +308,12 @@ def set_class(obj: Any, cls: type) -> None:
     state: every reference already held sees the new class.
 
     Used where replacing the object would break what holds it: a module object made callable
-    (`plait.callable_module`), an embedding whose lookup tensor parallelism replaces (`plait.tp.styles`,
-    a subclass of its own class made per module), and a DTensor gradient marked as a tp piece (the
-    optimizer and ``.grad`` hold it). CPython allows the swap between classes of the same layout
-    (torch's tensor subclasses share theirs). Tested on 2.6 and 2.13; can go when each has another
-    route (a callable module: PEP 562 covers a module's attributes, not its call; the gradient: a
-    DTensor placement torch's tools read)."""
+    (`plait.runtime.callable_module`), an embedding whose lookup tensor parallelism replaces
+    (`plait.tp.styles`, a subclass of its own class made per module), and a DTensor gradient marked
+    as a tp piece (the optimizer and ``.grad`` hold it). CPython allows the swap between classes of
+    the same layout (torch's tensor subclasses share theirs). Tested on 2.6 and 2.13; can go when
+    each has another route (a callable module: PEP 562 covers a module's attributes, not its call;
+    the gradient: a DTensor placement torch's tools read)."""
     obj.__class__ = cls
 
 
@@ -378,7 +378,7 @@ def unwrap_apply(module: nn.Module) -> None:
 
 # The child name under which torch.compile's wrapper (OptimizedModule) holds the module it compiled:
 # its state-dict keys and module names carry it (``layers.3._orig_mod.attn``), and torch's own
-# state-dict helpers drop it as `plait.names` does. Tested on 2.6 and 2.13 (tests/test_state_dict.py
+# state-dict helpers drop it as `plait.state.names` does. Tested on 2.6 and 2.13 (tests/test_state_dict.py
 # compiles blocks); must follow torch if OptimizedModule renames it, can go when compiled modules keep
 # their original names.
 COMPILED_CHILD = "_orig_mod"

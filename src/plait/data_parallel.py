@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from plait._torch_compat import replica_of
-from plait.precision import precision_of
-from plait.wrapped_state import WrappedModuleState
+from plait.compose.precision import precision_of
+from plait.state.wrapped_state import WrappedModuleState
 
 __all__ = ["DataParallel", "data_parallel", "scatter", "gather", "replicate", "parallel_apply"]
 

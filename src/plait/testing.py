@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.overrides import TorchFunctionMode
 
 from plait._torch_compat import caller_frame
-from plait.env import free_port, set_rank_env
+from plait.runtime.env import free_port, set_rank_env
 
 __all__ = ["RankPool", "RankFailure", "cached_mesh", "DeviceAudit"]
 
@@ -35,7 +35,7 @@ _mesh_cache: dict[tuple[int, ...], Any] = {}
 
 def cached_mesh(pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1):
     """A `plait.Mesh` reused across tasks in one worker (process groups are costly to make)."""
-    from plait.mesh import Mesh
+    from plait.runtime.mesh import Mesh
 
     key = (pp, dp, fsdp, tp, cp, ep)
     if key not in _mesh_cache:
@@ -123,7 +123,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
         if item is None:
             return
         fn, args, kwargs = pickle.loads(item)
-        from plait import comm
+        from plait.runtime import comm
 
         mark = len(comm.created_groups())
         try:
@@ -131,7 +131,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
             if desync_check == "off":  # every collective of the task matched on every rank
                 comm.verify_history()
         except BaseException as e:  # report everything, keep serving
-            from plait.env import mark_failed
+            from plait.runtime.env import mark_failed
 
             # Its peers may be inside a collective it left: at exit, skip the goodbye barriers.
             mark_failed()
@@ -163,7 +163,7 @@ def _release_groups(mark: int, finished: bool) -> None:
     The result is sent before all this: the parent does not wait for the cleanup."""
     import torch.distributed as dist
 
-    from plait import comm
+    from plait.runtime import comm
 
     kept = {id(g) for mesh in _mesh_cache.values() for g in mesh.own_groups()}  # `cached_mesh`'s
     made = [g for g in comm.created_groups()[mark:] if id(g) not in kept and comm.is_registered(g)]

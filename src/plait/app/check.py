@@ -22,8 +22,8 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from plait.app.config import STRATEGIES, ParallelSection, given_flags, in_flags
-from plait.parallel_plan import ParallelPlan
-from plait.rules import LayoutError
+from plait.compose.parallel_plan import ParallelPlan
+from plait.compose.rules import LayoutError
 
 
 @dataclass
@@ -177,7 +177,7 @@ def cli_main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from plait.check import check
-    from plait.env import init, launch_from_env
+    from plait.runtime.env import init, launch_from_env
 
     cfg = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: the ranks and the one-process run are killed, the exchange

@@ -347,7 +347,7 @@ class BatchSampler:
 
     def windows(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets of the samples ``ids`` (any of `global_ids`: healing
-        replicas split a global batch unevenly, `plait.heal.split`)."""
+        replicas split a global batch unevenly, `plait.runtime.heal.split`)."""
         idx = ids[:, None] + np.arange(self.seq_len + 1)
         win = torch.from_numpy(np.asarray(self.tokens[idx]).astype(np.int64))
         return win[:, :-1], win[:, 1:]

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait import checkpoint
 from plait._torch_compat import dcp_load_in_this_process
 from plait.app import weights
-from plait.checkpoint.files import step_folders
-from plait.checkpoint.integrity import DCP_METADATA, CorruptCheckpoint, read_dcp_metadata
+from plait.state import checkpoint
+from plait.state.checkpoint.files import step_folders
+from plait.state.checkpoint.integrity import DCP_METADATA, CorruptCheckpoint, read_dcp_metadata
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

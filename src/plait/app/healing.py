@@ -1,14 +1,14 @@
 """`plait train --heal`: data-parallel replicas that heal without a restart.
 
-The command's process becomes the supervisor (`plait.heal.supervisor`): it hosts the run's
+The command's process becomes the supervisor (`plait.runtime.heal.supervisor`): it hosts the run's
 store, starts the replicas and, with ``--heal-replace``, a standby that replaces the first to die
 (and another standby behind it). A replica is one process under ``--strategy ddp`` (``--nproc``
 replicas) and ``--nproc / --dp`` processes under HSDP (``--strategy fsdp --dp R``: R replicas,
 each sharding the model over its processes). Each replica is a world of its own for
 torch.distributed; gradients are summed across replicas over the process groups of the current
-membership epoch (`plait.heal.replicas`). A step is:
+membership epoch (`plait.runtime.heal.replicas`). A step is:
 
-1. this process's share of the global batch (`plait.heal.split`: even, the first ones one larger);
+1. this process's share of the global batch (`plait.runtime.heal.split`: even, the first ones one larger);
 2. forward and backward. DDP divides this replica's gradient by B / k (its k of B samples) and sums
    it over the replicas in backward, so the sum is the mean over the samples actually used. Under
    HSDP each process's loss is weighted alike (times its k samples x F processes / B) before FSDP
@@ -45,20 +45,20 @@ import torch.distributed as dist
 from torch import nn
 
 import plait
-from plait import comm
 from plait.app import runlog
 from plait.app.config import TrainConfig
 from plait.app.data import BatchSampler, load_corpus
 from plait.app.stop import StopRequest
-from plait.clip import clip_grad_norm_
 from plait.ddp.wrapper import DistributedDataParallel
-from plait.heal import LiveState, Membership, Replicas, Supervisor
-from plait.heal.quorum import RunOver
-from plait.heal.replicas import FAILURES, MAX_RETRIES, comm_error_line
-from plait.heal.supervisor import ReplicasFailed
-from plait.heal.transfer import local
-from plait.mesh import Mesh
 from plait.models.gpt import lm_loss
+from plait.runtime import comm
+from plait.runtime.heal import LiveState, Membership, Replicas, Supervisor
+from plait.runtime.heal.quorum import RunOver
+from plait.runtime.heal.replicas import FAILURES, MAX_RETRIES, comm_error_line
+from plait.runtime.heal.supervisor import ReplicasFailed
+from plait.runtime.heal.transfer import local
+from plait.runtime.mesh import Mesh
+from plait.state.clip import clip_grad_norm_
 
 
 def _events(path: Path) -> Callable[[dict[str, Any]], None]:
@@ -179,7 +179,7 @@ def _replica_model(cfg: TrainConfig, member: Membership, device: torch.device) -
 
     if member.per_replica == 1:
         return DistributedDataParallel(unwrapped_model(cfg, device), Mesh(dp=1), broadcast_buffers=False)
-    from plait.parallelize import parallelize
+    from plait.compose.parallelize import parallelize
 
     model = unwrapped_model(cfg, "meta" if cfg.model.hf_config is None and cfg.model_factory is None
                             else device)
@@ -274,8 +274,8 @@ def _step(run: _Run, state: LiveState, replicas: Replicas, stop: StopRequest) ->
     grads = [p.grad for p in run.model.parameters() if p.grad is not None] if sharded else None
     total = replicas.reduce(stats, grads)
     if int(total[1]) != batch:
-        raise RuntimeError(f"plait.heal: the replicas read {int(total[1])} samples of a global batch of "
-                           f"{batch}")
+        raise RuntimeError(f"plait.runtime.heal: the replicas read {int(total[1])} samples of a global "
+                           f"batch of {batch}")
     norm = clip_grad_norm_(run.model, cfg.optimizer.grad_clip or math.inf)
     state.optimizer.step()
     state.step += 1

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plait.env import die_with_parent, free_port, set_rank_env
+from plait.runtime.env import die_with_parent, free_port, set_rank_env
 
 FAIL_GRACE_S = 5.0  # after a rank failed, how long its peers get to end on their own
 
@@ -66,7 +66,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, thread
     except SystemExit:
         raise  # a chosen exit (a run stopped by a signal): its code goes to the launcher
     except BaseException as e:
-        from plait.env import mark_failed
+        from plait.runtime.env import mark_failed
 
         mark_failed()  # its peers may be mid-collective: exit without the exit barrier
         if trace_dir is None:

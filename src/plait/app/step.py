@@ -17,15 +17,15 @@ import torch.distributed as dist
 from torch import nn
 
 import plait
-from plait import comm
 from plait.app import usermodel
 from plait.app.config import TrainConfig
 from plait.app.data import BatchSampler
-from plait.clip import clip_grad_norm_
-from plait.mesh import Mesh
 from plait.models.gpt import GPT, lm_loss
 from plait.models.moe import MoE, moe_layers, update_balance
 from plait.pipeline import Pipeline
+from plait.runtime import comm
+from plait.runtime.mesh import Mesh
+from plait.state.clip import clip_grad_norm_
 
 DATA_AXES = ("dp", "fsdp")  # ranks along these axes see different data
 # ... and along these different tokens: each rank's loss is the mean over its own tokens.
@@ -72,7 +72,7 @@ def build_model(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module
 
         devices = list(range(par.nproc)) if device.type == "cuda" else ["cpu"] * par.nproc
         return DataParallel(unwrapped_model(cfg, device), devices)
-    from plait.parallelize import parallelize
+    from plait.compose.parallelize import parallelize
 
     # plait's GPT starts on the meta device: each strategy materializes only what this rank keeps.
     own_gpt = cfg.model.hf_config is None and cfg.model_factory is None

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from plait import comm
+from plait.runtime import comm
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

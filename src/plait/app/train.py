@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 import plait
-from plait import checkpoint, comm
 from plait.app import runlog
 from plait.app.config import TrainConfig, given_flags, parse_args, to_toml
 from plait.app.data import BatchSampler, Corpus, fingerprint, load_corpus
@@ -40,11 +39,13 @@ from plait.app.step import (
 )
 from plait.app.stop import StopRequest
 from plait.app.watchdog import StepWatchdog
-from plait.env import launch_from_env
-from plait.mesh import Mesh
 from plait.models.gpt import lm_loss
 from plait.pipeline import Pipeline
-from plait.straggler import StragglerTracker
+from plait.runtime import comm
+from plait.runtime.env import launch_from_env
+from plait.runtime.mesh import Mesh
+from plait.runtime.straggler import StragglerTracker
+from plait.state import checkpoint
 from plait.tp.apply import loss_fn_for
 
 
@@ -449,7 +450,7 @@ def _run_here(cfg: TrainConfig, resume: str, rank: int, traces: Path) -> int:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # some of torch's errors are BaseExceptions (DCP's CheckpointException)
-            from plait.env import mark_failed
+            from plait.runtime.env import mark_failed
 
             mark_failed()
             path = record_failure(rank, e, traces)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from plait.check.common import CheckInputError, LossFn, load_factory
-from plait.env import seed_everything
+from plait.runtime.env import seed_everything
 
 
 def is_factory(name: str) -> bool:

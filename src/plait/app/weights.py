@@ -7,7 +7,7 @@ plait's GPT. The names are those of the unwrapped model's ``state_dict()``; a we
 another (an LM head sharing the embedding) is stored once, under its first name.
 
 `plait export` writes such folders; `plait train --init-from` reads them, each rank asking
-for the rows it keeps only (`FileTensor` is a `plait.tensor_source.TensorSource` over
+for the rows it keeps only (`FileTensor` is a `plait.state.tensor_source.TensorSource` over
 ``safe_open(...).get_slice(name)``).
 """
 

@@ -3,7 +3,7 @@
     report = plait.check("mymodels:build", plait.ParallelPlan(data="fsdp"), nproc=2)
     print(report.format()); assert report.ok
 
-The package is callable: ``plait.check(...)`` is `plait.check.check` (`plait.callable_module`).
+The package is callable: ``plait.check(...)`` is `plait.check.check` (`plait.runtime.callable_module`).
 
 How it works, and why this way:
 
@@ -43,11 +43,11 @@ factory); a loss that sums over the batch cannot match across data-parallel size
 precision runs in both processes and is held to its compute dtype's budget.
 """
 
-from plait.callable_module import make_callable
 from plait.check import oracle  # noqa: F401 (the reference process's entry point, named in the notes above)
 from plait.check.common import CheckInputError, load_factory, next_token_loss  # noqa: F401 (for the CLI)
 from plait.check.report import ActivationDiff, CheckReport, Divergence, StepDiff, TensorDiff
 from plait.check.run import DEFAULT_TOLERANCE, check, shared_reference  # noqa: F401
+from plait.runtime.callable_module import make_callable
 
 __all__ = ["check", "shared_reference", "CheckReport", "CheckInputError", "StepDiff", "TensorDiff",
            "ActivationDiff", "Divergence"]

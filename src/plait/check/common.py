@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.env import seed_everything
-from plait.parallel_plan import ParallelPlan
+from plait.compose.parallel_plan import ParallelPlan
+from plait.runtime.env import seed_everything
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 BatchFn = Callable[[int], Any]

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
 from plait._torch_compat import map_tensors, tensors_in
 from plait.check.budget import tolerance_of
 from plait.check.common import (
@@ -37,14 +36,15 @@ from plait.check.report import (
     tensor_diff,
     update_rounding,
 )
+from plait.compose.parallelize import ParallelPlan, parallelize
 from plait.cp import shard as cp_shard
-from plait.env import init
-from plait.materialize import is_meta
-from plait.mesh import AXES, Mesh
 from plait.models.moe import MoE
-from plait.parallelize import ParallelPlan, parallelize
 from plait.pipeline import Pipeline
-from plait.state_dict import full_state_dict
+from plait.runtime import comm
+from plait.runtime.env import init
+from plait.runtime.mesh import AXES, Mesh
+from plait.state.materialize import is_meta
+from plait.state.state_dict import full_state_dict
 from plait.tp import VocabParallelOutput, loss_fn_for, tp_info
 
 DATA_AXES = ("dp", "fsdp")  # ranks along these see different slices of the batch

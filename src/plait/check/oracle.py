@@ -32,9 +32,9 @@ from plait.check.common import (
     next_token_loss,
 )
 from plait.check.probe import Recorder
-from plait.env import die_with_parent, init
-from plait.materialize import is_meta, keep_whole, materialize
-from plait.precision import mixed_precision
+from plait.compose.precision import mixed_precision
+from plait.runtime.env import die_with_parent, init
+from plait.state.materialize import is_meta, keep_whole, materialize
 
 
 def main() -> None:
@@ -171,7 +171,7 @@ def _probe(model: nn.Module, recorder: Recorder, spec: Spec, inputs: Any, d: int
 
 
 def _has_sync_batchnorm(model: nn.Module) -> bool:
-    from plait.sync_batchnorm import SyncBatchNorm
+    from plait.compose.sync_batchnorm import SyncBatchNorm
 
     return any(isinstance(m, SyncBatchNorm) for m in model.modules())
 

@@ -304,7 +304,7 @@ def per_rank_batchnorms(model: torch.nn.Module) -> list[str]:
     """The BatchNorm layers of ``model`` that normalize with the statistics of the rows they see
     (every BatchNorm but `plait.SyncBatchNorm`): per rank in a layout that splits the batch."""
     from plait._torch_compat import BatchNormBase
-    from plait.sync_batchnorm import SyncBatchNorm
+    from plait.compose.sync_batchnorm import SyncBatchNorm
 
     return [name for name, m in model.named_modules()
             if isinstance(m, BatchNormBase) and not isinstance(m, SyncBatchNorm)]

@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from plait import comm
 from plait.check.common import CheckInputError, Exchange, Spec, load_factory, refuse_routing_in_half
 from plait.check.layout import LayoutRun, tp_styles
 from plait.check.report import CheckReport
-from plait.env import die_with_parent, free_port, init, mark_failed, set_rank_env
-from plait.mesh import AXES, Mesh
-from plait.parallel_plan import ParallelPlan
-from plait.rules import LayoutError, check_layout
+from plait.compose.parallel_plan import ParallelPlan
+from plait.compose.rules import LayoutError, check_layout
+from plait.runtime import comm
+from plait.runtime.env import die_with_parent, free_port, init, mark_failed, set_rank_env
+from plait.runtime.mesh import AXES, Mesh
 
 # Relative tolerances by dtype. float64 leaves room for reduction-order rounding (~1e-15) grown over
 # a few steps and for float32 islands inside models (norms that cast to float32); layout bugs are
@@ -162,7 +162,7 @@ def _fit(spec: Spec, world: int) -> Spec:
 
 
 def _check_rules(spec: Spec) -> None:
-    """`plait.rules.check_layout` here, before any process starts: the factory's model built on the
+    """`plait.compose.rules.check_layout` here, before any process starts: the factory's model built on the
     meta device (nothing allocated), the plan the ranks will use. A factory that cannot build on
     meta is left to the ranks, which run the same rules in `plait.parallelize`."""
     plan, full = spec.plan, spec.degrees

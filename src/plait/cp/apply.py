@@ -41,8 +41,8 @@ from plait.cp.layout import Layout
 from plait.cp.numeric import Verified, install_check
 from plait.cp.positions import POSITIONS, Watcher, install, positions_mode
 from plait.cp.ring import ring_attention
-from plait.mesh import Mesh
-from plait.names import matches
+from plait.runtime.mesh import Mesh
+from plait.state.names import matches
 
 ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}

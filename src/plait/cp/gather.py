@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from plait import comm
 from plait.cp.group import CPGroup
 from plait.cp.kernel import FULL, PARTIAL, block_forward
 from plait.cp.layout import Layout, Span
+from plait.runtime import comm
 
 
 def _longest(layout: Layout) -> int:

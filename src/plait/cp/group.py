@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from plait import comm
 from plait.cp.layout import Layout
-from plait.mesh import Mesh
+from plait.runtime import comm
+from plait.runtime.mesh import Mesh
 
 
 class Whole:

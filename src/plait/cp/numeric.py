@@ -9,7 +9,7 @@ most `TOKENS` tokens (a multiple of 2 * cp), and runs it twice without gradients
 once whole on every rank (attention and positions as the model computes them alone: the reference
 one process gives) and once split over cp as training will run it. Every output that carries the
 sequence on dim 1 (logits, hidden states) must agree with the reference's slice for the rank's
-tokens, within `plait.tolerance`'s bound (float64: 1e-8 of the largest entry; float32: 256 eps,
+tokens, within `plait.runtime.tolerance`'s bound (float64: 1e-8 of the largest entry; float32: 256 eps,
 3e-5; a 16-bit dtype anywhere in the run: 25%, as rounding adds up over a whole model's layers).
 The worst ratio is agreed over the data ranks (dp, fsdp, cp), so all of them refuse together,
 naming the output, the rank and the difference; otherwise the first forward goes on as if
@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
 from plait._torch_compat import eager, tensors_in, tree_flatten, tree_unflatten
 from plait.cp.group import CPGroup
 from plait.cp.layout import Layout
-from plait.tolerance import LowestPrecision
+from plait.runtime import comm
+from plait.runtime.tolerance import LowestPrecision
 
 HALF_BOUND = 0.25  # the least bound in bfloat16 and float16 (`bound`)
 TOKENS = 256  # the longest sequence the check runs: its cost stays one short forward at any length
@@ -127,7 +127,7 @@ def _verify(model: nn.Module, cp: CPGroup, agree: dist.ProcessGroup | None, args
 
 
 def bound(precision: LowestPrecision) -> float:
-    """`plait.tolerance`'s bound, but at least `HALF_BOUND` in a 16-bit dtype: the check compares a
+    """`plait.runtime.tolerance`'s bound, but at least `HALF_BOUND` in a 16-bit dtype: the check compares a
     whole model, whose rounding adds up over every layer, where tensor parallelism's compares one
     block (measured on the 25M GPT at 256 tokens: bf16 1.2% of the largest logit, float16 0.12%).
     A position counted from 0 moves the outputs by about half their size."""

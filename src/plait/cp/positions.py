@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from plait.blocks import blocks, checkpointed
 from plait.cp.group import CPGroup
+from plait.state.blocks import blocks, checkpointed
 
 POSITIONS = ("auto", "rotary", "position_ids", "counted", "none")
 

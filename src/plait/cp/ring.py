@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from plait import comm, faults
 from plait.cp.group import CPGroup
 from plait.cp.kernel import NONE, block_backward, block_forward, merge, visibility
 from plait.cp.layout import Layout
+from plait.runtime import comm, faults
 
 _KV, _GRAD = 0, 1  # exchange tags: the key/value blocks and their gradients travel together
 

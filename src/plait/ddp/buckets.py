@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait import comm
 from plait._torch_compat import tensors_in
+from plait.runtime import comm
 
 
 @dataclass

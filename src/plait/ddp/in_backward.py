@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from plait.ddp.buckets import Bucket, sparse_params
-from plait.placement.records import expert_of, plain_leaf
-from plait.placement.tp_params import gradient_assigned
+from plait.state.placement.records import expert_of, plain_leaf
+from plait.state.placement.tp_params import gradient_assigned
 
 InBackward = tuple[type[torch.optim.Optimizer], dict[str, Any]]
 

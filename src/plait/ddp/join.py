@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
-from plait import comm
-from plait.comm import broadcast_coalesced
-from plait.mesh import Mesh
+from plait.runtime import comm
+from plait.runtime.comm import broadcast_coalesced
+from plait.runtime.mesh import Mesh
 
 
 class Joining(Protocol):

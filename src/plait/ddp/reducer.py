@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait import comm, faults
 from plait._torch_compat import queue_end_of_backward
 from plait.ddp.buckets import Bucket
 from plait.ddp.hooks import CommHook, GradBucket, hook_result
 from plait.ddp.in_backward import BucketOptimizers
-from plait.placement.grads import reduce_expert_grads
-from plait.placement.tp_params import gradient_assigned
+from plait.runtime import comm, faults
+from plait.state.placement.grads import reduce_expert_grads
+from plait.state.placement.tp_params import gradient_assigned
 
 
 class Reducer:
@@ -260,7 +260,8 @@ class Reducer:
                 if p.grad is not None and p.grad is not b.grads[i]:
                     self._spent_grads.append(p.grad)
                 p.grad = b.grads[i]
-                gradient_assigned(p)  # a tp DTensor's gradient, or a piece's mark (`plait.placement.pieces`)
+                # a tp DTensor's gradient, or a piece's mark (`plait.state.placement.pieces`)
+                gradient_assigned(p)
             if self._in_backward is not None:
                 self._in_backward.step(b)
 

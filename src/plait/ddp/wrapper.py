@@ -28,9 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from plait import comm
 from plait._torch_compat import eager, in_backward_optimizers, take_in_backward_hooks
-from plait.comm import broadcast_coalesced
 from plait.ddp.buckets import (
     Bucket,
     BufferBroadcast,
@@ -44,14 +42,16 @@ from plait.ddp.in_backward import BucketOptimizers, InBackward, check_spec, refu
 from plait.ddp.join import DDPJoinHook, common_rank, step_counts
 from plait.ddp.reducer import Reducer
 from plait.ddp.state import DDPOptions, check_experts_placed, ignored_names, refuse_torch_only, wire_dtype
-from plait.materialize import is_meta
-from plait.mesh import Mesh
-from plait.placement.records import expert_of, plain_leaf
-from plait.placement.tp_params import let_wrapper_assign_grads
-from plait.wrapped_state import WrappedModuleState
+from plait.runtime import comm
+from plait.runtime.comm import broadcast_coalesced
+from plait.runtime.mesh import Mesh
+from plait.state.materialize import is_meta
+from plait.state.placement.records import expert_of, plain_leaf
+from plait.state.placement.tp_params import let_wrapper_assign_grads
+from plait.state.wrapped_state import WrappedModuleState
 
 if TYPE_CHECKING:
-    from plait.clip import GradParts
+    from plait.state.clip import GradParts
 
 
 class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
@@ -380,13 +380,13 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
 
     def grad_norm_parts(self) -> GradParts:
         """After the all-reduce every replica holds the same gradients: the wrapped module's parts,
-        never summed over dp (`plait.clip`)."""
+        never summed over dp (`plait.state.clip`)."""
         if self._in_backward is not None:
             raise ValueError("DistributedDataParallel(optimizer_in_backward=...): gradients are stepped "
                              "and dropped bucket by bucket during backward, before the norm of all of them "
                              "exists, so they cannot be clipped by it; use an optimizer after backward to "
                              "clip")
-        from plait.clip import grad_norm_parts
+        from plait.state.clip import grad_norm_parts
 
         return grad_norm_parts(self.module)
 
@@ -409,7 +409,7 @@ class DistributedDataParallel(Reducer, WrappedModuleState, nn.Module, Joinable):
 
     def regroup(self, group: Any, size: int, divisor: float | None = None) -> None:
         """Average gradients over ``group`` (of ``size`` ranks) from the next backward on, instead of
-        the mesh's axis: `plait.heal` rebuilds the group of live replicas after a failure, without
+        the mesh's axis: `plait.runtime.heal` rebuilds the group of live replicas after a failure, without
         a new DDP. ``divisor`` is what this rank's gradient is divided by before the sum (default
         ``size``, the mean of equal shares); a rank holding k of a global batch of B samples passes
         B / k, so the sum is the mean over the samples actually used. Call it between steps (or after

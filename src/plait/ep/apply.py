@@ -24,18 +24,18 @@ from torch import nn
 
 from plait.ep.dispatch import ExpertDispatch
 from plait.ep.stacked import expert_count, split_stacked, stacked_expert_modules
-from plait.mesh import Mesh
 from plait.models.moe import MoE, moe_layers
-from plait.placement.pieces import mark_piece
-from plait.placement.records import (
+from plait.runtime.mesh import Mesh
+from plait.runtime.routing import share_routing
+from plait.state.placement.pieces import mark_piece
+from plait.state.placement.records import (
     ExpertParallelInfo,
     ExpertPlacement,
     attach_ep_info,
     ep_info,
     mark_expert,
 )
-from plait.placement.tp_params import to_plain_parameters
-from plait.routing import share_routing
+from plait.state.placement.tp_params import to_plain_parameters
 
 _DATA = ("dp", "fsdp", "cp")  # the ranks that see different tokens of the step (ep folded in)
 

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
 from plait._torch_compat import eager
 from plait.ep import numeric
+from plait.runtime import comm
 
 
 class _AllToAll(torch.autograd.Function):

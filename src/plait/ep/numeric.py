@@ -12,7 +12,7 @@ module itself; stacked experts: the module's own forward, one expert at a time),
 with what the dispatch returned to each source. The worst difference per expert is agreed over
 the ep group, so every rank refuses the layout together, naming the layer and the expert.
 
-Bound (`plait.tolerance`): both sides run the same expert on the same rows, so only the kernels'
+Bound (`plait.runtime.tolerance`): both sides run the same expert on the same rows, so only the kernels'
 order of sums over a different number of rows can differ (a few ulps): a difference passes at
 1e-8 of the expert output's largest entry in float64, and at ``256 * eps`` of the lowest floating
 dtype the rows, the outputs or the expert's recomputation use otherwise (float32: 3e-5; capped
@@ -37,8 +37,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from plait import comm
-from plait.tolerance import rtol_for
+from plait.runtime import comm
+from plait.runtime.tolerance import rtol_for
 
 ROWS = 256  # rows a rank picks per dispatch, at most (at least one per expert)
 _log = logging.getLogger("plait.ep.numeric")

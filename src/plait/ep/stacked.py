@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.ep.dispatch import ExpertDispatch
-from plait.placement.pieces import mark_piece
-from plait.placement.records import ExpertPlacement, StackedRows, mark_expert, mark_rows
-from plait.placement.state import local_rows, rows_entry
+from plait.state.placement.pieces import mark_piece
+from plait.state.placement.records import ExpertPlacement, StackedRows, mark_expert, mark_rows
+from plait.state.placement.state import local_rows, rows_entry
 
 _CALL = ("hidden_states", "top_k_index", "top_k_weights")
 
@@ -92,7 +92,7 @@ def split_stacked(mod: nn.Module, placement: ExpertPlacement, rank: int, group: 
 
 def _as_full_tensors(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
     """``state_dict()`` gives each split tensor as the full one it is rows of: a DTensor over ep
-    (`plait.placement.state.rows_entry`), which torch.distributed.checkpoint saves and reshards.
+    (`plait.state.placement.state.rows_entry`), which torch.distributed.checkpoint saves and reshards.
     Under the same name on every ep rank, the plain rows would be taken for copies of one tensor."""
     for pname, p in mod.named_parameters(recurse=False):
         value = state.get(prefix + pname)

@@ -39,7 +39,7 @@ shard: the local tensors are views of ``buf`` itself (the ZeRO formula counts pa
 Gradient hooks that an earlier transformation registered on an original parameter (e.g. tensor
 parallelism's sum over the tp group for a replicated weight applied to sequence shards) die
 with that parameter object, so such code also lists them in the parameter's placement record
-(`plait.placement.records.add_grad_hook`); each leaf registers them again (`Slot.grad_hooks`), and
+(`plait.state.placement.records.add_grad_hook`); each leaf registers them again (`Slot.grad_hooks`), and
 they run on the leaf's gradient before it is accumulated, exactly as on the original.
 """
 
@@ -52,12 +52,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait import comm
 from plait._torch_compat import version_of
-from plait.dtensors import contiguous_stride
 from plait.fsdp.layout import ShardCfg, Slot, lay_out
 from plait.fsdp.reduction import GradReduction
 from plait.fsdp.stepped_leaves import watch_leaves
+from plait.runtime import comm
+from plait.state.dtensors import contiguous_stride
 
 
 class FlatParam(GradReduction):

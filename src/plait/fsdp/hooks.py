@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait import comm
 from plait._torch_compat import (
     compiled_call,
     eager,
@@ -32,11 +31,12 @@ from plait._torch_compat import (
     tree_flatten,
     tree_unflatten,
 )
+from plait.compose.precision import MixedPrecision
 from plait.fsdp.flat import FlatParam
 from plait.fsdp.layout import ShardCfg
 from plait.fsdp.units import Unit
-from plait.placement.grads import reduce_expert_grads
-from plait.precision import MixedPrecision
+from plait.runtime import comm
+from plait.state.placement.grads import reduce_expert_grads
 
 # What torch says when an op reads a tensor whose storage FSDP freed (resized to zero bytes).
 _FREED_READ = ("storage of size 0", "data is not allocated yet")

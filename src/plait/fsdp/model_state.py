@@ -23,7 +23,7 @@ from torch import nn
 from plait.fsdp.layout import ShardCfg
 from plait.fsdp.names import top_level_names
 from plait.fsdp.units import Unit
-from plait.placement.records import TPInfo, expert_of
+from plait.state.placement.records import TPInfo, expert_of
 
 
 class ModelState(nn.Module):
@@ -138,7 +138,7 @@ class ModelState(nn.Module):
 
         load_sharded_state_dict(self, state, optimizer)
 
-    # The checkpoint protocol (`plait.checkpoint.protocol`): the sharded state dict is the entry.
+    # The checkpoint protocol (`plait.state.checkpoint.protocol`): the sharded state dict is the entry.
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return self.sharded_state_dict(optimizer)
 
@@ -147,5 +147,5 @@ class ModelState(nn.Module):
 
 
 def placed_experts(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters expert parallelism placed (`plait.placement`): held whole, outside the shards."""
+    """The parameters expert parallelism placed (`plait.state.placement`): held whole, outside the shards."""
     return [p for p in module.parameters() if expert_of(p) is not None]

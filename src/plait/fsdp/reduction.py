@@ -17,8 +17,8 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from plait import comm, faults
 from plait.fsdp.layout import ShardCfg, Slot
+from plait.runtime import comm, faults
 
 
 class GradReduction:

@@ -26,16 +26,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plait import comm
-from plait.checkpoint.protocol import state_layout
-from plait.dtensors import local_of
 from plait.fsdp.flat import FlatParam
 from plait.fsdp.layout import ShardCfg, Slot
 from plait.fsdp.units import Unit
-from plait.placement.records import TPInfo
-from plait.placement.state import checkpoint_entry, gather_full, restore_entry, rows_entry
-from plait.state_dict import with_other_experts, without_others_experts
-from plait.tensor_source import FullValue, flat_range, whole
+from plait.runtime import comm
+from plait.state.checkpoint.protocol import state_layout
+from plait.state.dtensors import local_of
+from plait.state.placement.records import TPInfo
+from plait.state.placement.state import checkpoint_entry, gather_full, restore_entry, rows_entry
+from plait.state.state_dict import with_other_experts, without_others_experts
+from plait.state.tensor_source import FullValue, flat_range, whole
 
 
 class ShardedModel(Protocol):
@@ -99,7 +99,7 @@ def _scatter_flat(flat: FlatParam, full: torch.Tensor, dest: torch.Tensor) -> No
 def full_state_dict(model: ShardedModel) -> dict[str, torch.Tensor]:
     """Every parameter and buffer at full size on CPU, the same on every rank: one all-gather per
     flat group over fsdp, then, over tensor parallelism, one per tp-sharded slot over tp (the slot
-    holds this rank's tp shard; `plait.placement.state.gather_full` drops uneven splits' padding)."""
+    holds this rank's tp shard; `plait.state.placement.state.gather_full` drops uneven splits' padding)."""
     out: dict[str, torch.Tensor] = {}
     for flat in _flats(model):
         full = _gather_flat(flat, _shard_of(flat))
@@ -126,7 +126,7 @@ def _check_keys(model: ShardedModel, state: Mapping, expected: set[str], what: s
 def load_full_state_dict(model: ShardedModel, state: Mapping[str, FullValue]) -> None:
     """Load full tensors (as `full_state_dict` returns them): each rank keeps its rows. No
     communication: every rank holds the whole ``state``. Only this rank's rows of each tensor are
-    read, so a `plait.tensor_source.TensorSource` is asked for those rows only (over tensor
+    read, so a `plait.state.tensor_source.TensorSource` is asked for those rows only (over tensor
     parallelism: for the rank's tp shard, then cut)."""
     buffers = _buffers(model)
     state = without_others_experts(model.module, state)
@@ -164,7 +164,7 @@ def _to_entries(model: ShardedModel, flat: FlatParam, locals_: list[torch.Tensor
     Without tensor parallelism: the DTensors themselves (``Shard(0)`` over fsdp, HSDP replicated
     over dp), made from the locals. With it, a slot is a tp shard of the original parameter: the
     flat vector is gathered over fsdp (one unit at a time) and each slot becomes
-    `plait.placement.state.checkpoint_entry` of its tp shard, a DTensor over tp that every fsdp rank of
+    `plait.state.placement.state.checkpoint_entry` of its tp shard, a DTensor over tp that every fsdp rank of
     the tp coordinate writes alike (stored once); that also covers fused and padded tp splits.
     """
     if model.tp is None:

@@ -1,7 +1,7 @@
 """Sharding units for plait's FSDP: which parameters go together, and materializing shards.
 
 A *unit* is a module whose parameters are gathered and freed together (by default each
-repeated block, `plait.blocks`: every child of an ``nn.ModuleList``, or of an ``nn.ModuleDict`` or
+repeated block, `plait.state.blocks`: every child of an ``nn.ModuleList``, or of an ``nn.ModuleDict`` or
 ``nn.Sequential`` of blocks of one class, plus the root, which owns whatever no block owns). A
 parameter tied across units (its owners sit in different units) belongs to their deepest common
 ancestor unit, which is gathered whenever any of them runs.
@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from plait.blocks import DESCRIBED, blocks
-from plait.env import get_logger
+from plait.compose.precision import MixedPrecision, parse_mixed_precision
 from plait.fsdp.flat import FlatParam, ShardCfg, Slot
-from plait.materialize import Keep, materialize
-from plait.names import matches
-from plait.placement.pieces import carry_mark
-from plait.placement.records import expert_of, grad_hooks_of
-from plait.precision import MixedPrecision, parse_mixed_precision
+from plait.runtime.env import get_logger
+from plait.state.blocks import DESCRIBED, blocks
+from plait.state.materialize import Keep, materialize
+from plait.state.names import matches
+from plait.state.placement.pieces import carry_mark
+from plait.state.placement.records import expert_of, grad_hooks_of
 
 Policies = MixedPrecision | str | None | Mapping[str, MixedPrecision | str | None]
 

@@ -70,8 +70,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from plait.dtensors import mesh_over
-from plait.env import device as default_device
+from plait.compose.precision import MixedPrecision, precision_of
 from plait.fsdp.controls import FSDPControls, PlacementFn, check_placements, ignored_grads, ignored_ids
 from plait.fsdp.conversions import Conversions
 from plait.fsdp.hooks import UnitHooks
@@ -79,14 +78,15 @@ from plait.fsdp.layout import Placing, ShardCfg, Slot
 from plait.fsdp.model_state import ModelState, placed_experts
 from plait.fsdp.names import own_names, report_own_names, wrapped_names
 from plait.fsdp.units import Policies, Unit, build_units, check_no_optimizer, unit_policies
-from plait.mesh import Mesh
-from plait.placement.pieces import mark_piece, piece_of
-from plait.placement.records import TPInfo, ep_info, expert_of, tp_info
-from plait.placement.tp_params import to_plain_parameters
-from plait.precision import MixedPrecision, precision_of
+from plait.runtime.env import device as default_device
+from plait.runtime.mesh import Mesh
+from plait.state.dtensors import mesh_over
+from plait.state.placement.pieces import mark_piece, piece_of
+from plait.state.placement.records import TPInfo, ep_info, expert_of, tp_info
+from plait.state.placement.tp_params import to_plain_parameters
 
 if TYPE_CHECKING:
-    from plait.clip import GradParts
+    from plait.state.clip import GradParts
 
 # Parameters are sharded over fsdp and cp together: context-parallel ranks hold the same
 # replicas and see different tokens of the same batch, like data-parallel ones (torchtitan's
@@ -103,7 +103,7 @@ class FullyShardedDataParallel(UnitHooks, ModelState, Conversions, FSDPControls)
         mesh: a `plait.Mesh`; shards over ``fsdp``, replicates over ``dp`` (hybrid).
         zero_stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
         units: module classes or qualified-name patterns that form sharding units (the root
-            is always one). Default: the repeated blocks (`plait.blocks`: every child of an
+            is always one). Default: the repeated blocks (`plait.state.blocks`: every child of an
             ``nn.ModuleList``, or of an ``nn.ModuleDict`` or ``nn.Sequential`` of blocks of one
             class); with none, the root alone, and a warning says so.
         reshard_after_forward: stage 3: free a unit's parameters after its forward and
@@ -225,7 +225,7 @@ class FullyShardedDataParallel(UnitHooks, ModelState, Conversions, FSDPControls)
     def _mark_whole_experts(module: nn.Module) -> None:
         """Experts every rank holds whole (no ep split) stay plain beside the DTensor shards:
         torch's clip fails inside DTensor on that mix, so it refuses them by name instead (see
-        `plait.placement.pieces`). Split experts are marked as pieces already."""
+        `plait.state.placement.pieces`). Split experts are marked as pieces already."""
         for name, p in module.named_parameters():
             if expert_of(p) is not None and p.requires_grad and piece_of(p) is None:
                 mark_piece(p, f"the whole expert {name!r}", kept_whole=True)
@@ -238,8 +238,8 @@ class FullyShardedDataParallel(UnitHooks, ModelState, Conversions, FSDPControls)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale this rank's gradient shards so the *global* gradient norm is at most ``max_norm``;
-        returns the total norm before clipping, the same on every rank (`plait.clip`)."""
-        from plait.clip import clip_grad_norm_
+        returns the total norm before clipping, the same on every rank (`plait.state.clip`)."""
+        from plait.state.clip import clip_grad_norm_
 
         return clip_grad_norm_(self, max_norm, norm_type)
 

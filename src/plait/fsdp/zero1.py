@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.comm import broadcast_coalesced
-from plait.placement.records import plain_leaf
+from plait.runtime.comm import broadcast_coalesced
+from plait.state.placement.records import plain_leaf
 
 
 def partition(sizes: list[int], world: int) -> list[int]:

@@ -1,10 +1,9 @@
 """Pipeline parallelism: stages split by module names, schedules as data, a P2P executor.
 
 The package is callable: ``plait.pipeline(model, mesh, ...)`` is `plait.pipeline.pipeline`
-(`plait.callable_module`), and ``plait.pipeline.zbv`` and ``plait.pipeline.split`` stay reachable.
+(`plait.runtime.callable_module`), and ``plait.pipeline.zbv`` and ``plait.pipeline.split`` stay reachable.
 """
 
-from plait.callable_module import make_callable
 from plait.pipeline.actions import Action, Kind, Slot
 from plait.pipeline.api import Pipeline, pipeline
 from plait.pipeline.generators import (
@@ -18,6 +17,7 @@ from plait.pipeline.generators import (
     zbv,
 )
 from plait.pipeline.schedules import Schedule, ScheduleError, with_comms
+from plait.runtime.callable_module import make_callable
 
 __all__ = ["pipeline", "Pipeline", "Schedule", "ScheduleError", "Action", "Kind", "Slot", "SCHEDULES",
            "make_schedule", "with_comms", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv",

@@ -10,11 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from plait import comm
 from plait._torch_compat import map_tensors
-from plait.materialize import is_meta
-from plait.mesh import Mesh
-from plait.names import plain_name
 from plait.pipeline.actions import Slot
 from plait.pipeline.arguments import CustomSchedule, split_batch
 from plait.pipeline.parts import PipelineParts
@@ -24,11 +20,15 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import named_view
 from plait.pipeline.ties import TiedCopy, drop_earlier_sums, sync_grads
 from plait.pipeline.wrapping import StageWrapper, StateHoldingStage
-from plait.placement.pieces import mark_grads, mark_piece
-from plait.placement.records import TPInfo, tp_info
+from plait.runtime import comm
+from plait.runtime.mesh import Mesh
+from plait.state.materialize import is_meta
+from plait.state.names import plain_name
+from plait.state.placement.pieces import mark_grads, mark_piece
+from plait.state.placement.records import TPInfo, tp_info
 
 if TYPE_CHECKING:
-    from plait.clip import GradParts
+    from plait.state.clip import GradParts
 
 
 class Pipeline:
@@ -166,11 +166,11 @@ class Pipeline:
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> Any:
         return self.state_module().load_state_dict(state, strict=strict)
 
-    # Full state and the checkpoint protocol (`plait.state_dict`, `plait.checkpoint.protocol`).
+    # Full state and the checkpoint protocol (`plait.state.state_dict`, `plait.state.checkpoint.protocol`).
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state on every rank (a collective over tp and pp): this rank's stages
         at full size (gathered over tp under tensor parallelism), then every pp rank's."""
-        from plait.state_dict import full_state_dict, union_over, with_other_experts
+        from plait.state.state_dict import full_state_dict, union_over, with_other_experts
 
         own = self._stages_holding_state()
         if own is not None:
@@ -186,7 +186,7 @@ class Pipeline:
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load the whole model's full state: each rank takes its own stages' entries (no
         communication; entries of other ranks' stages are not checked here)."""
-        from plait.state_dict import load_full_state_dict
+        from plait.state.state_dict import load_full_state_dict
 
         own = self._stages_holding_state()
         if own is not None:
@@ -200,7 +200,7 @@ class Pipeline:
     def checkpoint_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's stages' entries; a weight tied across pp ranks keeps one optimizer state,
         under its first owner's name (``tied_names``)."""
-        from plait.checkpoint.protocol import module_state
+        from plait.state.checkpoint.protocol import module_state
 
         own = self._stages_holding_state()
         if own is None:
@@ -212,7 +212,7 @@ class Pipeline:
         return out
 
     def load_checkpoint_state(self, state: dict[str, Any], optimizer: Any) -> None:
-        from plait.checkpoint.protocol import load_module_state
+        from plait.state.checkpoint.protocol import load_module_state
 
         own = self._stages_holding_state()
         if own is None:
@@ -230,7 +230,7 @@ class Pipeline:
 
     def grad_copies(self) -> list[torch.Tensor]:
         """Gradients of this rank's copies of weights tied across pp ranks that are not the first
-        owner's: equal to the first owner's after `step`, so `plait.clip` scales them but counts
+        owner's: equal to the first owner's after `step`, so `plait.state.clip` scales them but counts
         only the first owner's."""
         firsts = set(self.tied_names.values())
         names: dict[int, tuple[nn.Parameter, list[str]]] = {}
@@ -242,9 +242,9 @@ class Pipeline:
 
     def grad_norm_parts(self) -> GradParts:
         """Each stage's parts as its wrapper (or tensor parallelism) describes them, all disjoint over
-        pp as well, since stages hold disjoint parameters (`plait.clip`). A weight tied across pp
+        pp as well, since stages hold disjoint parameters (`plait.state.clip`). A weight tied across pp
         ranks counts once: the copies that are not its first owner's (`grad_copies`) are left out."""
-        from plait.clip import grad_norm_parts
+        from plait.state.clip import grad_norm_parts
 
         # A weight two of this rank's stages share (tied embedding and LM head on one rank of a V)
         # counts once too; `seen` starts with this rank's copies of weights first owned on another rank.

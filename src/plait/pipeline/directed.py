@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from plait import comm
 from plait.pipeline.actions import Kind
 from plait.pipeline.schedules import Schedule
+from plait.runtime import comm
 
 
 def directions(sched: Schedule) -> list[tuple[int, int]]:

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from plait._torch_compat import map_tensors, tensors_in, tree_flatten, tree_unflatten
-from plait.env import get_logger
+from plait.runtime.env import get_logger
 
 Key = tuple[int, int, int]  # (segment index, call number, output leaf index)
 _NONE: frozenset[Key] = frozenset()

@@ -20,8 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from plait._torch_compat import is_compiled
-from plait.materialize import is_meta, keep_whole, materialize
-from plait.mesh import Mesh
 from plait.pipeline.actions import Kind
 from plait.pipeline.arguments import CustomSchedule, resolve_p2p, resolve_schedule
 from plait.pipeline.directed import direction_groups
@@ -30,7 +28,9 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import Segment, above, named_view, plan_stages, segments
 from plait.pipeline.ties import Tie, find_ties, tie_groups
 from plait.pipeline.wrapping import StageWrapper, check_wrappable
-from plait.placement.records import TPInfo, mark_part
+from plait.runtime.mesh import Mesh
+from plait.state.materialize import is_meta, keep_whole, materialize
+from plait.state.placement.records import TPInfo, mark_part
 
 
 @dataclass

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from plait._torch_compat import tree_flatten, tree_unflatten
-from plait.env import get_logger
 from plait.pipeline.flow import Flow, Key, StagePlan, TensorLeaf, Tracer
 from plait.pipeline.split import Segment, meta_copy, place
+from plait.runtime.env import get_logger
 
 
 class _Stop(BaseException):

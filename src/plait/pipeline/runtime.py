@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm, faults
 from plait.pipeline.actions import Action, Kind, Slot
 from plait.pipeline.backward_split import WeightGrad, backward_input
 from plait.pipeline.schedules import Schedule
+from plait.runtime import comm, faults
 
 Meta = list[tuple[tuple[int, ...], torch.dtype, bool]]  # per carried tensor: shape, dtype, needs grad
 Key = tuple[int, int]  # (stage, microbatch)

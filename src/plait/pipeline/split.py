@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from plait._torch_compat import compiled_original
-from plait.names import COMPILED
+from plait.state.names import COMPILED
 
 Segment = tuple[str, nn.Module]
 _LISTS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)  # flattened into their elements

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm, faults
 from plait.pipeline.schedules import Schedule
+from plait.runtime import comm, faults
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ class StageWrapper(Protocol):
 class StateHoldingStage(Protocol):
     """A wrapped stage that holds its state in a form of its own (FSDP's flat shards, under a
     wrapper whose ``keeps_parameters`` is False) and answers the state protocols itself
-    (`plait.state_dict`, `plait.checkpoint.protocol`)."""
+    (`plait.state.state_dict`, `plait.state.checkpoint.protocol`)."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
 

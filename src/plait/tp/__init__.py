@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism (Megatron-LM), applied to unmodified models by a plan."""
 
-from plait.placement.records import TPInfo, tp_info
+from plait.state.placement.records import TPInfo, tp_info
 from plait.tp.apply import check_plan, loss_fn_for, tensor_parallel
 from plait.tp.attention import AttentionParallel, HeadEmbedding, HeadNorm, SplitRMSNorm
 from plait.tp.context import Style

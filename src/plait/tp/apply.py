@@ -8,12 +8,12 @@
     loss = loss_fn(model(idx), targets)
 
 A plan maps module-name patterns to styles (`plait.tp.styles`). Patterns follow
-`plait.names.matches`: ``*`` stands for one name segment (``layers.*.attn`` matches
+`plait.state.names.matches`: ``*`` stands for one name segment (``layers.*.attn`` matches
 ``layers.3.attn``, not ``layers.3.x.attn``), with the usual `fnmatch` rules inside a segment.
 
 Only the ``tp`` axis of the mesh is used, so data or fully sharded parallelism can wrap the
 result on the other axes. Each rank materializes only its shards: a module on the meta device
-gets its full initial values from `plait.materialize.materialize` (one module at a time) and
+gets its full initial values from `plait.state.materialize.materialize` (one module at a time) and
 keeps its slice, so values equal the slice of a single-process `init_weights` under the same
 seed; an already materialized module is sliced in place instead.
 
@@ -34,18 +34,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
-from plait.env import device as _device
 from plait.losses import lm_loss
-from plait.materialize import Keep, materialize, module_seed
-from plait.mesh import Mesh
-from plait.names import matches
-from plait.placement.records import TPInfo, attach_tp_info, attached_tp_info, tp_info
-from plait.placement.shards import ShardSpec
-from plait.placement.state import place_state_dict
-from plait.placement.tp_params import place_tp_parameters
-from plait.rng import RNGFork
-from plait.routing import share_routing_over
+from plait.runtime import comm
+from plait.runtime.env import device as _device
+from plait.runtime.mesh import Mesh
+from plait.runtime.rng import RNGFork
+from plait.runtime.routing import share_routing_over
+from plait.state.materialize import Keep, materialize, module_seed
+from plait.state.names import matches
+from plait.state.placement.records import TPInfo, attach_tp_info, attached_tp_info, tp_info
+from plait.state.placement.shards import ShardSpec
+from plait.state.placement.state import place_state_dict
+from plait.state.placement.tp_params import place_tp_parameters
 from plait.tp.context import SequenceShardGrads, Style, TPContext
 from plait.tp.layers import activation_name
 from plait.tp.layout_trace import PlanError, mark, meta_copy, shard_parameters, trace_layouts
@@ -87,7 +87,7 @@ def tensor_parallel(
     ``check=False`` skips both (a model whose forward
     cannot run without data).
     ``origin``, the whole model when ``module`` holds only some of it (see
-    `plait.materialize.materialize`), gives a meta tensor tied to a module outside ``module`` its
+    `plait.state.materialize.materialize`), gives a meta tensor tied to a module outside ``module`` its
     first owner's initial values (a pipeline's last stage holding the LM head tied to the first
     stage's embedding), and the modules above ``module``'s their ``init_weights()``.
     """

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.placement.shards import ShardSpec, make_spec
+from plait.state.placement.shards import ShardSpec, make_spec
 from plait.tp.collectives import copy_to_tp, gather_from_tp, scatter_to_tp, sum_over_tp
 from plait.tp.context import Style, TPContext
 from plait.tp.styles import ParallelRegion

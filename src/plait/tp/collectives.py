@@ -22,9 +22,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from plait import faults
 from plait._torch_compat import functional_collectives, is_view
-from plait.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
+from plait.runtime import faults
+from plait.runtime.comm import all_gather_into, all_reduce, describe, reduce_scatter_into
 
 funcol = functional_collectives()
 

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import comm
-from plait.placement.records import add_grad_hook
-from plait.placement.shards import ShardSpec
-from plait.rng import RNGFork
+from plait.runtime import comm
+from plait.runtime.rng import RNGFork
+from plait.state.placement.records import add_grad_hook
+from plait.state.placement.shards import ShardSpec
 
 
 class SequenceShardGrads:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.placement.shards import ShardSpec, make_spec
+from plait.state.placement.shards import ShardSpec, make_spec
 from plait.tp.collectives import shapes_only, sum_grad_on_first
 from plait.tp.context import Style, TPContext
 from plait.tp.layers import find_activation, input_pre_hook

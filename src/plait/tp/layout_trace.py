@@ -54,7 +54,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from plait._torch_compat import fake_tensors
-from plait.placement.shards import ShardSpec
+from plait.state.placement.shards import ShardSpec
 from plait.tp.attention import SplitRMSNorm
 from plait.tp.collectives import emulated
 from plait.tp.context import Style, TPContext

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from plait import comm, faults
+from plait.runtime import comm, faults
 
 
 class _VocabParallelCE(torch.autograd.Function):

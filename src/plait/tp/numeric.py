@@ -44,10 +44,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait import faults
-from plait.placement.shards import ShardSpec
-from plait.rng import RNGFork
-from plait.tolerance import RTOL, LowestPrecision
+from plait.runtime import faults
+from plait.runtime.rng import RNGFork
+from plait.runtime.tolerance import RTOL, LowestPrecision
+from plait.state.placement.shards import ShardSpec
 from plait.tp.collectives import emulated, fresh
 from plait.tp.context import SequenceShardGrads, Style, TPContext
 from plait.tp.layers import find_activation

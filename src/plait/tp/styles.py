@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait._torch_compat import set_class
-from plait.placement.shards import ShardSpec, make_spec
+from plait.state.placement.shards import ShardSpec, make_spec
 from plait.tp.collectives import (
     copy_to_tp,
     gather_from_sp,

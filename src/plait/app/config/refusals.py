@@ -1,5 +1,5 @@
 """How `plait train` words a refusal: a value and the flag that set it, and the field names of
-`plait.rules` and `ParallelPlan` as the flags that set them."""
+`plait.compose.rules` and `ParallelPlan` as the flags that set them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from plait.rules import LayoutError
+from plait.compose.rules import LayoutError
 
 _RULE_FLAGS: dict[str, str] = {"pp": "--pp", "dp": "--dp", "cp": "--cp", "tp": "--tp", "ep": "--ep",
                                "pp_schedule": "--schedule", "pp_microbatches": "--microbatches",
@@ -30,7 +30,7 @@ _PLAN = re.compile(r"ParallelPlan\(([^()]*)\)")
 
 def in_flags(error: LayoutError, microbatches: int | None = None, grad_accum: int = 1,
              strategy: str | None = None, data: str | None = None) -> str:
-    """A `plait.rules` or `ParallelPlan` refusal as `plait train` says it: ``tp=3`` reads ``--tp 3``,
+    """A `plait.compose.rules` or `ParallelPlan` refusal as `plait train` says it: ``tp=3`` reads ``--tp 3``,
     and so on for every field with a flag (``pp_schedule='zbv'``: ``--schedule zbv``;
     ``offload=True``: ``--offload``; ``fsdp=4``, which no flag sets directly, stays); a plan's fields
     (``ParallelPlan(zero_stage=2)``) read as the flags alone when each has one; the nearest valid

@@ -17,7 +17,7 @@ else:  # the same parser, before it joined the standard library
     pass
 
 from plait.app import data as corpus
-from plait.env import DEFAULT_TIMEOUT_S
+from plait.runtime.env import DEFAULT_TIMEOUT_S
 
 # The choices the command line offers; tests keep them equal to PRESETS and SCHEDULES.
 ModelName = Literal["tiny", "small", "25m", "50m", "100m", "llama3-8b", "llama3-70b"]

@@ -38,11 +38,11 @@ from plait.app.config.sections import (
     ParallelSection,
     RunSection,
 )
-from plait.mesh import Mesh
+from plait.compose.parallel_plan import ParallelPlan
+from plait.compose.rules import LayoutError, MeshShape, check_layout
 from plait.models.gpt import GPT, PRESETS, GPTConfig
-from plait.parallel_plan import ParallelPlan
 from plait.pipeline import SCHEDULES
-from plait.rules import LayoutError, MeshShape, check_layout
+from plait.runtime.mesh import Mesh
 
 
 @dataclass
@@ -419,7 +419,7 @@ class TrainConfig:
 
     def _check_model_layout(self, model: nn.Module, flag: str, advice: str = "",
                             trace_tp: bool = True) -> None:
-        """A meta-device model against the layout: `plait.rules.check_layout`, the rules
+        """A meta-device model against the layout: `plait.compose.rules.check_layout`, the rules
         `plait.parallelize` applies on the ranks, with the plan `build_model` will use (its numeric
         check included), its refusal told in flags."""
         try:
@@ -439,7 +439,7 @@ class TrainConfig:
             raise ValueError(f"{flag}: {self._in_flags(e)}{advice if 'tp' in e.fields else ''}") from None
 
     def _in_flags(self, error: LayoutError) -> str:
-        """A `plait.rules` or `ParallelPlan` refusal in these flags."""
+        """A `plait.compose.rules` or `ParallelPlan` refusal in these flags."""
         par = self.parallel
         return in_flags(error, par.microbatches, self.run.grad_accum, par.strategy,
                         _STRATEGY_DATA[par.strategy])
@@ -570,4 +570,4 @@ class TrainConfig:
 # dp's threads are no torch.distributed data strategy (its plan is checked, not applied).
 _STRATEGY_DATA = {"ddp": "ddp", "fsdp": "fsdp", "none": "ddp", "dp": "none"}
 
-# `plait.rules` names mesh axes and `ParallelPlan` fields; `plait train` says them as its flags.
+# `plait.compose.rules` names mesh axes and `ParallelPlan` fields; `plait train` says them as its flags.

@@ -39,7 +39,7 @@ def _calibration_job(args: dict[str, Any]) -> dict[str, float]:
     per op, an all-reduce at two sizes, and a memory-bound update."""
     import torch.distributed as dist
 
-    from plait import comm
+    from plait.runtime import comm
 
     n = args["matmul"]
     a, b = torch.randn(n, n, device="cpu"), torch.randn(n, n, device="cpu")

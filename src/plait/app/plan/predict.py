@@ -26,7 +26,7 @@ from typing import Any
 from plait.app.config import TrainConfig
 from plait.app.plan.cluster import Cluster
 from plait.app.plan.rehearse import CATEGORIES, Rehearsal
-from plait.mesh import AXES
+from plait.runtime.mesh import AXES
 
 DATA_PARALLEL = ("dp", "fsdp", "edp")
 # Backward's share of a block's compute (forward = 1): 2 without recomputation, 3 with full

@@ -1,11 +1,11 @@
 """One rank's training step, rehearsed on the meta device: what `plait plan` predicts from.
 
 `rehearse` builds the layout exactly as `plait train` does (the same `build_model`, the same
-step), inside `plait.env.dry_run`: one process stands in for one rank of the full world, every
+step), inside `plait.runtime.env.dry_run`: one process stands in for one rank of the full world, every
 process group is a fake one and every tensor a shape. It runs two steps (the first makes the
 optimizer state) and measures the second:
 
-* memory: live tensor storage op by op (`plait.live_memory.LiveStorageBytes` on the meta device),
+* memory: live tensor storage op by op (`plait.runtime.live_memory.LiveStorageBytes` on the meta device),
   its peak and what the peak is made of: parameters, gradients, optimizer state, communication
   buffers (DDP's buckets), FSDP's gathered units, and activations (everything else: tensors
   saved for backward and the temporaries of the moment);
@@ -38,13 +38,13 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from plait import comm, env
 from plait._torch_compat import cpu_flash_attention, cpu_flash_attention_backward, drop_library
 from plait.app.config import TrainConfig
-from plait.blocks import blocks
-from plait.live_memory import LiveStorageBytes, storage_key
-from plait.mesh import Mesh
 from plait.pipeline import Pipeline
+from plait.runtime import comm, env
+from plait.runtime.live_memory import LiveStorageBytes, storage_key
+from plait.runtime.mesh import Mesh
+from plait.state.blocks import blocks
 
 # What the peak is made of, in the order reports show them.
 CATEGORIES = ("parameters", "gradients", "optimizer state", "communication buffers", "fsdp gathered units",
@@ -134,7 +134,7 @@ def _buffers(model: nn.Module | Pipeline) -> list[torch.Tensor]:
 
 
 def _blocks(model: nn.Module | Pipeline) -> list[nn.Module]:
-    """The repeated blocks of each stage (`plait.blocks`), as activation checkpointing picks them."""
+    """The repeated blocks of each stage (`plait.state.blocks`), as activation checkpointing picks them."""
     return [m.get_submodule(n) for m in _parts(model) for n in blocks(m, outermost=True)]
 
 
