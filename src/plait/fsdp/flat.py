@@ -12,7 +12,10 @@ A unit's parameters of one dtype and ``requires_grad`` still move together: this
 each padded to ``k`` rows, lie end to end in one ``shard`` vector of ``S`` elements (the local
 tensors are views of it), so one all-gather of ``S`` per rank fills a rank-major vector, which
 is copied out into the gathered buffer ``buf``, parameter by parameter (each one's padded rows,
-``N*k`` of them, contiguous). The reduction (`plait.fsdp.reduction`) runs the other way:
+``N*k`` of them, contiguous). On Gloo, whose all-gather copies every rank's piece out of a flat
+buffer of its own anyway, that copy is the reordering: one piece per run of adjacent parameters
+with equal chunks, each rank's landing in its strided places of ``buf`` (`comm.all_gather_scattered`),
+so the gathered vector is not copied twice. The reduction (`plait.fsdp.reduction`) runs the other way:
 ``buf``'s gradients are copied into rank-major order and reduce-scattered; each rank receives
 its chunks, end to end, into the flat ``grad`` vector that the parameters' DTensor gradients are
 views of. (FSDP2 makes the same two copies around its collectives.) With one parameter in the
