@@ -53,6 +53,16 @@ def alternate(steps: dict[str, Callable[[], object]], warmup: int, iters: int,
     return times
 
 
+def cpu_timed(step: Callable[[], object], into: list[float]) -> Callable[[], None]:
+    """``step``, appending the CPU seconds this process spent in it (every thread: the training
+    thread and Gloo's) to ``into``. Other jobs on the machine stretch wall time, not this."""
+    def run() -> None:
+        start = time.process_time()
+        step()
+        into.append(time.process_time() - start)
+    return run
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

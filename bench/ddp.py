@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from bench.common import (
     alternate,
+    cpu_timed,
     markdown_table,
     median,
     peak_rss_mib,
@@ -89,23 +88,13 @@ def _timing(preset: str, seq: int, global_batch: int, warmup: int, iters: int, b
     steps = {"plait": plait_step, "torch": _step_fn(theirs, opt_b, x, y), "plait_unchecked": unchecked,
              "plait_blamed": blamed, "alone": alone_step, "plait_in_backward": in_backward_step}
     cpu: dict[str, list[float]] = {name: [] for name in steps}
-    times = alternate({name: _cpu_timed(fn, cpu[name]) for name, fn in steps.items()}, warmup, iters)
+    times = alternate({name: cpu_timed(fn, cpu[name]) for name, fn in steps.items()}, warmup, iters)
     with comm.counting() as counts:
         steps["plait"]()
     n_params = sum(p.numel() for p in ours.parameters())
     reduced = counts.total("all_reduce", "dp")
     return {"times": times, "cpu": {name: xs[warmup:] for name, xs in cpu.items()}, "n_params": n_params,
             "bytes_ratio": reduced / (4 * n_params), "buckets": len(ours._buckets)}
-
-
-def _cpu_timed(step: Callable[[], None], into: list[float]) -> Callable[[], None]:
-    """``step``, appending the CPU seconds this process spent in it (every thread: the training
-    thread and Gloo's) to ``into``. Other jobs on the machine stretch wall time, not this."""
-    def run() -> None:
-        start = time.process_time()
-        step()
-        into.append(time.process_time() - start)
-    return run
 
 
 def _memory(impl: str, preset: str, seq: int, global_batch: int, bucket_mb: float) -> float:

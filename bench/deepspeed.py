@@ -29,7 +29,16 @@ import time
 
 import torch
 
-from bench.common import alternate, gpt_config, markdown_table, median, paired_ratios, spread, write_section
+from bench.common import (
+    alternate,
+    cpu_timed,
+    gpt_config,
+    markdown_table,
+    median,
+    paired_ratios,
+    spread,
+    write_section,
+)
 from bench.live_memory import LiveStorageBytes
 
 MIB = 2**20
@@ -70,6 +79,11 @@ def _step_fn(impl: str, args: dict, stage: int, losses: list[float], tracker: Li
     from plait.models.gpt import lm_loss
 
     x, y = _batch(args, dist.get_rank())
+    if impl == "floor":
+        from bench.floors import zero_floor
+
+        floor = zero_floor(args, x, y)
+        return lambda: losses.append(floor())
     if impl == "deepspeed":
         engine = _deepspeed_engine(args, stage)
 
@@ -97,13 +111,23 @@ def _impls(stage: int) -> tuple[str, ...]:
     return ("plait", "deepspeed", "torch") if stage == 3 else ("plait", "deepspeed")
 
 
+def _alternate(steps: dict, args: dict) -> dict:
+    """Wall times (``times``) and this rank's CPU seconds (``cpu``, timed steps only) of ``steps``
+    in strict alternation after warm-up."""
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    times = alternate({name: cpu_timed(fn, cpu[name]) for name, fn in steps.items()},
+                      warmup=args["warmup"], iters=args["iters"])
+    return {"times": times, "cpu": {name: xs[args["warmup"]:] for name, xs in cpu.items()}}
+
+
 def timing_job(args: dict) -> dict:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     out = {}
     for stage in args["stages"]:
-        losses: dict[str, list[float]] = {impl: [] for impl in _impls(stage)}
-        steps = {impl: _step_fn(impl, args, stage, losses[impl]) for impl in _impls(stage)}
-        out[stage] = {"times": alternate(steps, warmup=args["warmup"], iters=args["iters"]), "losses": losses}
+        impls = _impls(stage) + (("floor",) if args["floor"] else ())
+        losses: dict[str, list[float]] = {impl: [] for impl in impls}
+        steps = {impl: _step_fn(impl, args, stage, losses[impl]) for impl in impls}
+        out[stage] = {**_alternate(steps, args), "losses": losses}
         del steps
         gc.collect()
     return out
@@ -163,8 +187,13 @@ def pipeline_job(args: dict) -> dict:
     def ds_step() -> None:
         losses["deepspeed"].append(float(engine.train_batch(data_iter=iter(micro))))
 
-    times = alternate({"plait": plait_step, "deepspeed": ds_step}, warmup=args["warmup"], iters=args["iters"])
-    return {"times": times, "losses": losses, "starts": starts}
+    steps = {"plait": plait_step, "deepspeed": ds_step}
+    if args["floor"]:
+        from bench.floors import stage_floor
+
+        own = segments(plait.init_weights(GPT(cfg), 0))  # the floor's own copy: the engine trains segs
+        steps["floor"] = stage_floor(args, own, list(ds_model.parts), micro)
+    return {**_alternate(steps, args), "losses": losses, "starts": starts}
 
 
 class _UlyssesAttention(torch.nn.Module):
@@ -173,12 +202,16 @@ class _UlyssesAttention(torch.nn.Module):
     `DistributedAttention` all-to-alls q, k and v to whole sequences over half the heads, runs the
     causal kernel and all-to-alls the output back."""
 
-    def __init__(self, attn: torch.nn.Module, group: object) -> None:
+    def __init__(self, attn: torch.nn.Module, group: object, floor: bool = False) -> None:
         from deepspeed.sequence.layer import DistributedAttention
+
+        from bench.floors import local_ulysses
 
         super().__init__()
         self.attn = attn
-        self.dist_attn = DistributedAttention(_causal_sdpa, group, scatter_idx=2, gather_idx=1)
+        # The floor: the same attention with its all-to-alls replaced by local reshuffles.
+        self.dist_attn = (local_ulysses if floor else
+                          DistributedAttention(_causal_sdpa, group, scatter_idx=2, gather_idx=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -201,8 +234,9 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: objec
     return y.transpose(1, 2)
 
 
-def _deepspeed_ulysses(a: dict, x: torch.Tensor, y: torch.Tensor):
-    """DeepSpeed-Ulysses' step on this rank's contiguous chunk of every sequence (the batch whole)."""
+def _deepspeed_ulysses(a: dict, x: torch.Tensor, y: torch.Tensor, floor: bool = False):
+    """DeepSpeed-Ulysses' step on this rank's contiguous chunk of every sequence (the batch whole);
+    ``floor``: the same model without communication (no all-to-all, no engine, torch's AdamW)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -214,15 +248,23 @@ def _deepspeed_ulysses(a: dict, x: torch.Tensor, y: torch.Tensor):
     group = dist.group.WORLD
     for block in model.layers:
         assert isinstance(block.attn, Attention)
-        block.attn = _UlyssesAttention(block.attn, group)
+        block.attn = _UlyssesAttention(block.attn, group, floor)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    mine = x.chunk(dist.get_world_size(), dim=1)[dist.get_rank()].contiguous()
+    target = y.chunk(dist.get_world_size(), dim=1)[dist.get_rank()].contiguous()
+    losses: list[float] = []
+    if floor:
+        def floor_step() -> None:
+            loss = lm_loss(model(mine), target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return floor_step, losses
     config = {"train_micro_batch_size_per_gpu": a["batch"], "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 0}, "zero_force_ds_cpu_optimizer": False,
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    mine = x.chunk(dist.get_world_size(), dim=1)[dist.get_rank()].contiguous()
-    target = y.chunk(dist.get_world_size(), dim=1)[dist.get_rank()].contiguous()
-    losses: list[float] = []
 
     def step() -> None:
         loss = lm_loss(engine(mine), target)
@@ -247,7 +289,10 @@ def ulysses_job(a: dict) -> dict:
     except Exception as e:  # noqa: BLE001 (reported, not hidden: the bench says it does not run)
         return {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
     runner.step()  # the same number of steps on both sides before timing
-    times = alternate({"plait": runner.step, "deepspeed": ds_step}, warmup=a["warmup"], iters=a["iters"])
+    steps = {"plait": runner.step, "deepspeed": ds_step}
+    if a["floor"]:
+        steps["floor"] = _deepspeed_ulysses(a, x, y, floor=True)[0]
+    timed = _alternate(steps, a)
     # Each rank's loss is over its own tokens: the mean over the ranks is the global batch's.
     import torch.distributed as dist
 
@@ -256,7 +301,7 @@ def ulysses_job(a: dict) -> dict:
         t = torch.tensor(ls, dtype=torch.float64)
         dist.all_reduce(t)
         means[side] = (t / dist.get_world_size()).tolist()
-    return {"times": times, "losses": means}
+    return {**timed, "losses": means}
 
 
 def main(argv: list[str]) -> int:
@@ -273,6 +318,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (default 4)")
     p.add_argument("--ulysses", action="store_true",
                    help="also plait's cp=2 with Ulysses against DeepSpeed-Ulysses (plait bench cp's sizes)")
+    p.add_argument("--floor", action="store_true",
+                   help="also time each layout's floor: its compute, nothing communicated (bench/floors.py)")
     p.add_argument("--no-write", action="store_true", help="print only; do not update bench/results")
     a = p.parse_args(argv)
     try:
@@ -282,7 +329,7 @@ def main(argv: list[str]) -> int:
                          "(the bench extra)") from None
     args = {"model": a.model, "seq_len": a.seq_len, "batch": a.batch, "iters": a.iters, "warmup": a.warmup,
             "world": a.world, "stages": [] if a.stages == "none" else [int(s) for s in a.stages.split(",")],
-            "microbatches": a.microbatches}
+            "microbatches": a.microbatches, "floor": a.floor}
     from bench.common import rank_pool
 
     t0, load0 = time.time(), os.getloadavg()[0]
@@ -290,7 +337,7 @@ def main(argv: list[str]) -> int:
     try:
         timing = pool.run(timing_job, args)[0]
         piped = pool.run(pipeline_job, args)[0] if a.pipeline else None
-        uly_args = {**CP_SIZES, "iters": a.iters, "warmup": a.warmup}
+        uly_args = {**CP_SIZES, "iters": a.iters, "warmup": a.warmup, "floor": a.floor}
         ulysses = pool.run(ulysses_job, uly_args)[0] if a.ulysses else None
     finally:
         pool.close()
@@ -305,6 +352,9 @@ def main(argv: list[str]) -> int:
     args["load"] = (load0, os.getloadavg()[0])
     body = (_report(args, timing, mem, time.time() - t0) if args["stages"] else "")
     body += _pipeline_report(args, piped) if piped else ""
+    if a.floor and body:
+        pairs = [(f"ZeRO-{stage}", timing[stage]) for stage in args["stages"]]
+        body += _floors_section(pairs + ([("1F1B, pp 2", piped)] if piped else []))
     command = " ".join(["plait bench deepspeed", *argv])
     if body:
         print(body)
@@ -319,6 +369,12 @@ def main(argv: list[str]) -> int:
             write_section("deepspeed_ulysses", "Sequence parallelism: plait's cp with Ulysses against "
                           "DeepSpeed-Ulysses", uly_body, command=command)
     return 0
+
+
+def _floors_section(pairs: list[tuple[str, dict]]) -> str:
+    from bench.floors import FLOOR_NOTE, floor_table
+
+    return f"\n### Floors: each layout's step without communication\n\n{floor_table(pairs)}\n\n{FLOOR_NOTE}\n"
 
 
 def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
@@ -375,6 +431,10 @@ over the two ranks. torch's AdamW on both.
     if "error" in out:
         return head + f"\nDeepSpeed-Ulysses does not run here: `{out['error']}`\n"
     table = _paired_table("sequence parallelism", "Ulysses, cp 2", out, last="last step")
+    if "floor" in out["times"]:
+        from bench.floors import FLOOR_NOTE, floor_table
+
+        table += f"\n\nFloor:\n\n{floor_table([('Ulysses, cp 2', out)])}\n\n{FLOOR_NOTE}"
     return head + f"""
 {table}
 

@@ -30,6 +30,7 @@ import torch
 from bench.common import (
     Spread,
     alternate,
+    cpu_timed,
     gpt_config,
     markdown_table,
     median,
@@ -120,7 +121,9 @@ def timing_job(args: dict) -> dict:
     losses: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     models = {impl: build(impl, args) for impl in IMPLS}
     steps = {impl: _step_fn(*models[impl], x, y, losses[impl]) for impl in models}
-    times = alternate(steps, warmup=args["warmup"], iters=args["iters"])
+    cpu: dict[str, list[float]] = {impl: [] for impl in steps}
+    times = alternate({impl: cpu_timed(fn, cpu[impl]) for impl, fn in steps.items()},
+                      warmup=args["warmup"], iters=args["iters"])
     # Communication of one plait step against DDP's one all-reduce of every gradient.
     with comm.counting() as s:
         steps["plait"]()
@@ -129,7 +132,8 @@ def timing_job(args: dict) -> dict:
     with comm.counting() as counts:
         comm.all_reduce(torch.zeros(psi), dist.group.WORLD)
     ddp = counts.total("all_reduce", None, "wire_bytes")
-    return {"times": times, "losses": losses, "zero3_wire": zero3, "ddp_wire": ddp, "psi": psi}
+    return {"times": times, "cpu": {impl: xs[args["warmup"]:] for impl, xs in cpu.items()}, "losses": losses,
+            "zero3_wire": zero3, "ddp_wire": ddp, "psi": psi}
 
 
 def memory_job(impl: str, args: dict) -> dict:
@@ -238,9 +242,13 @@ def _report(args: dict, timing: dict, mem: dict, wall: float) -> str:
     lp, lq, lt = timing["losses"]["plait"][:k], timing["losses"]["plait_lowmem"], timing["losses"]["torch"]
     step = {impl: spread(paired_ratios(timing["times"][impl], timing["times"]["torch"]))
             for impl in ("plait", "plait_lowmem")}
+    cpu = {impl: median(xs) for impl, xs in timing["cpu"].items()}
+    cpu_ratio = spread(paired_ratios(timing["cpu"]["plait"], timing["cpu"]["torch"]))
     rows = [
         ["step time (s): medians; ratio: median per-step ratio", t["plait"], t["torch"], step["plait"].median,
          _range(step["plait"]), "<= 1.0"],
+        ["CPU time per step, rank 0's process, every thread (s); ratio as above", cpu["plait"], cpu["torch"],
+         cpu_ratio.median, _range(cpu_ratio), ""],
         [f"peak live memory / rank (MiB), {kind}", peak["plait"] / MIB, peak["torch"] / MIB,
          peak["plait"] / peak["torch"], "", "<= 0.9"],
         ["peak RSS / rank (MiB)", rss["plait"], rss["torch"], rss["plait"] / rss["torch"], "", ""],

@@ -12,7 +12,10 @@ A unit's parameters of one dtype and ``requires_grad`` still move together: this
 each padded to ``k`` rows, lie end to end in one ``shard`` vector of ``S`` elements (the local
 tensors are views of it), so one all-gather of ``S`` per rank fills a rank-major vector, which
 is copied out into the gathered buffer ``buf``, parameter by parameter (each one's padded rows,
-``N*k`` of them, contiguous). The reduction (`plait.fsdp.reduction`) runs the other way:
+``N*k`` of them, contiguous). On Gloo, whose all-gather copies every rank's piece out of a flat
+buffer of its own anyway, that copy is the reordering: one piece per run of adjacent parameters
+with equal chunks, each rank's landing in its strided places of ``buf`` (`comm.all_gather_scattered`),
+so the gathered vector is not copied twice. The reduction (`plait.fsdp.reduction`) runs the other way:
 ``buf``'s gradients are copied into rank-major order and reduce-scattered; each rank receives
 its chunks, end to end, into the flat ``grad`` vector that the parameters' DTensor gradients are
 views of. (FSDP2 makes the same two copies around its collectives.) With one parameter in the
@@ -74,6 +77,11 @@ class FlatParam(GradReduction):
         self.total = self.padded  # every slot's range, padding included
         # One slot, or one rank: rank-major and parameter-major orders coincide.
         self.direct = cfg.world == 1 or len(slots) == 1
+        # Where the backend's all-gather copies each rank's piece out of a flat buffer of its own
+        # (Gloo), that copy puts the pieces straight into buf's parameter-major places: one piece
+        # per run of adjacent slots with equal chunks (a transformer block has about four), so
+        # the gathered vector is never copied a second time (`_gather_pieces`).
+        self.runs = [] if self.direct or not comm.gathers_by_copy(cfg.group) else _runs(slots)
         # ZeRO-3 on a backend whose reduce-scatter sums the whole input in place (Gloo): the
         # gradient is reduced in buf's parameter-major order and each rank reads its chunks out
         # of it afterwards, sparing the full-size rank-major copy before the reduction.
@@ -239,6 +247,13 @@ class FlatParam(GradReduction):
         if not self.needs_gather():
             return
         self._src = self._source()
+        if self.runs:
+            self._ensure_buf()
+            self._out = self.buf
+            outs, pieces = self._gather_pieces(self._src)
+            with comm.operation(f"FSDP all-gather of {self.label}"):
+                self._handle = comm.all_gather_scattered(outs, pieces, self.cfg.group, async_op=True)
+            return
         if self.direct:
             self._ensure_buf()
             self._out = self.buf
@@ -246,6 +261,17 @@ class FlatParam(GradReduction):
             self._out = torch.empty(self.padded, dtype=self.compute_dtype, device=self.cfg.device)
         with comm.operation(f"FSDP all-gather of {self.label}"):
             self._handle = comm.all_gather_into(self._out, self._src, self.cfg.group, async_op=True)
+
+    def _gather_pieces(self, src: torch.Tensor) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        """Per run of slots (``g`` of them, each chunk ``c``): this rank's ``(g, c)`` piece of
+        ``src`` and, for each rank r, the ``(g, c)`` strided view of buf where r's piece belongs."""
+        w, outs, pieces = self.cfg.world, [], []
+        for first, g, c in self.runs:
+            s = self.slots[first]
+            pieces.append(src.narrow(0, s.local_offset, g * c).view(g, c))
+            dst = self.buf.narrow(0, s.offset, g * w * c).view(g, w, c)
+            outs.append([dst[:, r] for r in range(w)])
+        return outs, pieces
 
     def _ensure_buf(self) -> None:
         nbytes = self.padded * self.buf.element_size()
@@ -321,6 +347,19 @@ class FlatParam(GradReduction):
                 mod._parameters[attr] = param  # a DTensor parameter (torch's FSDP2 registers them alike)
                 mod.__dict__[attr] = leaf
         watch_leaves((slot.fqn, leaf) for slot, leaf in zip(self.slots, self.leaves, strict=True))
+
+
+def _runs(slots: list[Slot]) -> list[tuple[int, int, int]]:
+    """(first slot, slots, chunk) of each run of adjacent slots with equal non-empty chunks."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if s.chunk == 0:
+            continue
+        if runs and runs[-1][2] == s.chunk and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, s.chunk)
+        else:
+            runs.append((i, 1, s.chunk))
+    return runs
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...] | torch.Size | int) -> torch.Tensor:

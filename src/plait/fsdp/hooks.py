@@ -69,7 +69,11 @@ class UnitHooks:
             for flat in unit.flats:
                 flat.set_grad_hook(functools.partial(self._make_post_backward, flat))
         self._order: list[Unit] = []  # units in this forward's execution order
-        self._prev_order: list[Unit] = list(self.units)  # last forward's order: what to prefetch
+        # The last forward's order: what to prefetch. Nothing before the first forward: a prefetch
+        # lands in the unit's buffer while in flight (`FlatParam.start_gather`), so a unit that
+        # forward never enters (its module's method called by another unit) would be readable
+        # there, where the refusal of a read outside a unit's own forward needs it freed.
+        self._prev_order: list[Unit] = []
         self._sync = True  # False inside no_sync(); each unit has its own flag too (`Unit.sync`)
         self._backward_queued = False
         self._inflight: list[FlatParam] = []  # reductions issued and not yet awaited

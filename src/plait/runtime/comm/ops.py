@@ -184,6 +184,41 @@ def reduce_scatter_consuming(
     return work, out
 
 
+def gathers_by_copy(group: dist.ProcessGroup | None = None) -> bool:
+    """True where an all-gather lands in a flat buffer of the backend's own and is copied out of it
+    into the outputs (torch's Gloo backend, even for ``all_gather_into_tensor``): a caller that
+    wants the ranks' pieces in another order than rank-major passes the destinations to
+    `all_gather_scattered` and spares its own reordering copy."""
+    return _n(group) > 1 and dist.get_backend(group) == "gloo"
+
+
+@eager
+def all_gather_scattered(
+    outs: Sequence[Sequence[torch.Tensor]], pieces: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None = None, async_op: bool = False,
+) -> Handle | None:
+    """Gather ``pieces[k]`` from every rank into ``outs[k][r]`` (rank r's), each a tensor of the
+    piece's shape that may be a strided view into the caller's buffer: each rank receives (n-1)/n
+    of the gathered bytes, as `all_gather_into`. One call for the counts and the desync check, one
+    all-gather per piece on the wire (the backend copies each rank's piece to its place, a copy
+    its flat all-gather makes anyway where `gathers_by_copy` holds)."""
+    n = _n(group)
+    record("all_gather", group, n * sum(p.numel() * p.element_size() for p in pieces), (n - 1) / n)
+    if n == 1:
+        for out, piece in zip(outs, pieces, strict=True):
+            out[0].copy_(piece)
+        return Handle(None, "") if async_op else None
+
+    def gather() -> _Works | None:
+        works = _Works([dist.all_gather(list(out), piece, group=group, async_op=True)
+                        for out, piece in zip(outs, pieces, strict=True)])
+        if async_op:
+            return works
+        works.wait()
+        return None
+    return _run("all_gather", pieces[0], group, gather, async_op, f"{len(pieces)} pieces")
+
+
 @eager
 def broadcast(
     t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
