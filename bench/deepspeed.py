@@ -193,7 +193,10 @@ def pipeline_job(args: dict) -> dict:
 
         own = segments(plait.init_weights(GPT(cfg), 0))  # the floor's own copy: the engine trains segs
         steps["floor"] = stage_floor(args, own, list(ds_model.parts), micro)
-    return {**_alternate(steps, args), "losses": losses, "starts": starts}
+    # 1F1B's fill and drain: with equal stages its step is (m + p - 1) stage-microbatch slots, of
+    # which the floor (each stage's compute alone) holds m.
+    bubble = (m + world - 1) / m
+    return {**_alternate(steps, args), "losses": losses, "starts": starts, "schedule_factor": bubble}
 
 
 class _UlyssesAttention(torch.nn.Module):

@@ -116,16 +116,20 @@ def floor_table(pairs: list[tuple[str, dict]]) -> str:
     for label, out in pairs:
         t, cpu = out["times"], out["cpu"]
         f = spread(paired_ratios(t["floor"], t["deepspeed"]))
+        # A schedule's own idle time (a pipeline's fill and drain) is part of any implementation's
+        # step: the bound is the floor stretched by it.
+        bound = f.median * out.get("schedule_factor", 1.0)
         rows.append([label, median(t["floor"]), median(t["deepspeed"]), f.median,
                      f"{f.p25:.3f}-{f.p75:.3f}; {f.p10:.3f}-{f.p90:.3f}",
-                     median(paired_ratios(cpu["floor"], cpu["deepspeed"])),
+                     median(paired_ratios(cpu["floor"], cpu["deepspeed"])), bound,
                      median(paired_ratios(t["plait"], t["deepspeed"])),
                      median(paired_ratios(cpu["plait"], cpu["deepspeed"])),
                      median(paired_ratios(t["plait"], t["floor"])),
-                     "yes" if f.median <= 0.8 else "no"])
+                     "yes" if bound <= 0.8 else "no"])
     return markdown_table(["layout", "floor step (s)", "DeepSpeed step (s)",
                            "floor / DeepSpeed (median of pairs)", "IQR; p10-p90",
                            "floor / DeepSpeed, CPU time",
+                           "bound / DeepSpeed (the floor with the schedule's bubble)",
                            "plait / DeepSpeed", "plait / DeepSpeed, CPU time", "plait / floor",
                            "0.8 of DeepSpeed reachable here"], rows)
 
@@ -134,6 +138,8 @@ FLOOR_NOTE = """The floor is the same step with nothing communicated (`bench/flo
 forward and backward on the rank's share of the batch and AdamW on the rank's share of the
 parameters (ZeRO), each stage's compute alone over the microbatches (pipeline), or the attention's
 all-to-alls replaced by local reshuffles of the same shapes (Ulysses). No implementation of the
-layout can step faster on these ranks, so where the floor is above 0.8 of DeepSpeed's step, 0.8 is
-out of reach here by construction. Ratios are medians of per-step pairs from the same alternation
+layout can step faster on these ranks. A pipeline schedule also idles by its nature: 1F1B over p
+stages and m microbatches takes m + p - 1 stage-slots where the floor computes m, so its bound is
+the floor times (m + p - 1) / m. Where the bound is above 0.8 of DeepSpeed's step, 0.8 is out of
+reach here by construction. Ratios are medians of per-step pairs from the same alternation
 as the rows above; CPU time is rank 0's process (every thread), steadier than wall time under load."""

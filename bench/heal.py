@@ -19,6 +19,7 @@ of the store's join counter), alternating. (hsdp): ``plait train`` with HSDP 2x2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -188,6 +189,7 @@ def _hang(folder: Path, layout: Layout, train_args: list[str], timeout_s: float,
         return next((e for e in epochs if e["time"] > since), None)
 
     fewer = layout.replicas - 1
+    victim = None
     try:
         _wait(lambda: max(steps(), default=0) >= stop_at, job)
         victim = _event(heal, "start", *victim_at)["pid"]
@@ -202,6 +204,9 @@ def _hang(folder: Path, layout: Layout, train_args: list[str], timeout_s: float,
         job.send_signal(signal.SIGTERM)
         job.communicate(timeout=120)
     finally:
+        if victim is not None:  # a stopped replica would not act on its parent's death
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGCONT)
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     finished = [e for uid in range(layout.replicas) for e in layout.events(heal, uid)
