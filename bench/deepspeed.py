@@ -292,7 +292,17 @@ def ulysses_job(a: dict) -> dict:
     except Exception as e:  # noqa: BLE001 (reported, not hidden: the bench says it does not run)
         return {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
     runner.step()  # the same number of steps on both sides before timing
-    steps = {"plait": runner.step, "deepspeed": ds_step}
+    # The same layout with plait's desync check off (on by default: a fingerprint all-reduce before
+    # each collective, here 4 all-to-alls per attention in forward and 4 in backward), apart.
+    unchecked = plait_runner(a, cached_mesh(cp=2), "ulysses", x, y)
+    unchecked.step()
+
+    def unchecked_step() -> None:
+        from plait.runtime import comm
+
+        with comm.desync_check("off"):
+            unchecked.step()
+    steps = {"plait": runner.step, "deepspeed": ds_step, "plait_unchecked": unchecked_step}
     if a["floor"]:
         steps["floor"] = _deepspeed_ulysses(a, x, y, floor=True)[0]
     timed = _alternate(steps, a)
@@ -434,6 +444,14 @@ over the two ranks. torch's AdamW on both.
     if "error" in out:
         return head + f"\nDeepSpeed-Ulysses does not run here: `{out['error']}`\n"
     table = _paired_table("sequence parallelism", "Ulysses, cp 2", out, last="last step")
+    t = out["times"]
+    if "plait_unchecked" in t:
+        off, cost = (spread(paired_ratios(t["plait_unchecked"], t[side])) for side in ("deepspeed", "plait"))
+        table += (f"\n\nWith plait's desync check off (on by default: a fingerprint all-reduce before each "
+                  f"collective, here 4 all-to-alls per attention forward and 4 backward), in the same "
+                  f"alternation: {off.median:.3f} of DeepSpeed's step (IQR {off.p25:.3f}-{off.p75:.3f}); "
+                  f"the unchecked step over the checked one {cost.median:.3f} (IQR {cost.p25:.3f}-"
+                  f"{cost.p75:.3f}).")
     if "floor" in out["times"]:
         from bench.floors import FLOOR_NOTE, floor_table
 
