@@ -56,9 +56,9 @@ from plait.runtime.heal import LiveState, Membership, Replicas, Supervisor
 from plait.runtime.heal.quorum import RunOver
 from plait.runtime.heal.replicas import FAILURES, MAX_RETRIES, comm_error_line
 from plait.runtime.heal.supervisor import ReplicasFailed
-from plait.runtime.heal.transfer import local
 from plait.runtime.mesh import Mesh
 from plait.state.clip import clip_grad_norm_
+from plait.state.dtensors import local_of
 
 
 def _events(path: Path) -> Callable[[dict[str, Any]], None]:
@@ -306,5 +306,5 @@ def params_digest(model: nn.Module) -> str:
     bit-equal replicas (process by process under HSDP)."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(local(p).detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(local_of(p).detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

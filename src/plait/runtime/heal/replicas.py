@@ -110,14 +110,14 @@ class Replicas:
             self._close()
             self.epoch = epoch
             error: str | None = None
-            self._transferred = False
+            received = transferred = False
             try:
                 self.group = self._build(epoch)
-                behind = self._synchronise(state)
+                received, transferred = self._synchronise(state)
             except FAILURES as e:
                 error = comm_error_line(e)  # not the error itself: its frames would keep the group open
             error = self._agree(error)
-            if error is None:
+            if error is None and transferred:
                 error = self._settle()
             if error is None:
                 self._joining = False
@@ -129,7 +129,7 @@ class Replicas:
             self._close()
             epoch = self._next_epoch(epoch, state)
         self.events({"event": "epoch", "epoch": epoch.number, "members": list(epoch.members),
-                     "step": state.step, "received_state": behind,
+                     "step": state.step, "received_state": received,
                      **({"asked_to_join": joined_at} if joined_at is not None else {})})
 
     def _build(self, epoch: Epoch) -> dist.ProcessGroup:
@@ -151,9 +151,9 @@ class Replicas:
                             [dist.get_rank()])
         return pg
 
-    def _synchronise(self, state: LiveState) -> bool:
+    def _synchronise(self, state: LiveState) -> tuple[bool, bool]:
         """Each member's completed steps, gathered; those behind receive the state of the first member
-        that is furthest ahead. Returns whether this replica received it."""
+        that is furthest ahead. Returns whether this replica received it, and whether any did."""
         assert self.epoch is not None and self.group is not None
         steps = torch.zeros(self.epoch.size, dtype=torch.float64)
         # 0: a joiner. Its state is taken whatever its step: one dropped for being late may have
@@ -167,8 +167,7 @@ class Replicas:
             send_state(self.group, state, behind)
         elif received:
             recv_state(self.group, state, ahead)
-        self._transferred = bool(behind)
-        return received
+        return received, bool(behind)
 
     def _agree(self, error: str | None) -> str | None:
         """Whether every process of this replica succeeded: ``error`` (this process's failure, or
@@ -185,8 +184,6 @@ class Replicas:
     def _settle(self) -> str | None:
         """After a state transfer, wait until every replica is done with it (`Quorum.settle`): those
         not in it must not wait in a collective that times out while a large model moves."""
-        if not self._transferred:
-            return None
         assert self.epoch is not None
         try:
             self.quorum.settle(self.epoch, max(SETTLE_S, 10 * self.timeout_s), count=self.index == 0)

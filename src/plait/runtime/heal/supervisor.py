@@ -178,10 +178,7 @@ class Supervisor:
         if code == 0 and any(p.exitcode is None for p in mine):
             return  # finished; the replica is done once all of its processes are
         if code != 0 and not self._signals:  # (after a signal, each stops on its own after the step)
-            for p in mine:
-                if p.exitcode is None and p.pid is not None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(p.pid, signal.SIGKILL)
+            self._send(signal.SIGKILL, mine)
         self._ended(uid, code)
 
     def _ended(self, uid: int, code: int) -> None:
@@ -212,8 +209,9 @@ class Supervisor:
         self._signals.append(signum)
         self._send(signum if len(self._signals) == 1 else signal.SIGKILL)
 
-    def _send(self, sig: int) -> None:
-        for p in self._procs.values():
+    def _send(self, sig: int, procs: list[multiprocessing.process.BaseProcess] | None = None) -> None:
+        """``sig`` to ``procs`` (default: every process) that are still running."""
+        for p in self._procs.values() if procs is None else procs:
             if p.exitcode is None and p.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, sig)
