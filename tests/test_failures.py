@@ -412,3 +412,28 @@ def _checks_in_a_ddp_backward() -> tuple[int, int]:
 def test_a_ddp_backward_compares_fingerprints_once_whatever_its_buckets(pool):
     buckets, checks = pool.run(_checks_in_a_ddp_backward)[0]
     assert buckets >= 4 and checks == 1, (buckets, checks)
+
+
+# ------------------------------------------------------------------ the test pool itself
+def _sleep_past_the_deadline() -> None:
+    time.sleep(30)
+
+
+def test_a_pool_whose_every_rank_hangs_says_where_and_starts_afresh(tmp_path):
+    """A task no rank answers (stuck, not raising) fails with each rank's stacks, and the pool's
+    next task runs on new ranks: a pool left as it was would make every later test wait out its
+    deadline in turn."""
+    p = RankPool(2, timeout_s=1.0, run_dir=str(tmp_path))
+    try:
+        before = p.run(os.getpid)  # started (the start has the default grace)
+        p.answer_grace_s = 1.0
+        with pytest.raises(RankFailure) as info:
+            p.run(_sleep_past_the_deadline)
+        assert sorted(info.value.errors) == [0, 1]
+        for text in info.value.errors.values():
+            assert text.startswith("no answer (hung)"), text
+            assert "_sleep_past_the_deadline" in text, text
+        p.answer_grace_s = 30.0  # the new ranks' start
+        assert p.run(os.getpid) == p.pids() and set(p.pids()).isdisjoint(before)
+    finally:
+        p.close()

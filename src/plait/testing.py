@@ -10,6 +10,7 @@ restarted, because the survivors may be stuck inside a collective.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import pickle
 import queue
@@ -112,6 +113,10 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
             run_dir: str, desync_check: str, device_audit: bool = True) -> None:
     set_rank_env(rank, world, port, threads=1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A rank the pool finds silent past its deadline is asked for its stacks (SIGUSR1) before it is
+    # killed, so a hang names where every thread was rather than only that it happened.
+    stacks = open(_stacks_path(run_dir, rank), "a")  # noqa: SIM115 (open for the process's life)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import plait
 
     # Gloo on CPU, pinned: on a CUDA host the default would be NCCL, and CPU models with it fail.
@@ -151,6 +156,10 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
                 results.put((rank, True, answer))
             _release_groups(mark, finished=True)
             results.put((rank, None, b""))  # idle: the task's groups are gone, nothing in flight
+
+
+def _stacks_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"stacks-rank{rank}.txt")
 
 
 def _release_groups(mark: int, finished: bool) -> None:
@@ -195,14 +204,17 @@ class RankPool:
     `pause` stops an idle pool's ranks (SIGSTOP) until its next `run`: a suite with several pools
     then spends no CPU on the ones waiting (each Gloo group keeps a thread that wakes many times a
     second).
+    A rank silent ``answer_grace_s`` past its timeout counts as hung: its error gives its threads'
+    stacks, and the pool starts afresh, as it does after a rank died.
     ``device_audit=False`` leaves out `DeviceAudit`, for benchmarks: its torch-function mode taxes
     every Python-level torch call, which a user's program never pays, and a wrapper's Python side
     more than torch's C++ one.
     """
 
     def __init__(self, world_size: int, timeout_s: float = 120.0, run_dir: str | None = None,
-                 desync_check: str = "fast", device_audit: bool = True) -> None:
+                 desync_check: str = "fast", device_audit: bool = True, answer_grace_s: float = 30.0) -> None:
         self.world_size, self.timeout_s, self.desync_check = world_size, timeout_s, desync_check
+        self.answer_grace_s = answer_grace_s
         self.device_audit = device_audit
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="plait-pool-")
         self._procs: list[Any] = []
@@ -232,18 +244,22 @@ class RankPool:
         for r, q in enumerate(self._tasks):
             self._cleaning[r] += 1
             q.put(payload)
-        out, errors = self._collect()
+        out, errors, silent = self._collect()
         if errors:
-            if out or len(errors) < self.world_size:  # survivors may have left collectives half-done
+            # Survivors may have left collectives half-done, and a rank that died or hung serves
+            # nothing more: only a task every rank raised from leaves the pool fit to reuse.
+            if out or silent:
                 self.restart()
             raise RankFailure(errors, out)
         return [out[r] for r in range(self.world_size)]
 
-    def _collect(self) -> tuple[dict[int, Any], dict[int, str]]:
-        """Every rank's answer; a rank that died, or is silent past the timeout, is an error."""
+    def _collect(self) -> tuple[dict[int, Any], dict[int, str], bool]:
+        """Every rank's answer; a rank that died, or is silent past the timeout, is an error (then
+        the last value is True)."""
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        deadline = time.monotonic() + self.timeout_s + 30
+        silent = False
+        deadline = time.monotonic() + self.timeout_s + self.answer_grace_s
         while len(out) + len(errors) < self.world_size:
             try:
                 rank, ok, value = self._results.get(timeout=0.5)
@@ -257,12 +273,33 @@ class RankPool:
             waiting = [r for r in range(self.world_size) if r not in out and r not in errors]
             dead = [r for r in waiting if not self._procs[r].is_alive()]
             for r in dead:
-                errors[r] = "died"
+                errors[r], silent = "died", True
             if dead:  # the others get a moment to answer, then count as hung with it
                 deadline = min(deadline, time.monotonic() + 3)
             if time.monotonic() > deadline:
-                errors.update({r: "no answer (hung)" for r in waiting if r not in errors})
-        return out, errors
+                hung = [r for r in waiting if r not in errors]
+                errors.update({r: f"no answer (hung); its threads' stacks:\n{stack}"
+                               for r, stack in self._stacks(hung).items()})
+                silent = True
+        return out, errors, silent
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Where each of ``ranks`` is stuck: the stacks it writes when sent SIGUSR1."""
+        sizes = {}
+        for r in ranks:
+            path = _stacks_path(self.run_dir, r)
+            sizes[r] = os.path.getsize(path) if os.path.exists(path) else 0
+        self._signal(signal.SIGUSR1, ranks)
+        time.sleep(1.0)
+        out = {}
+        for r in ranks:
+            try:
+                with open(_stacks_path(self.run_dir, r)) as f:
+                    f.seek(sizes[r])
+                    out[r] = f.read() or "(none written)"
+            except OSError as e:
+                out[r] = f"(none: {e})"
+        return out
 
     def pause(self, wait_s: float = 10.0) -> None:
         """Stop the ranks until the next `run`, once each has cleaned up after its last task (a rank
