@@ -219,7 +219,11 @@ def _bytes_per_layer(algorithm: str) -> dict:
         # q, k, v to heads and the output back, forward; the same tensors' gradients backward
         "ulysses": {"all_to_all": 2 * (2 * q + kv)},
     }[algorithm]
-    return {"counted": counted, "per_layer": {op: v * cfg.n_layers for op, v in theory.items()}}
+    # Ulysses trades Q, K and V in one all-to-all: per layer one for them and one for the output,
+    # forward, and the same two backward (their gradients).
+    calls = {"ulysses": 4}.get(algorithm)
+    return {"counted": counted, "per_layer": {op: v * cfg.n_layers for op, v in theory.items()},
+            "all_to_alls": (stats.calls("all_to_all", "cp"), None if calls is None else calls * cfg.n_layers)}
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "allgather", "ulysses"])
@@ -227,6 +231,8 @@ def test_counted_bytes_equal_theory(pools, algorithm):
     for out in pools[2].run(_bytes_per_layer, algorithm):
         counted = {op: v for op, v in out["counted"].items() if v}
         assert counted == out["per_layer"]
+        made, expected = out["all_to_alls"]
+        assert expected is None or made == expected
 
 
 def _saved_activation_bytes(cp: int) -> int:

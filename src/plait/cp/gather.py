@@ -6,7 +6,8 @@
   Bytes per layer: an all-gather of K, V forward and a reduce-scatter of dK, dV backward.
 * **All-to-all (Ulysses)**: an all-to-all trades the sequence split for a head split, so each
   rank attends the whole sequence with ``heads / cp`` heads, and a second all-to-all trades
-  back. Bytes per layer: all-to-alls of Q, K, V and of the output forward, the same backward.
+  back. Bytes per layer: all-to-alls of Q, K, V (one collective) and of the output forward, the
+  same backward.
 
 Ranks may hold different lengths (a sequence that does not split evenly): the collectives carry
 equal chunks, padded to the longest rank's length.
@@ -97,37 +98,48 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: C
 
 
 class _Swap(torch.autograd.Function):
-    """The sequence split traded for a head split (``to_heads``: (b, heads, local, d) with every
-    head -> (b, heads / cp, seq, d) with this rank's heads) or back; backward is the other trade."""
+    """The sequence split traded for a head split (``to_heads``: each (b, heads, local, d) tensor
+    with every head -> (b, heads / cp, seq, d) with this rank's heads) or back; backward is the
+    other trade. The tensors travel together, in one all-to-all: Q, K and V cost one collective's
+    latency (and one desync check), not three."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, cp: CPGroup, layout: Layout, to_heads: bool) -> torch.Tensor:
+    def forward(ctx: Any, cp: CPGroup, layout: Layout, to_heads: bool,
+                *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.cp, ctx.layout, ctx.to_heads = cp, layout, to_heads
-        return (_seq_to_heads if to_heads else _heads_to_seq)(t, cp, layout)
+        return (_seq_to_heads if to_heads else _heads_to_seq)(ts, cp, layout)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # An output no loss reached arrives as zeros (autograd materializes them), so every rank
+        # sends the same shapes whichever outputs its graph used.
         back = _heads_to_seq if ctx.to_heads else _seq_to_heads
-        return back(grad, ctx.cp, ctx.layout), None, None, None
+        return (None, None, None, *back(grads, ctx.cp, ctx.layout))
 
 
-def _seq_to_heads(t: torch.Tensor, cp: CPGroup, layout: Layout) -> torch.Tensor:
-    n = cp.size
-    b, h, _, d = t.shape
-    longest = _longest(layout)
-    send = _padded(t, longest, 2).reshape(b, n, h // n, longest, d).transpose(0, 1).contiguous()
+def _seq_to_heads(ts: tuple[torch.Tensor, ...], cp: CPGroup, layout: Layout) -> tuple[torch.Tensor, ...]:
+    n, longest = cp.size, _longest(layout)
+    # send[r]: this rank's tokens of rank r's heads, every tensor's heads side by side.
+    sends = [_padded(t, longest, 2).reshape(b, n, h // n, longest, d).transpose(0, 1)
+             for t, (b, h, _, d) in zip(ts, (t.shape for t in ts))]
+    send = torch.cat(sends, dim=2).contiguous()
     recv = torch.empty_like(send)  # recv[r]: rank r's tokens of this rank's heads
     comm.all_to_all_into(recv, send, cp.group)
-    return _to_sequence(recv, layout, 2)
+    parts = recv.split([t.shape[1] // n for t in ts], dim=2)
+    return tuple(_to_sequence(part, layout, 2) for part in parts)
 
 
-def _heads_to_seq(t: torch.Tensor, cp: CPGroup, layout: Layout) -> torch.Tensor:
-    b, hn, _, d = t.shape
-    send = _to_ranks(t.contiguous(), layout, 2).contiguous()  # send[r]: rank r's tokens, this rank's heads
+def _heads_to_seq(ts: tuple[torch.Tensor, ...], cp: CPGroup, layout: Layout) -> tuple[torch.Tensor, ...]:
+    # send[r]: rank r's tokens of this rank's heads, every tensor's heads side by side.
+    send = torch.cat([_to_ranks(t.contiguous(), layout, 2) for t in ts], dim=2).contiguous()
     recv = torch.empty_like(send)  # recv[r]: this rank's tokens of rank r's heads
     comm.all_to_all_into(recv, send, cp.group)
-    whole = recv.transpose(0, 1).reshape(b, cp.size * hn, -1, d)
-    return whole.narrow(2, 0, layout.local_len())
+    outs = []
+    for t, part in zip(ts, recv.split([t.shape[1] for t in ts], dim=2)):
+        b, hn, _, d = t.shape
+        whole = part.transpose(0, 1).reshape(b, cp.size * hn, -1, d)
+        outs.append(whole.narrow(2, 0, layout.local_len()))
+    return tuple(outs)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup, layout: Layout,
@@ -142,10 +154,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPG
                          f"and {k.shape[1]} key/value heads must both divide by {n}; use the 'ring' or "
                          "'allgather' algorithm")
     s = q.shape[-1] ** -0.5 if scale is None else scale
-    qh, kh, vh = (_Swap.apply(t, cp, layout, True) for t in (q, k, v))
-    assert isinstance(qh, torch.Tensor) and isinstance(kh, torch.Tensor) and isinstance(vh, torch.Tensor)
+    qh, kh, vh = _Swap.apply(cp, layout, True, q, k, v)
     whole = Span(0, layout.seq_len)
     out, _ = block_forward(qh, kh, vh, s, whole, whole, PARTIAL if causal else FULL, window)
-    back = _Swap.apply(out.to(q.dtype), cp, layout, False)
-    assert isinstance(back, torch.Tensor)
+    back, = _Swap.apply(cp, layout, False, out.to(q.dtype))
     return back
