@@ -241,7 +241,7 @@ those rows are plait only.
     parts.append(_activation_section(idx, a, cfg, precisions))
     parts.append(f"### Model states per rank (after backward: parameters, gradients, AdamW state)\n\n"
                  f"{_states_table(idx, a, psi, precisions)}\n\nplait's mixed precision keeps the fp32 "
-                 "master weights *as the parameters*, and fp32 gradients (`plait.compose.precision`, and "
+                 "master weights *as the parameters*, and fp32 gradients (`plait.state.precision`, and "
                  "FSDP's fp32 shards), so in bf16 its model states follow the fp32-Adam formula, not the "
                  "mixed-precision one (which assumes 16-bit parameters and gradients besides the fp32 "
                  "copies); the 16-bit copies of the parameters exist only while a forward and its "

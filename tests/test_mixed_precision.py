@@ -356,7 +356,7 @@ def test_policy_output_dtype_and_input_casts():
     """MixedPrecision's output_dtype casts the root's floating outputs; cast_forward_inputs=False
     leaves its inputs as they come (torch's MixedPrecisionPolicy fields)."""
     import plait
-    from plait.compose.precision import MixedPrecision
+    from plait.state.precision import MixedPrecision
 
     class Seen(torch.nn.Module):
         def __init__(self) -> None:

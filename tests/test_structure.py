@@ -126,10 +126,11 @@ TOP_MODULES = {
 }
 TOP_FOLDERS = {
     "runtime": "the process layer: env, mesh, comm, desync, straggler, faults, healing",
-    "state": "materialization, state dicts, checkpoints, the placement record and its readers",
+    "state": "materialization, state dicts, checkpoints, the placement record and its readers, the "
+             "mixed-precision policy",
     "ddp": "a strategy", "fsdp": "a strategy", "tp": "a strategy", "cp": "a strategy", "ep": "a strategy",
     "pipeline": "a strategy: splits and schedules",
-    "compose": "ParallelPlan, the rules, parallelize, activation checkpointing, mixed precision",
+    "compose": "ParallelPlan, the rules, parallelize, activation checkpointing",
     "plans": "tensor-parallel plans for model families",
     "check": "parity against one process, the fuzzer, error budgets",
     "models": "the reference GPT and MoE, with no parallel code",
@@ -205,13 +206,7 @@ LAYERS = (("plait.runtime",), ("plait.state",),
            "plait.data_parallel"),
           ("plait.compose",))
 # Imports that run up a layer, each for a reason; the test fails when one goes (drop it).
-UPWARD = {
-    # The mixed-precision policy and what `mixed_precision` recorded on a module (`precision_of`):
-    # DDP and DataParallel keep the fp32 masters by it, FSDP casts its shards by it.
-    ("plait.ddp.state", "plait.compose.precision"), ("plait.data_parallel", "plait.compose.precision"),
-    ("plait.fsdp.hooks", "plait.compose.precision"), ("plait.fsdp.units", "plait.compose.precision"),
-    ("plait.fsdp.wrapper", "plait.compose.precision"),
-}
+UPWARD: set[tuple[str, str]] = set()
 
 
 def _layer(module: str) -> int | None:

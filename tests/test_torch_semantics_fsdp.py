@@ -513,7 +513,7 @@ def test_submodules_with_external_inputs(pools):
 
 
 def _grad_acc_reduce_dtype(stage: int) -> dict[str, float]:
-    from plait.compose.precision import MixedPrecision
+    from plait.state.precision import MixedPrecision
 
     torch.manual_seed(42)
     ref = nn.Sequential(*[MLP(16) for _ in range(3)])
@@ -879,7 +879,7 @@ class WithInt(nn.Module):
 
 
 def _frozen_first_forward() -> dict[str, Any]:
-    from plait.compose.precision import MixedPrecision
+    from plait.state.precision import MixedPrecision
 
     torch.manual_seed(0)
     net = _fsdp(WithInt(), 3, units=[], mixed_precision=MixedPrecision(torch.bfloat16, torch.float32))
@@ -970,7 +970,7 @@ class SavesInputs(nn.Module):
 
 
 def _policy_per_unit() -> dict[str, Any]:
-    from plait.compose.precision import MixedPrecision
+    from plait.state.precision import MixedPrecision
 
     f16, f32 = torch.float16, torch.float32
     cases = {  # torch's three subtests: (policies, whether the modules cast their inputs themselves)
@@ -1043,7 +1043,7 @@ class ExternalInput(nn.Module):
 
 
 def _external_inputs_without_cast() -> dict[str, Any]:
-    from plait.compose.precision import MixedPrecision
+    from plait.state.precision import MixedPrecision
 
     torch.manual_seed(0)
     f16 = torch.float16
@@ -1094,7 +1094,7 @@ class CheckpointsLinear(nn.Module):
 
 
 def _recompute_casts() -> dict[str, Any]:
-    from plait.compose.precision import MixedPrecision
+    from plait.state.precision import MixedPrecision
 
     bf = torch.bfloat16
     out: dict[str, Any] = {}
@@ -1127,7 +1127,7 @@ class PointwiseConv(nn.Linear):
 
 
 def _norm_modules() -> dict[str, Any]:
-    from plait.compose.precision import MixedPrecision
+    from plait.state.precision import MixedPrecision
 
     def lin_norm() -> nn.Module:
         return nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16))
@@ -1446,7 +1446,7 @@ def test_gradient_scaler(pools):
 
 def _checkpoint_and_policy() -> dict[str, Any]:
     import plait
-    from plait.compose.precision import MixedPrecision
+    from plait.state.precision import MixedPrecision
 
     class Log(dict):  # every input a module records, in order (recomputations included)
         def __init__(self) -> None:
@@ -1593,7 +1593,7 @@ def test_register_fsdp_forward_method(pools):
 
 def _clamp_reduce_dtype() -> dict[str, Any]:
     from plait import comm
-    from plait.compose.precision import MixedPrecision
+    from plait.state.precision import MixedPrecision
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32, dtype=torch.bfloat16), nn.Linear(32, 32, dtype=torch.bfloat16))
@@ -1618,7 +1618,7 @@ def test_clamp_reduce_dtype(pools):
 
 
 def _reduce_dtypes() -> dict[str, Any]:
-    from plait.compose.precision import MixedPrecision
+    from plait.state.precision import MixedPrecision
 
     world = dist.get_world_size()
     out: dict[str, Any] = {}

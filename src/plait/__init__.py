@@ -23,7 +23,7 @@ _SOURCES = {
     "FullyShardedDataParallel": "plait.fsdp", "ZeroRedundancyOptimizer": "plait.fsdp",
     "init_weights": "plait.state.materialize", "Mesh": "plait.runtime.mesh", "gpt_plan": "plait.plans",
     "plan_for": "plait.plans", "ParallelPlan": "plait.compose.parallelize", "Pipeline": "plait.pipeline",
-    "MixedPrecision": "plait.compose.precision", "mixed_precision": "plait.compose.precision",
+    "MixedPrecision": "plait.state.precision", "mixed_precision": "plait.state.precision",
     "GradScaler": "plait.compose.scaler", "full_state_dict": "plait.state.state_dict",
     "SyncBatchNorm": "plait.compose.sync_batchnorm", "load_full_state_dict": "plait.state.state_dict",
     "ColwiseParallel": "plait.tp", "ParallelRegion": "plait.tp", "RowwiseParallel": "plait.tp",
@@ -47,7 +47,6 @@ if TYPE_CHECKING:  # type checkers see the names as plain imports (the callable 
     from plait.check import CheckReport, check
     from plait.compose.activation_checkpointing import activation_checkpointing
     from plait.compose.parallelize import ParallelPlan, parallelize
-    from plait.compose.precision import MixedPrecision, mixed_precision
     from plait.compose.scaler import GradScaler
     from plait.compose.sync_batchnorm import SyncBatchNorm
     from plait.cp import context_parallel
@@ -62,6 +61,7 @@ if TYPE_CHECKING:  # type checkers see the names as plain imports (the callable 
     from plait.runtime.mesh import Mesh
     from plait.state.clip import clip_grad_norm_
     from plait.state.materialize import init_weights
+    from plait.state.precision import MixedPrecision, mixed_precision
     from plait.state.state_dict import full_state_dict, load_full_state_dict
     from plait.tp import (
         ColwiseParallel,

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from plait._torch_compat import replica_of
-from plait.compose.precision import precision_of
+from plait.state.precision import precision_of
 from plait.state.wrapped_state import WrappedModuleState
 
 __all__ = ["DataParallel", "data_parallel", "scatter", "gather", "replicate", "parallel_apply"]

@@ -32,9 +32,9 @@ from plait.check.common import (
     next_token_loss,
 )
 from plait.check.probe import Recorder
-from plait.compose.precision import mixed_precision
 from plait.runtime.env import die_with_parent, init
 from plait.state.materialize import is_meta, keep_whole, materialize
+from plait.state.precision import mixed_precision
 
 
 def main() -> None:

@@ -13,11 +13,11 @@ import torch
 
 from plait.compose.activation_checkpointing import check_options
 from plait.compose.layout_error import LayoutError, LayoutTypeError
-from plait.compose.precision import MixedPrecision, parse_mixed_precision
 from plait.cp.apply import ALGORITHMS
 from plait.pipeline.arguments import P2P_MODES
 from plait.pipeline.generators import SCHEDULES
 from plait.pipeline.schedules import Schedule
+from plait.state.precision import MixedPrecision, parse_mixed_precision
 from plait.tp.context import Style
 
 DATA_STRATEGIES = ("ddp", "fsdp", "none")

@@ -63,7 +63,6 @@ from torch import nn
 
 from plait.compose.activation_checkpointing import checkpoint_blocks, select_blocks
 from plait.compose.parallel_plan import ParallelPlan
-from plait.compose.precision import mixed_precision
 from plait.compose.rules import ZERO3_SPLIT_BACKWARD, Layout, LayoutError, MeshShape, check_layout
 from plait.cp.apply import context_parallel, has_attention
 from plait.ddp.wrapper import DistributedDataParallel
@@ -81,6 +80,7 @@ from plait.state.materialize import is_meta, keep_whole, materialize
 from plait.state.names import matches
 from plait.state.placement.records import tp_info
 from plait.state.placement.tp_params import to_plain_parameters
+from plait.state.precision import mixed_precision
 from plait.tp.apply import assign_styles, loss_fn_for, tensor_parallel, validate_tied_splits
 from plait.tp.styles import VocabParallelOutput
 

@@ -27,7 +27,6 @@ from torch import nn
 from plait.compose.activation_checkpointing import select_blocks
 from plait.compose.layout_error import LayoutError
 from plait.compose.parallel_plan import ParallelPlan
-from plait.compose.precision import check_castable
 from plait.cp.apply import ALGORITHMS
 from plait.cp.positions import rotaries
 from plait.ep.apply import expert_counts, no_moe_reason
@@ -39,6 +38,7 @@ from plait.pipeline.schedules import Schedule
 from plait.pipeline.split import plan_stages, segments
 from plait.pipeline.ties import find_ties
 from plait.state.names import matches
+from plait.state.precision import check_castable
 from plait.tp.apply import check_plan, validate_styles
 from plait.tp.styles import ParallelRegion
 

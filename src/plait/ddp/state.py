@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from plait.compose.precision import precision_of
 from plait.ddp.in_backward import InBackward
 from plait.runtime.mesh import Mesh
 from plait.state.placement.records import expert_of
+from plait.state.precision import precision_of
 
 COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

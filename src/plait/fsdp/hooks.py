@@ -31,12 +31,12 @@ from plait._torch_compat import (
     tree_flatten,
     tree_unflatten,
 )
-from plait.compose.precision import MixedPrecision
 from plait.fsdp.flat import FlatParam
 from plait.fsdp.layout import ShardCfg
 from plait.fsdp.units import Unit
 from plait.runtime import comm
 from plait.state.placement.grads import reduce_expert_grads
+from plait.state.precision import MixedPrecision
 
 # What torch says when an op reads a tensor whose storage FSDP freed (resized to zero bytes).
 _FREED_READ = ("storage of size 0", "data is not allocated yet")

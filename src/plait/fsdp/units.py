@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from plait.compose.precision import MixedPrecision, parse_mixed_precision
 from plait.fsdp.flat import FlatParam, ShardCfg, Slot
 from plait.runtime.env import get_logger
 from plait.state.blocks import DESCRIBED, blocks
@@ -25,6 +24,7 @@ from plait.state.materialize import Keep, materialize
 from plait.state.names import matches
 from plait.state.placement.pieces import carry_mark
 from plait.state.placement.records import expert_of, grad_hooks_of
+from plait.state.precision import MixedPrecision, parse_mixed_precision
 
 Policies = MixedPrecision | str | None | Mapping[str, MixedPrecision | str | None]
 

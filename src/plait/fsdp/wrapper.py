@@ -70,7 +70,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from plait.compose.precision import MixedPrecision, precision_of
 from plait.fsdp.controls import FSDPControls, PlacementFn, check_placements, ignored_grads, ignored_ids
 from plait.fsdp.conversions import Conversions
 from plait.fsdp.hooks import UnitHooks
@@ -84,6 +83,7 @@ from plait.state.dtensors import mesh_over
 from plait.state.placement.pieces import mark_piece, piece_of
 from plait.state.placement.records import TPInfo, ep_info, expert_of, tp_info
 from plait.state.placement.tp_params import to_plain_parameters
+from plait.state.precision import MixedPrecision, precision_of
 
 if TYPE_CHECKING:
     from plait.state.clip import GradParts
