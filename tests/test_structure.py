@@ -6,6 +6,7 @@ face that docs/api.md lists whole (only public modules define `__all__`)."""
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import json
 import re
@@ -29,10 +30,17 @@ def _module_name(path: Path, top: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache  # parsed once for the module's tests (read only: no test changes it)
 def _modules() -> dict[str, tuple[ast.Module, bool]]:
     """module name -> (its syntax tree, whether it is a package), for plait and bench."""
     return {_module_name(p, top): (ast.parse(p.read_text()), p.name == "__init__.py")
             for top in (ROOT, BENCH) for p in sorted(top.rglob("*.py"))}
+
+
+@functools.cache
+def _library_imports() -> dict[str, set[tuple[str, str]]]:
+    """`_imports` of plait and bench, found once for the module's tests."""
+    return _imports(_modules())
 
 
 def _imports(mods: dict[str, tuple[ast.Module, bool]]) -> dict[str, set[tuple[str, str]]]:
@@ -94,20 +102,20 @@ def test_no_import_cycles():
     or only for type checkers), a module that imports it back. A package's ``__init__`` running
     before its submodules is not an edge (re-exports there are by design); the facade
     ``plait/__init__`` is a node like any other, so no module it imports may import ``plait`` back."""
-    graph = {m: {t for t, _ in deps if t != m} for m, deps in _imports(_modules()).items()}
+    graph = {m: {t for t, _ in deps if t != m} for m, deps in _library_imports().items()}
     cycles = _cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
 def test_no_private_names_imported_across_modules():
-    bad = [f"{m} imports {t}.{n}" for m, deps in _imports(_modules()).items() for t, n in deps
+    bad = [f"{m} imports {t}.{n}" for m, deps in _library_imports().items() for t, n in deps
            if n.startswith("_") and not n.startswith("__") and t != m]
     assert not bad, bad
 
 
 def test_the_library_never_imports_the_application():
     """`plait.app` (train, data, cli, run, launch) is built on the library, not the reverse."""
-    bad = sorted(f"{m} imports {t}" for m, deps in _imports(_modules()).items() for t, _ in deps
+    bad = sorted(f"{m} imports {t}" for m, deps in _library_imports().items() for t, _ in deps
                  if m.startswith("plait") and not m.startswith("plait.app") and m != "plait.__main__"
                  and t.startswith("plait.app"))
     assert not bad, bad
@@ -195,7 +203,7 @@ def test_no_strategy_imports_another_and_readers_read_only_the_placement_record(
     `plait.state.placement`, which tensor and expert parallelism write; no strategy imports another at
     all (`plait.parallelize` is the composition and may): the pipeline only splits and schedules,
     and a block's checkpointing record lives in `plait.state.blocks`."""
-    edges = _cross_edges(_imports(_modules()))
+    edges = _cross_edges(_library_imports())
     assert not edges, sorted(edges)
 
 
@@ -230,7 +238,7 @@ def test_the_folders_by_role_import_only_downward():
     """runtime/ imports nothing above it; state/ only runtime/; the strategies only state/ and
     runtime/ (and no other strategy); compose/ any of them: a folder can be read, tested and
     replaced with only what lies below it."""
-    found = _upward(_imports(_modules()))
+    found = _upward(_library_imports())
     assert not found - UPWARD, sorted(found - UPWARD)
     assert not UPWARD - found, f"no longer imported, drop from UPWARD: {sorted(UPWARD - found)}"
 
@@ -290,7 +298,7 @@ def test_the_library_never_imports_the_reference_gpt():
     """The strategies know no model: losses are the library's (`plait.losses`), positions a
     protocol (`plait.cp.positions.takes_positions`); only models, plans and the application use
     the reference GPT."""
-    bad = sorted({f"{m} imports {t}" for m, deps in _imports(_modules()).items() for t, _ in deps
+    bad = sorted({f"{m} imports {t}" for m, deps in _library_imports().items() for t, _ in deps
                   if m.startswith("plait") and t.startswith("plait.models.gpt")
                   and not m.startswith(("plait.models", "plait.plans", "plait.app"))})
     assert not bad, bad
