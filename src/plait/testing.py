@@ -121,6 +121,11 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
 
     # Gloo on CPU, pinned: on a CUDA host the default would be NCCL, and CPU models with it fail.
     plait.init(timeout_s=timeout_s, backend="gloo", run_dir=run_dir, desync_check=desync_check)
+    import torch.distributed as dist
+
+    # The pool's own group, for the barrier after each task: on the default group it would queue
+    # behind, or meet, what a task left there (its own messages, torch's checkpoint collectives).
+    between_tasks = dist.new_group(backend="gloo")
     if device_audit:  # for the worker's life: every task's collectives are audited
         DeviceAudit().__enter__()
     while True:
@@ -141,7 +146,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
             # Its peers may be inside a collective it left: at exit, skip the goodbye barriers.
             mark_failed()
             results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-            _release_groups(mark, finished=False)
+            _release_groups(mark, finished=False, barrier=between_tasks)
             results.put((rank, None, b""))  # idle: the task's groups are gone, nothing in flight
         else:
             # Pickled here, by value: the queue's feeder thread would drop an answer it cannot
@@ -154,7 +159,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
                                           f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
             else:
                 results.put((rank, True, answer))
-            _release_groups(mark, finished=True)
+            _release_groups(mark, finished=True, barrier=between_tasks)
             results.put((rank, None, b""))  # idle: the task's groups are gone, nothing in flight
 
 
@@ -162,13 +167,14 @@ def _stacks_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"stacks-rank{rank}.txt")
 
 
-def _release_groups(mark: int, finished: bool) -> None:
+def _release_groups(mark: int, finished: bool, barrier: Any) -> None:
     """Destroy the groups a task made (but `cached_mesh`'s), so a pool that serves many tasks (and
     test modules) holds only its default group and cached meshes between them: every Gloo group
     keeps threads and connections alive.
-    After a task that finished on this rank, a barrier first: no peer may still be inside the
-    task's last collective. After a failure there is no barrier (a peer may never reach it); the
-    pool restarts unless every rank failed, so a rank left waiting in that barrier is killed.
+    After a task that finished on this rank, a barrier first (on ``barrier``, the pool's own
+    group): no peer may still be inside the task's last collective. After a failure there is no
+    barrier (a peer may never reach it); the pool restarts unless every rank failed, so a rank
+    left waiting in that barrier is killed.
     The result is sent before all this: the parent does not wait for the cleanup."""
     import torch.distributed as dist
 
@@ -177,7 +183,7 @@ def _release_groups(mark: int, finished: bool) -> None:
     kept = {id(g) for mesh in _mesh_cache.values() for g in mesh.own_groups()}  # `cached_mesh`'s
     made = [g for g in comm.created_groups()[mark:] if id(g) not in kept and comm.is_registered(g)]
     if finished:  # on every rank, whether or not it holds groups to destroy (ranks differ in that)
-        dist.barrier()
+        dist.barrier(group=barrier)
     for pg in reversed(made):
         comm.destroy_group(pg)
 

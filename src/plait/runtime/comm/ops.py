@@ -367,7 +367,9 @@ def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> N
         rehearsal.send(obj, dist.get_rank(), dst)
         return
     what = f"send of an object to rank {dst} on {describe(group)}"
-    _point_to_point(what, None, dst, lambda: dist.send_object_list([obj], dst=dst))
+    # On ``group``, not the default group: a message there could meet whatever else the program
+    # (or torch: DCP, the exit barrier) runs on the default group meanwhile.
+    _point_to_point(what, None, dst, lambda: dist.send_object_list([obj], dst=dst, group=group))
 
 
 @eager
@@ -379,7 +381,7 @@ def recv_object(src: int, group: dist.ProcessGroup | None = None) -> Any:
     if rehearsal is not None:
         return rehearsal.recv(src, dist.get_rank())
     what = f"recv of an object from rank {src} on {describe(group)}"
-    _point_to_point(what, None, src, lambda: dist.recv_object_list(box, src=src))
+    _point_to_point(what, None, src, lambda: dist.recv_object_list(box, src=src, group=group))
     return box[0]
 
 
