@@ -436,7 +436,8 @@ GPT preset `{a['model']}`, {a['batch']} sequences of {a['seq_len']} tokens (`pla
 world 2, {a['iters']} timed steps per side after {a['warmup']} warm-up, strictly alternating; 1-minute
 load average {a['load'][0]:.1f} at the start, {a['load'][1]:.1f} at the end ({os.cpu_count()} cores).
 plait: `ParallelPlan(cp="ulysses")` on `Mesh(cp=2)` (each rank holds the zigzag halves of every
-sequence; all-to-alls of q, k, v and the output in each attention; its DDP over cp). DeepSpeed:
+sequence; one all-to-all of q, k and v together and one of the output in each attention; its DDP
+over cp). DeepSpeed:
 `deepspeed.sequence.layer.DistributedAttention` around the same attention projections and kernel
 (each rank holds one contiguous half of every sequence), its engine at ZeRO-0 averaging gradients
 over the two ranks. torch's AdamW on both.
@@ -448,7 +449,8 @@ over the two ranks. torch's AdamW on both.
     if "plait_unchecked" in t:
         off, cost = (spread(paired_ratios(t["plait_unchecked"], t[side])) for side in ("deepspeed", "plait"))
         table += (f"\n\nWith plait's desync check off (on by default: a fingerprint all-reduce before each "
-                  f"collective, here 4 all-to-alls per attention forward and 4 backward), in the same "
+                  f"collective, here 2 all-to-alls per attention forward (Q, K and V together; the output) "
+                  f"and 2 backward), in the same "
                   f"alternation: {off.median:.3f} of DeepSpeed's step (IQR {off.p25:.3f}-{off.p75:.3f}); "
                   f"the unchecked step over the checked one {cost.median:.3f} (IQR {cost.p25:.3f}-"
                   f"{cost.p75:.3f}).")
