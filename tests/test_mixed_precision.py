@@ -11,8 +11,10 @@ tolerance, so a layout that silently ran in fp32 would fail that check too).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -333,18 +335,40 @@ def _train_fp16(tmp: str, **extra) -> dict:
     return train(cfg)
 
 
-def test_train_fp16_saves_and_restores_the_loss_scale(pools, tmp_path):
+def _on_fresh_ranks(*args, **kwargs) -> list:
+    """`_train_fp16` on two ranks of their own, killed once they answered.
+
+    On torch 2.6 a shared pool's rank was left, in 2 of about 20 runs of this module, inside the
+    pool's own barrier after this task (a whole `plait train` run with a checkpoint, inside a rank
+    that lives on), so the pool's next task never started; `plait train` itself, launched as users
+    launch it, ended cleanly in 10 of 10 runs of the same flags on 2.6, and the pinned torch never
+    showed it. Ranks used for one run and killed cannot carry it into another task."""
+    import signal
+
+    from plait.testing import RankPool
+
+    pool = RankPool(2, desync_check="off")
+    try:
+        return pool.run(_train_fp16, *args, **kwargs)
+    finally:
+        for pid in pool.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        pool.close()
+
+
+def test_train_fp16_saves_and_restores_the_loss_scale(tmp_path):
     """plait train --mixed-precision fp16 (a pipeline: the scale goes into Pipeline.step): the scale is in
     the checkpoint's metadata, and --resume continues from the saved one."""
     tmp = str(tmp_path)
-    first = pools[2].run(_train_fp16, tmp, steps=2)[0]
+    first = _on_fresh_ranks(tmp, steps=2)[0]
     meta_path = Path(tmp) / "ckpt" / "step_000002" / "plait.json"
     meta = json.loads(meta_path.read_text())
     assert meta["grad_scaler"]["scale"] == first["loss_scale"]
     assert meta["grad_scaler"]["growth_interval"] == 2000
     meta["grad_scaler"].update(scale=512.0, _growth_tracker=1999)  # the next clean step doubles it
     meta_path.write_text(json.dumps(meta))
-    resumed = pools[2].run(_train_fp16, tmp, resume=True)
+    resumed = _on_fresh_ranks(tmp, resume=True)
     metrics = Path(resumed[0]["run_dir"]) / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     last = [r for r in rows if r.get("step") == 3][-1]
