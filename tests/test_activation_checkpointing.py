@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import layout_pieces, local_of, train_losses
+from oracle import assert_params_close, layout_pieces, local_of, piece_of, train_losses
 from torch import nn
 
 import plait
@@ -108,11 +108,7 @@ def _layout_parity(layout: str, dropout: float, policies: list) -> dict[str, flo
     for ac, every in policies:
         got = _train(mesh, plan_kw, dropout, ac, every)
         for step, (g, want) in enumerate(zip(got["grads"], base["grads"])):
-            assert g.keys() == want.keys()
-            what = f"{ac} every {every}, step {step}"
-            for name in want:
-                torch.testing.assert_close(g[name], want[name], **EXACT,
-                                           msg=lambda m, n=name, w=what: f"{w}, {n}: {m}")
+            assert_params_close(g, want, **EXACT, what=f"{ac} every {every}, step {step},")
         # The model's names, everywhere: the full state of a checkpointed layout is the model's.
         assert got["full"].keys() == base["full"].keys()
         # A pipeline pulls W's into waits unless a W may recompute a tensor-parallel block (the
@@ -124,12 +120,9 @@ def _layout_parity(layout: str, dropout: float, policies: list) -> dict[str, flo
         ref, state = _oracle()
         assert base["full"].keys() == state.keys()
         for step, grads in enumerate(base["grads"]):
-            for name, g in grads.items():
-                full = ref[step][name]
-                want = (base["specs"][name].take(full) if name in base["specs"] else full).reshape(-1)
-                want = want[base["theirs"][name]]
-                torch.testing.assert_close(g, want, **TOL64, msg=lambda m, n=name: f"oracle, {n}: {m}")
-                worst = max(worst, float((g - want).abs().max()))
+            want = {n: piece_of(ref[step][n], base["specs"].get(n), base["theirs"][n]) for n in grads}
+            assert_params_close(grads, want, **TOL64, what=f"oracle, step {step},")
+            worst = max(worst, *(float((g - want[n]).abs().max()) for n, g in grads.items()))
     return {"worst": worst}
 
 
@@ -206,10 +199,8 @@ def test_one_process_with_dropout_and_the_names_kept(policy, every):
     assert [n for n, m in model.named_modules() if checkpointed(m)] == names
     assert all(checkpointed(m) == policy for n, m in model.named_modules() if n in names)
     got = _two_steps(model)
-    for g, w in zip(got, want):
-        assert g.keys() == w.keys()
-        for name in w:
-            torch.testing.assert_close(g[name], w[name], **EXACT, msg=lambda m, n=name: f"{n}: {m}")
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_params_close(g, w, **EXACT, what=f"step {step}:")
     plain = _tiny(0.1, n_layers=3)
     assert list(model.state_dict()) == list(plain.state_dict())
     opt = torch.optim.AdamW(model.parameters())
@@ -251,8 +242,8 @@ def test_backward_twice_reads_one_recomputation(monkeypatch, policy):
         loss.backward(retain_graph=True)
         loss.backward()
     assert calls[0] == CFG["n_layers"]  # once per block, not once per backward
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+    assert_params_close({n: p.grad for n, p in model.named_parameters()},
+                        {n: p.grad for n, p in ref.named_parameters()}, **EXACT, what="gradient of")
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])

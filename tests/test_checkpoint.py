@@ -234,7 +234,7 @@ def _tied_pipeline_resume(single: str, folder: str, schedule: str) -> list[str]:
     head (on the other rank; under a V schedule on the same rank), train 2 steps, save, load into a
     fresh pipeline, train 2 more: the parameters match a single process trained for 6 steps."""
     import torch
-    from oracle import loss64
+    from oracle import compare_with_oracle, loss64
     from test_pipeline_parity import TOL64
 
     from plait import checkpoint
@@ -259,11 +259,8 @@ def _tied_pipeline_resume(single: str, folder: str, schedule: str) -> list[str]:
     checkpoint.load(folder, pipe, opt)
     _train(None, opt, range(4, 6), pipe)
     _train(oracle, oopt, range(6))
-    ref = dict(oracle.named_parameters(remove_duplicate=False))
-    mine = dict(pipe.named_parameters())
-    for name, p in mine.items():
-        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL64, msg=lambda s, n=name: f"{n}: {s}")
-    return sorted(mine)
+    compare_with_oracle(pipe, oracle, "after 6 steps,", lambda p: p.detach(), TOL64)
+    return sorted(dict(pipe.named_parameters()))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
@@ -317,6 +314,7 @@ def _pipeline_zero1_save(folder: str) -> None:
 def test_pipeline_with_zero1_checkpoint_loads_in_one_process(pools, tmp_path):
     # The optimizer says which parameters it steps (owns(p)); the checkpoint asks it, whatever its type.
     import torch
+    from oracle import assert_params_close
     from test_pipeline_parity import TOL64
 
     from plait import checkpoint
@@ -326,9 +324,10 @@ def test_pipeline_with_zero1_checkpoint_loads_in_one_process(pools, tmp_path):
     _train(oracle, oopt, range(2))
     _, model, opt = _tied(seed=6)  # other initial values: everything must come from the checkpoint
     checkpoint.load(tmp_path / "ckpt", model, opt)
-    ref = dict(oracle.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), ref[name].detach(), **TOL64, msg=lambda s, n=name: f"{n}: {s}")
-        for key, want in oopt.state[ref[name]].items():
-            torch.testing.assert_close(opt.state[p][key], want, **TOL64,
-                                       msg=lambda s, n=name, k=key: f"{n}.{k}: {s}")
+    assert_params_close({n: p.detach() for n, p in model.named_parameters()},
+                        {n: p.detach() for n, p in oracle.named_parameters()}, **TOL64)
+
+    def moments(m: torch.nn.Module, o: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        return {f"{n}.{k}": v for n, p in m.named_parameters() for k, v in o.state[p].items()}
+
+    assert_params_close(moments(model, opt), moments(oracle, oopt), **TOL64, what="AdamW state")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from oracle import loss64
+from oracle import assert_params_close, loss64
 from test_pipeline_parity import CFG, TOL64, _batch
 
 from plait.testing import cached_mesh
@@ -75,10 +75,7 @@ def _assert_state_is(net: torch.nn.Module, want: dict[str, torch.Tensor]) -> Non
     """The gathered state of ``net`` has exactly ``want``'s names and values."""
     import plait
 
-    full = plait.full_state_dict(net)
-    assert set(full) == set(want), set(full) ^ set(want)
-    for k, v in want.items():
-        torch.testing.assert_close(full[k], v, **TOL64, msg=lambda s, k=k: f"{k}: {s}")
+    assert_params_close(plait.full_state_dict(net), want, **TOL64)
 
 
 def _gpts():
@@ -97,9 +94,7 @@ def _ddp() -> dict:
     _fresh()
     net = torch.compile(plait.DDP(model, cached_mesh(dp=2)), backend="eager")
     want = _train(net, oracle, _data_share())
-    full = plait.full_state_dict(net)
-    for k, v in want.items():
-        torch.testing.assert_close(full[k], v, **TOL64, msg=lambda s, k=k: f"{k}: {s}")
+    assert_params_close(plait.full_state_dict(net), want, **TOL64)
     ours = _breaks()
     _, model, oracle = _gpts()
     _fresh()  # one step: every graph and break is made on the first
@@ -183,8 +178,7 @@ def _tp_dropout(sp: bool) -> dict:
         x, y = _batch(0, 4)
         loss64(net(x), y).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
-    for n, g in grads[0].items():
-        torch.testing.assert_close(grads[1][n], g, **TOL64, msg=lambda s, n=n: f"grad {n}: {s}")
+    assert_params_close(grads[1], grads[0], **TOL64, what="grad")  # compiled against eager
     return _breaks()
 
 
@@ -299,10 +293,8 @@ def test_checkpointed_compiled_blocks_match_one_process():
     x, y = _batch(0, 2)
     for m in (oracle, model):
         loss64(m(x), y).backward()
-    ref = dict(oracle.named_parameters())
-    for n, p in model.named_parameters():
-        want = ref[plain_name(n)].grad
-        torch.testing.assert_close(p.grad, want, **TOL64, msg=lambda s, n=n: f"grad {n}: {s}")
+    got = {plain_name(n): p.grad for n, p in model.named_parameters()}
+    assert_params_close(got, {n: p.grad for n, p in oracle.named_parameters()}, **TOL64, what="grad")
 
 
 def test_the_random_rates_a_region_swaps_on_are_found_by_name():

@@ -20,17 +20,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from nanogpt import build
-from oracle import step_and_compare
+from oracle import train_cp_against_one_process
 
 from plait.testing import cached_mesh
 
 TOL = {"rtol": 1e-9, "atol": 1e-12}
-
-
-def _loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
 
 
 def _parity(positions: str) -> float:
@@ -47,18 +42,13 @@ def _parity(positions: str) -> float:
     else:
         oracle, plan = build(positions=positions), plait.ParallelPlan(cp="ring")
     net = plait.parallelize(copy.deepcopy(oracle), mesh, plan)
-    opt_ref, opt = torch.optim.SGD(oracle.parameters(), lr=0.5), torch.optim.SGD(net.parameters(), lr=0.5)
-    for step in range(2):
-        w = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(step))
-        idx, tgt = w[:, :-1], w[:, 1:]
-        want = oracle(idx)
-        _loss(want, tgt).backward()
-        got = net(plait.cp.shard(idx, mesh))
-        if step == 0:
-            torch.testing.assert_close(got, plait.cp.shard(want.detach(), mesh), **TOL)
-        _loss(got, plait.cp.shard(tgt, mesh)).backward()
-        step_and_compare(net, oracle, (opt_ref, opt), TOL, f"{positions}, after SGD step {step + 1}")
+    train_cp_against_one_process(oracle, net, mesh, _rows, TOL, positions)
     return 1.0
+
+
+def _rows(step: int) -> torch.Tensor:
+    """The global batch at ``step``: 2 rows of 17 tokens (inputs and targets shifted by one)."""
+    return torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(step))
 
 
 def _refusals() -> list[str]:

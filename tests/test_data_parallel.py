@@ -32,8 +32,8 @@ def test_outputs_and_grads_match_tied_model():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     lm_loss(want, b[:, 1:]).backward()
     lm_loss(got, b[:, 1:]).backward()
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
+    grads = [{n: p.grad for n, p in m.named_parameters()} for m in (model, ref)]
+    assert_params_close(*grads, rtol=1e-5, atol=1e-7, what="gradient of")
 
 
 def test_scatter_errors_and_structures():

@@ -100,8 +100,8 @@ def test_no_sync_accumulation_equals_big_batch(pools):
     out = pools[2].run(_no_sync_accumulation, 3)
     # forward broadcasts buffers (broadcast, not all_reduce): no all-reduce while in no_sync
     assert out[0]["no_sync_calls"] == 0
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(out[0]["grads"][n], p.grad, rtol=1e-5, atol=1e-7)
+    want = {n: p.grad for n, p in model.named_parameters()}
+    assert_params_close(out[0]["grads"], want, rtol=1e-5, atol=1e-7)
 
 
 class _Branchy(nn.Module):
@@ -198,10 +198,9 @@ def test_gradient_compression(pools, kind, rtol):
     out = pools[2].run(_compressed, kind)
     n_params = sum(p.numel() for p in model.parameters())
     assert out[0]["bytes"] == 2 * n_params  # half-precision wire format
-    for n, p in model.named_parameters():
-        # bf16 keeps 8 bits of mantissa, fp16 11: relative error of the rounded sum.
-        atol = rtol * p.grad.abs().max().item()
-        torch.testing.assert_close(out[0]["grads"][n], p.grad, rtol=rtol, atol=atol)
+    # bf16 keeps 8 bits of mantissa, fp16 11: relative error of the rounded sum.
+    assert_params_close(out[0]["grads"], {n: p.grad for n, p in model.named_parameters()}, rtol=rtol, atol=0,
+                        atol_of_max=rtol)
 
 
 def _mismatched() -> None:

@@ -12,12 +12,13 @@ import copy
 
 import pytest
 import torch
+from oracle import assert_params_close
 
 from plait.testing import cached_mesh
 
 CFG = dict(vocab_size=67, seq_len=16, d_model=30, n_layers=2, n_heads=3)  # root flat needs padding at N=4
 BATCH, STEPS, LR, WD = 8, 5, 1e-2, 0.1
-RTOL, ATOL = 1e-5, 1e-6
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # see the module docstring
 
 
 def batches(n: int = STEPS) -> list[torch.Tensor]:
@@ -110,12 +111,6 @@ def train_fsdp(dp: int, fsdp: int, stage: int, steps: int = STEPS, clip: float |
     return out
 
 
-def assert_params(got: dict, want: dict, rtol: float = RTOL, atol: float = ATOL) -> None:
-    assert set(got) == set(want), set(got) ^ set(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
-
-
 @pytest.fixture(scope="module")
 def ref() -> dict:
     return oracle()
@@ -128,26 +123,26 @@ def test_parity_world2(pools, ref, stage, reshard, prefetch):
     # prefetch True (the default) overlaps gathers and reductions; False is sequential backward.
     out = pools[2].run(train_fsdp, 1, 2, stage, reshard_after_forward=reshard, backward_prefetch=prefetch)
     for o in out:
-        assert_params(o["params"], ref["params"])
+        assert_params_close(o["params"], ref["params"], **TOL)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_parity_world4(pools, ref, stage):
     out = pools[4].run(train_fsdp, 1, 4, stage)
-    assert_params(out[3]["params"], ref["params"])
+    assert_params_close(out[3]["params"], ref["params"], **TOL)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_hybrid_dp2_fsdp2(pools, ref, stage):
     out = pools[4].run(train_fsdp, 2, 2, stage)
     for o in out:
-        assert_params(o["params"], ref["params"])
+        assert_params_close(o["params"], ref["params"], **TOL)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_cpu_offload_parity_and_placement(pools, ref, stage):
     out = pools[2].run(train_fsdp, 1, 2, stage, offload=True)
-    assert_params(out[0]["params"], ref["params"])
+    assert_params_close(out[0]["params"], ref["params"], **TOL)
     place = out[1]["placement"]
     assert place["shards"] == place["grads"] == place["optim"] == {"cpu"}
     # Every step copies each shard in (one gather per unit use) and each reduced shard out.
@@ -159,7 +154,7 @@ def test_tied_across_units_frozen_and_padding(pools):
     kw = dict(tie=True, tie_across=True, freeze=True, dtype=torch.float64)
     want = oracle(**kw)["params"]
     out = pools[4].run(train_fsdp, 1, 4, 3, model_kw=kw)
-    assert_params(out[0]["params"], want, rtol=1e-9, atol=1e-12)
+    assert_params_close(out[0]["params"], want, rtol=1e-9, atol=1e-12)
     assert out[0]["params"]["lm_head.weight"].dtype == torch.float64
     assert torch.equal(out[0]["params"]["lm_head.weight"], out[0]["params"]["tok_emb.weight"])
     frozen = plait_init_value("layers.0.attn_norm.weight", **kw)
@@ -176,7 +171,7 @@ def test_grad_accumulation_no_sync_and_clip(pools):
     want = oracle(micro=2, clip=0.5)
     out = pools[2].run(train_fsdp, 1, 2, 3, micro=2, clip=0.5)
     assert out[0]["no_sync_calls"] == 0  # accumulation steps communicate nothing
-    assert_params(out[0]["params"], want["params"])
+    assert_params_close(out[0]["params"], want["params"], **TOL)
     torch.testing.assert_close(torch.tensor(out[1]["norms"]), torch.tensor(want["norms"]), rtol=1e-5, atol=0)
 
 
@@ -215,7 +210,7 @@ def test_mixed_precision_bf16(pools, ref_bf16, stage):
     out = pools[2].run(train_fsdp, 1, 2, stage, mixed_precision="bf16")
     # The bf16 forward/backward is bitwise the reference's; what differs is only the fp32
     # order of the two-rank gradient sum, so fp32 tolerances hold.
-    assert_params(out[0]["params"], want)
+    assert_params_close(out[0]["params"], want, **TOL)
     assert out[0]["params"]["lm_head.weight"].dtype == torch.float32  # fp32 master weights
 
 
@@ -273,16 +268,17 @@ def test_sharded_checkpoint_world4_resumes_at_world2_and_world1(pools, ref, tmp_
     saved = pools[4].run(ckpt_save, str(tmp_path / "ck"), 4, 3)[0]
     for world in (2, 1):
         out = pools[world].run(ckpt_resume, str(tmp_path / "ck"), world, 3, STEPS)[0]
-        assert_params(out["loaded"], saved, rtol=0, atol=0)  # the load itself is exact
-        assert_params(out["params"], ref["params"])  # Adam moments and step came back too
+        assert_params_close(out["loaded"], saved, rtol=0, atol=0)  # the load itself is exact
+        # Adam moments and step came back too
+        assert_params_close(out["params"], ref["params"], **TOL)
 
 
 def test_hybrid_checkpoint_resumes_fully_sharded(pools, ref, tmp_path):
     # dp replicas hold identical shards; the checkpoint stores each once.
     saved = pools[4].run(ckpt_save, str(tmp_path / "hy"), 2, 3, 2)[0]
     out = pools[2].run(ckpt_resume, str(tmp_path / "hy"), 2, 3, STEPS)[0]
-    assert_params(out["loaded"], saved, rtol=0, atol=0)
-    assert_params(out["params"], ref["params"])
+    assert_params_close(out["loaded"], saved, rtol=0, atol=0)
+    assert_params_close(out["params"], ref["params"], **TOL)
 
 
 def full_roundtrip(steps: int) -> dict:
@@ -299,8 +295,8 @@ def test_full_state_dict_roundtrip(pools):
     want = oracle(steps=2)["params"]
     out = pools[2].run(full_roundtrip, 2)[1]
     assert out["devices"] == {"cpu"}
-    assert_params(out["saved"], want)
-    assert_params(out["reloaded"], out["saved"], rtol=0, atol=0)
+    assert_params_close(out["saved"], want, **TOL)
+    assert_params_close(out["reloaded"], out["saved"], rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------ errors
@@ -382,7 +378,7 @@ def unit_layout(spec) -> dict:
 def test_units_default_and_named(pools, ref, spec, names):
     out = pools[2].run(unit_layout, spec)[0]
     assert out["units"] == names
-    assert_params(out["params"], ref["params"])
+    assert_params_close(out["params"], ref["params"], **TOL)
 
 
 def overlap_probe() -> dict:
@@ -513,7 +509,7 @@ def train_after_failed_backward() -> dict:
 
 
 def test_failed_backward_leaves_no_gradient_in_parameters(pools, ref):
-    assert_params(pools[2].run(train_after_failed_backward)[0], ref["params"])
+    assert_params_close(pools[2].run(train_after_failed_backward)[0], ref["params"], **TOL)
 
 
 def comm_bytes(reshard: bool) -> dict:

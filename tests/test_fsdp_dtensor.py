@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from oracle import dtensor_clip_tol, global_batches, loss64
+from oracle import assert_params_close, dtensor_clip_tol, global_batches, loss64
 
 from plait.testing import cached_mesh
 
@@ -47,9 +47,9 @@ def _layout(stage: int) -> dict:
     got = dict(net.named_parameters())
     assert list(got) == list(want), (list(got), list(want))  # the model's own names, as FSDP1's
     for name, p in got.items():
-        ref = want[name]
-        assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.shape == ref.shape, name
-        torch.testing.assert_close(p.to_local(), _rows(ref.detach()), rtol=0, atol=0)
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.shape == want[name].shape, name
+    mine, rows = {n: p.to_local() for n, p in got.items()}, {n: _rows(p.detach()) for n, p in want.items()}
+    assert_params_close(mine, rows, rtol=0, atol=0, what="this rank's rows of")
     return {"stage": stage}
 
 
@@ -112,9 +112,7 @@ def _train_both(net, oracle, make_opt, clip: float | None = None, steps: int = 3
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    full = net.full_state_dict()
-    for name, want in oracle.state_dict().items():
-        torch.testing.assert_close(full[name], want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_params_close(net.full_state_dict(), oracle.state_dict(), **tol)
     return norms
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import compare_with_oracle, local_of, loss64
+from oracle import assert_params_close, compare_with_oracle, local_of, loss64
 
 from plait.testing import cached_mesh
 
@@ -92,9 +92,7 @@ def _fsdp_tp_parity(dp: int, fsdp: int, tp: int, sp: bool, cfg_kw: dict, zero_st
     full = plait.full_state_dict(net)
     with pytest.raises(ValueError, match="wrapped by FSDP"):
         full_state_dict(net)  # the tp module's own would export buffers only
-    assert set(full) == set(oracle.state_dict())
-    for name, want in oracle.state_dict().items():
-        torch.testing.assert_close(full[name], want, **TOL, msg=lambda m, n=name: f"full {n}: {m}")
+    assert_params_close(full, oracle.state_dict(), **TOL, what="full")
     local = sum(local_of(p).numel() for p in net.parameters())
     return {"losses": losses, "norms": norms, "local": local, "full": oracle.num_parameters()}
 

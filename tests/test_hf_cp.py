@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from oracle import step_and_compare
+from oracle import train_cp_against_one_process
 
 from plait.testing import cached_mesh
 
@@ -45,30 +44,21 @@ def _build(family: str, attn: str = "sdpa", **extra) -> torch.nn.Module:
     return model.to(torch.float64)
 
 
-def _loss(out, tgt: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.logits.flatten(0, 1), tgt.flatten())
+def _rows(step: int) -> torch.Tensor:
+    """The global batch at ``step``: 4 rows of 17 tokens (inputs and targets shifted by one)."""
+    return torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(step))
 
 
 def _parity_of(oracle: torch.nn.Module, algorithm: str, tol: dict = TOL) -> bool:
     """Two SGD steps of ``oracle`` and of a cp=2 copy on the same batches: this rank's logits at the
-    first, every parameter after each."""
+    first, every parameter after each (`oracle.train_cp_against_one_process`)."""
     import copy
 
     import plait
 
     mesh = cached_mesh(cp=2)
     net = plait.parallelize(copy.deepcopy(oracle), mesh, plait.ParallelPlan(cp=algorithm))
-    opt_ref, opt = torch.optim.SGD(oracle.parameters(), lr=0.5), torch.optim.SGD(net.parameters(), lr=0.5)
-    for step in range(2):
-        w = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(step))
-        idx, tgt = w[:, :-1], w[:, 1:]
-        want = oracle(idx)
-        _loss(want, tgt).backward()
-        got = net(plait.cp.shard(idx, mesh))
-        if step == 0:
-            torch.testing.assert_close(got.logits, plait.cp.shard(want.logits.detach(), mesh), **tol)
-        _loss(got, plait.cp.shard(tgt, mesh)).backward()
-        step_and_compare(net, oracle, (opt_ref, opt), tol, f"after SGD step {step + 1}")
+    train_cp_against_one_process(oracle, net, mesh, _rows, tol)
     return True
 
 

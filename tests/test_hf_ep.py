@@ -10,10 +10,9 @@ logits of the first step, and every parameter after 5 AdamW steps, gathered by
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
+from oracle import loss64, train_against_one_process
 
 from plait.testing import cached_mesh
 
@@ -23,42 +22,26 @@ BATCH, STEPS = 4, 5
 
 
 def _train(family: str, data: str) -> dict:
-    from test_hf_tp import TOL, TOL_FLOAT32_NORMS, _batch, _loss, build_family
+    """5 AdamW steps at ep=2 under ``data`` (``-tp``: and tp=2) next to one process, compared on
+    every rank by `oracle.train_against_one_process`; each rank's share of the experts."""
+    from test_hf_tp import TOL, TOL_FLOAT32_NORMS, _token_batch, build_family
 
     import plait
 
     tp = 2 if data.endswith("-tp") else 1
     data = data.removesuffix("-tp")
-    mesh = cached_mesh(**{"dp" if data == "ddp" else "fsdp": 2}, ep=2, tp=tp)
-    torch.manual_seed(0)
-    oracle = build_family(family, use_cache=False)
-    init = {k: p.detach().clone() for k, p in oracle.named_parameters()}
-    model = copy.deepcopy(oracle)
-    plan = plait.ParallelPlan(data=data, tp=plait.plan_for(model) if tp > 1 else None)
-    net = plait.parallelize(model, mesh, plan)
-    held = {n.removeprefix("module."): tuple(p.shape) for n, p in net.named_parameters()
+    axis = "dp" if data == "ddp" else "fsdp"
+    mesh = cached_mesh(**{axis: 2}, ep=2, tp=tp)
+
+    def plan(model: torch.nn.Module) -> plait.ParallelPlan:
+        return plait.ParallelPlan(data=data, tp=plait.plan_for(model) if tp > 1 else None)
+
+    trained = train_against_one_process(lambda: build_family(family, use_cache=False), _token_batch, mesh,
+                                        plan, TOL_FLOAT32_NORMS, TOL, steps=STEPS, every_rank=True,
+                                        label=f"{family} {data}")
+    held = {n.removeprefix("module."): tuple(p.shape) for n, p in trained.net.named_parameters()
             if n.endswith("experts.gate_up_proj")}
-    rank = mesh.rank("dp" if data == "ddp" else "fsdp")
-    mine = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
-    opt_ref, opt = torch.optim.AdamW(oracle.parameters()), torch.optim.AdamW(net.parameters())
-    for step in range(STEPS):
-        ids, tgt = _batch(step)
-        logits_ref = oracle(ids).logits
-        _loss(logits_ref, tgt).backward()
-        logits = net(input_ids=ids[mine]).logits
-        _loss(logits, tgt[mine]).backward()
-        if step == 0:
-            torch.testing.assert_close(logits, logits_ref[mine], **TOL)
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-    full, ref = plait.full_state_dict(net), oracle.state_dict()
-    assert set(full) == set(ref)
-    for name, want in ref.items():
-        torch.testing.assert_close(full[name], want, **TOL_FLOAT32_NORMS,
-                                   msg=lambda m, n=name: f"{family} {data} {n}: {m}")
-    assert max(float((ref[k] - v).abs().max()) for k, v in init.items()) > 1e-4  # training moved them
-    return {"held": held, "rank": rank}
+    return {"held": held, "rank": mesh.rank(axis)}
 
 
 def _runs(cases: list[tuple[str, str]]) -> list[dict]:
@@ -78,7 +61,7 @@ def _saved_and_loaded(folder: str, data: str) -> dict:
     one without ep (whole experts); torch's DCP saving ``model.state_dict()`` (each rank's rows, as
     a DTensor over ep) and loading into a plain model."""
     import torch.distributed.checkpoint as dcp
-    from test_hf_tp import _batch, _loss, build_family
+    from test_hf_tp import _batch, build_family
 
     import plait
 
@@ -98,7 +81,7 @@ def _saved_and_loaded(folder: str, data: str) -> dict:
 
     def step(net, opt, n: int) -> None:
         ids, tgt = _batch(n)
-        _loss(net(input_ids=ids[mine]).logits, tgt[mine]).backward()
+        loss64(net(input_ids=ids[mine]).logits, tgt[mine]).backward()
         opt.step()
         opt.zero_grad()
 

@@ -26,14 +26,14 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+from oracle import logits_of, loss64, train_pipeline_against_one_process
 from torch import nn
 
 from plait.testing import cached_mesh
 
 pytest.importorskip("transformers")
 
-V, SEQ, BATCH, M = 96, 16, 8, 4
+V, SEQ, BATCH, M, STEPS = 96, 16, 8, 4, 5
 TOL64 = dict(rtol=1e-9, atol=1e-12)
 # (schedule, chunks, split): named split points where the schedule has 2 stages, else balanced.
 SCHEDULES = [("gpipe", 1, "named"), ("1f1b", 1, "auto"), ("interleaved", 2, "auto"), ("zb-h1", 1, "named")]
@@ -70,12 +70,8 @@ class SkipNet(nn.Module):
         return {"logits": self.head(x + h), "hidden": x}
 
 
-def _logits(out):
-    return out["logits"] if isinstance(out, dict) else out.logits
-
-
 def _loss(out, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(_logits(out).flatten(0, -2), y.flatten())
+    return loss64(logits_of(out), y)
 
 
 def _model(kind: str) -> tuple[nn.Module, list[str]]:
@@ -106,33 +102,14 @@ def _batch(step: int, mask: bool) -> tuple[tuple[torch.Tensor, ...], torch.Tenso
     return (x, am), y
 
 
-def _train_five_steps(pipe, oracle, want, mask: bool, tol: dict = TOL64) -> tuple[float, tuple]:
-    """Five default AdamW steps of ``pipe`` and ``oracle`` on the same batches: the loss checked at
-    every step, the gradients at the first, the parameters at the end (``want(name, full)``: what
-    this rank holds of the oracle's full tensor). Returns the largest difference and the last batch."""
-    mine = dict(pipe.named_parameters())
-    ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
-    opt, oopt = torch.optim.AdamW(mine.values()), torch.optim.AdamW(oracle.parameters())
-    diff = 0.0
-    for step in range(5):
-        x, y = _batch(step, mask)
-        loss = pipe.step(x, y)
-        ref_loss = _loss(oracle(*x), y)
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), **tol)
-        if step == 0:
-            for n, p in mine.items():
-                torch.testing.assert_close(p.grad, want(n, ref[n].grad), **tol,
-                                           msg=lambda s, n=n: f"grad {n}: {s}")
-                diff = max(diff, float((p.grad - want(n, ref[n].grad)).abs().max()))
-        for o in (opt, oopt):
-            o.step()
-            o.zero_grad()
-    for n, p in mine.items():
-        torch.testing.assert_close(p.detach(), want(n, ref[n]), **tol,
-                                   msg=lambda s, n=n: f"param {n}: {s}")
-        diff = max(diff, float((p.detach() - want(n, ref[n])).abs().max()))
-    return diff, x
+def _train_five_steps(pipe, oracle: nn.Module, mask: bool, tol: dict = TOL64,
+                      specs: dict | None = None) -> float:
+    """Five default AdamW steps of ``pipe`` and ``oracle`` on the same batches, compared by
+    `oracle.train_pipeline_against_one_process`: the loss at every step, the gradients at the
+    first, the parameters at the end (a tp stage's shards by ``specs``). Returns the largest
+    difference."""
+    return train_pipeline_against_one_process(pipe, oracle, lambda step: _batch(step, mask), _loss, tol,
+                                              steps=STEPS, specs=specs)
 
 
 def _parity(kind: str, mask: bool = False) -> dict:
@@ -146,13 +123,14 @@ def _parity(kind: str, mask: bool = False) -> dict:
         oracle, model = copy.deepcopy(base), copy.deepcopy(base)
         pipe = pipeline(model, mesh, split=named if how == "named" else "auto", schedule=schedule,
                         chunks=chunks, microbatches=M, loss_fn=_loss)
-        diff, x = _train_five_steps(pipe, oracle, lambda n, t: t.detach(), mask)
+        diff = _train_five_steps(pipe, oracle, mask)
         mine = dict(pipe.named_parameters())
+        x, _ = _batch(STEPS - 1, mask)
         out = pipe.eval_step(x)  # forward only: the model's outputs (one per microbatch) on the last rank
         if out is not None:
             with torch.no_grad():
-                want = _logits(oracle(*x))
-            torch.testing.assert_close(torch.cat([_logits(o) for o in out]), want, **TOL64)
+                want = logits_of(oracle(*x))
+            torch.testing.assert_close(torch.cat([logits_of(o) for o in out]), want, **TOL64)
         worst[schedule], stages[schedule] = diff, pipe.stage_names
     return {"worst": worst, "stages": stages, "names": sorted(mine)}
 
@@ -190,7 +168,7 @@ def _families_1f1b(families: list[str]) -> dict[str, float]:
         pipe = pipeline(model, cached_mesh(pp=2), split="auto", schedule="1f1b", microbatches=M,
                         loss_fn=_loss)
         tol = TOL_FLOAT32_NORMS if family in FLOAT32_NORMS else TOL64
-        worst[family], _ = _train_five_steps(pipe, oracle, lambda n, t: t.detach(), False, tol)
+        worst[family] = _train_five_steps(pipe, oracle, False, tol)
     return worst
 
 
@@ -235,12 +213,8 @@ def _pp_tp(kind: str, runs: list[tuple[str, bool]]) -> dict:
         specs = pipe.tp_info.specs
         mine = dict(pipe.named_parameters())
         ref = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
-
-        def want(n: str, t: torch.Tensor, specs: dict = specs) -> torch.Tensor:
-            return specs[n].take(t.detach()) if n in specs else t.detach()
-
         assert specs and all(p.numel() * 2 == ref[n].numel() for n, p in mine.items() if n in specs)
-        diff, _ = _train_five_steps(pipe, oracle, want, False)
+        diff = _train_five_steps(pipe, oracle, False, specs=specs)
         worst[f"{schedule}{' sp' if sp else ''}"] = diff
         tied.update({f"{schedule} {n}": mine[n].detach() for n in ("transformer.wte.weight", "lm_head.weight")
                      if kind == "gpt2" and n in mine})

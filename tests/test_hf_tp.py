@@ -1,9 +1,9 @@
 """Tensor and sequence parallelism on unmodified Hugging Face `transformers` models.
 
 Tiny configs built in code (hidden 32, 2 layers, vocabulary 96, random init, nothing
-downloaded), `plait.plan_for` plans, float64. Every rank also trains the single-process oracle
-(same init, same batches); after 5 AdamW steps (default settings) the gathered parameters must
-equal the oracle's.
+downloaded), `plait.plan_for` plans, float64. Next to each layout the single-process oracle trains
+(same init, same batches: `oracle.train_against_one_process`); after 5 AdamW steps (default
+settings) the gathered parameters must equal the oracle's.
 
 Tolerance: float64, ``rtol=1e-9, atol=1e-12``. Sharding only changes the order of
 floating-point sums (a matmul split in two and added, an all-reduce), a few ulps (~1e-16
@@ -39,7 +39,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import tp_pair
+from oracle import compare_with_oracle, loss64, train_against_one_process
 
 transformers = pytest.importorskip("transformers")
 
@@ -177,100 +177,44 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w[:, :-1], w[:, 1:]
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
-
-
 # ------------------------------------------------------------------ parity with one process
+def tp_plan(sp: bool, data: str):
+    """``plan(model)`` for `oracle.train_against_one_process`: `plait.plan_for`'s tensor-parallel plan,
+    with sequence parallelism or not, and ``data`` (``'fsdp'``: FSDP over fsdp=2 as well)."""
+    import plait
+
+    return lambda model: plait.ParallelPlan(tp=plait.plan_for(model), sequence_parallel=sp, data=data)
+
+
+def tp_mesh(data: str):
+    """tp=2, inside fsdp=2 when ``data='fsdp'``."""
+    from plait.testing import cached_mesh
+
+    return cached_mesh(fsdp=2, tp=2) if data == "fsdp" else cached_mesh(tp=2)
+
+
+def digest(state: dict[str, torch.Tensor]) -> float:
+    """One number of a gathered state, for the ranks to show they hold the same."""
+    return sum(float(v.double().sum()) for v in state.values())
+
+
 def _train(family: str, sp: bool, data: str) -> float:
     """5 AdamW steps of ``family`` under tp=2 (``data='fsdp'``: FSDP over fsdp=2 as well) and of
-    the oracle, compared by `train_against_one_process`."""
+    the oracle, compared by `oracle.train_against_one_process`."""
     # Gemma3's q_norm/k_norm (float32 inside) have their gradients summed over tp with or without
     # SP (each rank normalizes its own heads): float32 rounding as above (measured 3e-7 relative).
     tol = TOL_FLOAT32_NORMS if family in FLOAT32_NORMS and (sp or family == "gemma3") else TOL
     # OLMo2's forward itself differs by float32 rounding, the others' only in gradients.
     wide = family in FLOAT32_WIDE_NORMS
-    return train_against_one_process(family, lambda: _build(family), _token_batch, sp, data,
-                                     TOL_FLOAT32_FORWARD if wide else tol,
-                                     TOL_FLOAT32_FORWARD if wide else TOL)
+    trained = train_against_one_process(lambda: _build(family), _token_batch, tp_mesh(data),
+                                        tp_plan(sp, data), TOL_FLOAT32_FORWARD if wide else tol,
+                                        TOL_FLOAT32_FORWARD if wide else TOL, steps=STEPS, label=family)
+    return digest(trained.full)
 
 
 def _token_batch(step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     ids, tgt = _batch(step)
     return {"input_ids": ids}, tgt
-
-
-def train_against_one_process(label: str, build, batch, sp: bool, data: str, tol: dict, forward_tol: dict,
-                              grads: bool = False) -> float:
-    """5 AdamW steps of the model ``build()`` makes, under tp=2 with `plait.plan_for`'s plan
-    (``data='fsdp'``: FSDP over fsdp=2 as well), and of the oracle, one process on the global batch
-    ``batch(step)`` gives (keyword inputs of the model, targets of its ``.logits``); assert equal
-    logits at the first step (``forward_tol``), with ``grads`` every parameter's gradient there too
-    (tp alone), and equal parameters after the last (``tol``); return a digest of the gathered state.
-
-    The gathered state is the same on every rank (the digests show it), so rank 0 alone trains the
-    oracle and compares the whole state with it; every rank compares its logits at the first step."""
-    import torch.distributed as dist
-
-    import plait
-    from plait.testing import cached_mesh
-
-    fsdp = 2 if data == "fsdp" else 1
-    assert not grads or fsdp == 1, "gradients are compared under tp alone"
-    mesh = cached_mesh(fsdp=2, tp=2) if fsdp > 1 else cached_mesh(tp=2)
-    torch.manual_seed(0)  # the same random init on every rank
-    oracle = build()
-    init = {k: p.detach().clone() for k, p in oracle.named_parameters()}
-    model = copy.deepcopy(oracle)
-    net = plait.parallelize(model, mesh, plait.ParallelPlan(tp=plait.plan_for(model), sequence_parallel=sp,
-                                                            data=data))
-    trains_oracle = dist.get_rank() == 0
-    opt_ref, opt = torch.optim.AdamW(oracle.parameters()), torch.optim.AdamW(net.parameters())
-    mine = slice(mesh.rank("fsdp") * BATCH // fsdp, (mesh.rank("fsdp") + 1) * BATCH // fsdp)
-    grads_ref: dict[str, torch.Tensor] = {}
-    for step in range(STEPS):
-        inputs, tgt = batch(step)
-        if trains_oracle:
-            logits_ref = oracle(**inputs).logits
-            _loss(logits_ref, tgt).backward()
-            if step == 0:
-                grads_ref = {n: p.grad.clone() for n, p in oracle.named_parameters() if p.grad is not None}
-            opt_ref.step()
-            opt_ref.zero_grad()
-        elif step == 0:
-            with torch.no_grad():
-                logits_ref = oracle(**inputs).logits
-        logits = net(**{k: v[mine] for k, v in inputs.items()}).logits  # the model's own output, gathered
-        _loss(logits, tgt[mine]).backward()
-        if step == 0:
-            torch.testing.assert_close(logits, logits_ref[mine].detach(), **forward_tol)
-            if grads:
-                _compare_grads(label, net, grads_ref, tol)
-        opt.step()
-        opt.zero_grad()
-    full = plait.full_state_dict(net)
-    if trains_oracle:
-        ref = oracle.state_dict()
-        assert set(full) == set(ref)
-        for name, want in ref.items():
-            torch.testing.assert_close(full[name], want, **tol, msg=lambda m, n=name: f"{label} {n}: {m}")
-        moved = max(float((ref[k] - v).abs().max()) for k, v in init.items())
-        assert moved > 1e-4  # training really changed the parameters compared
-    return sum(float(v.double().sum()) for v in full.values())
-
-
-def _compare_grads(label: str, net: torch.nn.Module, want: dict[str, torch.Tensor], tol: dict) -> None:
-    """Every parameter's gradient in full (a tp DTensor's gathered: every rank takes part) against
-    the oracle's ``want`` (on rank 0; empty elsewhere)."""
-    from torch.distributed.tensor import DTensor
-
-    got = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-           for n, p in net.named_parameters()}
-    if not want:
-        return
-    assert set(got) == set(want), set(got) ^ set(want)
-    for name, g in want.items():
-        torch.testing.assert_close(got[name], g, **tol, msg=lambda m, n=name: f"{label} grad {n}: {m}")
 
 
 def _tp2(runs: list[tuple[str, bool]]) -> dict:
@@ -427,19 +371,19 @@ def _vocab_parallel_step(family: str) -> None:
     plait.tensor_parallel(model, cached_mesh(tp=2), plait.plan_for(model, loss_parallel=True),
                           sequence_parallel=True)
     ids, tgt = _batch(0)
-    _loss(oracle(ids).logits, tgt).backward()
+    loss64(oracle(ids).logits, tgt).backward()
     loss = plait.loss_fn_for(model)(model(ids).logits, tgt)
     loss.backward()
-    torch.testing.assert_close(loss.double(), _loss(oracle(ids).logits, tgt), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss.double(), loss64(oracle(ids).logits, tgt), rtol=1e-6, atol=0)
     from plait.state.placement import tp_info
     from plait.state.placement.state import checkpoint_entry, restore_entry
 
     info = tp_info(model)
+    tol = {"rtol": 1e-5, "atol": 1e-7}
+    compare_with_oracle(model, oracle, "gradient of", lambda p: p.grad, tol, info.specs)
     ref = dict(oracle.named_parameters(remove_duplicate=False))
     for name, p in model.named_parameters(remove_duplicate=False):
         spec = info.specs.get(name)
-        got, want = tp_pair(p.grad, ref[name].grad, spec)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
         if spec is not None and not spec.contiguous:  # fused c_attn: checkpointed whole, restored in parts
             entry = checkpoint_entry(p, spec, info, name)
             assert torch.equal(entry, ref[name].detach())
@@ -463,7 +407,7 @@ def _sp_comm() -> dict:
     plait.tensor_parallel(model, cached_mesh(tp=2), plait.plan_for(model), sequence_parallel=True)
     ids, tgt = _batch(0)
     with comm.counting() as fwd:
-        loss = _loss(model(ids).logits, tgt)
+        loss = loss64(model(ids).logits, tgt)
     with comm.counting() as bwd:
         loss.backward()
     return {k: {op: (int(v["calls"]), int(v["bytes"])) for op, v in s.as_dict().items()}

@@ -2,7 +2,7 @@
 
 Tiny configs built from config objects (hidden 32, 2 layers, 4 heads, nothing downloaded), float64,
 every dropout 0. At tp=2, with and without sequence parallelism, each family trains 5 AdamW steps
-against one process on the same global batch, with tests/test_hf_tp.py's engine
+against one process on the same global batch, with tests/oracle.py's engine
 (`train_against_one_process`): the logits and every parameter's gradient at the first step, and
 every parameter after the last, within ``rtol=1e-9, atol=1e-12`` (test_hf_tp's bound: sharding only
 reorders sums).
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hf_tp import BATCH, HIDDEN, TOL, VOCAB, _batch, train_against_one_process
+from oracle import train_against_one_process
+from test_hf_tp import BATCH, HIDDEN, STEPS, TOL, VOCAB, _batch, digest, tp_mesh, tp_plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,10 +71,14 @@ def encoder_batch(family: str, step: int) -> tuple[dict[str, torch.Tensor], torc
     return {"input_ids": ids}, labels if family.endswith("-cls") else tgt
 
 
-def _train(family: str, sp: bool) -> float:
-    return train_against_one_process(family, lambda: build_encoder(family),
-                                     lambda step: encoder_batch(family, step), sp, "none", TOL, TOL,
-                                     grads=True)
+def _train(family: str, sp: bool, data: str = "none") -> float:
+    """5 AdamW steps at tp=2 (``data='fsdp'``: inside fsdp=2), the logits and (tp alone) every
+    gradient at the first step compared, every parameter after the last."""
+    trained = train_against_one_process(lambda: build_encoder(family),
+                                        lambda step: encoder_batch(family, step), tp_mesh(data),
+                                        tp_plan(sp, data), TOL, TOL, grads=data == "none", steps=STEPS,
+                                        label=family)
+    return digest(trained.full)
 
 
 def _tp2(runs: list[tuple[str, bool]]) -> dict:
@@ -100,9 +105,7 @@ def test_t5_at_tp2_with_and_without_sp_matches_single_process(pools):
 
 
 def _fsdp_tp(families: list[str]) -> dict:
-    return {f: train_against_one_process(f, lambda f=f: build_encoder(f),
-                                         lambda step, f=f: encoder_batch(f, step), True, "fsdp", TOL, TOL)
-            for f in families}
+    return {f: _train(f, True, "fsdp") for f in families}
 
 
 def test_bert_and_t5_under_fsdp2_x_tp2_with_sp_match_single_process(pools):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import loss64, step_and_compare
+from oracle import assert_params_close, loss64, step_and_compare
 
 from plait.testing import cached_mesh
 
@@ -188,10 +188,7 @@ def _step_and_compare_stages(pipe, oracle, optimizers: tuple, when: str) -> set[
         opt.step()
         opt.zero_grad()
     full = plait.full_state_dict(pipe)
-    want = oracle.state_dict()
-    assert set(full) == set(want), f"{when}: full state missing {sorted(set(want) - set(full))[:4]}"
-    for name, w in want.items():
-        torch.testing.assert_close(full[name], w, **TOL, msg=lambda m, n=name: f"{when}, {n}: {m}")
+    assert_params_close(full, oracle.state_dict(), **TOL, what=f"{when},")
     return set(full)
 
 

@@ -15,43 +15,38 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from nanogpt import build
+from oracle import loss64, train_against_one_process, train_pipeline_against_one_process
 
 from plait.testing import cached_mesh
 
 TOL = {"rtol": 1e-9, "atol": 1e-12}
 
 
+def _rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch at ``step``: 4 sequences of 16 tokens, and their targets."""
+    w = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
+    return w[:, :-1], w[:, 1:]
+
+
 def _train(sp: bool, data: str = "none") -> float:
     """5 AdamW steps at tp=2 (``data="fsdp"``: inside fsdp=2, each fsdp rank on its half of the
-    batch) next to one process; every gathered parameter compared at the end."""
+    batch) next to one process (`oracle.train_against_one_process`, on every rank): the logits at
+    the first step and every gathered parameter at the end; returns the largest difference relative
+    to each tensor's largest entry."""
     import plait
 
-    fsdp = 2 if data == "fsdp" else 1
-    mesh = cached_mesh(fsdp=2, tp=2) if fsdp > 1 else cached_mesh(tp=2)
-    oracle = build(positions="wpe")
-    model = copy.deepcopy(oracle)
-    plan = plait.ParallelPlan(tp=plait.plan_for(model), sequence_parallel=sp, data=data)
-    net = plait.parallelize(model, mesh, plan)
-    opt_ref, opt = torch.optim.AdamW(oracle.parameters()), torch.optim.AdamW(net.parameters())
-    mine = slice(mesh.rank("fsdp") * 4 // fsdp, (mesh.rank("fsdp") + 1) * 4 // fsdp)
-    for step in range(5):
-        w = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
-        idx, tgt = w[:, :-1], w[:, 1:]
-        want, got = oracle(idx), net(idx[mine])
-        if step == 0:
-            torch.testing.assert_close(got, want[mine], **TOL)
-        for logits, y, o in ((want, tgt, opt_ref), (got, tgt[mine], opt)):
-            F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-            o.step()
-            o.zero_grad()
-    full = plait.full_state_dict(net)
-    for name, ref in oracle.state_dict().items():
-        torch.testing.assert_close(full[name], ref, **TOL, msg=lambda m, n=name: f"sp={sp} {data} {n}: {m}")
-    attn = model.transformer.h[0].attn  # the module plait split (wrapped by FSDP when data="fsdp")
+    mesh = cached_mesh(fsdp=2, tp=2) if data == "fsdp" else cached_mesh(tp=2)
+
+    def plan(model: torch.nn.Module) -> plait.ParallelPlan:
+        return plait.ParallelPlan(tp=plait.plan_for(model), sequence_parallel=sp, data=data)
+
+    trained = train_against_one_process(lambda: build(positions="wpe"), _rows, mesh, plan, TOL,
+                                        every_rank=True, label=f"sp={sp} {data}")
+    attn = trained.model.transformer.h[0].attn  # the module plait split (wrapped by FSDP when data="fsdp")
     assert attn.n_head == 2 and attn.n_embd == 16
-    return max(float((full[k] - v).abs().max() / v.abs().max()) for k, v in oracle.state_dict().items())
+    full, want = trained.full, trained.oracle.state_dict()
+    return max(float((full[k] - v).abs().max() / v.abs().max()) for k, v in want.items())
 
 
 def _both() -> list[float]:
@@ -81,30 +76,18 @@ def test_fsdp2_tp2_matches_single_process(pools):
 
 def _pipelined() -> bool:
     """A 1F1B pipeline at pp=2 (the tied embedding on the first stage, the head on the last), 8
-    sequences in 4 microbatches, 5 AdamW steps."""
+    sequences in 4 microbatches, 5 AdamW steps: the loss at every step, the gradients at the first
+    and the parameters at the end (`oracle.train_pipeline_against_one_process`)."""
     from plait.pipeline import pipeline
 
-    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, -2), y.flatten())
+    def batch(step: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+        w = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(step))
+        return (w[:, :-1],), w[:, 1:]
 
     oracle = build(positions="wpe")
     pipe = pipeline(copy.deepcopy(oracle), cached_mesh(pp=2), split="auto", schedule="1f1b", microbatches=4,
-                    loss_fn=loss_fn)
-    mine = dict(pipe.named_parameters())
-    opt, opt_ref = torch.optim.AdamW(mine.values()), torch.optim.AdamW(oracle.parameters())
-    for step in range(5):
-        w = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(step))
-        x, y = w[:, :-1], w[:, 1:]
-        loss, ref = pipe.step((x,), y), loss_fn(oracle(x), y)
-        ref.backward()
-        torch.testing.assert_close(loss, ref.detach(), **TOL)
-        for o in (opt, opt_ref):
-            o.step()
-            o.zero_grad()
-    ref_params = dict(oracle.named_parameters(remove_duplicate=False))  # the tie under both names
-    for name, p in mine.items():
-        torch.testing.assert_close(p.detach(), ref_params[name].detach(), **TOL,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+                    loss_fn=loss64)
+    train_pipeline_against_one_process(pipe, oracle, batch, loss64, TOL)
     return True
 
 

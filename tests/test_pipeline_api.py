@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import loss64
+from oracle import compare_with_oracle, loss64
 from test_pipeline_parity import CFG, TOL64, _batch, _parity
 from torch import nn
 
@@ -84,15 +84,13 @@ def _accumulated_tie(pp: int, schedule: str, calls: int, steps: int = 2) -> floa
             x, y = _batch(step * calls + c)
             pipe.step(x, y)
             loss64(oracle(x), y).backward()
-        for n, p in mine.items():
-            want = ref[n].grad
-            worst = max(worst, float((p.grad - want).norm() / want.norm()))
-            torch.testing.assert_close(p.grad, want, **TOL64, msg=lambda s, n=n: f"grad {n}: {s}")
+        compare_with_oracle(pipe, oracle, f"step {step}, gradient of", lambda p: p.grad, TOL64)
+        relative = (float((p.grad - ref[n].grad).norm() / ref[n].grad.norm()) for n, p in mine.items())
+        worst = max(worst, *relative)
         for o in (opt, oopt):
             o.step()
             o.zero_grad()
-    for n, p in mine.items():
-        torch.testing.assert_close(p.detach(), ref[n].detach(), **TOL64, msg=lambda s, n=n: f"param {n}: {s}")
+    compare_with_oracle(pipe, oracle, f"after {steps} steps,", lambda p: p.detach(), TOL64)
     return worst
 
 
@@ -115,14 +113,12 @@ def _modes() -> dict:
     oracle = plait.init_weights(GPT(cfg).to(torch.float64), seed=3).eval()
     pipe = pipeline(plait.init_weights(GPT(cfg).to(torch.float64), seed=3), cached_mesh(pp=2),
                     microbatches=2, loss_fn=loss64)
-    ref = dict(oracle.named_parameters())
     x, y = _batch(0)
     assert pipe.eval() is pipe and not pipe.training
     loss, want = pipe.step(x, y), loss64(oracle(x), y)
     want.backward()
     torch.testing.assert_close(loss, want.detach(), **TOL64)
-    for n, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, ref[n].grad, **TOL64, msg=lambda s, n=n: f"grad {n}: {s}")
+    compare_with_oracle(pipe, oracle, "gradient of", lambda p: p.grad, TOL64)
     pipe.train()
     return {"training": pipe.training, "eval": float(loss), "train": float(pipe.step(x, y))}
 
@@ -184,20 +180,18 @@ def _tuple_parity(schedule: str) -> float:
     with torch.device("meta"):
         model = TupleNet().to(torch.float64)
     pipe = pipeline(model, mesh, split=["mix"], schedule=schedule, microbatches=4, loss_fn=loss64, seed=1)
-    mine, ref = dict(pipe.named_parameters()), dict(oracle.named_parameters())
-    opt, oopt = torch.optim.AdamW(mine.values()), torch.optim.AdamW(oracle.parameters())
+    opt = torch.optim.AdamW([p for _, p in pipe.named_parameters()])
+    oopt = torch.optim.AdamW(oracle.parameters())
     for step in range(5):
         x, y = _batch(step)
         loss = pipe.step(x, y)
         loss64(oracle(x), y).backward()
         if step == 0:
-            for n, p in mine.items():
-                torch.testing.assert_close(p.grad, ref[n].grad, **TOL64)
+            compare_with_oracle(pipe, oracle, "gradient of", lambda p: p.grad, TOL64)
         for o in (opt, oopt):
             o.step()
             o.zero_grad()
-    for n, p in mine.items():
-        torch.testing.assert_close(p.detach(), ref[n].detach(), **TOL64)
+    compare_with_oracle(pipe, oracle, "after 5 steps,", lambda p: p.detach(), TOL64)
     return float(loss)
 
 
@@ -308,9 +302,7 @@ def _w_fills_wait() -> dict:
     x, y = _batch(0)
     loss = pipe.step(x, y)
     lm_loss(oracle(x), y).backward()
-    ref = dict(oracle.named_parameters())
-    for n, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, ref[n].grad, **TOL)
+    compare_with_oracle(pipe, oracle, "gradient of", lambda p: p.grad, TOL)
     plan = list(pipe.schedule.actions[mesh.rank("pp")])
     ran = [s.action for s in pipe.timeline]
     return {"loss": float(loss), "plan": plan, "ran": ran, "end": pipe.timeline[-1].end,
@@ -447,5 +439,4 @@ def test_one_rank_several_stages_hand_over_locally():
     ref = lm_loss(oracle(x), y)
     ref.backward()
     torch.testing.assert_close(loss, ref.detach().double(), **TOL)
-    for (name, p), (_, q) in zip(pipe.named_parameters(), oracle.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda s, n=name: f"{n}: {s}")
+    compare_with_oracle(pipe, oracle, "gradient of", lambda p: p.grad, TOL)

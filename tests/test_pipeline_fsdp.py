@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import compare_with_oracle, local_of, loss64
+from oracle import assert_params_close, compare_with_oracle, local_of, loss64
 
 from plait.testing import cached_mesh
 
@@ -104,10 +104,7 @@ def _parity(mesh_kw: dict, plan_kw: dict, steps: int = 3, accumulate: bool = Fal
         torch.testing.assert_close(pipe.eval_step(xs, ys).to(dtype), loss64(oracle(xs), ys),
                                    **LOSS32)
     check(f"after {steps} AdamW steps,", lambda p: p.detach())
-    want = oracle.state_dict()
-    assert set(full) == set(want), set(full) ^ set(want)
-    for k, v in want.items():
-        torch.testing.assert_close(full[k], v, **TOL64, msg=lambda m, k=k: f"full state {k}: {m}")
+    assert_params_close(full, oracle.state_dict(), **TOL64, what="full state")
     return {"losses": losses, "reductions": reductions, "coords": mesh.coords,
             "local": sum(local_of(p).numel() for p in pipe.parameters()), "full": oracle.num_parameters()}
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import loss64
+from oracle import assert_params_close, loss64
 
 from plait.testing import cached_mesh
 
@@ -93,12 +93,9 @@ def _full_state_matches(layout: str, mesh_axes: dict, cfg_kw: dict, data_paralle
     reloaded = plait.full_state_dict(net)  # the last collective: the checks below are local
     want = oracle.state_dict()
     tol = TOL if mesh_axes.get("tp", 1) > 1 else TOL64
-    assert set(full) == set(want), set(full) ^ set(want)
-    for name, value in full.items():
-        assert value.device.type == "cpu", name
-        torch.testing.assert_close(value, want[name], **tol, msg=lambda m, n=name: f"{layout} {n}: {m}")
-        torch.testing.assert_close(reloaded[name], initial[name], rtol=0, atol=0,
-                                   msg=lambda m, n=name: f"{layout} reloaded {n}: {m}")
+    assert all(value.device.type == "cpu" for value in full.values()), {n: v.device for n, v in full.items()}
+    assert_params_close(full, want, **tol, what=layout)
+    assert_params_close(reloaded, initial, rtol=0, atol=0, what=f"{layout} reloaded")
     return sorted(full)
 
 

@@ -1,7 +1,8 @@
 """The layout keeps its promises: folders by role at the top with a few modules beside them, layers
 that import only downward, no import cycles, no private names across modules, names that import
-(no package attribute hides its own submodule, every name the README shows resolves), and a public
-face that docs/api.md lists whole (only public modules define `__all__`)."""
+(no package attribute hides its own submodule, every name the README shows resolves), a public
+face that docs/api.md lists whole (only public modules define `__all__`), and one parity engine:
+the tests that compare a layout with one process do it through tests/oracle.py."""
 
 from __future__ import annotations
 
@@ -742,3 +743,143 @@ def test_the_public_face_has_at_most_250_names_and_each_resolves():
     missing = [f"{m}.{n}" for m, names in public.items() for n in names
                if not hasattr(importlib.import_module(m), n)]
     assert not missing, f"exported but not there: {missing}"
+
+
+
+# ------------------------------------------------------------------ one parity engine
+TESTS = Path(__file__).resolve().parent
+ORACLE = TESTS / "oracle.py"
+# Test modules whose tests run ranks yet take no comparison from tests/oracle.py, each with its
+# reason; the test fails when one starts taking one (drop it) or no longer runs ranks.
+NO_TENSOR_PARITY = {
+    # What they compare with a one-process run is per-step losses as `plait train` logs them
+    # (`pytest.approx`), or files.
+    "test_layouts": "per-step losses and gradient norms of `plait train` against `oracle.train_losses`",
+    "test_hf_train": "per-step losses of `plait train --hf-config` against the same command, one process",
+    "test_train_data": "per-step losses of `plait train --model FACTORY` against the same, one process",
+    "test_export": "exported files, exactly, against the checkpoint DCP loads in one process; the "
+                   "per-step losses of `--init-from` runs",
+    # No one-process run at all.
+    "test_checkpoint_integrity": "a resumed run's per-step losses against the run it resumes",
+    "test_exit": "exit codes and processes left after a job ends or is signalled; a resumed run's losses "
+                 "against the same run uninterrupted",
+    "test_check": "`plait check`'s verdicts and reports: its reference process is the library's own",
+    "test_faults": "each fault switch fails `plait check`, named where it lives",
+    "test_failures": "frozen, skipped and mismatched collectives: how ranks fail and what they say",
+    "test_straggler": "which rank a slow step is blamed on",
+    "test_comm": "the comm layer's accounting: calls and bytes per axis",
+    "test_mesh": "mesh construction, rank order and groups",
+    "test_placement": "the per-parameter placement record parallelize leaves",
+    "test_plan": "`plait plan`'s rehearsal against the same step measured: memory and bytes",
+    "test_docs": "the documentation's code blocks run as written",
+    "test_train": "`plait train` and `plait run` end to end, and their config's validation",
+}
+# Loops in modules that run ranks that compare tensors name by name outside tests/oracle.py, by
+# (module, function), each with its reason.
+OWN_LOOPS = {
+    ("test_meta_init",
+     "test_every_planned_transformers_family_built_on_meta_is_the_model_a_real_build_makes"):
+        "a meta-device build against a CPU build in one process, with a bound of its own for one buffer",
+}
+_WALKS = re.compile(r"\.(named_parameters|parameters|named_buffers|buffers|state_dict|items|keys)\(")
+
+
+def _assert_closes(node: ast.AST) -> list[ast.Call]:
+    return [c for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+            and c.func.attr == "assert_close"]
+
+
+def _oracle_comparisons(tree: ast.Module) -> set[str]:
+    """The functions and classes of oracle.py that compare: those that assert (an ``assert`` or
+    `torch.testing.assert_close`), or call one that does."""
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    called = (lambda node: {c.func.id for c in ast.walk(node)
+                            if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)})
+    calls = {name: called(node) for name, node in defs.items()}
+    found = {name for name, node in defs.items()
+             if _assert_closes(node) or any(isinstance(n, ast.Assert) for n in ast.walk(node))}
+    while more := {name for name in defs if name not in found and calls[name] & found}:
+        found |= more
+    return found
+
+
+def _runs_ranks(tree: ast.Module) -> bool:
+    """Whether a test module runs rank pools: a function taking the ``pools`` fixture, or a `RankPool`."""
+    return any((isinstance(n, ast.FunctionDef) and any(a.arg == "pools" for a in n.args.args))
+               or (isinstance(n, ast.Name) and n.id == "RankPool") for n in ast.walk(tree))
+
+
+def _from_oracle(tree: ast.Module) -> set[str]:
+    return {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "oracle"
+            for a in n.names}
+
+
+def _own_loops(tree: ast.Module) -> list[tuple[str, int]]:
+    """(function, line) of each loop that compares tensors one name at a time: a ``for`` whose body
+    calls `torch.testing.assert_close` while it walks a model's parameters, buffers or state or a
+    dict's items or keys, or walks a dict (``for name in want``) and looks tensors up by the loop's
+    variable (``got[name]``). Loops over steps, layouts or literal tuples compare one thing each."""
+    found = []
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        for loop in (n for n in ast.walk(fn) if isinstance(n, ast.For)):
+            checks = _assert_closes(loop)
+            bound = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+            keyed = any(isinstance(s, ast.Subscript) and isinstance(s.slice, ast.Name) and s.slice.id in bound
+                        for c in checks for a in c.args[:2] for s in ast.walk(a))
+            over_a_dict = isinstance(loop.iter, (ast.Name, ast.Attribute, ast.Subscript))
+            if checks and (_WALKS.search(ast.unparse(loop.iter)) or (over_a_dict and keyed)):
+                found.append((fn.name, loop.lineno))
+    return found
+
+
+PLANTED_LOOPS = """
+def walks(model, ref):
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
+    for k, v in ref.state_dict().items():
+        assert_params_close(got, v)
+    for step in range(3):
+        torch.testing.assert_close(loss[step], ref_loss)
+    for kind in ("tp", "pp"):
+        torch.testing.assert_close(out[kind], want)
+"""
+
+
+def test_the_loop_finder_sees_name_by_name_comparisons_only():
+    """The first two loops of ``PLANTED_LOOPS`` compare name by name; the third goes through the
+    engine, the others compare one tensor per step or per layout."""
+    assert _own_loops(ast.parse(PLANTED_LOOPS)) == [("walks", 3), ("walks", 5)]
+
+
+def test_every_module_comparing_a_layout_with_one_process_takes_its_comparison_from_the_oracle():
+    """tests/oracle.py is the one parity engine: it compares a layout's outputs, gradients and
+    parameters (after optimizer steps) with a one-process run, at an explicit tolerance. Every test
+    module whose tests run ranks imports from it at least one function that compares (read from
+    oracle.py's own code: it asserts, or calls one that does; a constant, a batch or a loss does not
+    count), unless `NO_TENSOR_PARITY` says why it compares no tensors with a one-process run. And
+    no module that runs ranks compares tensors name by name in a loop of its own (a loop over a
+    model's parameters or a dict of tensors around `torch.testing.assert_close`; `OWN_LOOPS` lists
+    the few left, with their reasons): a second copy of the engine drifts, as ours did (one checked
+    the values of the names it was given and not that the names were all there)."""
+    comparisons = _oracle_comparisons(ast.parse(ORACLE.read_text()))
+    assert {"assert_params_close", "compare_with_oracle", "train_against_one_process"} <= comparisons
+    missing, listed_but_comparing, loops, running = [], [], [], set()
+    for path in sorted(TESTS.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        if not _runs_ranks(tree):
+            continue
+        running.add(path.stem)
+        takes = _from_oracle(tree) & comparisons
+        if not takes and path.stem not in NO_TENSOR_PARITY:
+            missing.append(path.stem)
+        if takes and path.stem in NO_TENSOR_PARITY:
+            listed_but_comparing.append(f"{path.stem} ({sorted(takes)})")
+        loops += [f"{path.stem}.{fn}:{line}" for fn, line in _own_loops(tree)
+                  if (path.stem, fn) not in OWN_LOOPS]
+    assert not missing, f"run ranks but take no comparison from tests/oracle.py: {missing}"
+    assert not listed_but_comparing, f"drop from NO_TENSOR_PARITY, they compare: {listed_but_comparing}"
+    assert not loops, f"compare tensors name by name in loops of their own (use tests/oracle.py): {loops}"
+    gone = sorted(set(NO_TENSOR_PARITY) - running) + sorted(m for m, _ in OWN_LOOPS if m not in running)
+    assert not gone, f"no longer run ranks, drop from NO_TENSOR_PARITY / OWN_LOOPS: {gone}"

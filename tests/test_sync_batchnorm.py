@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from oracle import assert_params_close
 from torch import nn
 
 from plait.compose.sync_batchnorm import SyncBatchNorm
@@ -89,11 +90,10 @@ def _compare(got: dict, want: dict, sizes: list[int], rank: int) -> None:
     torch.testing.assert_close(got["out"], want["out"][rows], **TOL)
     # the input's gradient is the rank's own: its loss was scaled by the world size (see _loss)
     torch.testing.assert_close(got["xgrad"] / len(sizes), want["xgrad"][rows], **TOL)
-    for k, g in got.get("grads", {}).items():
-        torch.testing.assert_close(g, want["grads"][k], **TOL, msg=k)
-    assert set(got["state"]) == set(want["state"])
-    for k, v in want["state"].items():  # parameters after AdamW steps, running statistics
-        torch.testing.assert_close(got["state"][k], v, **TOL, msg=k)
+    if "grads" in got:
+        assert_params_close(got["grads"], want["grads"], **TOL, what="gradient of")
+    # parameters after AdamW steps, running statistics
+    assert_params_close(got["state"], want["state"], **TOL, what="after AdamW steps,")
 
 
 def test_ddp_and_fsdp_match_one_process_on_the_global_batch(pools):
@@ -175,8 +175,7 @@ def test_join_a_rank_without_batches_adds_count_zero(pools):
         for step, out in enumerate(got[rank]["outs"]):
             rows = slice(starts[rank] if step < 2 else 0, None)
             torch.testing.assert_close(out, want["outs"][step][rows][:len(out)], **TOL)
-        for k, v in want["state"].items():
-            torch.testing.assert_close(got[rank]["state"][k], v, **TOL, msg=k)
+        assert_params_close(got[rank]["state"], want["state"], **TOL, what=f"rank {rank} after AdamW steps,")
     assert len(got[0]["outs"]) == 2 and len(got[1]["outs"]) == 3
 
 
@@ -209,10 +208,11 @@ def test_buffers_of_a_full_state_dict_and_a_checkpoint_are_rank_0s(pools, tmp_pa
     assert not torch.equal(own0["1.running_mean"], own1["1.running_mean"])
     one = _model()
     checkpoint.load(tmp_path, one, torch.optim.AdamW(one.parameters(), lr=1e-2))
-    for name, want in own0.items():
-        for rank in range(2):
-            torch.testing.assert_close(got[rank]["full"][name], want, rtol=0, atol=0, msg=name)
-        torch.testing.assert_close(dict(one.named_buffers())[name], want, rtol=0, atol=0, msg=name)
+    for rank in range(2):
+        full = {name: got[rank]["full"][name] for name in own0}
+        assert_params_close(full, own0, rtol=0, atol=0, what=f"rank {rank}'s full state dict:")
+    loaded = dict(one.named_buffers())
+    assert_params_close({name: loaded[name] for name in own0}, own0, rtol=0, atol=0, what="loaded:")
 
 
 def _bn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

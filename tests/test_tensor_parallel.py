@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import compare_with_oracle, local_of, loss64, tp_pair
+from oracle import compare_with_oracle, local_of, loss64
 from torch import nn
 
 from plait import comm
@@ -119,10 +119,8 @@ def _style_vs_dense(kind: str, tp: int, sp: bool) -> None:
         if not ids:
             expect = x_ref.grad.chunk(tp, dim=1)[r] if kind == "region" and sp else x_ref.grad
             torch.testing.assert_close(x_in.grad, expect, **TOL32)
-    specs = tp_info(model).specs
-    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-        got, want = tp_pair(p.grad, p_ref.grad, specs.get(name))
-        torch.testing.assert_close(got, want, **TOL32, msg=lambda m, n=name: f"grad of {n}: {m}")
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    compare_with_oracle(model, ref, "grad of", lambda p: p.grad, TOL32, tp_info(model).specs)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from oracle import assert_params_close
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -131,14 +132,9 @@ def _state(m: nn.Module) -> dict:
 
 
 def _same(ours: dict, theirs: dict, what: str = "") -> None:
-    assert set(ours) == set(theirs), what
-    for k in theirs:
-        a, b = ours[k], theirs[k]
-        assert (a is None) == (b is None), f"{what} {k}: plait {a} torch {b}"
-        if b is not None:
-            if b.is_sparse:
-                a, b = a.to_dense(), b.to_dense()
-            torch.testing.assert_close(a, b, **TOL, msg=lambda m, k=k: f"{what} {k}: {m}")
+    """plait's tensors by name (gradients that may be None or sparse) against torch's DDP's or one
+    process's, within `TOL`."""
+    assert_params_close(ours, theirs, **TOL, what=what)
 
 
 def _x(rank: int, it: int, shape=(3, 4)) -> torch.Tensor:
@@ -1372,10 +1368,7 @@ def test_mixed_dtypes_with_a_late_parameter_match_torch(pools):
     out = pools[2].run(_mixed_dtypes)
     for r in range(2):
         for i, (a, b) in enumerate(zip(out[r]["ours"], out[r]["theirs"], strict=True)):
-            for k in b:
-                assert (a[k] is None) == (b[k] is None), (r, i, k)
-                if b[k] is not None:
-                    torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
+            assert_params_close(a, b, rtol=1e-6, atol=1e-7, what=f"rank {r} step {i}")
         assert out[r]["ours"][0]["fc3.weight"] is None
 
 
@@ -1441,8 +1434,7 @@ def test_join_with_sparse_gradients_matches_one_process(pools, find_unused):
         (sum(oracle(_sparse_ids(r, it)).pow(2).mean() for r in live) / 2).backward()
         opt.step()
     for r in range(2):  # the sum over ranks is in another order than the oracle's: 1e-12, not bitwise
-        for k, v in _state(oracle).items():
-            torch.testing.assert_close(out[r][k], v, rtol=1e-12, atol=1e-12)
+        assert_params_close(out[r], _state(oracle), rtol=1e-12, atol=1e-12, what=f"rank {r}")
 
 
 def _hook_pickling() -> dict:

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
+from oracle import Gaps, full_of, gaps
 from torch import nn
 from torch.distributed.tensor import Shard
 
@@ -157,44 +158,16 @@ def _batch(step: int, rows: int = 4, dtype: torch.dtype = torch.float64) -> tupl
     return x, x.chunk(dist.get_world_size())[dist.get_rank()]
 
 
-def _full(t: torch.Tensor | None) -> torch.Tensor | None:
-    from torch.distributed.tensor import DTensor
-
-    if t is None:
-        return None
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _named(model: nn.Module) -> dict[str, nn.Parameter]:
     return {n.removeprefix("module."): p for n, p in model.named_parameters()}
 
 
-def _compare(net: nn.Module, ref: nn.Module) -> dict[str, Any]:
-    """Largest parameter and gradient differences, and where FSDP's gradient is None and one
-    process's is not (or the other way round)."""
-    got, want = _named(net), _named(ref)
-    assert set(got) == set(want), (sorted(got), sorted(want))
-    out: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
-    for n, p in want.items():
-        q = got[n]
-        out["param"] = max(out["param"], (_full(q.detach()) - p.detach()).abs().max().item())
-        if (q.grad is None) != (p.grad is None):
-            out["none"].append(n)
-        elif p.grad is not None:
-            out["grad"] = max(out["grad"], (_full(q.grad) - p.grad).abs().max().item())
-    return out
-
-
-def _ok(r: dict[str, Any], tol: float = TOL) -> bool:
-    return r["param"] <= tol and r["grad"] <= tol and not r["none"]
-
-
 # ------------------------------------------------------------------ requires_grad after wrapping
-def _freeze_after_wrapping(stage: int) -> list[dict[str, Any]]:
+def _freeze_after_wrapping(stage: int) -> dict[str, Any]:
     ref = _stack()
     net = _fsdp(copy.deepcopy(ref), stage)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (net, ref)]
-    frozen_before = {n: _full(p.detach()).clone() for n, p in _named(net).items() if "bias" not in n}
+    frozen_before = {n: full_of(p.detach()).clone() for n, p in _named(net).items() if "bias" not in n}
 
     def freeze(step: int) -> None:
         if step == 0:  # BitFit: biases only, set on the parameters named_parameters() yields
@@ -208,7 +181,7 @@ def _freeze_after_wrapping(stage: int) -> list[dict[str, Any]]:
             for seq in (net.module, ref):
                 seq[0].in_proj.weight.requires_grad_(False)
 
-    out = []
+    out: dict[str, Any] = {"gaps": []}
     for step in range(5):
         freeze(step)
         x, mine = _batch(step)
@@ -218,11 +191,10 @@ def _freeze_after_wrapping(stage: int) -> list[dict[str, Any]]:
         ref(x).square().mean().backward()
         for opt in opts:
             opt.step()
-        r = _compare(net, ref)
+        out["gaps"].append(gaps(net, ref))
         if step == 1:  # two steps frozen: the weights have not moved at all
-            now = {n: _full(p.detach()) for n, p in _named(net).items()}
-            r["moved"] = [n for n, v in frozen_before.items() if not torch.equal(now[n], v)]
-        out.append(r)
+            now = {n: full_of(p.detach()) for n, p in _named(net).items()}
+            out["moved"] = [n for n, v in frozen_before.items() if not torch.equal(now[n], v)]
     return out
 
 
@@ -235,9 +207,9 @@ def test_train_mixed_requires_grad_after_wrapping(pools, stage):
     parameters, on a module or on the attribute forward reads, freezes (no gradient, AdamW does not
     move it) and unfreezes (it trains) as on one process."""  # noqa: E501
     for per_rank in pools[2].run(_freeze_after_wrapping, stage):
-        for step, r in enumerate(per_rank):
-            assert _ok(r), (step, r)
-        assert per_rank[1]["moved"] == [], per_rank[1]
+        for step, r in enumerate(per_rank["gaps"]):
+            assert r.within(TOL), (step, r)
+        assert per_rank["moved"] == [], per_rank
 
 
 # ------------------------------------------------------------------ unused parameters
@@ -274,10 +246,8 @@ def _unused_parameters(stage: int) -> list[dict[str, Any]]:
         (sum(losses) / world).backward()
         for opt in opts:
             opt.step()
-        r = _compare(net, ref)
-        r["spare_grad"] = _named(net)["spare.weight"].grad is None
-        r["skipped_grad"] = _named(net)["layers.2.in_proj.weight"].grad is None
-        out.append(r)
+        out.append({"gaps": gaps(net, ref), "spare_grad": _named(net)["spare.weight"].grad is None,
+                    "skipped_grad": _named(net)["layers.2.in_proj.weight"].grad is None})
     return out
 
 
@@ -289,7 +259,7 @@ def test_unused_forward_module(pools, stage):
     where it was, as on one process), one used on some ranks only gets the average of theirs."""  # noqa: E501
     for per_rank in pools[2].run(_unused_parameters, stage):
         for step, r in enumerate(per_rank):
-            assert _ok(r) and r["spare_grad"] and r["skipped_grad"], (step, r)
+            assert r["gaps"].within(TOL) and r["spare_grad"] and r["skipped_grad"], (step, r)
 
 
 # ------------------------------------------------------------------ state dicts
@@ -307,7 +277,8 @@ def _state_dict_round_trip(stage: int) -> dict[str, Any]:
     ptrs = {n: p.to_local().data_ptr() for n, p in _named(net).items()}
     net(_batch(1)[1]).sum().backward()
     opt.step()
-    out["shared"] = all(v.to_local().data_ptr() == ptrs[k] and torch.equal(_full(v), _full(_named(net)[k]))
+    now = _named(net)
+    out["shared"] = all(v.to_local().data_ptr() == ptrs[k] and torch.equal(full_of(v), full_of(now[k]))
                         for k, v in sd.items())
     buf = io.BytesIO()
     torch.save(sd, buf)  # was: "invalid python storage" (shards at non-zero offsets of a flat vector)
@@ -316,18 +287,18 @@ def _state_dict_round_trip(stage: int) -> dict[str, Any]:
     other = _fsdp(_stack(seed=7), stage)  # other values
     result = other.load_state_dict(loaded)
     pairs = zip(other.state_dict().values(), sd.values(), strict=True)
-    same = all(torch.equal(_full(a), _full(b)) for a, b in pairs)
+    same = all(torch.equal(full_of(a), full_of(b)) for a, b in pairs)
     out["loaded"] = same and not result.missing_keys and not result.unexpected_keys
     plain = _stack(seed=9)
-    plain.load_state_dict({k: _full(v) for k, v in sd.items()})  # the unwrapped model, strict
-    out["plain"] = all(torch.equal(plain.state_dict()[k], _full(v)) for k, v in sd.items())
+    plain.load_state_dict({k: full_of(v) for k, v in sd.items()})  # the unwrapped model, strict
+    out["plain"] = all(torch.equal(plain.state_dict()[k], full_of(v)) for k, v in sd.items())
     missing = other.load_state_dict({k: v for k, v in sd.items() if k != "0.in_proj.weight"}, strict=False)
     out["missing"] = missing.missing_keys
     dsd = get_model_state_dict(net)
     out["dsd_names"] = sorted(dsd) == sorted(ref.state_dict())
     third = _fsdp(_stack(seed=11), stage)
     set_model_state_dict(third, dsd)
-    out["dsd_loaded"] = all(torch.equal(_full(a), _full(b))
+    out["dsd_loaded"] = all(torch.equal(full_of(a), full_of(b))
                             for a, b in zip(third.state_dict().values(), sd.values(), strict=True))
     return out
 
@@ -430,16 +401,14 @@ def _structured(kind: str) -> dict[str, Any]:
     ref = Containers(kind).double()
     net = _fsdp(copy.deepcopy(ref), 3)
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
-    worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+    worst = Gaps()
     for step in range(3):
         x, mine = _batch(step)
         for opt in opts:
             opt.zero_grad()
         net(mine).mean().backward()
         ref(x).mean().backward()
-        r = _compare(net, ref)
-        worst = {"param": max(worst["param"], r["param"]), "grad": max(worst["grad"], r["grad"]),
-                 "none": worst["none"] + r["none"]}
+        worst |= gaps(net, ref)
         for opt in opts:
             opt.step()
     return worst
@@ -453,7 +422,7 @@ def test_structured_input_output(pools):
     tuples, lists, tuples and dicts carry gradients back into each block (dataclasses read freed parameters before)."""  # noqa: E501
     for kind in KINDS:
         for r in pools[2].run(_structured, kind):
-            assert _ok(r), (kind, r)
+            assert r.within(TOL), (kind, r)
 
 
 # ------------------------------------------------------------------ mixed precision
@@ -532,8 +501,8 @@ def _grad_acc_reduce_dtype(stage: int) -> dict[str, float]:
     for p in ref.parameters():  # the reduction: fp32 average over the ranks
         dist.all_reduce(p.grad)
         p.grad /= dist.get_world_size()
-    r = _compare(net, ref)
-    return {"grad": r["grad"], "none": len(r["none"])}
+    r = gaps(net, ref)
+    return {"grad": r.grad, "none": len(r.none)}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -567,9 +536,9 @@ def _to_float64_after_wrapping(stage: int) -> dict[str, Any]:
         ref(x).square().mean().backward()
         for opt in opts:
             opt.step()
-        r = _compare(net, ref)
-        assert not r["none"], r
-        worst = max(worst, r["param"], r["grad"])
+        r = gaps(net, ref)
+        assert not r.none, r
+        worst = max(worst, r.param, r.grad)
     out["worst"] = worst
     return out
 
@@ -738,7 +707,7 @@ def _grad_acc_controls(reshard_after_backward: bool) -> dict[str, Any]:
         ref = WithHead().double()
         net = _fsdp(copy.deepcopy(ref), 3)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (net, ref)]
-        worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": [], "reductions": set()}
+        run: dict[str, Any] = {"gaps": Gaps(), "reductions": set()}
         for step in range(2):
             x, mine = _batch(step, rows=8)
             for i, (part, whole) in enumerate(zip(mine.chunk(4), x.chunk(4), strict=True)):
@@ -755,15 +724,13 @@ def _grad_acc_controls(reshard_after_backward: bool) -> dict[str, Any]:
                 with comm.counting() as c:
                     net(part).square().mean().div(4).backward()
                 if not last:
-                    worst["reductions"].add(c.calls("reduce_scatter"))
+                    run["reductions"].add(c.calls("reduce_scatter"))
                 ref(whole).square().mean().div(4).backward()
-            r = _compare(net, ref)
-            worst.update(param=max(worst["param"], r["param"]), grad=max(worst["grad"], r["grad"]),
-                         none=worst["none"] + r["none"])
+            run["gaps"] |= gaps(net, ref)
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
-        out[mode] = worst
+        out[mode] = run
     return out
 
 
@@ -781,7 +748,7 @@ def test_gradient_accumulation(pools, reshard_after_backward):
     for out in pools[2].run(_grad_acc_controls, reshard_after_backward):
         for mode, r in out.items():
             reductions = {"all": {0}, "root_only": {3}, "some_units": {2}}[mode]
-            assert _ok(r) and r["reductions"] == reductions, (mode, r)
+            assert r["gaps"].within(TOL) and r["reductions"] == reductions, (mode, r)
 
 
 class WithExtra(nn.Module):
@@ -804,7 +771,7 @@ def _ignored_params() -> dict[str, Any]:
     model = copy.deepcopy(ref)
     net = _fsdp(model, 3, ignored_params=set(model.side.parameters()))
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
-    worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+    worst = Gaps()
     plain = [p for p in net.parameters() if not isinstance(p, DTensor)]
     out: dict[str, Any] = {"plain": sorted(n for n, p in _named(net).items() if not isinstance(p, DTensor))}
     for step in range(3):
@@ -818,9 +785,7 @@ def _ignored_params() -> dict[str, Any]:
         ref(x).square().mean().backward()
         for opt in opts:
             opt.step()
-        r = _compare(net, ref)
-        worst = {"param": max(worst["param"], r["param"]), "grad": max(worst["grad"], r["grad"]),
-                 "none": worst["none"] + r["none"]}
+        worst |= gaps(net, ref)
     out["worst"] = worst
     return out
 
@@ -832,7 +797,7 @@ def test_ddp_A_fsdp_B_ddp_C(pools):
     (here the user averages their gradients, where torch's test wraps them in DDP), and training
     matches one process."""  # noqa: E501
     for out in pools[2].run(_ignored_params):
-        assert out["plain"] == ["side.bias", "side.weight"] and _ok(out["worst"]), out
+        assert out["plain"] == ["side.bias", "side.weight"] and out["worst"].within(TOL), out
 
 
 def _meta_assign() -> dict[str, Any]:
@@ -849,7 +814,7 @@ def _meta_assign() -> dict[str, Any]:
     pairs = zip(net.state_dict().values(), sd.values(), strict=True)
     x = _batch(1)[1]
     return {"keys": not result.missing_keys and not result.unexpected_keys,
-            "values": all(torch.equal(_full(a), _full(b)) for a, b in pairs),
+            "values": all(torch.equal(full_of(a), full_of(b)) for a, b in pairs),
             "forward": torch.equal(net(x), trained(x)),
             "params_are_shards": all(p.to_local().untyped_storage().data_ptr() ==
                                      f.shard.untyped_storage().data_ptr()
@@ -923,9 +888,8 @@ def _meta_init_reset(stage: int, offload: bool) -> dict[str, Any]:
             m.reset_parameters()
     x, mine = _batch(0)
     out = {"forward": (net(mine) - ref(x).chunk(dist.get_world_size())[dist.get_rank()]).abs().max().item()}
-    r = _compare(net, ref)
-    out["param"] = r["param"]
-    out["state_dict"] = all(torch.equal(_full(v), ref.state_dict()[k]) for k, v in net.state_dict().items())
+    out["param"] = gaps(net, ref).param
+    out["state_dict"] = all(torch.equal(full_of(v), ref.state_dict()[k]) for k, v in net.state_dict().items())
     return out
 
 
@@ -1228,8 +1192,7 @@ def _prefetch_lists() -> dict[str, Any]:
         out[f"{kind}{n} backward"] = " ".join(events)
         events.clear()
         ref(x).square().mean().backward()
-        r = _compare(net, ref)
-        out[f"{kind}{n} parity"] = _ok(r)
+        out[f"{kind}{n} parity"] = gaps(net, ref).within(TOL)
         for m in (net, ref):
             m.zero_grad()
         if kind == "forward":  # back to plait's own order before the backward cases
@@ -1288,7 +1251,7 @@ def _multi_forward_mixed_requires_grad() -> dict[str, Any]:
         ref = MultiForward().double()
         net = _fsdp(copy.deepcopy(ref), 3, units=[nn.Linear], reshard_after_forward=reshard)
         opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
-        worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+        worst = Gaps()
         for step in range(3):
             g = torch.Generator().manual_seed(step)
             x = torch.randn(8, 5, generator=g, dtype=torch.float64)  # the same rows on every rank
@@ -1296,9 +1259,7 @@ def _multi_forward_mixed_requires_grad() -> dict[str, Any]:
                 opt.zero_grad(set_to_none=step % 2 == 0)
             net(x).sum().backward()
             ref(x).sum().backward()
-            r = _compare(net, ref)
-            worst.update(param=max(worst["param"], r["param"]), grad=max(worst["grad"], r["grad"]),
-                         none=worst["none"] + r["none"])
+            worst |= gaps(net, ref)
             for opt in opts:
                 opt.step()
         out[f"reshard_after_forward={reshard}"] = worst
@@ -1313,7 +1274,7 @@ def test_multi_forward_mixed_requires_grad(pools):
     steps equal one process's (the frozen layer keeps no gradient)."""  # noqa: E501
     for out in pools[2].run(_multi_forward_mixed_requires_grad):
         for case, r in out.items():
-            assert _ok(r), (case, r)
+            assert r.within(TOL), (case, r)
 
 
 # ------------------------------------------------------------------ clipping, shared parameters, loss scaling
@@ -1327,13 +1288,13 @@ def _clip_grad_norm() -> dict[str, Any]:
         x, mine = _batch(0)
         net(mine).sum().mul(4).backward()  # scaled so that every gradient's norm exceeds max_norm
         ref(x).sum().mul(4 / dist.get_world_size()).backward()  # FSDP averages the ranks' sums
-        before = _compare(net, ref)
+        before = gaps(net, ref)
         big = all(torch.linalg.vector_norm(p.grad, norm_type) > 0.1 for p in ref.parameters())
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type)
         got = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1, norm_type, foreach=True)
         got = got.full_tensor() if isinstance(got, DTensor) else got
-        after = _compare(net, ref)
-        out[str(norm_type)] = {"before": _ok(before), "big": big, "after": _ok(after),
+        after = gaps(net, ref)
+        out[str(norm_type)] = {"before": before.within(TOL), "big": big, "after": after.within(TOL),
                                "norm": abs(got.item() - want.item())}
     return out
 
@@ -1379,7 +1340,7 @@ def _shared_params() -> dict[str, Any]:
             model = plait.activation_checkpointing(model, "full")
         net = _fsdp(model, 3, units=["encoder.*", "decoder.*"], reshard_after_forward=reshard)
         opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
-        worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+        worst = Gaps()
         for step in range(3):
             g = torch.Generator().manual_seed(step)
             tokens = torch.randint(0, 16, (2 * dist.get_world_size(), 5), generator=g)
@@ -1387,9 +1348,7 @@ def _shared_params() -> dict[str, Any]:
                 opt.zero_grad(set_to_none=step % 2 == 0)
             net(tokens.chunk(dist.get_world_size())[dist.get_rank()]).square().mean().backward()
             ref(tokens).square().mean().backward()
-            r = _compare(net, ref)
-            worst.update(param=max(worst["param"], r["param"]), grad=max(worst["grad"], r["grad"]),
-                         none=worst["none"] + r["none"])
+            worst |= gaps(net, ref)
             for opt in opts:
                 opt.step()
         out[f"reshard={reshard} checkpointed={checkpointed}"] = worst
@@ -1404,7 +1363,7 @@ def test_train_shared_params(pools):
     process's."""  # noqa: E501
     for out in pools[2].run(_shared_params):
         for case, r in out.items():
-            assert _ok(r), (case, r)
+            assert r.within(TOL), (case, r)
 
 
 def _grad_scaler() -> dict[str, Any]:
@@ -1491,7 +1450,7 @@ def _divide_factor() -> dict[str, Any]:
         net = _fsdp(copy.deepcopy(ref), 3)
         net.set_gradient_divide_factor(factor)  # the root unit: the head
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, ref)]
-        worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+        worst = Gaps()
         for step in range(2):
             x, mine = _batch(step)
             for opt in opts:
@@ -1500,9 +1459,7 @@ def _divide_factor() -> dict[str, Any]:
             ref(x).sum().backward()  # the sum of the ranks' gradients
             for name, p in ref.named_parameters():
                 p.grad /= factor if name.startswith("head.") else world
-            r = _compare(net, ref)
-            worst.update(param=max(worst["param"], r["param"]), grad=max(worst["grad"], r["grad"]),
-                         none=worst["none"] + r["none"])
+            worst |= gaps(net, ref)
             for opt in opts:
                 opt.step()
         out[str(factor)] = worst
@@ -1522,7 +1479,7 @@ def test_set_gradient_divide_factor(pools):
     for out in pools[2].run(_divide_factor):
         assert out.pop("refused") == "FullyShardedDataParallel.set_gradient_divide_factor", out
         for factor, r in out.items():
-            assert _ok(r), (factor, r)
+            assert r.within(TOL), (factor, r)
 
 
 class Encoder(nn.Module):
@@ -1560,16 +1517,14 @@ def _forward_method() -> dict[str, Any]:
     net = _fsdp(copy.deepcopy(ref), 3, units=["vit", "projector"])
     net.unit("vit").register_fsdp_forward_method("forward_features")
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
-    worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+    worst = Gaps()
     for step in range(2):
         x, mine = _batch(step)
         for opt in opts:
             opt.zero_grad()
         net(mine).square().mean().backward()
         ref(x).square().mean().backward()
-        r = _compare(net, ref)
-        worst.update(param=max(worst["param"], r["param"]), grad=max(worst["grad"], r["grad"]),
-                     none=worst["none"] + r["none"])
+        worst |= gaps(net, ref)
         for opt in opts:
             opt.step()
     out["worst"] = worst
@@ -1588,7 +1543,7 @@ def test_register_fsdp_forward_method(pools):
     (torch's ``register_fsdp_forward_method(vit, ...)``) the method gathers and reshards as forward
     does and Adam training equals one process's. A method the unit lacks is refused by name."""  # noqa: E501
     for out in pools[2].run(_forward_method):
-        assert out["refused"] and out["no_method"] and _ok(out["worst"]), out
+        assert out["refused"] and out["no_method"] and out["worst"].within(TOL), out
 
 
 def _clamp_reduce_dtype() -> dict[str, Any]:
@@ -1648,7 +1603,7 @@ def _reduce_dtypes() -> dict[str, Any]:
             for p, c in zip(ref.parameters(), compute.parameters(), strict=True):
                 c.detach().copy_(p)
             worst["loss"] = max(worst["loss"], (loss.float() - want.float()).abs().item())
-            worst["param"] = max(worst["param"], _compare(net, ref)["param"])
+            worst["param"] = max(worst["param"], gaps(net, ref).param)
         out[case] = worst
     return out
 
@@ -1673,7 +1628,7 @@ def _single_group() -> dict[str, Any]:
         ref = nn.Sequential(nn.Linear(*shapes[0]), nn.ReLU(), nn.Linear(*shapes[1])).double()
         net = _fsdp(copy.deepcopy(ref), 3, units=[])  # one unit: the root
         opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (net, ref)]
-        worst: dict[str, Any] = {"param": 0.0, "grad": 0.0, "none": []}
+        worst = Gaps()
         g = torch.Generator().manual_seed(1)
         for step in range(3):
             x = torch.randn(4 * dist.get_world_size(), shapes[0][0], generator=g, dtype=torch.float64)
@@ -1682,9 +1637,7 @@ def _single_group() -> dict[str, Any]:
                 opt.zero_grad(set_to_none=step % 2 == 0)
             net(mine).sum().backward()
             ref(x).sum().div(dist.get_world_size()).backward()
-            r = _compare(net, ref)
-            worst.update(param=max(worst["param"], r["param"]), grad=max(worst["grad"], r["grad"]),
-                         none=worst["none"] + r["none"])
+            worst |= gaps(net, ref)
             for opt in opts:
                 opt.step()
         out[str(shapes)] = worst
@@ -1698,4 +1651,4 @@ def test_train_parity_single_group(pools):
     shards): Adam training equals one process on the global batch."""  # noqa: E501
     for out in pools[2].run(_single_group):
         for shapes, r in out.items():
-            assert _ok(r), (shapes, r)
+            assert r.within(TOL), (shapes, r)

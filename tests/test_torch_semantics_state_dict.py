@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from oracle import full_of, state_gap
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -98,24 +99,6 @@ def _batch(step: int) -> torch.Tensor:
     return torch.rand(4, 8, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
 
 
-def _full(t: Any) -> Any:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _diff(a: Any, b: Any) -> float:
-    """Largest difference between two nested state dicts of tensors (inf when their keys differ)."""
-    if isinstance(a, dict):
-        if not isinstance(b, dict) or set(a) != set(b):
-            return float("inf")
-        return max((_diff(a[k], b[k]) for k in a), default=0.0)
-    if isinstance(a, (list, tuple)):
-        return max((_diff(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
-    if isinstance(a, torch.Tensor):
-        a, b = _full(a), _full(b)
-        return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-    return 0.0 if a == b else float("inf")
-
-
 def _by_name(model: nn.Module, osd: dict) -> dict:
     """A plain optimizer state dict's per-parameter state keyed by parameter name (DSD's keys)."""
     names = [n for n, _ in model.named_parameters()]
@@ -144,22 +127,22 @@ def _save_load(kind: str, opt_cls: type[torch.optim.Optimizer], flatten: bool) -
     optim.zero_grad()
     net_optim.zero_grad()
     msd, osd = get_state_dict(net, net_optim, options=options)
-    out = {"model": _diff(_own(orig.state_dict()), _own(msd))}
+    out = {"model": state_gap(_own(orig.state_dict()), _own(msd))}
     if not flatten:
-        out["optim"] = _diff(_own(_by_name(orig, optim.state_dict())), _own(osd["state"]))
+        out["optim"] = state_gap(_own(_by_name(orig, optim.state_dict())), _own(osd["state"]))
     # A new model and optimizer (other values) take the saved state back, as after dcp.load.
     other = _wrap(kind, _model(seed=1))
     other_optim = opt_cls(other.parameters(), lr=1e-2)
     set_model_state_dict(other, msd, options=options)
-    out["reloaded_model"] = _diff(msd, get_state_dict(other, other_optim, options=options)[0])
+    out["reloaded_model"] = state_gap(msd, get_state_dict(other, other_optim, options=options)[0])
     set_optimizer_state_dict(other, other_optim, osd, options=options)
-    out["reloaded_optim"] = _diff(osd, get_state_dict(other, other_optim, options=options)[1])
+    out["reloaded_optim"] = state_gap(osd, get_state_dict(other, other_optim, options=options)[1])
     # ... and trains on as the original: one more step each.
     for m, o in ((orig, optim), (other, other_optim)):
         m(_batch(9)).sum().backward()
         o.step()
     after = get_state_dict(other, other_optim, options=options)[0]
-    out["step_after"] = _diff(_own(orig.state_dict()), _own(after))
+    out["step_after"] = state_gap(_own(orig.state_dict()), _own(after))
     return out
 
 
@@ -273,7 +256,7 @@ def _names_kept() -> dict[str, Any]:
             sd = get_model_state_dict(net)
             set_model_state_dict(net, sd)
             out[f"extra {kind}"] = (_own(sd).get("u1._extra_state"), "dont_save_me" in _own(sd),
-                                    _diff(sd, get_model_state_dict(net)))
+                                    state_gap(sd, get_model_state_dict(net)))
     finally:
         del UnitModule.get_extra_state, UnitModule.set_extra_state  # type: ignore[attr-defined]
     return out
@@ -316,7 +299,7 @@ def _full_and_rank0() -> dict[str, Any]:
     get_optimizer_state_dict(net, opt)
     # cpu_offload: everything on the CPU; full_state_dict with cpu_offload: rank 0 only.
     msd, osd = get_state_dict(net, opt, options=StateDictOptions(cpu_offload=True))
-    out["offload_cpu"] = all(_full(v).device.type == "cpu" for v in msd.values())
+    out["offload_cpu"] = all(full_of(v).device.type == "cpu" for v in msd.values())
     msd, osd = get_state_dict(net, opt, options=full)
     out["full_plain"] = not any(isinstance(v, DTensor) for v in msd.values())
     msd, osd = get_state_dict(net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -331,17 +314,17 @@ def _full_and_rank0() -> dict[str, Any]:
         o.step()
     want_m = get_model_state_dict(orig, options=full)
     want_o = get_optimizer_state_dict(orig, optim, options=full)
-    out["full_equal"] = max(_diff(want_m, get_model_state_dict(net, options=full)),
-                            _diff(want_o, get_optimizer_state_dict(net, opt, options=full)))
+    out["full_equal"] = max(state_gap(want_m, get_model_state_dict(net, options=full)),
+                            state_gap(want_o, get_optimizer_state_dict(net, opt, options=full)))
     net(_batch(1)).sum().backward()
     opt.step()  # now different
-    out["moved"] = _diff(want_m, get_model_state_dict(net, options=full)) > 0
+    out["moved"] = state_gap(want_m, get_model_state_dict(net, options=full)) > 0
     mine = copy.deepcopy(want_m) if dist.get_rank() == 0 else {}
     set_model_state_dict(net, mine, options=rank0)
     set_optimizer_state_dict(net, opt, copy.deepcopy(want_o) if dist.get_rank() == 0 else {},
                              options=rank0)
-    out["rank0_loaded"] = max(_diff(want_m, get_model_state_dict(net, options=full)),
-                              _diff(want_o, get_optimizer_state_dict(net, opt, options=full)))
+    out["rank0_loaded"] = max(state_gap(want_m, get_model_state_dict(net, options=full)),
+                              state_gap(want_o, get_optimizer_state_dict(net, opt, options=full)))
     partial = copy.deepcopy(want_m)
     partial.pop(next(iter(partial)))
     try:
@@ -399,9 +382,9 @@ def _optimizer_state_dicts() -> dict[str, Any]:
     flat = get_optimizer_state_dict(net, optim, options=flattened)
     other = torch.optim.AdamW(net.parameters())
     set_optimizer_state_dict(net, other, flat, options=flattened)
-    out["flattened"] = _diff(optim.state_dict(), other.state_dict())
+    out["flattened"] = state_gap(optim.state_dict(), other.state_dict())
     set_optimizer_state_dict(net, other, nested)
-    out["nested"] = _diff(optim.state_dict(), other.state_dict())
+    out["nested"] = state_gap(optim.state_dict(), other.state_dict())
     # Several parameter groups (an empty one too) survive the round trip.
     # (By name from named_parameters(): under FSDP the module attributes are the gathered tensors
     # forward reads, not the DTensor parameters an optimizer steps; docs/fsdp.md.)
@@ -420,7 +403,7 @@ def _optimizer_state_dicts() -> dict[str, Any]:
             set_optimizer_state_dict(net, again, osd, options=options)
             key = f"{name} full={options.full_state_dict} rank0={options.broadcast_from_rank0}"
             same_groups = _hyper(optim) == _hyper(again)
-            out[key] = (same_groups, _diff(optim.state_dict()["state"], again.state_dict()["state"]))
+            out[key] = (same_groups, state_gap(optim.state_dict()["state"], again.state_dict()["state"]))
     # A weight tied between an embedding and the output layer, saved and loaded (flattened too).
     for flatten in (False, True):
         options = StateDictOptions(flatten_optimizer_state_dict=flatten)
@@ -435,14 +418,14 @@ def _optimizer_state_dicts() -> dict[str, Any]:
             o.step()
             o.zero_grad()
         msd, osd = get_state_dict(net, net_optim, options=options)
-        r = {"model": _diff(orig.state_dict(), msd)}
+        r = {"model": state_gap(orig.state_dict(), msd)}
         torch.manual_seed(1)
         other = _wrap("fsdp3", TiedEmbedding().double())
         other_optim = torch.optim.AdamW(other.parameters(), lr=1e-2)
         set_model_state_dict(other, msd, options=options)
         set_optimizer_state_dict(other, other_optim, osd, options=options)
         msd2, osd2 = get_state_dict(other, other_optim, options=options)
-        r["reloaded"] = max(_diff(msd, msd2), _diff(osd, osd2))
+        r["reloaded"] = max(state_gap(msd, msd2), state_gap(osd, osd2))
         out[f"tied flatten={flatten}"] = r
     return out
 

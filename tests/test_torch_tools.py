@@ -21,7 +21,7 @@ import math
 
 import pytest
 import torch
-from oracle import dtensor_clip_tol, loss64
+from oracle import assert_params_close, dtensor_clip_tol, loss64
 
 from plait.testing import cached_mesh
 
@@ -92,9 +92,7 @@ def _torch_clip_on(layout: dict, steps: int = 2) -> list[str]:
         opt_ref.step()
         opt.zero_grad()  # to None: the next backward's gradients are new tensors
         opt_ref.zero_grad()
-    full, want_state = plait.full_state_dict(net), oracle.state_dict()
-    for k, v in want_state.items():
-        torch.testing.assert_close(full[k], v, **tol, msg=lambda m, k=k: f"after {steps} steps, {k}: {m}")
+    assert_params_close(plait.full_state_dict(net), oracle.state_dict(), **tol, what=f"after {steps} steps,")
     return outcome
 
 
@@ -456,9 +454,7 @@ def _converted_after_tp(steps: int = 2) -> bool:
         for o in (opt, ref):
             o.step()
             o.zero_grad()
-    full = plait.full_state_dict(net)
-    for k, v in oracle.state_dict().items():
-        torch.testing.assert_close(full[k], v, **TOL64, msg=lambda m, k=k: f"{k}: {m}")
+    assert_params_close(plait.full_state_dict(net), oracle.state_dict(), **TOL64)
     return True
 
 
