@@ -4,7 +4,8 @@ Spawning a process and importing torch costs seconds, so each test module starts
 world size and sends it picklable top-level functions. Every rank runs the same function
 (SPMD) and the pool returns the per-rank results in rank order, or raises `RankFailure` with
 every failing rank's traceback. A pool whose ranks disagreed (some failed, others did not) is
-restarted, because the survivors may be stuck inside a collective.
+restarted, because the survivors may be stuck inside a collective, and so is a pool with a rank
+that died or stayed silent past its deadline (its error then gives that rank's thread stacks).
 """
 
 from __future__ import annotations
