@@ -8,9 +8,7 @@ their default group between tasks (each task's groups are destroyed when it ends
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 from collections.abc import Iterator
 
 import pytest
@@ -37,8 +35,10 @@ def pools() -> Iterator[dict[int, RankPool]]:
             return made[n]
 
     yield _Lazy()
+    # Killed, not closed: nothing checks how the pool's ranks exit (`test_exit` tests plait's exit
+    # on processes of its own), and an orderly exit costs each rank about a CPU second.
     for pool in made.values():
-        _discard(pool)
+        pool.kill()
 
 
 @pytest.fixture(autouse=True)
@@ -75,17 +75,6 @@ def _bounded_pools(pools) -> Iterator[None]:
     for pool in list(pools.values()):
         if max(pool.run(gloo_threads)) > MAX_GLOO_THREADS:
             pool.restart()
-
-
-def _discard(pool: RankPool) -> None:
-    """Close a pool whose session is done by killing its ranks. An orderly exit spends about a CPU
-    second per rank (exit barriers on every group, the groups torn down, the interpreter finalized)
-    and nothing checks how the pool's ranks exit: `test_exit` tests plait's exit on processes of
-    its own. Killed together, no rank is left waiting on a peer."""
-    for pid in pool.pids():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    pool.close()  # reaps them (dead already, so at once)
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,8 @@ tolerance, so a layout that silently ran in fp32 would fail that check too).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -333,18 +331,13 @@ def _on_fresh_ranks(*args, **kwargs) -> list:
     that lives on), so the pool's next task never started; `plait train` itself, launched as users
     launch it, ended cleanly in 10 of 10 runs of the same flags on 2.6, and the pinned torch never
     showed it. Ranks used for one run and killed cannot carry it into another task."""
-    import signal
-
     from plait.testing import RankPool
 
     pool = RankPool(2, desync_check="off")
     try:
         return pool.run(_train_fp16, *args, **kwargs)
     finally:
-        for pid in pool.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        pool.close()
+        pool.kill()
 
 
 def test_train_fp16_saves_and_restores_the_loss_scale(tmp_path):

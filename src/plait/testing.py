@@ -358,12 +358,17 @@ class RankPool:
     def restart(self) -> None:
         """Kill the ranks and start afresh: survivors of a failed task may be waiting on a peer
         that will never answer, so an orderly exit would only wait for a timeout."""
-        self.resume()
+        self.kill()
+        self._start()
+
+    def kill(self) -> None:
+        """End the ranks at once (SIGKILL) and reap them: no rank is left waiting on a peer, and
+        none spends its exit barriers and teardown (about a CPU second each) when nothing checks
+        how it exits."""
         for p in self._procs:
             if p.is_alive():
                 p.kill()
-        self.close()
-        self._start()
+        self.close()  # reaps them (dead already, so at once)
 
     def close(self) -> None:
         self.resume()

@@ -120,9 +120,11 @@ class _Swap(torch.autograd.Function):
 def _seq_to_heads(ts: tuple[torch.Tensor, ...], cp: CPGroup, layout: Layout) -> tuple[torch.Tensor, ...]:
     n, longest = cp.size, _longest(layout)
     # send[r]: this rank's tokens of rank r's heads, every tensor's heads side by side.
-    sends = [_padded(t, longest, 2).reshape(b, n, h // n, longest, d).transpose(0, 1)
-             for t, (b, h, _, d) in zip(ts, (t.shape for t in ts))]
-    send = torch.cat(sends, dim=2).contiguous()
+    sends = []
+    for t in ts:
+        b, h, _, d = t.shape
+        sends.append(_padded(t, longest, 2).reshape(b, n, h // n, longest, d).transpose(0, 1))
+    send = torch.cat(sends, dim=2)  # a new contiguous tensor
     recv = torch.empty_like(send)  # recv[r]: rank r's tokens of this rank's heads
     comm.all_to_all_into(recv, send, cp.group)
     parts = recv.split([t.shape[1] // n for t in ts], dim=2)
@@ -131,7 +133,7 @@ def _seq_to_heads(ts: tuple[torch.Tensor, ...], cp: CPGroup, layout: Layout) -> 
 
 def _heads_to_seq(ts: tuple[torch.Tensor, ...], cp: CPGroup, layout: Layout) -> tuple[torch.Tensor, ...]:
     # send[r]: rank r's tokens of this rank's heads, every tensor's heads side by side.
-    send = torch.cat([_to_ranks(t.contiguous(), layout, 2) for t in ts], dim=2).contiguous()
+    send = torch.cat([_to_ranks(t.contiguous(), layout, 2) for t in ts], dim=2)  # a new contiguous tensor
     recv = torch.empty_like(send)  # recv[r]: this rank's tokens of rank r's heads
     comm.all_to_all_into(recv, send, cp.group)
     outs = []
