@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.overrides import TorchFunctionMode
 
-from plait._torch_compat import caller_frame
+from plait._torch_compat import caller_frame, default_store
 from plait.runtime.env import free_port, set_rank_env
 
 __all__ = ["RankPool", "RankFailure", "cached_mesh", "DeviceAudit"]
@@ -122,11 +122,7 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
 
     # Gloo on CPU, pinned: on a CUDA host the default would be NCCL, and CPU models with it fail.
     plait.init(timeout_s=timeout_s, backend="gloo", run_dir=run_dir, desync_check=desync_check)
-    import torch.distributed as dist
-
-    # The pool's own group, for the barrier after each task: on the default group it would queue
-    # behind, or meet, what a task left there (its own messages, torch's checkpoint collectives).
-    between_tasks = dist.new_group(backend="gloo")
+    between_tasks = _StoreBarrier(world)
     if device_audit:  # for the worker's life: every task's collectives are audited
         DeviceAudit().__enter__()
     while True:
@@ -164,27 +160,43 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, timeout_
             results.put((rank, None, b""))  # idle: the task's groups are gone, nothing in flight
 
 
+class _StoreBarrier:
+    """Where a pool's ranks meet after each task they all finished: through the default group's
+    key-value store, not a Gloo collective. On torch 2.6 a Gloo barrier there (on the default group,
+    and on a group of the pool's own alike) was now and then passed by one rank and never by its
+    peer, which then served no further task; the store's counter has no such state to lose."""
+
+    def __init__(self, world: int) -> None:
+        self.store, self.world, self.met = default_store(), world, 0
+
+    def wait(self) -> None:
+        self.met += 1  # the same count on every rank: each meets here after the same tasks
+        key = f"plait/pool/after-task/{self.met}"
+        if self.store.add(key, 1) == self.world:
+            self.store.set(f"{key}/all", "1")
+        self.store.wait([f"{key}/all"])
+
+
 def _stacks_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"stacks-rank{rank}.txt")
 
 
-def _release_groups(mark: int, finished: bool, barrier: Any) -> None:
+def _release_groups(mark: int, finished: bool, barrier: _StoreBarrier) -> None:
     """Destroy the groups a task made (but `cached_mesh`'s), so a pool that serves many tasks (and
     test modules) holds only its default group and cached meshes between them: every Gloo group
     keeps threads and connections alive.
-    After a task that finished on this rank, a barrier first (on ``barrier``, the pool's own
-    group): no peer may still be inside the task's last collective. After a failure there is no
+    After a task that finished on this rank, a barrier first (``barrier``, through the store): no
+    peer may still be inside the task's last collective. After a failure there is no
     barrier (a peer may never reach it); the pool restarts unless every rank failed, so a rank
     left waiting in that barrier is killed.
     The result is sent before all this: the parent does not wait for the cleanup."""
-    import torch.distributed as dist
 
     from plait.runtime import comm
 
     kept = {id(g) for mesh in _mesh_cache.values() for g in mesh.own_groups()}  # `cached_mesh`'s
     made = [g for g in comm.created_groups()[mark:] if id(g) not in kept and comm.is_registered(g)]
     if finished:  # on every rank, whether or not it holds groups to destroy (ranks differ in that)
-        dist.barrier(group=barrier)
+        barrier.wait()
     for pg in reversed(made):
         comm.destroy_group(pg)
 
